@@ -1,0 +1,29 @@
+# The two commands of the README. Each sets itself up: a .venv here, torch only when none is
+# importable in it (the CPU wheel 2.13.0; a GPU machine keeps whatever torch it has), the package.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: run test
+
+run: $(VENV)/.installed
+	$(VENV)/bin/tiderl launch
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e ".[dev]"
+	@touch $@ $(VENV)/.installed

@@ -1,0 +1,236 @@
+"""Shared vocabulary: roles, modes, lifecycles, tasks, trajectories, micro-batches and decisions.
+
+Lifecycles (Enums below):
+
+    task:   NEW --Admit--> ACTIVE --Pause--> PAUSED --Resume--> ACTIVE --> FINISHED
+                              \\________________________________________--> DROPPED (stale)
+    group:  PENDING --> RUNNING --> READY (all tasks finished, rewards known) --> TRAINED
+                                          \\--> DROPPED (too stale to train)
+
+Decisions are plain data returned by policies (CTB, ERS); the runtime and the simulator each
+apply them with their own adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+TaskId = str
+GroupId = str
+
+
+class Role(str, Enum):
+    """What a rank does now; ERS changes it at the sync boundary."""
+
+    ROLLOUT = "rollout"
+    REF = "ref"
+    ACTOR = "actor"
+    IDLE = "idle"
+
+
+class Mode(str, Enum):
+    """RA2P execution mode of the trainer."""
+
+    DECOUPLED = "decoupled"  # Ref on its own ranks, streaming, loss deferred into backward
+    COLOCATED = "colocated"  # Ref and Actor share ranks, ready micro-batches aggregated
+
+
+class TaskState(str, Enum):
+    NEW = "new"
+    ACTIVE = "active"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    DROPPED = "dropped"
+
+
+class GroupState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    READY = "ready"
+    TRAINED = "trained"
+    DROPPED = "dropped"
+
+
+# --------------------------------------------------------------------------- trajectories
+
+
+@dataclass(slots=True)
+class Turn:
+    """One generation request of a task: the new context tokens and the model's action.
+
+    ``context_ids`` are the tokens appended to the context before this turn (the first turn: the
+    prompt; later turns: the environment's observation). ``output_ids`` are model tokens and are
+    the only ones the loss is computed on.
+    """
+
+    context_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    version: int
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.logprobs):
+            raise ValueError(
+                f"turn has {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """A finished (or in-progress) task's tokens, as the trainer consumes them."""
+
+    task_id: TaskId
+    group_id: GroupId
+    turns: list[Turn] = field(default_factory=list)
+    reward: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t.context_ids) + len(t.output_ids) for t in self.turns)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t.output_ids) for t in self.turns)
+
+    def oldest_version(self) -> int | None:
+        return min((t.version for t in self.turns), default=None)
+
+    def staleness(self, current_version: int) -> int:
+        """current version minus the oldest version among its tokens (0 for an empty one)."""
+        oldest = self.oldest_version()
+        return 0 if oldest is None else current_version - oldest
+
+    def flatten(self) -> tuple[list[int], list[int], list[float], list[int]]:
+        """(input ids, loss mask, behaviour logprobs, versions), one entry per token.
+
+        Context tokens get mask 0, logprob 0.0 and version -1; model tokens mask 1.
+        """
+        ids: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for turn in self.turns:
+            n_ctx = len(turn.context_ids)
+            ids += turn.context_ids
+            mask += [0] * n_ctx
+            logprobs += [0.0] * n_ctx
+            versions += [-1] * n_ctx
+            ids += turn.output_ids
+            mask += [1] * len(turn.output_ids)
+            logprobs += turn.logprobs
+            versions += [turn.version] * len(turn.output_ids)
+        return ids, mask, logprobs, versions
+
+
+# --------------------------------------------------------------------------- trainer units
+
+
+@dataclass(frozen=True, slots=True)
+class Sequence:
+    """One trajectory as a trainer work item: its id and its token count."""
+
+    seq_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """The unit the trainer consumes; ``ready_time`` is when its last sequence became ready."""
+
+    mb_id: int
+    sequences: tuple[Sequence, ...]
+    ready_time: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+
+@dataclass(frozen=True, slots=True)
+class Ra2pTimings:
+    """Per-micro-batch costs (seconds) that drive the RA2P cost models of paper Appendix A."""
+
+    t_ref: float  # Ref forward
+    t_act_f: float  # Actor forward
+    t_act_b: float  # Actor backward
+    t_swap: float  # one model swap (offload one model, load the other)
+
+    def __post_init__(self) -> None:
+        for name in ("t_ref", "t_act_f", "t_act_b", "t_swap"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Start a new task on ``rank`` (pin it there under CTB)."""
+
+    task_id: TaskId
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Take an active task off its rank: unpin its KV, /pause its environment session."""
+
+    task_id: TaskId
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Put a paused task back on ``rank``: /resume its session, pin it again."""
+
+    task_id: TaskId
+    rank: int
+
+
+Decision = Admit | Pause | Resume
+
+
+@dataclass(frozen=True, slots=True)
+class ReadinessSignals:
+    """The global buffer's view at a step start (paper §5, App. A).
+
+    ``ras``: micro-batches ready at step start (N0). ``tprm_s``: mean post-start gap between
+    ready micro-batches (None when fewer than two post-start arrivals are known).
+    ``hol_latency_s``: age of the oldest ready micro-batch. ``ready_volume``: ready samples.
+    """
+
+    ras: int
+    tprm_s: float | None
+    hol_latency_s: float
+    ready_volume: int
+    ready_tokens: int = 0
+
+
+class PlanReason(str, Enum):
+    COLD_START = "cold_start"
+    EVALUATION = "evaluation"
+    GENERATION_DEFICIT = "generation_deficit"
+    CONSUMPTION_DEFICIT = "consumption_deficit"
+    BALANCED = "balanced"
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChange:
+    rank: int
+    src: Role
+    dst: Role
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPlan:
+    """ERS's decision at a post-update boundary: role moves, the RA2P mode, the next batch size."""
+
+    changes: tuple[RoleChange, ...]
+    mode: Mode
+    batch_size: int
+    reason: PlanReason
+
+    @property
+    def is_noop(self) -> bool:
+        return not self.changes

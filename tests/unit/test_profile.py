@@ -1,0 +1,134 @@
+"""Profiles: typed loading, one-line errors naming the full key path, typed --set overrides."""
+
+import textwrap
+
+import pytest
+
+from tiderl.core.ctb import CTBConfig
+from tiderl.engine.config import EngineConfig
+from tiderl.profile import (
+    Profile,
+    ProfileError,
+    build_profile,
+    load_profile,
+    profile_to_dict,
+    resolve_profile_path,
+)
+
+
+def write(tmp_path, text, name="x.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def error_of(fn, *args):
+    with pytest.raises(ProfileError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_local_profile_resolves_by_name():
+    profile = load_profile("local")
+    assert resolve_profile_path("local").name == "local.yaml"
+    assert profile.engine.backend == "embedded"
+    assert profile.model.size == "tiny"
+    assert profile.runtime.device == "cpu"
+    assert profile.env.step_latency.kind == "lognormal"
+    assert profile.ers.batch_min == 16 and profile.ers.batch_ideal == 32
+    # keys the file leaves out keep their defaults
+    assert profile.ctb.weights == CTBConfig().weights
+    assert profile.engine.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    assert load_profile(write(tmp_path, "")) == Profile()
+
+
+def test_wrong_type_names_file_and_full_key(tmp_path):
+    path = write(tmp_path, """
+        ctb:
+          weights:
+            eval: high
+    """)
+    assert error_of(load_profile, path) == f"{path}: ctb.weights.eval: expected float, got 'high'"
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = write(tmp_path, "engine:\n  kv_cache_tokenz: 5\n")
+    message = error_of(load_profile, path)
+    assert message.startswith(f"{path}: engine.kv_cache_tokenz: unknown key (known: backend, ")
+
+
+def test_unknown_section_is_named(tmp_path):
+    path = write(tmp_path, "trainerr: {}\n")
+    assert error_of(load_profile, path).startswith(f"{path}: trainerr: unknown key")
+
+
+def test_impossible_values_name_the_key(tmp_path):
+    path = write(tmp_path, "ctb:\n  budget_fraction: -0.5\n")
+    assert error_of(load_profile, path).startswith(f"{path}: ctb.budget_fraction: ")
+    path = write(tmp_path, "ers:\n  batch_min: 64\n  batch_ideal: 32\n", "y.yaml")
+    assert error_of(load_profile, path).startswith(f"{path}: ers.batch_min: ")
+    path = write(tmp_path, "env:\n  step_latency: {kind: gaussian}\n", "z.yaml")
+    message = error_of(load_profile, path)
+    assert message.startswith(f"{path}: env.step_latency.kind: expected one of")
+
+
+def test_cross_section_check_names_the_key(tmp_path):
+    path = write(tmp_path, "runtime: {group_size: 8}\ners: {batch_min: 12, batch_ideal: 32}\n")
+    assert error_of(load_profile, path) == (
+        f"{path}: ers.batch_min: expected a multiple of runtime.group_size (8), got 12")
+
+
+def test_bool_is_not_an_int_and_lists_are_typed(tmp_path):
+    path = write(tmp_path, "runtime:\n  num_ranks: true\n")
+    assert error_of(load_profile, path) == f"{path}: runtime.num_ranks: expected int, got True"
+    path = write(tmp_path, "env:\n  envs: [guess, 3]\n", "y.yaml")
+    assert error_of(load_profile, path) == f"{path}: env.envs[1]: expected str, got 3"
+
+
+def test_invalid_yaml_is_one_line_with_its_line(tmp_path):
+    path = write(tmp_path, "ctb:\n  weights: [1, 2\nengine: {}\n")
+    message = error_of(load_profile, path)
+    assert message.startswith(f"{path}: invalid YAML at line ")
+
+
+def test_overrides_are_typed():
+    profile = load_profile("local", [
+        "ctb.weights.eval=1000",
+        "engine.kv_cache_tokens=4096",
+        "ers.enabled=false",
+        "env.url=8080",  # a str field keeps the text as given
+        "env.envs=[guess, shop]",
+    ])
+    assert profile.ctb.weights.eval == 1000.0 and isinstance(profile.ctb.weights.eval, float)
+    assert profile.engine.kv_cache_tokens == 4096
+    assert profile.ers.enabled is False
+    assert profile.env.url == "8080"
+    assert profile.env.envs == ["guess", "shop"]
+
+
+def test_override_errors_name_the_key():
+    assert error_of(load_profile, "local", ["ctb.weights.eval=high"]) == (
+        "--set: ctb.weights.eval: expected float, got 'high'")
+    assert error_of(load_profile, "local", ["ctb.nope=1"]) == (
+        "--set ctb.nope: unknown key 'ctb.nope'")
+    assert error_of(load_profile, "local", ["ctb.budget_fraction"]).startswith(
+        "--set ctb.budget_fraction: expected key=value")
+    assert error_of(load_profile, "local", ["runtime.num_ranks.x=1"]) == (
+        "--set runtime.num_ranks.x: unknown key 'runtime.num_ranks.x'")
+    message = error_of(load_profile, "local", ["ers.batch_min=48"])
+    assert message.startswith("--set: ers.batch_min: ")
+
+
+def test_missing_profile_is_one_line(tmp_path):
+    assert error_of(load_profile, "nope").startswith("profile 'nope' not found")
+    assert error_of(load_profile, str(tmp_path / "missing.yaml")).endswith("no such profile file")
+
+
+def test_round_trip_through_plain_data():
+    profile = load_profile("local")
+    assert build_profile(profile_to_dict(profile)) == profile

@@ -1,0 +1,1 @@
+"""The tiderl command line: one module per command group."""

@@ -1,0 +1,1 @@
+"""Embedded rollout engine and clients for vLLM / SGLang servers."""

@@ -1,0 +1,1 @@
+"""Environment protocol, server, client and built-in environments."""

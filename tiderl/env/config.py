@@ -1,0 +1,46 @@
+"""Environment section of a profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+
+BUILTIN_ENVS = ("guess", "shop", "household")
+LATENCY_KINDS = ("none", "fixed", "lognormal")
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    """Simulated environment time: none, a fixed delay, or lognormal with a median and sigma."""
+
+    kind: str = "none"
+    median_s: float = 0.0
+    sigma: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_choice(self.kind, LATENCY_KINDS, "kind")
+        require_non_negative(self.median_s, "median_s")
+        require_non_negative(self.sigma, "sigma")
+        if self.kind != "none":
+            require(self.median_s > 0, "median_s", f"expected > 0 for kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    envs: list[str] = field(default_factory=lambda: ["guess"])
+    url: str = ""  # empty: in-process environments (the embedded default)
+    max_turns: int = 20
+    max_sessions: int = 256
+    idle_ttl_s: float = 600.0
+    step_latency: LatencyConfig = field(default_factory=LatencyConfig)
+    start_latency: LatencyConfig = field(default_factory=LatencyConfig)
+
+    def __post_init__(self) -> None:
+        require(bool(self.envs), "envs", "expected at least one environment")
+        if not self.url:
+            for i, name in enumerate(self.envs):
+                require_choice(name, BUILTIN_ENVS, f"envs[{i}]")
+        require_positive(self.max_turns, "max_turns")
+        require_positive(self.max_sessions, "max_sessions")
+        require_positive(self.idle_ttl_s, "idle_ttl_s")

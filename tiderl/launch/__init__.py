@@ -1,0 +1,1 @@
+"""Launch plans and executors (local processes, SSH)."""

@@ -1,0 +1,1 @@
+"""Qwen2-architecture model shared by the engine and the trainer."""

@@ -1,0 +1,28 @@
+"""Model section of a profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiderl.core.config import require_choice
+
+MODEL_SIZES = ("tiny", "small")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights the engine and the trainer load.
+
+    ``path`` is an HF-format folder (config.json, *.safetensors, tokenizer.json); empty means a
+    seeded random-init model of ``size`` made locally (no downloads).
+    """
+
+    path: str = ""
+    size: str = "tiny"
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        require_choice(self.size, MODEL_SIZES, "size")
+        require_choice(self.dtype, DTYPES, "dtype")

@@ -1,0 +1,254 @@
+"""Profiles: YAML files validated into typed config dataclasses, with ``--set`` overrides.
+
+Each section's dataclass lives beside its component (``tiderl/engine/config.py``, ...) and checks
+its own values; this module maps YAML onto those types and names the full key path in each error:
+
+    profiles/x.yaml: ctb.weights.eval: expected float, got 'high'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tiderl.core.config import ConfigError, require
+from tiderl.core.ctb import CTBConfig
+from tiderl.core.ers import ERSConfig
+from tiderl.core.ra2p import RA2PConfig
+from tiderl.engine.config import EngineConfig
+from tiderl.env.config import EnvConfig
+from tiderl.models.config import ModelConfig
+from tiderl.runtime.config import RuntimeConfig
+from tiderl.sim.config import SimConfig
+from tiderl.trainer.config import TrainerConfig
+
+DEFAULT_PROFILE = "local"
+_REPO_PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A whole job's configuration: one section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ctb: CTBConfig = field(default_factory=CTBConfig)
+    ra2p: RA2PConfig = field(default_factory=RA2PConfig)
+    ers: ERSConfig = field(default_factory=ERSConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def __post_init__(self) -> None:
+        # GRPO trains whole groups, so the elastic batch bounds are counted in whole groups.
+        g = self.runtime.group_size
+        for name in ("batch_min", "batch_ideal"):
+            value = getattr(self.ers, name)
+            require(value % g == 0, f"ers.{name}",
+                    f"expected a multiple of runtime.group_size ({g}), got {value}")
+
+
+class ProfileError(Exception):
+    """A profile that cannot be used; the message is one line naming the source and key."""
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def resolve_profile_path(name: str) -> Path:
+    """A profile by path, or by name in ./profiles/ or the source checkout's profiles/."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        if not path.is_file():
+            raise ProfileError(f"{name}: no such profile file")
+        return path
+    candidates = [Path("profiles") / f"{name}.yaml", _REPO_PROFILES / f"{name}.yaml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ProfileError(f"profile {name!r} not found (looked for {', '.join(map(str, candidates))})")
+
+
+def load_profile(name: str = DEFAULT_PROFILE, overrides: typing.Sequence[str] = ()) -> Profile:
+    """Load a profile file and apply ``key.path=value`` overrides, validating both."""
+    path = resolve_profile_path(name)
+    data = _read_yaml(path)
+    build_profile(data, source=str(path))  # errors in the file itself name the file
+    for item in overrides:
+        _apply_override(data, item)
+    return build_profile(data, source="--set" if overrides else str(path))
+
+
+def build_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
+    try:
+        return _build(Profile, data, "")
+    except ConfigError as err:
+        raise ProfileError(f"{source}: {err}") from None
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """Plain data (str enums as values) for printing or JSON."""
+    return _plain(dataclasses.asdict(profile))
+
+
+# --------------------------------------------------------------------------- YAML and overrides
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "cannot parse"
+        raise ProfileError(f"{path}: invalid YAML{where}: {problem}") from None
+    except OSError as err:
+        raise ProfileError(f"{path}: {err.strerror}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: expected a mapping of sections, got {_type_name(data)}")
+    return data
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` into ``data``; the value is parsed as YAML unless the key is a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ProfileError(f"--set {item}: expected key=value, e.g. ctb.budget_fraction=0.8")
+    parts = key.split(".")
+    tp: Any = Profile
+    node = data
+    for depth, part in enumerate(parts):
+        known = _fields(tp) if dataclasses.is_dataclass(tp) else None
+        if known is None or part not in known:
+            where = ".".join(parts[: depth + 1])
+            raise ProfileError(f"--set {key}: unknown key {where!r}")
+        tp = known[part]
+        if depth < len(parts) - 1:
+            child = node.get(part)
+            node = node.setdefault(part, {}) if not isinstance(child, dict) else child
+    node[parts[-1]] = raw if tp is str else _parse_scalar(raw, key)
+
+
+def _parse_scalar(raw: str, key: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        raise ProfileError(f"--set {key}: cannot parse value {raw!r}") from None
+
+
+# --------------------------------------------------------------------------- typed conversion
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _build(cls: type, data: Any, key: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"expected a mapping, got {_describe(data)}")
+    known = _fields(cls)
+    for name in data:
+        if name not in known:
+            raise ConfigError(_join(key, str(name)),
+                              f"unknown key (known: {', '.join(known)})")
+    kwargs = {name: _convert(known[name], value, _join(key, name)) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(key) if key else err from None
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        return _convert_union(typing.get_args(tp), value, key)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        _expect(isinstance(value, list), key, "list", value)
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        _expect(isinstance(value, dict), key, "mapping", value)
+        return {_convert(key_tp, k, key): _convert(val_tp, v, _join(key, str(k)))
+                for k, v in value.items()}
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        require(value in choices, key, f"expected one of {choices}, got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        choices = tuple(m.value for m in tp)
+        require(value in choices, key, f"expected one of {choices}, got {value!r}")
+        return tp(value)
+    return _convert_scalar(tp, value, key)
+
+
+def _convert_union(args: tuple[Any, ...], value: Any, key: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return _convert(arg, value, key)
+        except ConfigError as err:
+            errors.append(err.message)
+    raise ConfigError(key, " or ".join(errors))
+
+
+def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
+    if tp is bool:
+        _expect(isinstance(value, bool), key, "bool", value)
+    elif tp is int:
+        _expect(isinstance(value, int) and not isinstance(value, bool), key, "int", value)
+    elif tp is float:
+        _expect(isinstance(value, (int, float)) and not isinstance(value, bool), key, "float",
+                value)
+        return float(value)
+    elif tp is str:
+        _expect(isinstance(value, str), key, "str", value)
+    elif tp is Any:
+        return value
+    else:
+        raise ConfigError(key, f"unsupported config type {tp!r}")
+    return value
+
+
+def _expect(ok: bool, key: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(key, f"expected {expected}, got {_describe(value)}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return repr(value)
+    return _type_name(value)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list"}.get(type(value), type(value).__name__)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,1 @@
+"""Coordinator, rank daemons and the ZeroMQ bus."""

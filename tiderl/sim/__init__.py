@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator driving the core policies."""

@@ -1,0 +1,1 @@
+"""GRPO actor and ref workers, RA2P executors, weight sync, checkpoints."""

@@ -1,0 +1,99 @@
+"""The real `tiderl` executable in a subprocess: help, dry run, one-line errors, exit codes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GROUPS = ["launch", "top", "status", "logs", "stop", "rebalance", "profile", "bench", "sim",
+          "env", "engine", "model"]
+
+
+def tiderl(*args, cwd=None):
+    script = Path(sys.executable).with_name("tiderl")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tiderl.cli.main"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def assert_one_line_error(proc, code):
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_help_lists_every_command_group():
+    proc = tiderl("--help")
+    assert proc.returncode == 0
+    for group in GROUPS:
+        assert f" {group} " in proc.stdout, group
+
+
+def test_dry_run_prints_the_resolved_local_profile_and_plan():
+    proc = tiderl("launch", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("engine", "kv_cache_tokens", "8192", "ctb", "weights.eval", "plan", "rank3"):
+        assert text in proc.stdout, text
+
+
+def test_dry_run_json_with_overrides():
+    proc = tiderl("launch", "--dry-run", "--json", "--set", "runtime.num_ranks=6",
+                  "--set", "ctb.weights.context=0.5")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["profile"]["ctb"]["weights"]["context"] == 0.5
+    ranks = [p for p in data["plan"] if p["kind"] == "rank"]
+    assert [p["role"] for p in ranks] == ["rollout", "rollout", "actor", "actor", "actor", "actor"]
+    assert {p["kind"] for p in data["plan"]} == {"env", "coordinator", "rank"}
+
+
+def test_bad_key_is_one_line_with_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ctb:\n  weights:\n    eval: high\n")
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--profile", str(bad)), 2)
+    assert line == f"error: {bad}: ctb.weights.eval: expected float, got 'high'"
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", "ctb.nope=1"), 2)
+    assert line == "error: --set ctb.nope: unknown key 'ctb.nope'"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = tiderl("--debug", "launch", "--dry-run", "--set", "ctb.nope=1")
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr
+
+
+def test_bad_usage_is_one_line_with_exit_2():
+    line = assert_one_line_error(tiderl("launch", "--no-such-flag"), 2)
+    assert "--no-such-flag" in line
+    assert_one_line_error(tiderl("no-such-command"), 2)
+
+
+def test_launch_without_runtime_says_so_and_starts_nothing():
+    proc = tiderl("launch")
+    assert proc.returncode == 1
+    assert "plan" in proc.stdout
+    assert proc.stderr.strip() == (
+        "error: tiderl launch: the runtime is not built yet; nothing was started "
+        "(the plan above is what it would run)")
+
+
+@pytest.mark.parametrize("args", [
+    ["top"], ["status"], ["logs", "j1"], ["stop", "j1"],
+    ["rebalance", "j1", "--rollout", "2", "--trainer", "2"],
+    ["profile", "kv", "--engine", "http://127.0.0.1:1"], ["profile", "readiness", "--job", "j1"],
+    ["bench", "ra2p"], ["bench", "ctb"], ["bench", "engine"], ["bench", "e2e"],
+    ["sim", "webshop"], ["env", "serve"], ["engine", "serve", "--model", "m"],
+    ["model", "init", "--out", "m"],
+])
+def test_commands_not_built_yet_exit_1_with_one_line(args):
+    line = assert_one_line_error(tiderl(*args), 1)
+    assert line.endswith("not built yet")
+
+
+def test_version():
+    proc = tiderl("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("tiderl ")

@@ -1,0 +1,95 @@
+"""The `tiderl` command: wires the command groups; each lives in its own module."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+import typer
+
+# Typer >= 0.29 vendors click; its usage errors are only importable from there (typer is pinned
+# to a minor range in pyproject.toml for this reason).
+from typer._click.exceptions import NoArgsIsHelpError, UsageError
+
+from tiderl import __version__
+from tiderl.cli import bench, engine, env, jobs, launch, model, profile, rebalance, sim, top
+from tiderl.cli.errors import EXIT_FAILURE, EXIT_USAGE, CLIError
+from tiderl.cli.output import Output
+from tiderl.core.config import ConfigError
+from tiderl.profile import ProfileError
+
+app = typer.Typer(
+    name="tiderl",
+    help="TideRL: readiness-aware elastic RL for multi-turn LLM agents (CTB, RA2P, ERS).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        Output().console.print(f"tiderl {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Global options; ``--debug`` is read by :func:`main` before parsing."""
+
+
+app.command("launch")(launch.launch)
+app.command("top")(top.top)
+app.command("status")(jobs.status)
+app.command("logs")(jobs.logs)
+app.command("stop")(jobs.stop)
+app.command("rebalance")(rebalance.rebalance)
+app.add_typer(profile.app, name="profile")
+app.add_typer(bench.app, name="bench")
+app.command("sim")(sim.sim)
+app.add_typer(env.app, name="env")
+app.add_typer(engine.app, name="engine")
+app.add_typer(model.app, name="model")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; every error becomes one line on stderr and an exit code, never a traceback
+    (unless ``--debug`` or ``TIDERL_DEBUG=1``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("TIDERL_DEBUG") == "1"
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=args, prog_name="tiderl", standalone_mode=False)
+    except typer.Exit as exc:
+        return exc.exit_code
+    except NoArgsIsHelpError:  # a bare group: Typer has printed its help
+        return 0
+    except UsageError as exc:
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+        return _fail(f"{exc.format_message()}{hint}", EXIT_USAGE, debug)
+    except (typer.Abort, KeyboardInterrupt):
+        return _fail("interrupted", 130, debug)
+    except (ProfileError, ConfigError) as exc:
+        return _fail(str(exc), EXIT_USAGE, debug)
+    except CLIError as exc:
+        return _fail(str(exc), exc.exit_code, debug)
+    except Exception as exc:  # a bug or an environment failure: still one line
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE, debug)
+    return 0
+
+
+def _fail(message: str, code: int, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    Output.error(message.splitlines()[0] if message else "failed")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""CTB invariants on random books: budgets, resume-before-admit, tiers, affinity, purity."""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, TaskSpec, priority
+from tiderl.core.ctb_state import RankRecord, TaskRecord
+from tiderl.core.types import Admit, Pause, Resume, TaskState
+
+ENVS = ("shop", "alf", "guess")
+PROPERTY = settings(max_examples=200, deadline=None)
+
+
+@st.composite
+def scenarios(draw) -> tuple[TaskBook, CTBConfig]:
+    """A book reached through ordinary events, possibly over budget, with every task state."""
+    config = CTBConfig(
+        max_env_sessions=draw(st.sampled_from([0, 0, 5, 20])),
+        diversity_penalty_tokens=draw(st.sampled_from([0, 256, 1000])),
+    )
+    book = config.new_book(
+        max_staleness=draw(st.integers(0, 2)), tasks_per_step=draw(st.sampled_from([0, 0, 3, 8]))
+    )
+    for rank in range(draw(st.integers(1, 6))):
+        book.add_rank(rank, draw(st.integers(0, 4000)))
+    group_size = draw(st.integers(1, 8))  # GRPO: one group size
+    for g in range(draw(st.integers(0, 8))):
+        _add_group(draw, book, f"g{g}", group_size)
+    if len(book.ranks) > 1 and draw(st.booleans()):
+        book.remove_rank(draw(st.sampled_from(book.rank_ids)))
+    return book, config
+
+
+def _add_group(draw, book: TaskBook, group_id: str, size: int) -> None:
+    env, is_eval = draw(st.sampled_from(ENVS)), draw(st.integers(0, 4)) == 0
+    hint = draw(st.none() | st.integers(0, 2000))
+    specs = [TaskSpec(f"{group_id}-{i}", env, is_eval, hint) for i in range(size)]
+    book.add_group(group_id, specs)
+    for spec in specs:
+        fate = draw(st.sampled_from(["new", "active", "active", "paused", "finished"]))
+        if fate == "new":
+            continue
+        book.apply([Admit(spec.task_id, draw(st.sampled_from(book.rank_ids)))])
+        footprint, context = draw(st.integers(0, 2500)), draw(st.integers(0, 10_000))
+        book.report_turn(spec.task_id, footprint, context, is_running=draw(st.booleans()))
+        if fate == "paused":
+            book.apply([Pause(spec.task_id)])
+        elif fate == "finished":
+            book.finish_task(spec.task_id)
+
+
+def fits(rank: RankRecord, footprint: int) -> bool:
+    """The policy's notion of fitting: within headroom, or alone on an empty rank with a budget."""
+    return footprint <= rank.headroom or (not rank.active and rank.budget > 0)
+
+
+def applied(book: TaskBook, decisions: list) -> TaskBook:
+    after = copy.deepcopy(book)
+    after.apply(decisions)
+    return after
+
+
+@PROPERTY
+@given(scenarios())
+def test_no_rank_ends_over_budget_unless_it_holds_a_single_task(scenario):
+    book, config = scenario
+    after = applied(book, CTBPolicy(config).schedule(book))
+    for rank in after.ranks.values():
+        assert rank.usage <= rank.budget or len(rank.active) == 1
+
+
+@PROPERTY
+@given(scenarios())
+def test_every_task_left_paused_fits_nowhere_once_resumes_are_done(scenario):
+    book, config = scenario
+    plan = CTBPolicy(config).schedule(book)
+    after_resumes = applied(book, [d for d in plan if not isinstance(d, Admit)])
+    paused_this_round = {d.task_id for d in plan if isinstance(d, Pause)}
+    for task in after_resumes.paused.values():
+        if task.task_id not in paused_this_round:
+            assert not any(fits(rank, task.footprint) for rank in after_resumes.ranks.values())
+
+
+@PROPERTY
+@given(scenarios())
+def test_plan_is_pauses_then_resumes_then_admits(scenario):
+    book, config = scenario
+    kinds = [type(d) for d in CTBPolicy(config).schedule(book)]
+    assert kinds == sorted(kinds, key=[Pause, Resume, Admit].index)
+
+
+@PROPERTY
+@given(scenarios())
+def test_pauses_follow_priority_and_spare_eval_tasks(scenario):
+    """Per rank, pauses are exactly the lowest (P(t), footprint, task_id) tasks, as few as needed;
+    an eval task is paused only when no train task is left active on its rank."""
+    book, config = scenario
+    paused = [d.task_id for d in CTBPolicy(config).schedule(book) if isinstance(d, Pause)]
+    for rank in book.ranks.values():
+        order = sorted(
+            rank.active.values(), key=lambda t: (_priority(book, t), t.footprint, t.task_id)
+        )
+        usage, expected = rank.usage, []
+        while usage > rank.budget and len(order) - len(expected) > 1:
+            expected.append(order[len(expected)].task_id)
+            usage -= book.task(expected[-1]).footprint
+        assert [t for t in paused if book.task(t).rank == rank.rank] == expected
+        kept = [t for t in order if t.task_id not in expected]
+        if any(book.task(t).is_eval for t in expected):
+            assert all(t.is_eval for t in kept)
+
+
+@PROPERTY
+@given(scenarios())
+def test_placements_honour_group_affinity(scenario):
+    """Replayed one by one: a Resume or Admit goes to the rank holding most of its group's active
+    tasks (ties: lower id) whenever that rank has room."""
+    book, config = scenario
+    state = copy.deepcopy(book)
+    for decision in CTBPolicy(config).schedule(book):
+        if not isinstance(decision, Pause):
+            task = state.task(decision.task_id)
+            counts = state.group_of(task).num_active_on
+            if counts:
+                preferred = min(counts, key=lambda r: (-counts[r], r))
+                if fits(state.ranks[preferred], task.footprint):
+                    assert decision.rank == preferred
+            assert fits(state.ranks[decision.rank], task.footprint)
+        state.apply([decision])
+
+
+@PROPERTY
+@given(scenarios())
+def test_admissions_respect_probing_sessions_and_staleness(scenario):
+    book, config = scenario
+    plan = CTBPolicy(config).schedule(book)
+    after = applied(book, plan)
+    for decision in plan:
+        if isinstance(decision, Admit):
+            group = book.group_of(book.task(decision.task_id))
+            assert group.is_probed or decision.task_id == group.probe_task_id
+    if config.max_env_sessions:
+        assert after.num_open_sessions <= max(config.max_env_sessions, book.num_open_sessions)
+    if book.train_admission_limit is not None:
+        limit = max(book.train_admission_limit, book.num_admitted_train)
+        assert after.num_admitted_train <= limit
+
+
+@PROPERTY
+@given(scenarios())
+def test_schedule_is_pure_and_deterministic(scenario):
+    book, config = scenario
+    before = copy.deepcopy(book)
+    plan = CTBPolicy(config).schedule(book)
+    assert book == before
+    assert CTBPolicy(config).schedule(book) == plan
+    assert CTBPolicy(config).schedule(before) == plan
+
+
+@PROPERTY
+@given(scenarios())
+def test_book_indexes_match_a_recount(scenario):
+    book, _ = scenario
+    for rank in book.ranks.values():
+        assert rank.usage == sum(t.footprint for t in rank.active.values())
+        assert all(
+            t.state is TaskState.ACTIVE and t.rank == rank.rank for t in rank.active.values()
+        )
+        assert sorted(t.task_id for t in rank.by_priority()) == sorted(rank.active)
+    assert book.num_active == sum(len(r.active) for r in book.ranks.values())
+    assert book.num_new == sum(t.state is TaskState.NEW for t in book.tasks.values())
+    for task in book.tasks.values():
+        assert book.priority(task) == _priority(book, task)
+
+
+def _priority(book: TaskBook, task: TaskRecord) -> float:
+    return priority(task, book.group_of(task), book.weights, book.context_norm_tokens)

@@ -1,0 +1,372 @@
+"""Continuous Task Batching (paper §4, Algorithm 1, Table 1) and the request-level baseline.
+
+A policy reads a :class:`~tiderl.core.ctb_state.TaskBook` and returns a plan (Pauses, then
+Resumes, then Admits); it never mutates the book, ``book.apply(plan)`` does. One CTB round::
+
+    pause phase    per rank, while usage > budget and > 1 active task: pause argmin P(t)
+    resume phase   paused tasks by descending P(t): group-affinity rank, else most headroom
+    admit phase    NEW tasks, FIFO by group: env sessions, staleness, probing, fit, diversity
+
+Algorithm 1 in the paper loops rank-major (fill rank r with resumes, then admissions, then the
+next rank). Here each phase runs task-major over all ranks, so that a task's affinity picks its
+rank rather than the order ranks are visited in, and every resume precedes every admission.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from operator import sub
+from typing import ClassVar
+
+from tiderl.core.config import require
+from tiderl.core.ctb_state import (
+    GroupRecord,
+    PriorityWeights,
+    TaskBook,
+    TaskRecord,
+    TaskSpec,
+    priority,
+)
+from tiderl.core.types import Admit, Decision, Pause, Resume
+
+__all__ = [
+    "CTBConfig",
+    "CTBPolicy",
+    "PriorityWeights",
+    "RequestLevelPolicy",
+    "SchedulingPolicy",
+    "TaskBook",
+    "TaskSpec",
+    "make_policy",
+    "priority",
+]
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class CTBConfig:
+    """Rollout scheduling: the priority weights, budgets and admission constraints of CTB."""
+
+    weights: PriorityWeights = field(default_factory=PriorityWeights)
+    context_norm_tokens: int = 8192  # context length at which L_context saturates at 1
+    budget_fraction: float = 0.9  # B_r = budget_fraction x the rank's KV capacity
+    default_footprint_tokens: int = 512  # a probe's footprint when its task has no hint
+    max_env_sessions: int = 0  # cap on open sessions (active + paused); 0 = unlimited
+    diversity_penalty_tokens: int = 256  # per active task of the same env on a rank
+    policy: str = "ctb"  # "ctb" | "request"
+    request_concurrency: int = 64  # tasks per rank under the request-level baseline
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.weights, PriorityWeights), "weights",
+                f"expected PriorityWeights, got {self.weights!r}")
+        _require_int(self.context_norm_tokens, "context_norm_tokens", minimum=1)
+        require(
+            0.0 < self.budget_fraction <= 1.0,
+            "budget_fraction",
+            f"expected a number in (0, 1], got {self.budget_fraction!r}",
+        )
+        _require_int(self.default_footprint_tokens, "default_footprint_tokens", minimum=1)
+        _require_int(self.max_env_sessions, "max_env_sessions", minimum=0)
+        _require_int(self.diversity_penalty_tokens, "diversity_penalty_tokens", minimum=0)
+        names = ", ".join(sorted(_POLICIES))
+        require(self.policy in _POLICIES, "policy", f"expected one of {names}, got {self.policy!r}")
+        _require_int(self.request_concurrency, "request_concurrency", minimum=1)
+
+    def rank_budget(self, kv_capacity_tokens: int) -> int:
+        """B_r for a rank whose KV cache holds ``kv_capacity_tokens``."""
+        return int(kv_capacity_tokens * self.budget_fraction)
+
+    def new_book(self, *, max_staleness: int = 0, tasks_per_step: int = 0) -> TaskBook:
+        """An empty book that ranks tasks with these weights and probes with this default."""
+        return TaskBook(
+            weights=self.weights,
+            context_norm_tokens=self.context_norm_tokens,
+            default_footprint_tokens=self.default_footprint_tokens,
+            max_staleness=max_staleness,
+            tasks_per_step=tasks_per_step,
+        )
+
+
+def _require_int(value: object, key: str, minimum: int) -> None:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    require(is_int and value >= minimum, key, f"expected an integer >= {minimum}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- policies
+
+
+class SchedulingPolicy(ABC):
+    """A rollout scheduling policy: ``schedule(book)`` returns a plan and mutates no book."""
+
+    pins_tasks: ClassVar[bool]  # whether the runtime pins an active task's KV on its rank
+
+    @abstractmethod
+    def schedule(self, book: TaskBook) -> list[Decision]: ...
+
+
+class _Draft:
+    """One round's tentative view: the book's ranks after this round's decisions so far."""
+
+    __slots__ = (
+        "book", "budget", "env_delta", "group_delta", "max_headroom", "num_active",
+        "num_admitted_train", "num_empty", "num_open", "usage",
+    )  # fmt: skip
+
+    def __init__(self, book: TaskBook):
+        self.book = book
+        self.budget = {r: rec.budget for r, rec in book.ranks.items()}
+        self.usage = {r: rec.usage for r, rec in book.ranks.items()}
+        self.num_active = {r: len(rec.active) for r, rec in book.ranks.items()}
+        self.num_empty = sum(1 for r, n in self.num_active.items() if self._is_open_empty(r, n))
+        self.group_delta: dict[str, dict[int, int]] = {}
+        self.env_delta: dict[tuple[str, int], int] = {}
+        self.num_open = book.num_open_sessions
+        self.num_admitted_train = book.num_admitted_train
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the largest headroom; O(ranks)."""
+        self.max_headroom = max(map(sub, self.budget.values(), self.usage.values()), default=-1)
+
+    def _is_open_empty(self, rank: int, num_active: int) -> bool:
+        return num_active == 0 and self.budget[rank] > 0
+
+    def fits(self, footprint: int, rank: int) -> bool:
+        """Within the headroom, or alone on an empty rank with a budget, however large it is
+        (else a task bigger than every budget could never run: it runs alone instead)."""
+        if footprint <= self.budget[rank] - self.usage[rank]:
+            return True
+        return self._is_open_empty(rank, self.num_active[rank])
+
+    def fits_somewhere(self, footprint: int) -> bool:
+        return footprint <= self.largest_fit()
+
+    def largest_fit(self) -> float:
+        """The largest footprint that fits on some rank."""
+        return float("inf") if self.num_empty else self.max_headroom
+
+    def take_off(self, task: TaskRecord) -> None:
+        self._move(task, task.rank, -1)
+
+    def put_on(self, task: TaskRecord, rank: int) -> None:
+        was_roomiest = self.budget[rank] - self.usage[rank] >= self.max_headroom
+        self._move(task, rank, 1)
+        if was_roomiest:
+            self.refresh()
+
+    def _move(self, task: TaskRecord, rank: int, sign: int) -> None:
+        self.num_empty -= self._is_open_empty(rank, self.num_active[rank])
+        self.usage[rank] += sign * task.footprint
+        self.num_active[rank] += sign
+        self.num_empty += self._is_open_empty(rank, self.num_active[rank])
+        deltas = self.group_delta.setdefault(task.group_id, {})
+        deltas[rank] = deltas.get(rank, 0) + sign
+        key = (task.env, rank)
+        self.env_delta[key] = self.env_delta.get(key, 0) + sign
+
+    def sibling_rank(self, task: TaskRecord) -> int | None:
+        """The rank where it fits holding most active tasks of its group (ties: lower id)."""
+        counts = dict(self.book.groups[task.group_id].num_active_on)
+        for rank, delta in self.group_delta.get(task.group_id, {}).items():
+            counts[rank] = counts.get(rank, 0) + delta
+        ranked = sorted((-n, rank) for rank, n in counts.items() if n > 0)
+        return next((rank for _, rank in ranked if self.fits(task.footprint, rank)), None)
+
+    def roomiest_rank(self, task: TaskRecord, penalty: int) -> int | None:
+        """The rank where it fits maximising headroom - penalty x active tasks of its env
+        there (ties: lower id)."""
+        best, best_score, footprint = None, 0, task.footprint
+        for rank, usage in self.usage.items():
+            score = self.budget[rank] - usage  # the headroom, before the penalty
+            if footprint > score and not self._is_open_empty(rank, self.num_active[rank]):
+                continue  # it does not fit (inlined fits(): this loop is hot)
+            if penalty:
+                same_env = self.book.ranks[rank].num_env.get(task.env, 0)
+                score -= penalty * (same_env + self.env_delta.get((task.env, rank), 0))
+            if best is None or score > best_score:
+                best, best_score = rank, score
+        return best
+
+
+class CTBPolicy(SchedulingPolicy):
+    """Continuous Task Batching: token-budgeted admission, priority pausing, affinity resuming.
+
+    Invariant: after its plan is applied no rank's usage exceeds its budget unless the rank holds
+    a single active task, and no NEW task was admitted while a task paused before this round fit
+    on some rank.
+
+    Priorities P(t) are the book's (its weights: build it with ``CTBConfig.new_book``).
+    Tie-breaks: pause the lowest (P(t), footprint, task_id), so at equal priority the smaller
+    context goes, as Table 1's context tier would have it past the L_context cap; resume by
+    highest P(t), then larger footprint, then lower task_id. A task paused in a round is not
+    resumed in it. A paused task goes to the rank holding most of its group's active tasks where
+    it fits (shared prefix), else to its last rank if it fits (its own context may be cached),
+    else to the rank with most headroom. A new task goes to the rank holding most of its group
+    where it fits, else to the one maximising headroom - diversity penalty.
+    """
+
+    pins_tasks: ClassVar[bool] = True
+
+    def __init__(self, config: CTBConfig):
+        self.config = config
+
+    def schedule(self, book: TaskBook) -> list[Decision]:
+        draft = _Draft(book)
+        pauses = self._pause_phase(book, draft)
+        draft.refresh()
+        resumes = self._resume_phase(book, draft)
+        admits = self._admit_phase(book, draft)
+        return [*pauses, *resumes, *admits]
+
+    @staticmethod
+    def _pause_phase(book: TaskBook, draft: _Draft) -> list[Decision]:
+        plan: list[Decision] = []
+        for rank, record in book.ranks.items():
+            if record.usage <= record.budget:
+                continue
+            victims = record.by_priority()
+            while draft.usage[rank] > record.budget and draft.num_active[rank] > 1:
+                task = next(victims)
+                draft.take_off(task)
+                plan.append(Pause(task.task_id))
+        return plan
+
+    @staticmethod
+    def _resume_phase(book: TaskBook, draft: _Draft) -> list[Decision]:
+        """Paused tasks by (-P(t), -footprint, task_id) from a heap, so a round pops only the
+        tasks it considers; it stops once the smallest candidate fits nowhere."""
+        largest = draft.largest_fit()
+        queue = [(-book.priority(t), -t.footprint, t.task_id, t)
+                 for t in book.paused.values() if t.footprint <= largest]
+        if not queue:
+            return []
+        smallest = -max(entry[1] for entry in queue)
+        heapq.heapify(queue)
+        plan: list[Decision] = []
+        while queue and draft.fits_somewhere(smallest):
+            task = heapq.heappop(queue)[3]
+            if draft.fits_somewhere(task.footprint):
+                rank = _resume_rank(task, book, draft)
+                draft.put_on(task, rank)
+                plan.append(Resume(task.task_id, rank))
+        return plan
+
+    def _admit_phase(self, book: TaskBook, draft: _Draft) -> list[Decision]:
+        """NEW tasks by group, FIFO; a group's admissible tasks share one footprint estimate."""
+        plan: list[Decision] = []
+        largest = draft.largest_fit()
+        for group in book.pending_groups.values():
+            estimate = book.admission_estimate(group)
+            if estimate is None or estimate > largest:
+                continue  # O(1) per group that cannot be admitted: this loop is hot
+            if self._is_env_full(draft):
+                break
+            if _is_throttled(book, draft) and not group.has_eval:
+                continue
+            plan += self._admit_group(book, group, draft)
+            largest = draft.largest_fit()
+        return plan
+
+    def _admit_group(self, book: TaskBook, group: GroupRecord, draft: _Draft) -> list[Decision]:
+        plan: list[Decision] = []
+        for task in book.admissible(group):
+            if self._is_env_full(draft) or not draft.fits_somewhere(task.footprint):
+                break
+            if not task.is_eval and _is_throttled(book, draft):
+                continue
+            rank = draft.sibling_rank(task)
+            if rank is None:
+                rank = draft.roomiest_rank(task, self.config.diversity_penalty_tokens)
+            assert rank is not None, "fits_somewhere() promised a rank"
+            draft.put_on(task, rank)
+            draft.num_open += 1
+            draft.num_admitted_train += 0 if task.is_eval else 1
+            plan.append(Admit(task.task_id, rank))
+        return plan
+
+    def _is_env_full(self, draft: _Draft) -> bool:
+        cap = self.config.max_env_sessions
+        return cap > 0 and draft.num_open >= cap
+
+
+def _resume_rank(task: TaskRecord, book: TaskBook, draft: _Draft) -> int:
+    rank = draft.sibling_rank(task)
+    if rank is None and task.rank in book.ranks and draft.fits(task.footprint, task.rank):
+        rank = task.rank
+    if rank is None:
+        rank = draft.roomiest_rank(task, penalty=0)
+    assert rank is not None, "fits_somewhere() promised a rank"
+    return rank
+
+
+def _is_throttled(book: TaskBook, draft: _Draft) -> bool:
+    """Staleness throttle for non-eval tasks (eval tasks run on an anchored version)."""
+    limit = book.train_admission_limit
+    return limit is not None and draft.num_admitted_train >= limit
+
+
+class RequestLevelPolicy(SchedulingPolicy):
+    """The baseline: request-level rollout with a fixed number of tasks per rank.
+
+    Invariant: it never places a task on a rank already holding ``request_concurrency`` active
+    tasks. Ranks are taken round-robin; it never pauses, ignores token budgets and probing, and
+    keeps the environment-session cap and the staleness throttle (they are not about KV). It
+    resumes only the tasks that ``remove_rank`` orphaned, before admitting new ones.
+    """
+
+    pins_tasks: ClassVar[bool] = False
+
+    def __init__(self, config: CTBConfig):
+        self.config = config
+        self._last_rank: int | None = None  # the round-robin cursor
+
+    def schedule(self, book: TaskBook) -> list[Decision]:
+        limit = self.config.request_concurrency
+        slots = {r: limit - len(rec.active) for r, rec in book.ranks.items()}
+        plan: list[Decision] = []
+        for task in book.paused.values():
+            rank = self._next_rank(slots)
+            if rank is None:
+                return plan
+            plan.append(Resume(task.task_id, rank))
+        return plan + self._admissions(book, slots)
+
+    def _admissions(self, book: TaskBook, slots: dict[int, int]) -> list[Decision]:
+        cap, limit = self.config.max_env_sessions, book.train_admission_limit
+        num_open, num_train = book.num_open_sessions, book.num_admitted_train
+        plan: list[Decision] = []
+        for task in book.new_tasks():
+            if not task.is_eval and limit is not None and num_train >= limit:
+                continue
+            rank = None if cap and num_open >= cap else self._next_rank(slots)
+            if rank is None:
+                break
+            plan.append(Admit(task.task_id, rank))
+            num_open += 1
+            num_train += 0 if task.is_eval else 1
+        return plan
+
+    def _next_rank(self, slots: dict[int, int]) -> int | None:
+        """The first rank after the cursor (wrapping round) with a free slot; takes the slot."""
+        free = [r for r, n in slots.items() if n > 0]
+        if not free:
+            return None
+        after = [r for r in free if self._last_rank is None or r > self._last_rank]
+        rank = after[0] if after else free[0]
+        slots[rank] -= 1
+        self._last_rank = rank
+        return rank
+
+
+_POLICIES: dict[str, type[CTBPolicy | RequestLevelPolicy]] = {
+    "ctb": CTBPolicy,
+    "request": RequestLevelPolicy,
+}
+
+
+def make_policy(config: CTBConfig) -> SchedulingPolicy:
+    """The policy that ``config.policy`` names."""
+    return _POLICIES[config.policy](config)

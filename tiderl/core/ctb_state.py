@@ -1,0 +1,463 @@
+"""The CTB state book: rollout ranks, tasks and groups, kept up to date by events.
+
+The runtime and the simulator feed the same events into a :class:`TaskBook` (turn reports,
+finishes, rank changes), ask a policy for a plan (``policy.schedule(book)``) and apply it with
+``book.apply(decisions)``. The book keeps per-rank indexes so a scheduling round only looks at the
+tasks it may move::
+
+    add_group ──> pending (FIFO, per group) ──Admit──> rank.active ──Pause──> paused
+                                                  ^                               |
+                                                  └────────────Resume─────────────┘
+    report_turn: footprint and context of a task      finish_task / drop_task: it leaves the book
+
+Only tasks in flight live here: a finished or dropped task is forgotten, and so is a group once
+none of its tasks is left. A NEW task's ``footprint`` is its admission estimate (hint, default,
+then the group's probed first-turn footprint); an ACTIVE or PAUSED task's is its last report.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+
+from tiderl.core.config import require_non_negative
+from tiderl.core.types import Admit, Decision, GroupId, Pause, Resume, TaskId, TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityWeights:
+    """Weights of P(t) = eval·I_eval + group_completion·G_completion + active·I_active
+    + context·L_context, with L_context = min(context_len / context_norm_tokens, 1) in [0, 1].
+
+    Table 1's tiers are strict when no sum of lower tiers can outweigh the smallest step of a
+    higher one: context·1 < active; active + context < group_completion / G (G_completion moves in
+    steps of 1/G for groups of size G); group_completion + active + context < eval. The defaults
+    (1, 2, 256, 512) hold for G <= 64: 256/64 = 4 > 3 and 512 > 259. The group bound assumes the
+    groups share one size, as GRPO's do; groups of sizes a != b differ by as little as 1/lcm(a, b).
+    """
+
+    eval: float = 512.0
+    group_completion: float = 256.0
+    active: float = 2.0
+    context: float = 1.0
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            require_non_negative(getattr(self, spec.name), spec.name)
+
+    def tiers_are_strict(self, max_group_size: int) -> bool:
+        if max_group_size < 1:
+            raise ValueError(f"max_group_size must be >= 1, got {max_group_size!r}")
+        lower = self.active + self.context
+        return (
+            self.context < self.active
+            and lower < self.group_completion / max_group_size
+            and self.group_completion + lower < self.eval
+        )
+
+
+def priority(
+    task: TaskRecord, group: GroupRecord, weights: PriorityWeights, context_norm_tokens: int
+) -> float:
+    """P(t) of Table 1: eval tasks, then group completion, then running, then context length."""
+    score = weights.group_completion * (group.num_finished / group.size)
+    score += weights.context * min(task.context_len / context_norm_tokens, 1.0)
+    if task.is_eval:
+        score += weights.eval
+    if task.is_running:
+        score += weights.active
+    return score
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """A task as the dataset hands it out; ``env`` is the environment (task type) name."""
+
+    task_id: TaskId
+    env: str
+    is_eval: bool = False
+    footprint_hint: int | None = None  # e.g. the prompt's token count, when known
+
+
+@dataclass(slots=True)
+class TaskRecord:
+    task_id: TaskId
+    group_id: GroupId
+    env: str
+    is_eval: bool
+    footprint: int  # KV tokens: last report once admitted, the admission estimate while NEW
+    footprint_hint: int | None = None
+    state: TaskState = TaskState.NEW
+    rank: int | None = None  # current rank when ACTIVE, last rank when PAUSED, None when NEW
+    context_len: int = 0
+    is_running: bool = False  # a generation request is in flight (I_active)
+    num_turns: int = 0
+    priority: float = 0.0  # P(t), kept current by the book (see TaskBook.priority)
+    stamp: int = 0  # bumped whenever its rank's priority-heap entry goes stale
+
+
+@dataclass(slots=True)
+class GroupRecord:
+    """A GRPO group: its completion and first-turn probing state."""
+
+    group_id: GroupId
+    task_ids: tuple[TaskId, ...]  # all its tasks, the probe first
+    has_eval: bool
+    probe_task_id: TaskId | None = None
+    probed_footprint: int | None = None
+    num_finished: int = 0
+    num_dropped: int = 0
+    pending: dict[TaskId, None] = field(default_factory=dict)  # NEW tasks, in FIFO order
+    num_active_on: dict[int, int] = field(default_factory=dict)  # rank -> active tasks there
+
+    @property
+    def size(self) -> int:
+        return len(self.task_ids)
+
+    @property
+    def completion(self) -> float:
+        return self.num_finished / self.size
+
+    @property
+    def is_probed(self) -> bool:
+        return self.probed_footprint is not None
+
+    @property
+    def num_open(self) -> int:
+        return self.size - self.num_finished - self.num_dropped
+
+
+HeapEntry = tuple[float, int, TaskId, int]  # (priority, footprint, task_id, stamp)
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """A rollout rank: its budget B_r, its active tasks and their usage.
+
+    ``heap`` orders the active tasks by (priority, footprint, task_id) lazily: an entry whose
+    stamp is not its task's current one is stale and skipped.
+    """
+
+    rank: int
+    budget: int  # B_r, in KV tokens
+    usage: int = 0  # sum of the footprints of its active tasks
+    active: dict[TaskId, TaskRecord] = field(default_factory=dict)
+    num_env: dict[str, int] = field(default_factory=dict)  # env -> active tasks there
+    heap: list[HeapEntry] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def headroom(self) -> int:
+        return self.budget - self.usage
+
+    def is_current(self, entry: HeapEntry) -> bool:
+        task = self.active.get(entry[2])
+        return task is not None and task.stamp == entry[3]
+
+    def by_priority(self) -> Iterator[TaskRecord]:
+        """Active tasks, lowest (priority, footprint, task_id) first; reads a copy of the heap."""
+        heap = list(self.heap)
+        while heap:
+            entry = heapq.heappop(heap)
+            if self.is_current(entry):
+                yield self.active[entry[2]]
+
+
+def _bump(counts: dict, key: object, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping the key when it reaches zero."""
+    value = counts.get(key, 0) + delta
+    if value:
+        counts[key] = value
+    else:
+        del counts[key]
+
+
+@dataclass(slots=True)
+class TaskBook:
+    """What CTB knows about the rollout side; events mutate it, policies only read it.
+
+    Build it with ``CTBConfig.new_book()`` so that its priority weights, context norm and default
+    footprint are the configured ones. Staleness throttle: non-eval admissions stop at
+    ``(version + max_staleness + 1) * tasks_per_step``; ``tasks_per_step == 0`` disables it.
+    """
+
+    weights: PriorityWeights = field(default_factory=PriorityWeights)
+    context_norm_tokens: int = 8192
+    default_footprint_tokens: int = 512
+    max_staleness: int = 0
+    tasks_per_step: int = 0
+    version: int = 0
+    num_admitted_train: int = 0
+    ranks: dict[int, RankRecord] = field(default_factory=dict)  # sorted by rank id
+    tasks: dict[TaskId, TaskRecord] = field(default_factory=dict)
+    groups: dict[GroupId, GroupRecord] = field(default_factory=dict)
+    pending_groups: dict[GroupId, GroupRecord] = field(default_factory=dict)  # FIFO
+    paused: dict[TaskId, TaskRecord] = field(default_factory=dict)
+    num_active: int = 0
+    num_new: int = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def rank_ids(self) -> tuple[int, ...]:
+        return tuple(self.ranks)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)
+
+    @property
+    def num_open_sessions(self) -> int:
+        """Environment sessions held open: active plus paused tasks."""
+        return self.num_active + len(self.paused)
+
+    @property
+    def train_admission_limit(self) -> int | None:
+        """How many non-eval tasks may have been admitted in total; None when unthrottled."""
+        if self.tasks_per_step == 0:
+            return None
+        return (self.version + self.max_staleness + 1) * self.tasks_per_step
+
+    def task(self, task_id: TaskId) -> TaskRecord:
+        record = self.tasks.get(task_id)
+        if record is None:
+            raise KeyError(f"unknown task {task_id!r}")
+        return record
+
+    def group_of(self, task: TaskRecord) -> GroupRecord:
+        return self.groups[task.group_id]
+
+    def priority(self, task: TaskRecord) -> float:
+        """P(t), cached on the task: every event that changes its inputs recomputes it."""
+        return task.priority
+
+    def admissible(self, group: GroupRecord) -> list[TaskRecord]:
+        """First-turn probing: an unprobed group offers only its probe, and only while NEW.
+
+        All of them share one footprint estimate (see :meth:`admission_estimate`)."""
+        if group.is_probed:
+            return [self.tasks[task_id] for task_id in group.pending]
+        if group.probe_task_id in group.pending:
+            return [self.tasks[group.probe_task_id]]
+        return []
+
+    def admission_estimate(self, group: GroupRecord) -> int | None:
+        """The footprint its admissible tasks would be admitted at; None when it has none."""
+        if group.probed_footprint is not None:
+            return group.probed_footprint
+        if group.probe_task_id in group.pending:
+            return self.tasks[group.probe_task_id].footprint
+        return None
+
+    def new_tasks(self) -> Iterator[TaskRecord]:
+        """NEW tasks in FIFO order."""
+        for group in self.pending_groups.values():
+            for task_id in group.pending:
+                yield self.tasks[task_id]
+
+    # ------------------------------------------------------------------ rank events
+
+    def add_rank(self, rank: int, budget: int) -> None:
+        if rank in self.ranks:
+            raise ValueError(f"rank {rank} is already a rollout rank")
+        _check_tokens(budget, "budget")
+        self.ranks[rank] = RankRecord(rank, budget)
+        self.ranks = dict(sorted(self.ranks.items()))
+
+    def set_budget(self, rank: int, budget: int) -> None:
+        _check_tokens(budget, "budget")
+        self._rank(rank).budget = budget
+
+    def remove_rank(self, rank: int) -> list[TaskId]:
+        """ERS closed ``rank``: its active tasks become PAUSED with no rank (no KV moves).
+
+        Returns the tasks paused; they resume elsewhere later, with a fresh prefill.
+        """
+        record = self._rank(rank)
+        moved = list(record.active.values())
+        for task in moved:
+            self._deactivate(task)
+            task.state, task.rank = TaskState.PAUSED, None
+            self.paused[task.task_id] = task
+            self._reindex(task)
+        del self.ranks[rank]
+        return [task.task_id for task in moved]
+
+    # ------------------------------------------------------------------ task events
+
+    def add_group(self, group_id: GroupId, specs: Sequence[TaskSpec]) -> None:
+        """Queue a group's tasks, FIFO; its first task is the probe of first-turn probing."""
+        if group_id in self.groups:
+            raise ValueError(f"group {group_id!r} already exists")
+        task_ids = tuple(spec.task_id for spec in specs)
+        if not task_ids or len(set(task_ids)) < len(task_ids) or self.tasks.keys() & task_ids:
+            raise ValueError(f"group {group_id!r} needs tasks with new, distinct ids")
+        group = GroupRecord(group_id, task_ids, any(s.is_eval for s in specs), task_ids[0])
+        for spec in specs:
+            hint = spec.footprint_hint
+            footprint = self.default_footprint_tokens if hint is None else hint
+            self.tasks[spec.task_id] = TaskRecord(
+                spec.task_id, group_id, spec.env, spec.is_eval, footprint, hint
+            )
+            group.pending[spec.task_id] = None
+        self.groups[group_id] = group
+        for task_id in task_ids:
+            self._reindex(self.tasks[task_id])
+        self.pending_groups[group_id] = group
+        self.num_new += len(specs)
+
+    def report_turn(
+        self, task_id: TaskId, footprint: int, context_len: int, is_running: bool = True
+    ) -> None:
+        """A turn of an admitted task starts: its footprint and context now. The probe's first
+        report sets its group's probed footprint, the estimate its NEW siblings are admitted at."""
+        task = self.task(task_id)
+        if task.state is TaskState.NEW:
+            raise ValueError(f"task {task_id!r} reported a turn before it was admitted")
+        _check_tokens(footprint, "footprint")
+        if task.state is TaskState.ACTIVE:
+            self.ranks[task.rank].usage += footprint - task.footprint
+        task.footprint, task.context_len = footprint, context_len
+        task.is_running = is_running and task.state is TaskState.ACTIVE  # paused: never running
+        task.num_turns += 1
+        self._reindex(task)
+        group = self.groups[task.group_id]
+        if not group.is_probed and task_id == group.probe_task_id:
+            group.probed_footprint = footprint
+            for sibling_id in group.pending:
+                self.tasks[sibling_id].footprint = footprint
+
+    def set_running(self, task_id: TaskId, is_running: bool) -> None:
+        """A generation request of an active task started or returned (I_active)."""
+        task = self.task(task_id)
+        task.is_running = is_running and task.state is TaskState.ACTIVE
+        self._reindex(task)
+
+    def finish_task(self, task_id: TaskId) -> None:
+        task = self.task(task_id)
+        if task.state is TaskState.NEW:
+            raise ValueError(f"task {task_id!r} finished before it was admitted")
+        group = self.groups[task.group_id]
+        group.num_finished += 1
+        self._forget(task)
+        for sibling_id in group.task_ids:  # their G_completion, hence priority, went up
+            sibling = self.tasks.get(sibling_id)
+            if sibling is not None:
+                self._reindex(sibling)
+
+    def drop_task(self, task_id: TaskId) -> None:
+        """Abandon a task in any state (e.g. too stale); it does not count as finished."""
+        task = self.task(task_id)
+        self.groups[task.group_id].num_dropped += 1
+        self._forget(task)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    # ------------------------------------------------------------------ the adapter
+
+    def apply(self, decisions: Iterable[Decision]) -> None:
+        """Apply a policy's plan, in order."""
+        for decision in decisions:
+            if isinstance(decision, Pause):
+                self._pause(self.task(decision.task_id))
+            elif isinstance(decision, Resume):
+                self._resume(self.task(decision.task_id), decision.rank)
+            elif isinstance(decision, Admit):
+                self._admit(self.task(decision.task_id), decision.rank)
+            else:
+                raise TypeError(f"not a CTB decision: {decision!r}")
+
+    def _pause(self, task: TaskRecord) -> None:
+        _check_state(task, TaskState.ACTIVE, "pause")
+        self._deactivate(task)
+        task.state = TaskState.PAUSED  # rank kept: it is the task's last rank
+        self.paused[task.task_id] = task
+        self._reindex(task)
+
+    def _resume(self, task: TaskRecord, rank: int) -> None:
+        _check_state(task, TaskState.PAUSED, "resume")
+        del self.paused[task.task_id]
+        self._activate(task, rank)
+
+    def _admit(self, task: TaskRecord, rank: int) -> None:
+        _check_state(task, TaskState.NEW, "admit")
+        self._unqueue(task)
+        self._activate(task, rank)
+        if not task.is_eval:
+            self.num_admitted_train += 1
+
+    # ------------------------------------------------------------------ internals
+
+    def _rank(self, rank: int) -> RankRecord:
+        record = self.ranks.get(rank)
+        if record is None:
+            raise KeyError(f"rank {rank} is not a rollout rank")
+        return record
+
+    def _activate(self, task: TaskRecord, rank: int) -> None:
+        record = self._rank(rank)
+        record.active[task.task_id] = task
+        record.usage += task.footprint
+        _bump(record.num_env, task.env, 1)
+        _bump(self.groups[task.group_id].num_active_on, rank, 1)
+        task.state, task.rank = TaskState.ACTIVE, rank
+        self.num_active += 1
+        self._reindex(task)
+
+    def _deactivate(self, task: TaskRecord) -> None:
+        """Take an ACTIVE task off its rank; it executes nothing until resumed."""
+        record = self.ranks[task.rank]
+        del record.active[task.task_id]
+        record.usage -= task.footprint
+        _bump(record.num_env, task.env, -1)
+        _bump(self.groups[task.group_id].num_active_on, task.rank, -1)
+        task.is_running = False
+        self.num_active -= 1
+
+    def _reindex(self, task: TaskRecord) -> None:
+        """An input of its priority, or its footprint, changed: recompute P(t) and, if it is
+        active, give it a fresh entry in its rank's heap."""
+        group = self.groups[task.group_id]
+        task.priority = priority(task, group, self.weights, self.context_norm_tokens)
+        task.stamp += 1
+        if task.state is not TaskState.ACTIVE:
+            return
+        record = self.ranks[task.rank]
+        entry = (task.priority, task.footprint, task.task_id, task.stamp)
+        heapq.heappush(record.heap, entry)
+        if len(record.heap) > 2 * len(record.active) + 16:  # drop stale entries, amortised O(1)
+            record.heap = [e for e in record.heap if record.is_current(e)]
+            heapq.heapify(record.heap)
+
+    def _unqueue(self, task: TaskRecord) -> None:
+        group = self.groups[task.group_id]
+        del group.pending[task.task_id]
+        if not group.pending:
+            del self.pending_groups[group.group_id]
+        self.num_new -= 1
+
+    def _forget(self, task: TaskRecord) -> None:
+        """Remove a finished or dropped task; a probe that never reported hands over."""
+        if task.state is TaskState.ACTIVE:
+            self._deactivate(task)
+        elif task.state is TaskState.PAUSED:
+            del self.paused[task.task_id]
+        else:
+            self._unqueue(task)
+        del self.tasks[task.task_id]
+        group = self.groups[task.group_id]
+        if not group.is_probed and task.task_id == group.probe_task_id:
+            group.probe_task_id = next(iter(group.pending), None)
+        if group.num_open == 0:
+            del self.groups[group.group_id]
+
+
+def _check_tokens(value: int, name: str) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 tokens, got {value!r}")
+
+
+def _check_state(task: TaskRecord, expected: TaskState, action: str) -> None:
+    if task.state is not expected:
+        raise ValueError(f"cannot {action} task {task.task_id!r}: it is {task.state.value}")

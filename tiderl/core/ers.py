@@ -1,0 +1,320 @@
+"""ERS: the coordinator's elastic resource scaling policy (paper §5.2).
+
+Called once per step at the post-update boundary, before ``sync_params``:
+
+    ERSInput (signals, roles, mode) --classify--> reason --hysteresis gate--> role moves + mode
+                                                        \\--> elastic batch size in [B_min, B_ideal]
+
+    reason               when                                          moves             mode
+    COLD_START           step < cold_start_steps                       trainer->rollout  colocated
+    EVALUATION           an evaluation phase runs                      trainer->rollout  colocated
+    GENERATION_DEFICIT   volume < B_ideal, RAS < break-even, long TPRM trainer->rollout  colocated
+    CONSUMPTION_DEFICIT  HoL > tau·T_step, or RAS >= break-even        rollout->trainer  decoupled
+                         (RAS alone only provisions missing Ref ranks)
+    BALANCED             otherwise                                     none              unchanged
+
+Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
+REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with the highest id move
+first. Invariant: a plan never moves a rank out of a group (rollout, trainer) that is at its
+minimum, never leaves the trainer without an actor, and never reverses the direction of the last
+move before ``hysteresis_steps`` consecutive steps of the opposite deficit (a balanced step breaks
+the streak; cold start and evaluation moves reset this memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tiderl.core.config import require, require_non_negative, require_positive
+from tiderl.core.ra2p import RA2PConfig, break_even_ras
+from tiderl.core.types import (
+    Mode,
+    PlanReason,
+    Ra2pTimings,
+    ReadinessSignals,
+    Role,
+    RoleChange,
+    ScalingPlan,
+)
+
+TRAINER_ROLES = (Role.REF, Role.ACTOR)
+
+
+@dataclass(frozen=True, slots=True)
+class ERSConfig:
+    """Batch sizes are in samples; ``tau`` scales the mean step time into the HoL threshold."""
+
+    enabled: bool = True
+    batch_min: int = 32
+    batch_ideal: int = 64
+    tau: float = 1.0
+    max_scale_up_per_step: int = 1
+    hysteresis_steps: int = 2
+    min_rollout_ranks: int = 1
+    min_trainer_ranks: int = 1
+    cold_start_steps: int = 1
+
+    def __post_init__(self) -> None:
+        require_positive(self.batch_min, "batch_min")
+        require(
+            self.batch_min <= self.batch_ideal,
+            "batch_min",
+            f"expected <= batch_ideal ({self.batch_ideal}), got {self.batch_min}",
+        )
+        require_positive(self.tau, "tau")
+        for name in ("max_scale_up_per_step", "hysteresis_steps"):
+            require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
+        for name in ("min_rollout_ranks", "min_trainer_ranks"):
+            require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
+        require_non_negative(self.cold_start_steps, "cold_start_steps")
+
+
+@dataclass(frozen=True, slots=True)
+class ERSInput:
+    """What the coordinator knows at the boundary after step ``step``'s update.
+
+    ``signals`` is the buffer's view for the next step (``ReadinessTracker.signals(now)``);
+    ``step_duration_s`` is the mean step duration T_step; ``roles[r]`` is rank r's role.
+    """
+
+    step: int
+    is_eval_step: bool
+    signals: ReadinessSignals
+    step_duration_s: float
+    roles: tuple[Role, ...]
+    mode: Mode
+    timings: Ra2pTimings
+    num_micro_batches: int
+
+    def __post_init__(self) -> None:
+        if self.step_duration_s < 0 or self.num_micro_batches < 0:
+            raise ValueError(
+                f"need step_duration_s >= 0 and num_micro_batches >= 0, "
+                f"got {self.step_duration_s}, {self.num_micro_batches}"
+            )
+
+
+class Direction(str, Enum):
+    """Which way a plan moved ranks."""
+
+    TO_ROLLOUT = "to_rollout"
+    TO_TRAINER = "to_trainer"
+
+
+@dataclass(frozen=True, slots=True)
+class ERSState:
+    """Hysteresis memory: the direction of the last signal-driven move, and how many consecutive
+    steps the opposite deficit has been seen since."""
+
+    last_direction: Direction | None = None
+    opposite_streak: int = 0
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def decoupled_break_even(inp: ERSInput, ra2p: RA2PConfig) -> int | None:
+    """``ra2p.break_even_ras`` for this step; an unknown TPRM counts as one gap per step."""
+    tprm = inp.signals.tprm_s if inp.signals.tprm_s is not None else inp.step_duration_s
+    num_actors = max(1, inp.roles.count(Role.ACTOR))
+    return break_even_ras(
+        inp.num_micro_batches,
+        tprm,
+        inp.timings,
+        num_actors,
+        ra2p.max_aggregate,
+        ra2p.decoupled_margin,
+    )
+
+
+def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
+    """The reason for this step's plan; phases first, then generation before consumption (a
+    starved trainer also ages the buffer's head, so HoL alone does not mean slow consumption)."""
+    if inp.step < config.cold_start_steps:
+        return PlanReason.COLD_START
+    if inp.is_eval_step:
+        return PlanReason.EVALUATION
+    sig = inp.signals
+    busy = inp.timings.t_act_f + inp.timings.t_act_b
+    break_even = decoupled_break_even(inp, ra2p)
+    is_ras_high = break_even is not None and sig.ras >= break_even
+    is_tprm_long = sig.tprm_s is None or sig.tprm_s > busy
+    if sig.ready_volume < config.batch_ideal and not is_ras_high and is_tprm_long:
+        return PlanReason.GENERATION_DEFICIT
+    if sig.hol_latency_s > config.tau * inp.step_duration_s or is_ras_high:
+        return PlanReason.CONSUMPTION_DEFICIT
+    return PlanReason.BALANCED
+
+
+def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool) -> int:
+    """B_ideal when that much is ready; otherwise the ready volume clamped to [B_min, B_ideal],
+    or B_min under adaptive retention (keep a reservoir while a scaled-down rollout refills)."""
+    if ready_volume >= config.batch_ideal:
+        return config.batch_ideal
+    if is_retaining:
+        return config.batch_min
+    return max(config.batch_min, ready_volume)
+
+
+# --------------------------------------------------------------------------- role moves
+
+
+def _ranks_with(roles: tuple[Role, ...], role: Role) -> list[int]:
+    """Ranks holding ``role``, highest id first (the order in which they move)."""
+    return [r for r in range(len(roles) - 1, -1, -1) if roles[r] is role]
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Role counts while a plan is being built."""
+
+    roles: list[Role]
+    changes: list[RoleChange] = field(default_factory=list)
+
+    def count(self, *wanted: Role) -> int:
+        return sum(1 for role in self.roles if role in wanted)
+
+    def move(self, rank: int, dst: Role) -> None:
+        self.changes.append(RoleChange(rank, self.roles[rank], dst))
+        self.roles[rank] = dst
+
+
+def _release_refs(layout: _Layout, refs: list[int], keep_refs: int, min_trainer: int) -> int:
+    """Refs beyond ``keep_refs`` go to rollout (or become actors at the trainer minimum)."""
+    surplus = refs[: max(0, len(refs) - keep_refs)]
+    for rank in surplus:
+        at_min = layout.count(*TRAINER_ROLES) <= min_trainer
+        layout.move(rank, Role.ACTOR if at_min else Role.ROLLOUT)
+    return len(surplus)
+
+
+def _release_actors(layout: _Layout, actors: list[int], limit: int, min_trainer: int) -> None:
+    for rank in actors[:limit]:
+        if layout.count(*TRAINER_ROLES) <= min_trainer or layout.count(Role.ACTOR) <= 1:
+            return
+        layout.move(rank, Role.ROLLOUT)
+
+
+def moves_to_rollout(
+    roles: tuple[Role, ...], config: ERSConfig, keep_refs: int, *, is_preemptive: bool
+) -> tuple[RoleChange, ...]:
+    """Scale rollout up. Preemptive (cold start, evaluation): every trainer rank beyond the
+    minimum. Generation deficit: the surplus Ref ranks, or if there are none, at most
+    ``max_scale_up_per_step`` actor ranks above the minimum."""
+    layout = _Layout(list(roles))
+    refs, actors = _ranks_with(roles, Role.REF), _ranks_with(roles, Role.ACTOR)
+    num_released = _release_refs(layout, refs, keep_refs, config.min_trainer_ranks)
+    if is_preemptive or num_released == 0:
+        limit = len(actors) if is_preemptive else config.max_scale_up_per_step
+        _release_actors(layout, actors, limit, config.min_trainer_ranks)
+    return tuple(layout.changes)
+
+
+def moves_to_trainer(
+    roles: tuple[Role, ...], config: ERSConfig, num_refs_needed: int, *, is_backlogged: bool
+) -> tuple[RoleChange, ...]:
+    """Scale the trainer up by at most ``max_scale_up_per_step`` rollout ranks (above the
+    minimum); each becomes a Ref rank while fewer than ``num_refs_needed`` exist, else an actor.
+    Without a backlog (HoL under the threshold; only RAS is at the break-even) only missing Ref
+    ranks are provisioned: the decoupled mode is what that signal asks for. With no rollout rank
+    to spare, an actor becomes the missing Ref if another actor remains."""
+    layout = _Layout(list(roles))
+    spare = layout.count(Role.ROLLOUT) - config.min_rollout_ranks
+    num_missing_refs = max(0, num_refs_needed - layout.count(Role.REF))
+    wanted = config.max_scale_up_per_step if is_backlogged else num_missing_refs
+    num_moves = max(0, min(spare, wanted, config.max_scale_up_per_step))
+    for rank in _ranks_with(roles, Role.ROLLOUT)[:num_moves]:
+        is_ref_missing = layout.count(Role.REF) < num_refs_needed
+        layout.move(rank, Role.REF if is_ref_missing and layout.count(Role.ACTOR) else Role.ACTOR)
+    if not layout.changes and num_refs_needed and not layout.count(Role.REF):
+        actors = _ranks_with(roles, Role.ACTOR)
+        if len(actors) >= 2:
+            layout.move(actors[0], Role.REF)
+    return tuple(layout.changes)
+
+
+def _apply(roles: tuple[Role, ...], changes: tuple[RoleChange, ...]) -> tuple[Role, ...]:
+    new_roles = list(roles)
+    for change in changes:
+        new_roles[change.rank] = change.dst
+    return tuple(new_roles)
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+def _fixed_mode(ra2p: RA2PConfig) -> Mode | None:
+    return None if ra2p.mode == "auto" else Mode(ra2p.mode)
+
+
+def _scale_rollout(
+    inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, is_preemptive: bool
+) -> tuple[tuple[RoleChange, ...], Mode]:
+    mode = _fixed_mode(ra2p) or Mode.COLOCATED
+    keep_refs = ra2p.num_ref_ranks if mode is Mode.DECOUPLED else 0
+    return moves_to_rollout(inp.roles, config, keep_refs, is_preemptive=is_preemptive), mode
+
+
+def _scale_trainer(
+    inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig
+) -> tuple[tuple[RoleChange, ...], Mode]:
+    fixed = _fixed_mode(ra2p)
+    num_refs = 0 if fixed is Mode.COLOCATED else ra2p.num_ref_ranks
+    is_backlogged = inp.signals.hol_latency_s > config.tau * inp.step_duration_s
+    changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=is_backlogged)
+    new_roles = _apply(inp.roles, changes)
+    has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
+    return changes, fixed or (Mode.DECOUPLED if has_pipeline else Mode.COLOCATED)
+
+
+def _gate(state: ERSState, direction: Direction, hysteresis_steps: int) -> tuple[bool, int]:
+    """(may act now, the new opposite streak)."""
+    if state.last_direction in (None, direction):
+        return True, 0
+    streak = state.opposite_streak + 1
+    return streak >= hysteresis_steps, streak
+
+
+def plan_step(
+    inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig
+) -> tuple[ScalingPlan, ERSState]:
+    """One ERS decision and the next hysteresis state; pure."""
+    if not config.enabled:
+        return ScalingPlan((), inp.mode, config.batch_ideal, PlanReason.BALANCED), state
+    reason = classify(inp, config, ra2p)
+    changes: tuple[RoleChange, ...] = ()
+    mode = inp.mode
+    if reason in (PlanReason.COLD_START, PlanReason.EVALUATION):
+        changes, mode = _scale_rollout(inp, config, ra2p, is_preemptive=True)
+        state = ERSState()  # phase-driven moves do not count against the next signal
+    elif reason is PlanReason.BALANCED:
+        state = ERSState(state.last_direction, 0)
+    else:
+        is_generation = reason is PlanReason.GENERATION_DEFICIT
+        direction = Direction.TO_ROLLOUT if is_generation else Direction.TO_TRAINER
+        may_act, streak = _gate(state, direction, config.hysteresis_steps)
+        state = ERSState(state.last_direction, streak)
+        if may_act:
+            changes, mode = (
+                _scale_rollout(inp, config, ra2p, is_preemptive=False)
+                if is_generation
+                else _scale_trainer(inp, config, ra2p)
+            )
+            state = ERSState(direction if changes else state.last_direction, 0)
+    is_retaining = state.last_direction is Direction.TO_TRAINER
+    batch_size = elastic_batch_size(inp.signals.ready_volume, config, is_retaining)
+    return ScalingPlan(changes, mode, batch_size, reason), state
+
+
+class ERSPolicy:
+    """``plan_step`` with its hysteresis state kept between calls (no clock, no I/O)."""
+
+    def __init__(self, config: ERSConfig | None = None, ra2p: RA2PConfig | None = None) -> None:
+        self.config = config or ERSConfig()
+        self.ra2p = ra2p or RA2PConfig()
+        self.state = ERSState()
+
+    def plan(self, inp: ERSInput) -> ScalingPlan:
+        plan, self.state = plan_step(inp, self.state, self.config, self.ra2p)
+        return plan

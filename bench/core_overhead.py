@@ -24,11 +24,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, TaskSpec
+from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook
 from tiderl.core.ers import ERSConfig, ERSInput, ERSPolicy
 from tiderl.core.ra2p import RA2PConfig, choose_mode
 from tiderl.core.readiness import readiness_signals
-from tiderl.core.types import Admit, Mode, Pause, Ra2pTimings, Role
+from tiderl.core.types import Admit, Group, Mode, Pause, Ra2pTimings, Role, Task
 
 NUM_RANKS = 64
 NUM_ACTIVE, NUM_PAUSED, NUM_NEW = 6_400, 1_000, 2_600
@@ -67,8 +67,8 @@ class CTBWorkload:
         group_id = f"g{self.num_groups}"
         self.num_groups += 1
         env = ENVS[self.num_groups % len(ENVS)]
-        specs = [TaskSpec(f"{group_id}-{i}", env) for i in range(GROUP_SIZE)]
-        self.book.add_group(group_id, specs)
+        specs = tuple(Task(f"{group_id}-{i}", group_id, env) for i in range(GROUP_SIZE))
+        self.book.add_group(Group(group_id, specs))
         return [s.task_id for s in specs]
 
     def populate(self) -> None:

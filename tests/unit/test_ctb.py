@@ -11,11 +11,10 @@ from tiderl.core.ctb import (
     PriorityWeights,
     RequestLevelPolicy,
     TaskBook,
-    TaskSpec,
     make_policy,
     priority,
 )
-from tiderl.core.types import Admit, Pause, Resume, TaskState
+from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 
 
 def make_book(budgets: list[int], config: CTBConfig | None = None, **kwargs: int) -> TaskBook:
@@ -34,9 +33,9 @@ def add(
     hint: int | None = None,
 ) -> list[str]:
     """Queue a group whose tasks are named group_id + index."""
-    specs = [TaskSpec(f"{group_id}{i}", env, is_eval, hint) for i in range(size)]
-    book.add_group(group_id, specs)
-    return [spec.task_id for spec in specs]
+    tasks = tuple(Task(f"{group_id}{i}", group_id, env, is_eval, hint) for i in range(size))
+    book.add_group(Group(group_id, tasks))
+    return [task.task_id for task in tasks]
 
 
 def run(

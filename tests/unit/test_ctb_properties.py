@@ -7,9 +7,9 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, TaskSpec, priority
+from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, priority
 from tiderl.core.ctb_state import RankRecord, TaskRecord
-from tiderl.core.types import Admit, Pause, Resume, TaskState
+from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 
 ENVS = ("shop", "alf", "guess")
 PROPERTY = settings(max_examples=200, deadline=None)
@@ -38,8 +38,8 @@ def scenarios(draw) -> tuple[TaskBook, CTBConfig]:
 def _add_group(draw, book: TaskBook, group_id: str, size: int) -> None:
     env, is_eval = draw(st.sampled_from(ENVS)), draw(st.integers(0, 4)) == 0
     hint = draw(st.none() | st.integers(0, 2000))
-    specs = [TaskSpec(f"{group_id}-{i}", env, is_eval, hint) for i in range(size)]
-    book.add_group(group_id, specs)
+    specs = [Task(f"{group_id}-{i}", group_id, env, is_eval, hint) for i in range(size)]
+    book.add_group(Group(group_id, tuple(specs)))
     for spec in specs:
         fate = draw(st.sampled_from(["new", "active", "active", "paused", "finished"]))
         if fate == "new":

@@ -61,5 +61,7 @@ def _flatten(values: dict, prefix: str = ""):
     for key, value in values.items():
         if isinstance(value, dict):
             yield from _flatten(value, f"{prefix}{key}.")
+        elif isinstance(value, list):
+            yield f"{prefix}{key}", "[" + ", ".join(map(str, value)) + "]"
         else:
             yield f"{prefix}{key}", value

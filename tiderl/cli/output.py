@@ -13,6 +13,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 JsonFlag = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
 
@@ -46,5 +47,5 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
     for column in columns:
         out.add_column(column)
     for row in rows:
-        out.add_row(*("" if v is None else str(v) for v in row))
+        out.add_row(*(Text("" if v is None else str(v)) for v in row))  # data, not markup
     return out

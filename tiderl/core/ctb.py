@@ -26,7 +26,6 @@ from tiderl.core.ctb_state import (
     PriorityWeights,
     TaskBook,
     TaskRecord,
-    TaskSpec,
     priority,
 )
 from tiderl.core.types import Admit, Decision, Pause, Resume
@@ -38,7 +37,6 @@ __all__ = [
     "RequestLevelPolicy",
     "SchedulingPolicy",
     "TaskBook",
-    "TaskSpec",
     "make_policy",
     "priority",
 ]

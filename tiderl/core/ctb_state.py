@@ -18,11 +18,20 @@ then the group's probed first-turn footprint); an ACTIVE or PAUSED task's is its
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 
 from tiderl.core.config import require_non_negative
-from tiderl.core.types import Admit, Decision, GroupId, Pause, Resume, TaskId, TaskState
+from tiderl.core.types import (
+    Admit,
+    Decision,
+    Group,
+    GroupId,
+    Pause,
+    Resume,
+    TaskId,
+    TaskState,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +77,6 @@ def priority(
     if task.is_running:
         score += weights.active
     return score
-
-
-@dataclass(frozen=True, slots=True)
-class TaskSpec:
-    """A task as the dataset hands it out; ``env`` is the environment (task type) name."""
-
-    task_id: TaskId
-    env: str
-    is_eval: bool = False
-    footprint_hint: int | None = None  # e.g. the prompt's token count, when known
 
 
 @dataclass(slots=True)
@@ -285,14 +284,15 @@ class TaskBook:
 
     # ------------------------------------------------------------------ task events
 
-    def add_group(self, group_id: GroupId, specs: Sequence[TaskSpec]) -> None:
+    def add_group(self, new_group: Group) -> None:
         """Queue a group's tasks, FIFO; its first task is the probe of first-turn probing."""
+        group_id, specs = new_group.group_id, new_group.tasks
         if group_id in self.groups:
             raise ValueError(f"group {group_id!r} already exists")
         task_ids = tuple(spec.task_id for spec in specs)
-        if not task_ids or len(set(task_ids)) < len(task_ids) or self.tasks.keys() & task_ids:
-            raise ValueError(f"group {group_id!r} needs tasks with new, distinct ids")
-        group = GroupRecord(group_id, task_ids, any(s.is_eval for s in specs), task_ids[0])
+        if self.tasks.keys() & task_ids:
+            raise ValueError(f"group {group_id!r} needs tasks with new ids")
+        group = GroupRecord(group_id, task_ids, new_group.is_eval, task_ids[0])
         for spec in specs:
             hint = spec.footprint_hint
             footprint = self.default_footprint_tokens if hint is None else hint

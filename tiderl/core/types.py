@@ -52,6 +52,48 @@ class GroupState(str, Enum):
     DROPPED = "dropped"
 
 
+# --------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One agentic trajectory to run: an episode of environment ``env`` (its task type) drawn with
+    ``seed``, in GRPO group ``group_id``. ``footprint_hint`` is its first-turn KV footprint in
+    tokens when known in advance (e.g. the prompt's length)."""
+
+    task_id: TaskId
+    group_id: GroupId
+    env: str
+    is_eval: bool = False
+    footprint_hint: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """The G tasks that share a prompt; advantages need all of them. The first is the probe of
+    CTB's first-turn probing."""
+
+    group_id: GroupId
+    tasks: tuple[Task, ...]
+
+    def __post_init__(self) -> None:
+        ids = [t.task_id for t in self.tasks]
+        if not ids or len(set(ids)) < len(ids):
+            raise ValueError(f"group {self.group_id!r} needs tasks with distinct ids")
+        strays = [t.task_id for t in self.tasks if t.group_id != self.group_id]
+        if strays:
+            raise ValueError(f"tasks {strays} do not belong to group {self.group_id!r}")
+
+    @property
+    def size(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def is_eval(self) -> bool:
+        return any(t.is_eval for t in self.tasks)
+
+
 # --------------------------------------------------------------------------- trajectories
 
 

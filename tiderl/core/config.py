@@ -37,5 +37,11 @@ def require_fraction(value: float, key: str) -> None:
     require(0.0 <= value <= 1.0, key, f"expected a number in [0, 1], got {value!r}")
 
 
+def require_int(value: object, key: str, minimum: int) -> None:
+    """An int (not a bool) of at least ``minimum``; for configs built in code, not from YAML."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    require(is_int and value >= minimum, key, f"expected an integer >= {minimum}, got {value!r}")
+
+
 def require_choice(value: object, choices: tuple[object, ...], key: str) -> None:
     require(value in choices, key, f"expected one of {', '.join(map(str, choices))}, got {value!r}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from operator import sub
 from typing import ClassVar
 
-from tiderl.core.config import require
+from tiderl.core.config import require, require_choice, require_int
 from tiderl.core.ctb_state import (
     GroupRecord,
     PriorityWeights,
@@ -60,18 +60,17 @@ class CTBConfig:
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
                 f"expected PriorityWeights, got {self.weights!r}")
-        _require_int(self.context_norm_tokens, "context_norm_tokens", minimum=1)
+        require_int(self.context_norm_tokens, "context_norm_tokens", minimum=1)
         require(
             0.0 < self.budget_fraction <= 1.0,
             "budget_fraction",
             f"expected a number in (0, 1], got {self.budget_fraction!r}",
         )
-        _require_int(self.default_footprint_tokens, "default_footprint_tokens", minimum=1)
-        _require_int(self.max_env_sessions, "max_env_sessions", minimum=0)
-        _require_int(self.diversity_penalty_tokens, "diversity_penalty_tokens", minimum=0)
-        names = ", ".join(sorted(_POLICIES))
-        require(self.policy in _POLICIES, "policy", f"expected one of {names}, got {self.policy!r}")
-        _require_int(self.request_concurrency, "request_concurrency", minimum=1)
+        require_int(self.default_footprint_tokens, "default_footprint_tokens", minimum=1)
+        require_int(self.max_env_sessions, "max_env_sessions", minimum=0)
+        require_int(self.diversity_penalty_tokens, "diversity_penalty_tokens", minimum=0)
+        require_choice(self.policy, tuple(_POLICIES), "policy")
+        require_int(self.request_concurrency, "request_concurrency", minimum=1)
 
     def rank_budget(self, kv_capacity_tokens: int) -> int:
         """B_r for a rank whose KV cache holds ``kv_capacity_tokens``."""
@@ -86,11 +85,6 @@ class CTBConfig:
             max_staleness=max_staleness,
             tasks_per_step=tasks_per_step,
         )
-
-
-def _require_int(value: object, key: str, minimum: int) -> None:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    require(is_int and value >= minimum, key, f"expected an integer >= {minimum}, got {value!r}")
 
 
 # --------------------------------------------------------------------------- policies

@@ -28,7 +28,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from tiderl.core.config import require, require_positive
+from tiderl.core.config import require, require_choice, require_positive
 from tiderl.core.types import MicroBatch, Mode, Ra2pTimings, Sequence
 
 MODE_CHOICES = ("auto", "decoupled", "colocated")
@@ -47,8 +47,7 @@ class RA2PConfig:
     decoupled_margin: float = DEFAULT_DECOUPLED_MARGIN
 
     def __post_init__(self) -> None:
-        choices = ", ".join(MODE_CHOICES)
-        require(self.mode in MODE_CHOICES, "mode", f"expected one of {choices}, got {self.mode!r}")
+        require_choice(self.mode, MODE_CHOICES, "mode")
         require_positive(self.tokens_per_rank, "tokens_per_rank")
         require_positive(self.max_aggregate, "max_aggregate")
         require_positive(self.num_ref_ranks, "num_ref_ranks")

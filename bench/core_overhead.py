@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from machine import machine_info
 
 from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook
 from tiderl.core.ers import ERSConfig, ERSInput, ERSPolicy
@@ -181,19 +181,6 @@ def run_ers(reps: int) -> dict:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "implementation": platform.python_implementation()}
 
 
 def main() -> int:

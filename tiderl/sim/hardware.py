@@ -1,6 +1,6 @@
 """Analytic cost model of one H100 for the simulator: rollout, training, swaps, weight sync.
 
-Every constant names the section of ``/work/shared/research/simcal.md`` it comes from; the table of
+Every constant names the section of ``docs/calibration.md`` it comes from; the table of
 constants, sources and the figures this model reproduces is ``docs/simulator-hardware.md``.
 Pure arithmetic: no torch, no I/O, no clock.
 """
@@ -20,7 +20,7 @@ BF16_BYTES = 2
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A decoder's shape (HF ``config.json`` names in comments); the derived sizes of simcal §8.
+    """A decoder's shape (HF ``config.json`` names in comments); the derived sizes of calibration §8.
 
     Dense models use only the first nine fields. Hybrid models (Qwen3.5: Gated DeltaNet linear
     attention on most layers) set ``full_attention_interval`` and the ``linear_*`` fields.
@@ -43,7 +43,7 @@ class ModelSpec:
     linear_head_dim: int = 128  # linear_key_head_dim = linear_value_head_dim
     linear_conv_kernel: int = 4  # linear_conv_kernel_dim
     vision_params: int = 0  # vision tower: weight bytes only, no per-token LM cost
-    activation_peak_gib: float | None = None  # simcal §8.4 A_peak; None = rule in kv_capacity
+    activation_peak_gib: float | None = None  # calibration §8.4 A_peak; None = rule in kv_capacity
 
     @property
     def num_attention_layers(self) -> int:
@@ -60,7 +60,7 @@ class ModelSpec:
 
     @property
     def attention_mixer_params(self) -> int:
-        """Q, K, V and O projections of one full-attention layer (simcal §8)."""
+        """Q, K, V and O projections of one full-attention layer (calibration §8)."""
         q_out = self.attention_width * (2 if self.attn_output_gate else 1)
         kv_out = 2 * self.num_kv_heads * self.head_dim
         return self.hidden * (q_out + kv_out) + self.attention_width * self.hidden
@@ -86,7 +86,7 @@ class ModelSpec:
 
     @property
     def params_layer(self) -> float:
-        """P_layer (simcal §8), the mean over layers for a hybrid model."""
+        """P_layer (calibration §8), the mean over layers for a hybrid model."""
         return self.params_layers / self.num_layers
 
     @property
@@ -107,17 +107,17 @@ class ModelSpec:
 
     @property
     def params_matmul(self) -> int:
-        """N_mm = L·P_layer + V·d (simcal §8): the params every token multiplies through."""
+        """N_mm = L·P_layer + V·d (calibration §8): the params every token multiplies through."""
         return self.params_layers + self.vocab * self.hidden
 
     @property
     def weight_bytes(self) -> int:
-        """W, bf16 (simcal §1)."""
+        """W, bf16 (calibration §1)."""
         return BF16_BYTES * self.params_total
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """b_kv = 2 (K, V) · L_attn · H_kv · h_d · 2 B (simcal §1)."""
+        """b_kv = 2 (K, V) · L_attn · H_kv · h_d · 2 B (calibration §1)."""
         return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * BF16_BYTES
 
     @property
@@ -141,11 +141,11 @@ def _vision_tower_params(depth: int, width: int, ffn: int, out: int, mergers: in
 
 
 MODELS: dict[str, ModelSpec] = {
-    # simcal §1 (HF config.json, conf H).
+    # calibration §1 (HF config.json, conf H).
     "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064,
-                            qkv_bias=True, activation_peak_gib=5.0),  # A_peak simcal §8.4
+                            qkv_bias=True, activation_peak_gib=5.0),  # A_peak calibration §8.4
     "qwen2.5-14b": ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064,
-                             qkv_bias=True, activation_peak_gib=5.5),  # A_peak simcal §8.4
+                             qkv_bias=True, activation_peak_gib=5.5),  # A_peak calibration §8.4
     # Qwen/Qwen3-VL-4B-Instruct config.json text_config (copies read through code search; H).
     # Vision: depth 24, width 1024, ffn 4096, out 2560, 3 deepstack mergers + the main one (M).
     "qwen3-vl-4b": ModelSpec("qwen3-vl-4b", 36, 2560, 32, 8, 128, 9728, 151936,
@@ -165,7 +165,7 @@ MODELS: dict[str, ModelSpec] = {
 
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
-    """One GPU and its links; the defaults are an H100 80GB SXM in an HGX node (simcal §2, §8)."""
+    """One GPU and its links; the defaults are an H100 80GB SXM in an HGX node (calibration §2, §8)."""
 
     name: str = "h100-sxm"
     memory_bytes: float = 85_045_477_376  # §2: 79.18 GiB usable (llm-d empirical results)
@@ -189,7 +189,7 @@ GPUS: dict[str, GPUSpec] = {"h100-sxm": GPUSpec()}
 
 @dataclass(frozen=True, slots=True)
 class CostKnobs:
-    """The framework-dependent knobs of simcal §8 (sweep them; see the doc for ranges)."""
+    """The framework-dependent knobs of calibration §8 (sweep them; see the doc for ranges)."""
 
     mfu_train: float = 0.38  # §8.5 (0.33-0.45)
     mfu_fwd: float = 0.38  # §8.6 (0.3-0.5)
@@ -223,7 +223,7 @@ class CostModel:
         self.gpu = gpu if gpu is not None else GPUSpec()
         self.knobs = replace(knobs if knobs is not None else CostKnobs(), **overrides)
 
-    # ---- rollout (simcal §8.1-8.4) ----
+    # ---- rollout (calibration §8.1-8.4) ----
 
     def t_lin(self, num_tokens: int) -> float:
         """§8.1: all layers' linear ops over ``num_tokens`` tokens (vidur-fitted soft roofline)."""
@@ -271,7 +271,7 @@ class CostModel:
     def activation_peak_bytes(self) -> float:
         """§8.4 A_peak: the model's value, else 5 GiB at d=3584 + 0.5 GiB per 1536 of hidden.
 
-        The line runs through simcal's 7B (5.0) and 14B (5.5) values; it is clamped to the
+        The line runs through calibration's 7B (5.0) and 14B (5.5) values; it is clamped to the
         4.8-7.4 GiB measured across models (§3.1) so a small model is not given less.
         """
         if self.model.activation_peak_gib is not None:
@@ -291,7 +291,7 @@ class CostModel:
                 - self.gpu.non_torch_bytes - state)
         return max(0, int(free // self.model.kv_bytes_per_token))
 
-    # ---- training and reference (simcal §8.5-8.6) ----
+    # ---- training and reference (calibration §8.5-8.6) ----
 
     def _train_flops_per_token(self, seq_len: int) -> float:
         """§8.5 with r = 0: 6·N_mm + 12·L_attn·H·h_d·s."""
@@ -318,7 +318,7 @@ class CostModel:
         flops = self._train_flops_per_token(seq_len) / 3.0
         return tokens * flops / (self.knobs.mfu_fwd * self.gpu.peak_flops)
 
-    # ---- swaps, weight sync, role switches (simcal §8.7-8.8) ----
+    # ---- swaps, weight sync, role switches (calibration §8.7-8.8) ----
 
     def swap_s(self, nbytes: float) -> float:
         """§8.7: t_fix + bytes / BW_pcie, one direction."""

@@ -54,8 +54,8 @@ class WorkloadSpec:
     action_tokens: float  # mean generated tokens per turn
     max_turns: int  # App. C: 20 text, 50 multimodal
     context_cap: int  # App. C: 8192 text; multimodal: assumption
-    env_step_s: tuple[float, float]  # lognormal (median, sigma) per step, simcal §7
-    env_reset_s: tuple[float, float]  # lognormal (median, sigma) for a reset, simcal §7
+    env_step_s: tuple[float, float]  # lognormal (median, sigma) per step, calibration §7
+    env_reset_s: tuple[float, float]  # lognormal (median, sigma) for a reset, calibration §7
     image_tokens: int = 0  # per screenshot; 0 = text-only
     image_window: tuple[int, int] = (10, 5)  # on reaching [0] live images keep the newest [1]
     turn_sigma: float = 0.7  # lognormal sigma of the latent turn count

@@ -64,12 +64,13 @@ class ProfileError(Exception):
 
 
 def resolve_profile_path(name: str) -> Path:
-    """A profile by path, or by name in ./profiles/ or the source checkout's profiles/."""
+    """A profile by path, or by name (``local``, ``sim/fig8``) in ./profiles/ or the source
+    checkout's profiles/."""
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
-        if not path.is_file():
-            raise ProfileError(f"{name}: no such profile file")
+    if path.is_file():
         return path
+    if path.suffix in (".yaml", ".yml"):
+        raise ProfileError(f"{name}: no such profile file")
     candidates = [Path("profiles") / f"{name}.yaml", _REPO_PROFILES / f"{name}.yaml"]
     for candidate in candidates:
         if candidate.is_file():

@@ -87,7 +87,7 @@ def test_launch_without_runtime_says_so_and_starts_nothing():
     ["rebalance", "j1", "--rollout", "2", "--trainer", "2"],
     ["profile", "kv", "--engine", "http://127.0.0.1:1"], ["profile", "readiness", "--job", "j1"],
     ["bench", "ra2p"], ["bench", "ctb"], ["bench", "engine"], ["bench", "e2e"],
-    ["sim", "webshop"], ["env", "serve"], ["engine", "serve", "--model", "m"],
+    ["env", "serve"], ["engine", "serve", "--model", "m"],
     ["model", "init", "--out", "m"],
 ])
 def test_commands_not_built_yet_exit_1_with_one_line(args):

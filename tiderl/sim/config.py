@@ -1,27 +1,44 @@
-"""Sim section of a profile: the simulated cluster and workload."""
+"""Sim section of a profile: the simulated cluster, workload and job shape."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiderl.core.config import require, require_choice, require_positive
+from tiderl.core.config import require, require_choice, require_non_negative, require_positive
 
 POLICIES = ("verl", "areal", "streamrl", "tiderl")
+EXPERIMENTS = ("", "fig4", "fig8", "table2", "fig12", "fig14", "fig15")
 
 
 @dataclass(frozen=True)
 class SimConfig:
+    experiment: str = ""  # "" = compare `policies` on this scenario; else a paper experiment
     workload: str = "webshop"
     model: str = "qwen2.5-7b"
+    gpu: str = "h100-sxm"
     gpus: int = 32
     steps: int = 100
     seed: int = 0
+    group_size: int = 8  # GRPO G
+    batch_groups: int = 32  # B_ideal, in groups
+    batch_min_groups: int = 16  # B_min, in groups (elastic batch under ERS)
+    max_staleness: int = 1
+    eval_every: int = 0  # steps; 0 = no evaluation
+    eval_groups: int = 0
     rollout_ratio: float = 0.25  # initial (and, for fixed-split policies, permanent) share
+    request_concurrency: int = 256  # per rollout GPU, request-level engines
+    ctb_round_interval_s: float = 0.5  # simulated seconds between CTB rounds
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
 
     def __post_init__(self) -> None:
-        require_positive(self.gpus, "gpus")
-        require_positive(self.steps, "steps")
+        require_choice(self.experiment, EXPERIMENTS, "experiment")
+        for name in ("gpus", "steps", "group_size", "batch_groups", "batch_min_groups",
+                     "request_concurrency", "ctb_round_interval_s"):
+            require_positive(getattr(self, name), name)
+        require(self.batch_min_groups <= self.batch_groups, "batch_min_groups",
+                f"expected <= batch_groups ({self.batch_groups}), got {self.batch_min_groups}")
+        for name in ("max_staleness", "eval_every", "eval_groups"):
+            require_non_negative(getattr(self, name), name)
         require(0.0 < self.rollout_ratio < 1.0, "rollout_ratio",
                 f"expected a number in (0, 1), got {self.rollout_ratio!r}")
         for i, name in enumerate(self.policies):

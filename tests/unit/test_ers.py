@@ -122,14 +122,24 @@ def test_consumption_deficit_by_ras_at_the_break_even():
     assert ERSPolicy().plan(below) == plan((5, A, R), mode=COL, batch=40, reason=GEN)
 
 
-def test_short_tprm_asks_for_decoupled_but_not_for_more_ranks():
-    # TPRM 2 s < actor time 3 s: break-even 0, so RAS 0 already favours decoupled. Without a
-    # backlog (HoL 1 s) only the missing Ref rank is provisioned.
+def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
+    # TPRM 2 s < actor time 3 s: micro-batches arrive faster than the trainer consumes them, so
+    # even with a young buffer head (HoL 1 s) a Ref rank comes first, then actors.
     assert break_even_ras(NUM_MB, 2.0, T, 2, 8) == 0
     flowing = make_input("RRRRAA", ras=0, tprm=2.0, hol=1.0, volume=16)
     assert ERSPolicy().plan(flowing) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
     flowing = make_input("RRRFAA", DEC, ras=0, tprm=2.0, hol=1.0, volume=16)
-    assert ERSPolicy().plan(flowing) == plan(mode=DEC, batch=32, reason=CONS)
+    assert ERSPolicy().plan(flowing) == plan((2, R, A), mode=DEC, batch=32, reason=CONS)
+
+
+def test_ras_at_the_break_even_without_a_backlog_only_provisions_the_ref_rank():
+    # TPRM 3.5 s > actor time 3 s and HoL 1 s: no backlog; RAS 0 >= break-even 0 asks for the
+    # decoupled mode only, so a Ref rank is provisioned once and nothing more moves.
+    assert break_even_ras(NUM_MB, 3.5, T, 2, 8) == 0
+    paced = make_input("RRRRAA", ras=0, tprm=3.5, hol=1.0, volume=16)
+    assert ERSPolicy().plan(paced) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
+    paced = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=16)
+    assert ERSPolicy().plan(paced) == plan(mode=DEC, batch=32, reason=CONS)
 
 
 def test_balanced_keeps_everything():
@@ -176,7 +186,7 @@ def test_elastic_batch_size():
 
 def test_adaptive_retention_follows_a_rollout_scale_down():
     policy = ERSPolicy()
-    flowing = make_input("RRRFAA", DEC, ras=0, tprm=2.0, hol=1.0, volume=40)  # no moves
+    flowing = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=40)  # no moves
     assert policy.plan(flowing).batch_size == 40
     policy.plan(backlogged("RRRFAA", DEC))  # rollout scaled down: rank 2 -> actor
     assert policy.state == ERSState(Direction.TO_TRAINER, 0)

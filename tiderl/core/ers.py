@@ -10,7 +10,8 @@ Called once per step at the post-update boundary, before ``sync_params``:
     EVALUATION           an evaluation phase runs                      trainer->rollout  colocated
     GENERATION_DEFICIT   volume < B_ideal, RAS < break-even, long TPRM trainer->rollout  colocated
     CONSUMPTION_DEFICIT  HoL > tau·T_step, or RAS >= break-even        rollout->trainer  decoupled
-                         (RAS alone only provisions missing Ref ranks)
+                         (a backlog -- HoL over the threshold or TPRM shorter than the actor time --
+                         moves ranks; RAS alone only provisions a missing Ref rank)
     BALANCED             otherwise                                     none              unchanged
 
 Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
@@ -147,6 +148,16 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     return PlanReason.BALANCED
 
 
+def is_backlogged(inp: ERSInput, config: ERSConfig) -> bool:
+    """The trainer cannot keep up: the buffer's head is older than tau·T_step, or micro-batches
+    arrive faster than the actor processes one (paper §5.2: "a large RAS or fast TPRM indicates
+    trainer-side pressure and triggers decoupled RA2P plus more Trainer capacity")."""
+    busy = inp.timings.t_act_f + inp.timings.t_act_b
+    tprm = inp.signals.tprm_s
+    return inp.signals.hol_latency_s > config.tau * inp.step_duration_s or (
+        tprm is not None and tprm < busy)
+
+
 def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool) -> int:
     """B_ideal when that much is ready; otherwise the ready volume clamped to [B_min, B_ideal],
     or B_min under adaptive retention (keep a reservoir while a scaled-down rollout refills)."""
@@ -216,8 +227,9 @@ def moves_to_trainer(
 ) -> tuple[RoleChange, ...]:
     """Scale the trainer up by at most ``max_scale_up_per_step`` rollout ranks (above the
     minimum); each becomes a Ref rank while fewer than ``num_refs_needed`` exist, else an actor.
-    Without a backlog (HoL under the threshold; only RAS is at the break-even) only missing Ref
-    ranks are provisioned: the decoupled mode is what that signal asks for. With no rollout rank
+    Without a backlog (see ``is_backlogged``; only RAS is at the break-even) only missing Ref
+    ranks are provisioned: the decoupled mode is what that signal asks for (paper §5.2: it
+    "reclaims a Rollout rank to provision a dedicated Ref rank"). With no rollout rank
     to spare, an actor becomes the missing Ref if another actor remains."""
     layout = _Layout(list(roles))
     spare = layout.count(Role.ROLLOUT) - config.min_rollout_ranks
@@ -261,8 +273,8 @@ def _scale_trainer(
 ) -> tuple[tuple[RoleChange, ...], Mode]:
     fixed = _fixed_mode(ra2p)
     num_refs = 0 if fixed is Mode.COLOCATED else ra2p.num_ref_ranks
-    is_backlogged = inp.signals.hol_latency_s > config.tau * inp.step_duration_s
-    changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=is_backlogged)
+    backlog = is_backlogged(inp, config)
+    changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog)
     new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
     return changes, fixed or (Mode.DECOUPLED if has_pipeline else Mode.COLOCATED)

@@ -20,7 +20,7 @@ BF16_BYTES = 2
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A decoder's shape (HF ``config.json`` names in comments); the derived sizes of calibration §8.
+    """A decoder's shape (HF ``config.json`` names in comments); derived sizes of calibration §8.
 
     Dense models use only the first nine fields. Hybrid models (Qwen3.5: Gated DeltaNet linear
     attention on most layers) set ``full_attention_interval`` and the ``linear_*`` fields.
@@ -165,7 +165,7 @@ MODELS: dict[str, ModelSpec] = {
 
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
-    """One GPU and its links; the defaults are an H100 80GB SXM in an HGX node (calibration §2, §8)."""
+    """One GPU and its links; defaults: an H100 80GB SXM in an HGX node (calibration §2, §8)."""
 
     name: str = "h100-sxm"
     memory_bytes: float = 85_045_477_376  # §2: 79.18 GiB usable (llm-d empirical results)

@@ -1,0 +1,61 @@
+"""Speed of the simulator: 100 steps on 32 simulated GPUs, WebShop + ALFWorld, all four policies.
+
+    python bench/sim_speed.py [--steps 100] [--gpus 32] [--out bench/results/sim_speed.json]
+
+Target: all four policies together in <= 30 s of wall time on the 2-core development machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from machine import machine_info
+from tiderl.sim.cluster import simulate
+from tiderl.sim.scenario import SYSTEMS
+
+from tiderl.profile import load_profile
+from tiderl.sim.runner import scenario_from_profile
+
+TARGET_S = 30.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--gpus", type=int, default=32)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed.json"))
+    args = parser.parse_args()
+    profile = load_profile("sim/cluster32", [f"sim.steps={args.steps}", f"sim.gpus={args.gpus}"])
+    scenario = scenario_from_profile(profile)
+    per_policy = {}
+    for name in ("verl", "areal", "streamrl", "tiderl"):
+        t0 = time.perf_counter()
+        result = simulate(SYSTEMS[name], scenario)
+        elapsed = time.perf_counter() - t0
+        per_policy[name] = {"wall_s": round(elapsed, 2), "simulated_s": round(result.wall_s, 1),
+                            "steps": len(result.steps),
+                            "goodput_tok_s": round(result.goodput_tok_s, 1)}
+    total = sum(p["wall_s"] for p in per_policy.values())
+    out = {
+        "total_wall_s": round(total, 2),
+        "target_s": TARGET_S,
+        "meets_target": total <= TARGET_S,
+        "scenario": {"workload": scenario.workload, "model": scenario.model,
+                     "gpus": scenario.num_gpus, "steps": scenario.steps},
+        "per_policy": per_policy,
+        "machine": machine_info(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""`tiderl sim` as a user runs it: a real process, JSON out, plots on disk, one-line errors."""
+
+import json
+
+from tests.integration.test_cli import assert_one_line_error, tiderl
+
+
+def test_fig14_experiment_json_and_plot(tmp_path):
+    proc = tiderl("sim", "--experiment", "fig14", "--json", "--out", str(tmp_path),
+                  "--results", str(tmp_path / "sim.json"))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["experiment"] == "fig14"
+    steps = data["headline"]["step_s"]
+    assert set(steps) == {"colocated", "decoupled", "vs", "vso"}
+    assert all(v > 0 for v in steps.values())
+    assert data["paper"] == {"reduction_up_to": 0.443}
+    assert data["plots"] and all((tmp_path / p.split("/")[-1]).exists() for p in data["plots"])
+    saved = json.loads((tmp_path / "sim.json").read_text())
+    assert saved["fig14"]["paper"] == {"reduction_up_to": 0.443}
+
+
+def test_policy_comparison_on_a_small_profile(tmp_path):
+    proc = tiderl("sim", "sim/cluster32", "--set", "sim.steps=3", "--set", "sim.gpus=8",
+                  "--set", "sim.eval_every=0", "--set", "sim.workload=webshop",
+                  "--policies", "areal,tiderl", "--json", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [row["run"] for row in data["rows"]] == ["areal", "tiderl"]
+    assert all(row["trained_tokens"] > 0 for row in data["rows"])
+    assert "tiderl_over_areal" in data["headline"]
+
+
+def test_bad_sim_usage_is_one_line():
+    assert "unknown experiment" in assert_one_line_error(tiderl("sim", "--experiment", "x"), 2)
+    assert "PROFILE or --experiment" in assert_one_line_error(tiderl("sim"), 2)
+    line = assert_one_line_error(tiderl("sim", "sim/cluster32", "--policies", "verl,nope"), 2)
+    assert "nope" in line
+    line = assert_one_line_error(tiderl("sim", "sim/cluster32", "--set", "sim.gpus=0"), 2)
+    assert "sim.gpus" in line

@@ -1,0 +1,133 @@
+"""The simulated cluster end to end on small scenarios: conservation, staleness, determinism,
+identical task streams across systems, and the core policy objects it drives."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
+from tiderl.core.ctb_state import TaskBook
+from tiderl.core.ers import ERSPolicy
+from tiderl.core.readiness import ReadinessTracker
+from tiderl.sim.cluster import Cluster, simulate, simulate_rollout_step, simulate_trainer_step
+from tiderl.sim.scenario import SYSTEMS, SimScenario, SystemSpec
+
+SMALL = SimScenario(workload="webshop+alfworld", num_gpus=4, steps=4, group_size=4,
+                    batch_groups=4, batch_min_groups=2, rollout_ratio=0.5, seed=3)
+ALL = [*SYSTEMS.values(), SystemSpec("tiderl", ctb=False), SystemSpec("tiderl", ra2p=False),
+       SystemSpec("tiderl", ers=False)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {spec.label: simulate(spec, SMALL) for spec in ALL}
+
+
+def test_every_system_trains_every_step(results):
+    for label, result in results.items():
+        assert len(result.steps) == SMALL.steps, label
+        assert all(s.trained_samples > 0 for s in result.steps), label
+        assert result.wall_s == result.steps[-1].end_s > 0
+        assert result.goodput_tok_s == pytest.approx(result.trained_tokens / result.wall_s)
+
+
+def test_tokens_are_conserved_exactly(results):
+    for label, r in results.items():
+        assert r.generated_tokens == r.trained_tokens + r.discarded_tokens + r.in_flight_tokens, \
+            label
+        assert r.trained_tokens == sum(s.trained_tokens for s in r.steps), label
+
+
+def test_trained_data_is_never_staler_than_the_bound(results):
+    for label, r in results.items():
+        bound = 0 if label == "verl" else SMALL.max_staleness
+        assert max(s.max_staleness_seen for s in r.steps) <= bound, label
+
+
+def test_same_seed_same_result():
+    first, second = simulate(SYSTEMS["tiderl"], SMALL), simulate(SYSTEMS["tiderl"], SMALL)
+    assert first.steps == second.steps
+    assert (first.wall_s, first.kv_hit_rate, first.rwt_s) == (
+        second.wall_s, second.kv_hit_rate, second.rwt_s)
+
+
+def test_different_seed_different_stream():
+    a = Cluster(SYSTEMS["areal"], SMALL)
+    b = Cluster(SYSTEMS["areal"], replace(SMALL, seed=4))
+    a.run(), b.run()
+    assert a.fed_groups[0] != b.fed_groups[0]
+
+
+def test_systems_see_identical_task_streams():
+    streams = []
+    for spec in SYSTEMS.values():
+        cluster = Cluster(spec, SMALL)
+        cluster.run()
+        streams.append(cluster.fed_groups)
+    shortest = min(len(s) for s in streams)
+    assert shortest >= SMALL.steps * SMALL.batch_groups
+    assert all(s[:shortest] == streams[0][:shortest] for s in streams)
+
+
+def test_policies_are_the_core_objects(results):
+    tiderl = results["tiderl"].policies
+    assert type(tiderl["ctb"]) is CTBPolicy
+    assert type(tiderl["ers"]) is ERSPolicy
+    assert type(tiderl["book"]) is TaskBook
+    assert type(tiderl["tracker"]) is ReadinessTracker
+    for label in ("verl", "areal", "streamrl", "tiderl-no_ctb"):
+        assert type(results[label].policies["request"]) is RequestLevelPolicy, label
+    assert "ers" not in results["tiderl-no_ers"].policies
+
+
+def test_systems_use_their_trainers(results):
+    assert {s.mode for s in results["areal"].steps} == {"batch"}
+    assert {s.mode for s in results["streamrl"].steps} == {"vso"}
+    assert {s.mode for s in results["tiderl-no_ra2p"].steps} == {"vso"}
+    assert {s.mode for s in results["tiderl"].steps} <= {"colocated", "decoupled"}
+    verl = results["verl"]
+    assert all(s.num_rollout == s.num_trainer == SMALL.num_gpus for s in verl.steps)
+    fixed = results["tiderl-no_ers"]
+    assert all(s.num_rollout == 2 for s in fixed.steps)
+
+
+def test_rollout_step_ctb_and_request_level():
+    scenario = replace(SMALL, workload="webshop")
+    ctb = simulate_rollout_step(scenario, 32, ctb=True, concurrency=None)
+    request = simulate_rollout_step(scenario, 32, ctb=False, concurrency=8)
+    for result in (ctb, request):
+        assert result.wall_s > 0 and result.gen_tok_s > 0 and 0 < result.kv_hit_rate < 1
+    assert request.wall_s > ctb.wall_s  # 8 requests at a time vs all of them
+
+
+def test_trainer_step_modes():
+    ready = [0.0] * 8
+    times = {mode: simulate_trainer_step(SMALL, mode, ready, 8192, 4)
+             for mode in ("colocated", "decoupled", "vs", "vso")}
+    assert times["colocated"] < times["vso"] and times["vs"] < times["vso"]
+    assert times["decoupled"] > 0
+    with pytest.raises(ValueError):
+        simulate_trainer_step(SMALL, "bogus", ready, 8192, 4)
+
+
+def test_evaluation_phases_roll_out_but_are_not_trained():
+    scenario = replace(SMALL, eval_every=2, eval_groups=2)
+    cluster = Cluster(SYSTEMS["tiderl"], scenario)
+    result = cluster.run()
+    assert cluster.pool.eval_tokens > 0
+    assert result.generated_tokens == (result.trained_tokens + result.discarded_tokens
+                                       + result.in_flight_tokens)
+
+
+def test_ers_role_moves_keep_tokens_conserved():
+    """8 GPUs: cold start moves trainer ranks to rollout, later deficits move some back, so
+    rollout ranks close with tasks on them (they resume elsewhere with a fresh prefill)."""
+    scenario = replace(SMALL, num_gpus=8, steps=8, rollout_ratio=0.25, batch_groups=8,
+                       batch_min_groups=4)
+    result = simulate(SYSTEMS["tiderl"], scenario)
+    layouts = {(s.num_rollout, s.num_trainer) for s in result.steps}
+    assert len(layouts) > 1
+    assert result.generated_tokens == (result.trained_tokens + result.discarded_tokens
+                                       + result.in_flight_tokens)

@@ -1,0 +1,134 @@
+"""The global rollout buffer: ready groups -> micro-batches of numbered global batches.
+
+    group ready ──> pending (ready order) ──assign whole groups to the open batch b──┐
+                     │ staleness b − oldest > bound: discarded                        │
+                     v                                                               v
+          next_micro_batch(assigned, is_last = b is full) ──> micro-batch of b ──> trainer
+                                                      └──> ReadinessTracker.record_ready
+
+Batch b is consumed by training step b with policy version b, so a group's staleness is known
+when it is assigned: b minus the version of its oldest tokens. A group above the bound is dropped
+there and its tokens count as discarded. Batch sizes are whole groups: B_ideal unless the
+coordinator sets the open batch's size (ERS's elastic batch). Micro-batches are formed with
+``tiderl.core.ra2p.next_micro_batch`` as data arrives; the last ones of a batch with
+``is_last=True`` (the smallest sequences at the end).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from tiderl.core.ra2p import next_micro_batch
+from tiderl.core.readiness import ReadinessTracker
+from tiderl.core.types import MicroBatch, Sequence
+from tiderl.sim.rollout import SimGroup, trajectory_tokens
+
+
+class ReadyBuffer:
+    """Forms micro-batches for batch ``open_batch``; ``on_micro_batch(b, mb)`` and
+    ``on_batch_closed(b)`` tell the trainer."""
+
+    def __init__(self, tracker: ReadinessTracker, *, group_size: int, batch_ideal: int,
+                 max_staleness: int, tokens_per_rank: int,
+                 on_micro_batch: Callable[[int, MicroBatch], None],
+                 on_batch_closed: Callable[[int], None]) -> None:
+        self.tracker = tracker
+        self.group_size = group_size
+        self.batch_ideal = batch_ideal
+        self.max_staleness = max_staleness
+        self.tokens_per_rank = tokens_per_rank
+        self.num_dp_ranks = 1
+        self._on_micro_batch = on_micro_batch
+        self._on_batch_closed = on_batch_closed
+        self.pending: deque[SimGroup] = deque()
+        self.open_batch = 0
+        self.need = batch_ideal  # samples still to assign to the open batch
+        self.assigned_samples = 0
+        self._assigned: list[Sequence] = []  # assigned to the open batch, not in a micro-batch
+        self._num_mbs = 0
+        self.group_of_seq: dict[str, SimGroup] = {}
+        self.tokens_of_seq: dict[str, int] = {}
+        self.discarded_tokens = 0
+        self.discarded_groups = 0
+        self.max_staleness_seen: dict[int, int] = {}  # batch -> max staleness assigned to it
+        self.buffered_tokens = 0  # ready, not yet consumed (pending + micro-batches)
+
+    def add_group(self, group: SimGroup, now: float) -> None:
+        self.pending.append(group)
+        self.buffered_tokens += sum(trajectory_tokens(p) for p in group.plans)
+        self._fill(now)
+
+    def set_batch_size(self, batch: int, samples: int, now: float) -> None:
+        """ERS's elastic batch for ``batch`` (rounded up to whole groups, at most B_ideal)."""
+        if batch != self.open_batch:
+            return  # already closed at B_ideal
+        groups = -(-samples // self.group_size)
+        size = min(self.batch_ideal, groups * self.group_size)
+        self.need = max(0, size - self.assigned_samples)
+        self._fill(now)
+
+    def _fill(self, now: float) -> None:
+        """Assign pending groups to the open batch; emit micro-batches; close full batches."""
+        while True:
+            self._drop_stale()
+            while self.pending and self.need > 0:
+                group = self.pending.popleft()
+                self._assign(group)
+            is_full = self.need <= 0
+            self._emit(now, is_last=is_full)
+            if not is_full:
+                return
+            self._close(now)
+
+    def _drop_stale(self) -> None:
+        while self.pending:
+            group = self.pending[0]
+            if self.open_batch - group.oldest_version <= self.max_staleness:
+                return
+            self.pending.popleft()
+            tokens = sum(trajectory_tokens(p) for p in group.plans)
+            self.discarded_tokens += tokens
+            self.buffered_tokens -= tokens
+            self.discarded_groups += 1
+
+    def _assign(self, group: SimGroup) -> None:
+        staleness = self.open_batch - group.oldest_version
+        seen = self.max_staleness_seen.get(self.open_batch, 0)
+        self.max_staleness_seen[self.open_batch] = max(seen, staleness)
+        for plan in group.plans:
+            seq = Sequence(plan.task_id, trajectory_tokens(plan))
+            self.group_of_seq[seq.seq_id] = group
+            self.tokens_of_seq[seq.seq_id] = seq.num_tokens
+            self._assigned.append(seq)
+        self.need -= len(group.plans)
+        self.assigned_samples += len(group.plans)
+
+    def _emit(self, now: float, is_last: bool) -> None:
+        while self._assigned:
+            mb = next_micro_batch(self._assigned, self.num_dp_ranks, self.tokens_per_rank,
+                                  is_last=is_last, mb_id=self._num_mbs, ready_time=now)
+            if mb is None:
+                return
+            taken = {s.seq_id for s in mb.sequences}
+            self._assigned = [s for s in self._assigned if s.seq_id not in taken]
+            self._num_mbs += 1
+            self.tracker.record_ready((self.open_batch, mb.mb_id), now, len(mb.sequences),
+                                      mb.num_tokens)
+            self._on_micro_batch(self.open_batch, mb)
+
+    def _close(self, now: float) -> None:
+        batch = self.open_batch
+        self.open_batch += 1
+        self.need = self.batch_ideal
+        self.assigned_samples = 0
+        self._on_batch_closed(batch)
+
+    def consume(self, batch: int, mb: MicroBatch) -> int:
+        """The trainer took ``mb``: out of the buffer; returns its tokens."""
+        self.tracker.record_consumed((batch, mb.mb_id))
+        for seq in mb.sequences:
+            del self.group_of_seq[seq.seq_id]
+            del self.tokens_of_seq[seq.seq_id]
+        self.buffered_tokens -= mb.num_tokens
+        return mb.num_tokens

@@ -1,0 +1,55 @@
+"""Plots of experiment results (PNG, matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiderl.sim.experiments import ExperimentResult
+
+
+def write_plots(result: ExperimentResult, out_dir: Path) -> list[Path]:
+    """One PNG per series group (per-step lines) and one bar chart of the table's main figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    for metric, lines in result.series.items():
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for label, ys in lines.items():
+            ax.plot(range(len(ys)), ys, label=label, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{result.name}: {metric} per step")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / f"{result.name}_{metric}.png"))
+    key = _bar_key(result)
+    if key:
+        labels = [str(row.get("run", row.get("mode"))) for row in result.rows]
+        values = [float(row[key]) for row in result.rows]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.bar(range(len(values)), values)
+        ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(key)
+        ax.set_title(f"{result.name}: {key}")
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / f"{result.name}_{key}.png"))
+    return paths
+
+
+def _bar_key(result: ExperimentResult) -> str | None:
+    for key in ("goodput_tok_s", "step_s", "kv_hit_rate"):
+        if result.rows and all(key in row for row in result.rows):
+            return key
+    return None
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

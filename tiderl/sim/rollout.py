@@ -1,0 +1,306 @@
+"""The rollout side: tasks, environments and the CTB (or request-level) policy on a TaskBook.
+
+    add_groups ──> TaskBook (pending) ──round: policy.schedule(book); book.apply(plan)──┐
+                                                                                         v
+      Admit(t, r) ──> env reset ──> turn: report_turn, Request ──> RolloutEngine r ──> done
+                          ^                                                              │
+                          └──────────── env step (env_latency_s) <── more turns ─────────┤
+      Pause(t): unpin; the task stops at its next turn boundary (held until Resume)      │
+      Resume(t, r): continue on r (another rank: its KV is released there, fresh prefill) │
+                                                         last turn + env: finish_task ───┘
+                                                         group complete ──> on_group_ready
+
+Rounds run every ``ctb_round_interval_s`` while the book changed since the last one. A task
+waiting for its environment holds no request: its blocks are cached (evictable) unless CTB pins
+it. The policy object is the one from ``tiderl.core.ctb``; this module is only its adapter.
+Invariant: a task has at most one request in flight, on the rank its KV lives on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tiderl.core.ctb import SchedulingPolicy, TaskBook
+from tiderl.core.types import Admit, Group, Pause, Resume, Task
+from tiderl.sim.engine import Request, RolloutEngine
+from tiderl.sim.events import EventLoop
+from tiderl.sim.hardware import CostModel
+from tiderl.sim.kvcache import SimKVCache
+from tiderl.sim.workload import TaskPlan
+
+
+@dataclass(slots=True, eq=False)
+class SimTask:
+    plan: TaskPlan
+    turn: int = 0  # index of the next (or current) turn
+    context: int = 0  # context tokens after the last finished turn
+    rank: int | None = None  # where its KV lives and its requests run
+    is_paused: bool = False  # CTB paused it: it starts no new turn
+    is_waiting_env: bool = False  # its environment is working (reset or step)
+    request: Request | None = None
+    version: int | None = None  # policy version of its first turn (its oldest tokens)
+    rank_next: int | None = None  # resumed elsewhere while a turn ran: move after the turn
+
+    @property
+    def task_id(self) -> str:
+        return self.plan.task_id
+
+
+@dataclass(slots=True, eq=False)
+class SimGroup:
+    group_id: str
+    tasks: list[SimTask]
+    is_eval: bool
+    num_open: int = 0
+    ready_time: float = 0.0
+    plans: list[TaskPlan] = field(default_factory=list)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(t.version for t in self.tasks if t.version is not None)
+
+
+def trajectory_tokens(plan: TaskPlan) -> int:
+    """Tokens the trainer processes for a task: its training sequences (one per pruning, then
+    the final one; a text task has exactly one)."""
+    return sum(plan.segment_tokens)
+
+
+class RolloutPool:
+    """Rollout ranks driven by a scheduling policy; groups come out complete."""
+
+    def __init__(self, loop: EventLoop, cost: CostModel, book: TaskBook,
+                 policy: SchedulingPolicy, *, round_interval_s: float, block_size: int,
+                 max_running: int | None, on_group_ready: Callable[[SimGroup], None]) -> None:
+        self.loop = loop
+        self.cost = cost
+        self.book = book
+        self.policy = policy
+        self.round_interval_s = round_interval_s
+        self.block_size = block_size
+        self.max_running = max_running
+        self.on_group_ready = on_group_ready
+        self.kv_capacity = cost.kv_capacity_tokens()
+        self.engines: dict[int, RolloutEngine] = {}
+        self.closed: list[RolloutEngine] = []
+        self.tasks: dict[str, SimTask] = {}
+        self.groups: dict[str, SimGroup] = {}
+        self.version = 0
+        self.generated_tokens = 0  # trajectory tokens of finished training tasks
+        self.eval_tokens = 0
+        self.num_rounds = 0
+        self.num_idle = 0  # open ranks with no request
+        self._is_dirty = False
+        self._round_pending = False
+        self.on_idle_change: Callable[[], None] | None = None  # before num_idle changes
+
+    # ---- ranks ----
+
+    def add_rank(self, rank: int, available_at: float) -> None:
+        kv = SimKVCache(self.kv_capacity, self.block_size)
+        engine = RolloutEngine(rank, self.loop, self.cost, kv, self._on_turn_done,
+                               self.max_running, self._on_engine_idle)
+        engine.stall_until = max(self.loop.now, available_at)
+        self._note_idle(+1)
+        self.engines[rank] = engine
+        self.book.add_rank(rank, self.policy_budget())
+        self.mark_dirty()
+
+    def policy_budget(self) -> int:
+        config = getattr(self.policy, "config", None)
+        return config.rank_budget(self.kv_capacity) if config else self.kv_capacity
+
+    def remove_rank(self, rank: int) -> None:
+        """ERS closes ``rank``: its tasks are paused rank-less in the book and here; a turn in
+        flight is abandoned (it restarts, with a fresh prefill, where the task resumes)."""
+        engine = self.engines.pop(rank)
+        if engine.is_idle:
+            self._note_idle(-1)
+        for request in engine.close():
+            task = request.payload
+            task.request = None
+            task.context = _context_before(task)  # the turn restarts from its start
+        self.book.remove_rank(rank)
+        for task in self.tasks.values():
+            if task.rank_next == rank:
+                task.rank_next = None
+                task.is_paused = not self._is_active_in_book(task)
+            if task.rank == rank:
+                task.rank = None
+                task.is_paused = not self._is_active_in_book(task)
+        self.closed.append(engine)
+        self.mark_dirty()
+
+    def _is_active_in_book(self, task: SimTask) -> bool:
+        record = self.book.tasks.get(task.task_id)
+        return record is not None and record.state.value == "active"
+
+    # ---- tasks ----
+
+    def add_group(self, plans: list[TaskPlan]) -> SimGroup:
+        tasks = [SimTask(plan) for plan in plans]
+        group = SimGroup(plans[0].group_id, tasks, plans[0].is_eval, len(tasks), plans=plans)
+        self.groups[group.group_id] = group
+        for task in tasks:
+            self.tasks[task.task_id] = task
+        specs = tuple(Task(p.task_id, p.group_id, p.env, p.is_eval,
+                           footprint_hint=p.prompt_tokens + p.turns[0].context_add)
+                      for p in plans)
+        self.book.add_group(Group(group.group_id, specs))
+        self.mark_dirty()
+        return group
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self.book.set_version(version)
+        self.mark_dirty()
+
+    # ---- CTB rounds ----
+
+    def mark_dirty(self) -> None:
+        self._is_dirty = True
+        if not self._round_pending:
+            self._round_pending = True
+            self.loop.after(0.0 if self.num_rounds == 0 else self.round_interval_s, self._tick)
+
+    def _tick(self, _: object) -> None:
+        self._round_pending = False
+        if self._is_dirty:
+            self.run_round()
+
+    def run_round(self) -> None:
+        """One scheduling round: the core policy decides, the book and this pool apply it."""
+        self._is_dirty = False
+        self.num_rounds += 1
+        if self.on_idle_change is not None:
+            self.on_idle_change()  # admissions may end a throttled stretch
+        plan = self.policy.schedule(self.book)
+        self.book.apply(plan)
+        for decision in plan:
+            task = self.tasks[decision.task_id]
+            if isinstance(decision, Pause):
+                self._pause(task)
+            elif isinstance(decision, Resume):
+                self._resume(task, decision.rank)
+            elif isinstance(decision, Admit):
+                self._admit(task, decision.rank)
+
+    def _admit(self, task: SimTask, rank: int) -> None:
+        task.rank = rank
+        task.is_waiting_env = True
+        self.loop.after(task.plan.reset_latency_s, self._on_env_done, task)
+
+    def _pause(self, task: SimTask) -> None:
+        task.is_paused = True
+        if task.rank is not None and task.rank in self.engines:
+            self.engines[task.rank].kv.unpin(task.task_id)
+
+    def _resume(self, task: SimTask, rank: int) -> None:
+        task.is_paused = False
+        if task.request is None:
+            self._move(task, rank)
+            if not task.is_waiting_env:
+                self._start_turn(task)
+        elif task.rank != rank:
+            task.rank_next = rank  # it moves when this turn ends
+        elif self.policy.pins_tasks:
+            self.engines[rank].kv.pin(task.task_id)
+
+    def _move(self, task: SimTask, rank: int) -> None:
+        """Put the task's KV home on ``rank``; leaving a rank frees its blocks there."""
+        if task.rank != rank and task.rank in self.engines:
+            self.engines[task.rank].kv.release(task.task_id)
+        task.rank = rank
+
+    # ---- turns ----
+
+    def _on_env_done(self, task: SimTask) -> None:
+        task.is_waiting_env = False
+        if task.turn == task.plan.num_turns:
+            self._finish(task)
+        elif not task.is_paused and task.rank is not None:
+            self._start_turn(task)
+        # else: held until a Resume starts its turn
+
+    def _start_turn(self, task: SimTask) -> None:
+        plan, k = task.plan, task.turn
+        turn = plan.turns[k]
+        if task.version is None:
+            task.version = self.version
+        base = plan.prompt_tokens if k == 0 else task.context
+        context = base + turn.context_add - turn.pruned_tokens
+        task.context = context
+        self.book.report_turn(task.task_id, context + turn.action_tokens, context)
+        engine = self.engines[task.rank]
+        request = Request(task.task_id, plan.group_id, plan.prompt_tokens, context,
+                          turn.action_tokens, context if k == 0 else turn.context_add,
+                          turn.kept_prefix, pin=self.policy.pins_tasks and not task.is_paused,
+                          payload=task)
+        task.request = request
+        engine.submit(request)
+        self.mark_dirty()
+
+    def _on_turn_done(self, request: Request) -> None:
+        task: SimTask = request.payload
+        task.request = None
+        turn = task.plan.turns[task.turn]
+        task.context += turn.action_tokens
+        task.turn += 1
+        if task.rank_next is not None:
+            self._move(task, task.rank_next)
+            task.rank_next = None
+        if task.task_id in self.book.tasks:
+            self.book.set_running(task.task_id, False)
+        task.is_waiting_env = True
+        self.loop.after(turn.env_latency_s, self._on_env_done, task)
+
+    def _finish(self, task: SimTask) -> None:
+        if task.rank in self.engines:
+            self.engines[task.rank].kv.release(task.task_id)
+        self.book.finish_task(task.task_id)
+        del self.tasks[task.task_id]
+        group = self.groups[task.plan.group_id]
+        tokens = trajectory_tokens(task.plan)
+        if group.is_eval:
+            self.eval_tokens += tokens
+        else:
+            self.generated_tokens += tokens
+        group.num_open -= 1
+        if group.num_open == 0:
+            del self.groups[group.group_id]
+            group.ready_time = self.loop.now
+            self.on_group_ready(group)
+        self.mark_dirty()
+
+    # ---- metrics ----
+
+    def _on_engine_idle(self, engine: RolloutEngine, is_idle: bool) -> None:
+        self._note_idle(1 if is_idle else -1)
+
+    def _note_idle(self, delta: int) -> None:
+        if self.on_idle_change is not None:
+            self.on_idle_change()
+        self.num_idle += delta
+
+    def finished_in_open_groups(self) -> int:
+        """Trajectory tokens of finished training tasks whose group is still open."""
+        return sum(trajectory_tokens(t.plan) for g in self.groups.values() if not g.is_eval
+                   for t in g.tasks if t.task_id not in self.tasks)
+
+    def all_engines(self) -> list[RolloutEngine]:
+        return [*self.closed, *self.engines.values()]
+
+    def kv_counters(self) -> tuple[int, int]:
+        """(query tokens, hit tokens) over every rank this pool ever had."""
+        engines = self.all_engines()
+        return sum(e.kv.query_tokens for e in engines), sum(e.kv.hit_tokens for e in engines)
+
+
+def _context_before(task: SimTask) -> int:
+    """Context before the current turn started (an abandoned turn restarts from it)."""
+    plan, k = task.plan, task.turn
+    if k == 0:
+        return 0
+    turn = plan.turns[k]
+    return task.context - turn.context_add + turn.pruned_tokens

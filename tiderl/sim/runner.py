@@ -1,0 +1,55 @@
+"""Profile -> simulated scenario -> experiment results (what `tiderl sim` runs)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from tiderl.profile import Profile
+from tiderl.sim.cluster import simulate
+from tiderl.sim.experiments import ExperimentResult, run_experiment
+from tiderl.sim.scenario import SYSTEMS, SimScenario
+
+
+def scenario_from_profile(profile: Profile) -> SimScenario:
+    """The profile's ``sim`` section plus the core policy sections (ctb, ra2p, ers)."""
+    sim = profile.sim
+    ers = replace(profile.ers, batch_min=sim.batch_min_groups * sim.group_size,
+                  batch_ideal=sim.batch_groups * sim.group_size)
+    return SimScenario(
+        workload=sim.workload, model=sim.model, gpu=sim.gpu, num_gpus=sim.gpus, steps=sim.steps,
+        seed=sim.seed, group_size=sim.group_size, batch_groups=sim.batch_groups,
+        batch_min_groups=sim.batch_min_groups, max_staleness=sim.max_staleness,
+        eval_every=sim.eval_every, eval_groups=sim.eval_groups, rollout_ratio=sim.rollout_ratio,
+        request_concurrency=sim.request_concurrency,
+        ctb_round_interval_s=sim.ctb_round_interval_s,
+        ctb=profile.ctb, ra2p=profile.ra2p, ers=ers,
+    )
+
+
+def compare_policies(scenario: SimScenario, policies: list[str]) -> ExperimentResult:
+    """Each policy on the same scenario and task stream; goodput ratios against tiderl."""
+    results = {name: simulate(SYSTEMS[name], scenario) for name in policies}
+    headline: dict[str, Any] = {
+        "goodput_tok_s": {k: round(v.goodput_tok_s, 1) for k, v in results.items()}}
+    if "tiderl" in results:
+        base = results["tiderl"].goodput_tok_s
+        for name, res in results.items():
+            if name != "tiderl" and res.goodput_tok_s:
+                headline[f"tiderl_over_{name}"] = round(base / res.goodput_tok_s, 3)
+    rows = [{"run": name, "goodput_tok_s": round(r.goodput_tok_s, 1), "wall_s": round(r.wall_s, 1),
+             "trained_tokens": r.trained_tokens, "discarded_tokens": r.discarded_tokens,
+             "kv_hit_rate": round(r.kv_hit_rate, 4), "rwt_s": round(r.rwt_s, 1),
+             "twt_s": round(r.twt_s, 1)} for name, r in results.items()]
+    series = {"trained_tokens": {name: [float(s.trained_tokens) for s in r.steps]
+                                 for name, r in results.items()}}
+    return ExperimentResult("compare", headline, {}, rows, series)
+
+
+def run_profile(profile: Profile, experiment: str | None = None,
+                policies: list[str] | None = None) -> ExperimentResult:
+    scenario = scenario_from_profile(profile)
+    name = experiment if experiment is not None else profile.sim.experiment
+    if name:
+        return run_experiment(name, scenario)
+    return compare_policies(scenario, policies or profile.sim.policies)

@@ -1,0 +1,222 @@
+"""The trainer: one training step's executor, fed micro-batches as they become ready.
+
+    buffer ──add(mb)──> executor ──(all of the step's micro-batches done)──> on_done(now)
+                 close() ──┘ (the step's batch is complete)
+
+Executors (paper §5.1, App. A), all timed with ``CostModel`` on the actual token counts:
+
+    AggregatingExecutor  colocated Ref+Actor on the same T GPUs: App. A's C_col loop run live —
+                         wait for data; take up to ``max_aggregate`` ready micro-batches; swap,
+                         Ref over them; swap, Actor over them; repeat. With max_aggregate = 1 it
+                         is vanilla streaming (a swap per alternation: "vso"; a context switch
+                         instead of a swap: "vs"); with ``wait_for_batch`` it waits for the whole
+                         batch (areal, verl: one swap pair per step).
+    PipelineExecutor     decoupled: a Ref server on R GPUs, the Actor on A GPUs; the Actor's
+                         forward overlaps the Ref, its backward waits for its Ref (deferred loss):
+                             ref_done_i = max(arrive_i, ref_done_{i-1}) + t_ref_i
+                             fwd_done_i = max(arrive_i, act_done_{i-1}) + t_fwd_i
+                             act_done_i = max(fwd_done_i, ref_done_i) + t_bwd_i
+
+A micro-batch's time on G data-parallel GPUs is its slowest GPU's: the sequences are dealt with
+the core dispatch (``dispatch_zigzag`` colocated, ``order_smallest_last`` decoupled) and each
+sequence costs ``CostModel.*_s(n, n)`` (attention at its own length). TWT accumulates the
+trainer's GPU-seconds with nothing to compute while its step is open.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from tiderl.core.ra2p import dispatch_zigzag, order_smallest_last
+from tiderl.core.types import MicroBatch, Ra2pTimings, Sequence
+from tiderl.sim.events import EventLoop
+from tiderl.sim.hardware import CostModel
+
+CONTEXT_SWITCH_S = 1e-3  # "vs": Ref<->Actor on the GPU without offload; simcal §5: 0 or < 1 ms
+
+
+def _slowest(per_rank: list[list[Sequence]], cost: Callable[[int, int], float]) -> float:
+    return max((sum(cost(s.num_tokens, s.num_tokens) for s in seqs) for seqs in per_rank),
+               default=0.0)
+
+
+def ref_time(model: CostModel, mb: MicroBatch, num_gpus: int) -> float:
+    return _slowest(dispatch_zigzag(mb.sequences, num_gpus), model.ref_fwd_s)
+
+
+def actor_times(model: CostModel, mb: MicroBatch, num_gpus: int,
+                decoupled: bool = False) -> tuple[float, float]:
+    """(forward, backward) of the Actor over ``mb`` on ``num_gpus`` GPUs."""
+    deal = order_smallest_last if decoupled else dispatch_zigzag
+    per_rank = deal(mb.sequences, num_gpus)
+    return _slowest(per_rank, model.actor_fwd_s), _slowest(per_rank, model.actor_bwd_s)
+
+
+def typical_timings(model: CostModel, mb: MicroBatch, num_ref: int, num_actor: int,
+                    t_swap: float) -> Ra2pTimings:
+    """RA2P's per-micro-batch costs for a micro-batch like ``mb`` on this layout."""
+    fwd, bwd = actor_times(model, mb, num_actor)
+    return Ra2pTimings(ref_time(model, mb, num_ref), fwd, bwd, t_swap)
+
+
+class StepExecutor:
+    """Common bookkeeping: the step's micro-batches, its end, the trainer's wait for data."""
+
+    def __init__(self, loop: EventLoop, model: CostModel, num_gpus: int,
+                 on_done: Callable[[float], None], count_wait: bool = True) -> None:
+        self.loop = loop
+        self.model = model
+        self.num_gpus = num_gpus
+        self.on_done = on_done
+        self.count_wait = count_wait
+        self.is_closed = False
+        self.is_done = False
+        self.num_micro_batches = 0
+        self.tokens = 0
+        self.samples = 0
+        self.twt_s = 0.0
+        self.busy_s = 0.0  # compute + swap seconds on the critical path
+
+    def add(self, mb: MicroBatch) -> None:
+        self.num_micro_batches += 1
+        self.tokens += mb.num_tokens
+        self.samples += len(mb.sequences)
+
+    def close(self) -> None:
+        self.is_closed = True
+
+    def _finish(self, now: float) -> None:
+        if not self.is_done:
+            self.is_done = True
+            self.on_done(now)
+
+
+class AggregatingExecutor(StepExecutor):
+    """Colocated Ref+Actor with ready-batch aggregation (see the module docstring)."""
+
+    def __init__(self, loop: EventLoop, model: CostModel, num_gpus: int,
+                 on_done: Callable[[float], None], *, max_aggregate: int, t_swap: float,
+                 wait_for_batch: bool = False, count_wait: bool = True) -> None:
+        super().__init__(loop, model, num_gpus, on_done, count_wait)
+        self.max_aggregate = max_aggregate
+        self.t_swap = t_swap
+        self.wait_for_batch = wait_for_batch
+        self.num_swaps = 0
+        self._ready: deque[MicroBatch] = deque()
+        self._is_busy = False
+        self._is_kick_pending = False
+        self._wait_since = loop.now
+
+    def add(self, mb: MicroBatch) -> None:
+        super().add(mb)
+        self._ready.append(mb)
+        self._kick_soon()
+
+    def close(self) -> None:
+        super().close()
+        self._kick_soon()
+
+    def _kick_soon(self) -> None:
+        """Start after every event of this instant: micro-batches arriving together aggregate."""
+        if not self._is_kick_pending:
+            self._is_kick_pending = True
+            self.loop.after(0.0, self._on_kick)
+
+    def _on_kick(self, _: object) -> None:
+        self._is_kick_pending = False
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._is_busy or self.is_done:
+            return
+        if not self._ready or (self.wait_for_batch and not self.is_closed):
+            if self.is_closed and not self._ready:
+                self._finish(self.loop.now)
+            return
+        now = self.loop.now
+        if self.count_wait:
+            self.twt_s += (now - self._wait_since) * self.num_gpus
+        limit = len(self._ready) if self.wait_for_batch else self.max_aggregate
+        taken = [self._ready.popleft() for _ in range(min(limit, len(self._ready)))]
+        ref = sum(ref_time(self.model, mb, self.num_gpus) for mb in taken)
+        act = sum(sum(actor_times(self.model, mb, self.num_gpus)) for mb in taken)
+        duration = 2 * self.t_swap + ref + act
+        self.num_swaps += 2
+        self.busy_s += duration
+        self._is_busy = True
+        self.loop.after(duration, self._on_iteration_done)
+
+    def _on_iteration_done(self, _: object) -> None:
+        self._is_busy = False
+        self._wait_since = self.loop.now
+        self._kick()
+
+
+class PipelineExecutor(StepExecutor):
+    """Decoupled Ref server + Actor with the deferred loss (see the module docstring)."""
+
+    def __init__(self, loop: EventLoop, model: CostModel, num_ref: int, num_actor: int,
+                 on_done: Callable[[float], None], count_wait: bool = True) -> None:
+        super().__init__(loop, model, num_ref + num_actor, on_done, count_wait)
+        self.num_ref = num_ref
+        self.num_actor = num_actor
+        self._ref_free = loop.now
+        self._act_free = loop.now
+
+    def add(self, mb: MicroBatch) -> None:
+        super().add(mb)
+        now = self.loop.now
+        t_ref = ref_time(self.model, mb, self.num_ref)
+        t_fwd, t_bwd = actor_times(self.model, mb, self.num_actor, decoupled=True)
+        ref_done = max(now, self._ref_free) + t_ref
+        if self.count_wait and now > self._act_free:
+            self.twt_s += (now - self._act_free) * self.num_gpus
+        fwd_done = max(now, self._act_free) + t_fwd
+        act_done = max(fwd_done, ref_done) + t_bwd
+        self.busy_s += act_done - max(now, self._act_free)
+        self._ref_free, self._act_free = ref_done, act_done
+
+    def close(self) -> None:
+        super().close()
+        self.loop.at(max(self.loop.now, self._act_free), self._on_drained)
+
+    def _on_drained(self, _: object) -> None:
+        self._finish(self.loop.now)
+
+
+def build_executor(kind: str, loop: EventLoop, model: CostModel, *, num_gpus: int,
+                   num_ref: int, max_aggregate: int, on_done: Callable[[float], None],
+                   count_wait: bool = True) -> StepExecutor:
+    """``kind``: "colocated", "decoupled" (``num_ref`` of the GPUs run Ref), "vs", "vso",
+    "batch" (whole batch, one swap pair)."""
+    swap = model.model_swap_s()
+    if kind == "decoupled":
+        return PipelineExecutor(loop, model, num_ref, num_gpus - num_ref, on_done, count_wait)
+    settings = {"colocated": (max_aggregate, swap, False), "vs": (1, CONTEXT_SWITCH_S, False),
+                "vso": (1, swap, False), "batch": (1, swap, True)}
+    if kind not in settings:
+        raise ValueError(f"unknown trainer mode {kind!r}")
+    aggregate, t_swap, wait = settings[kind]
+    return AggregatingExecutor(loop, model, num_gpus, on_done, max_aggregate=aggregate,
+                               t_swap=t_swap, wait_for_batch=wait, count_wait=count_wait)
+
+
+def run_trainer_step(model: CostModel, kind: str, ready_times: list[float], mb_tokens: int,
+                     num_gpus: int, *, num_ref: int, max_aggregate: int, seq_tokens: int) -> float:
+    """Seconds one step takes for micro-batches of ``mb_tokens`` tokens (sequences of
+    ``seq_tokens``) arriving at ``ready_times`` (relative to the step start, which is 0)."""
+    loop = EventLoop()
+    end: list[float] = []
+    executor = build_executor(kind, loop, model, num_gpus=num_gpus, num_ref=num_ref,
+                              max_aggregate=max_aggregate, on_done=end.append)
+    times = sorted(max(0.0, t) for t in ready_times)
+    for i, ready in enumerate(times):
+        num_seqs = max(1, mb_tokens // seq_tokens)
+        sizes = [mb_tokens // num_seqs] * num_seqs
+        sizes[-1] += mb_tokens - sum(sizes)
+        seqs = tuple(Sequence(f"{i}/{j}", n) for j, n in enumerate(sizes))
+        loop.at(ready, executor.add, MicroBatch(i, seqs, ready))
+    loop.at(times[-1] if times else 0.0, lambda _: executor.close())
+    loop.run()
+    return end[0]

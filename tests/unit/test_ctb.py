@@ -317,8 +317,14 @@ def test_staleness_throttle_admits_an_exact_count_and_exempts_eval():
     book.apply(plan)
     assert book.num_admitted_train == 4
     assert schedule(book) == []
-    book.set_version(1)  # limit 6
+    book.retire(2)  # one step of 2 trained: limit 2 + (1 + 1) * 2 = 6
     assert schedule(book) == [Admit("t4-0", 0), Admit("t5-0", 0)]
+    book.set_tasks_per_step(1)  # an elastic batch of 1: limit 2 + 2 = 4, nothing more
+    book.apply(schedule(book))
+    add(book, "late-")
+    assert schedule(book) == []
+    with pytest.raises(ValueError):
+        book.retire(-1)
 
 
 def test_diversity_penalty_changes_the_rank_choice():

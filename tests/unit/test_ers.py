@@ -77,7 +77,7 @@ def apply(layout: tuple[Role, ...], result: ScalingPlan) -> tuple[Role, ...]:
 def test_cold_start_maximises_rollout():
     result = ERSPolicy().plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
     assert result == plan(
-        (4, F, R), (7, A, R), (6, A, R), mode=COL, batch=32, reason=PlanReason.COLD_START
+        (4, F, R), (7, A, R), (6, A, R), mode=COL, batch=64, reason=PlanReason.COLD_START
     )
 
 
@@ -92,7 +92,7 @@ def test_evaluation_maximises_rollout_down_to_the_trainer_minimum():
 
 def test_idle_ranks_never_move():
     result = ERSPolicy().plan(make_input("RIAIA", step=0))
-    assert result == plan((4, A, R), mode=COL, batch=32, reason=PlanReason.COLD_START)
+    assert result == plan((4, A, R), mode=COL, batch=64, reason=PlanReason.COLD_START)
 
 
 # --------------------------------------------------------------------------- deficits
@@ -101,9 +101,9 @@ def test_idle_ranks_never_move():
 def test_generation_deficit_releases_ref_ranks_then_actors():
     policy = ERSPolicy()
     first = policy.plan(starved("RRRRFAAA", DEC))
-    assert first == plan((4, F, R), mode=COL, batch=32, reason=GEN)
+    assert first == plan((4, F, R), mode=COL, batch=64, reason=GEN)
     second = policy.plan(starved("RRRRRAAA", COL))
-    assert second == plan((7, A, R), mode=COL, batch=32, reason=GEN)
+    assert second == plan((7, A, R), mode=COL, batch=64, reason=GEN)
 
 
 def test_consumption_deficit_by_hol_provisions_a_ref_rank_then_actors():
@@ -117,9 +117,9 @@ def test_consumption_deficit_by_hol_provisions_a_ref_rank_then_actors():
 def test_consumption_deficit_by_ras_at_the_break_even():
     assert break_even_ras(NUM_MB, 10.0, T, 2, 8) == 15  # long TPRM: decoupled needs a backlog
     at_break_even = make_input("RRRRAA", ras=15, tprm=10.0, hol=1.0, volume=40)
-    assert ERSPolicy().plan(at_break_even) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
+    assert ERSPolicy().plan(at_break_even) == plan((3, R, F), mode=DEC, batch=40, reason=CONS)
     below = make_input("RRRRAA", ras=14, tprm=10.0, hol=1.0, volume=40)
-    assert ERSPolicy().plan(below) == plan((5, A, R), mode=COL, batch=40, reason=GEN)
+    assert ERSPolicy().plan(below) == plan((5, A, R), mode=COL, batch=64, reason=GEN)
 
 
 def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
@@ -139,7 +139,19 @@ def test_ras_at_the_break_even_without_a_backlog_only_provisions_the_ref_rank():
     paced = make_input("RRRRAA", ras=0, tprm=3.5, hol=1.0, volume=16)
     assert ERSPolicy().plan(paced) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
     paced = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=16)
-    assert ERSPolicy().plan(paced) == plan(mode=DEC, batch=32, reason=CONS)
+    assert ERSPolicy().plan(paced) == plan(mode=DEC, batch=64, reason=CONS)
+
+
+def test_idle_rollout_is_no_generation_deficit():
+    # the same starved buffer, but rollout sat idle half of the last step (throttled): more
+    # rollout ranks would not produce more, so nothing moves to rollout
+    idle = ERSInput(5, False, ReadinessSignals(0, None, 0.0, 16, 0), 60.0, roles("RRRRFAAA"),
+                    DEC, T, NUM_MB, rollout_idle_frac=0.5)
+    result = ERSPolicy().plan(idle)
+    assert result.reason is not GEN and result.changes == ()
+    busy = ERSInput(5, False, ReadinessSignals(0, None, 0.0, 16, 0), 60.0, roles("RRRRFAAA"),
+                    DEC, T, NUM_MB, rollout_idle_frac=0.1)
+    assert ERSPolicy().plan(busy).reason is GEN
 
 
 def test_balanced_keeps_everything():
@@ -162,9 +174,9 @@ def test_min_ranks_are_respected():
     policy = ERSPolicy(ERSConfig(min_rollout_ranks=3))
     assert policy.plan(backlogged("RRRAA")) == plan((4, A, F), mode=DEC, batch=64, reason=CONS)
     # the trainer keeps min_trainer_ranks and at least one actor
-    assert ERSPolicy().plan(starved("RRRA")) == plan(mode=COL, batch=32, reason=GEN)
+    assert ERSPolicy().plan(starved("RRRA")) == plan(mode=COL, batch=64, reason=GEN)
     policy = ERSPolicy(ERSConfig(min_trainer_ranks=2))
-    assert policy.plan(starved("RRAA")) == plan(mode=COL, batch=32, reason=GEN)
+    assert policy.plan(starved("RRAA")) == plan(mode=COL, batch=64, reason=GEN)
 
 
 def test_fixed_colocated_mode_never_creates_ref_ranks():
@@ -178,21 +190,20 @@ def test_fixed_colocated_mode_never_creates_ref_ranks():
 def test_elastic_batch_size():
     config = ERSConfig(batch_min=32, batch_ideal=64)
     assert elastic_batch_size(100, config, is_retaining=False) == 64
-    assert elastic_batch_size(64, config, is_retaining=True) == 64
-    assert elastic_batch_size(40, config, is_retaining=False) == 40
-    assert elastic_batch_size(10, config, is_retaining=False) == 32
-    assert elastic_batch_size(40, config, is_retaining=True) == 32
+    assert elastic_batch_size(100, config, is_retaining=True) == 64
+    assert elastic_batch_size(10, config, is_retaining=False) == 64  # an empty boundary is normal
+    assert elastic_batch_size(40, config, is_retaining=True) == 40
+    assert elastic_batch_size(10, config, is_retaining=True) == 32
 
 
-def test_adaptive_retention_follows_a_rollout_scale_down():
+def test_adaptive_retention_is_the_step_after_a_rollout_scale_down():
     policy = ERSPolicy()
-    flowing = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=40)  # no moves
-    assert policy.plan(flowing).batch_size == 40
-    policy.plan(backlogged("RRRFAA", DEC))  # rollout scaled down: rank 2 -> actor
-    assert policy.state == ERSState(Direction.TO_TRAINER, 0)
-    assert policy.plan(flowing).batch_size == 32  # keep a reservoir while rollout refills
-    policy.plan(make_input("RRRFAA", DEC, step=0))  # a cold start resets the policy
-    assert policy.plan(flowing).batch_size == 40
+    paced = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=40)  # no moves
+    assert policy.plan(paced).batch_size == 64
+    scaled = policy.plan(make_input("RRRFAA", DEC, tprm=2.0, hol=100.0, volume=40))  # scale-down
+    assert scaled.changes == (RoleChange(2, R, A),)
+    assert scaled.batch_size == 40  # fetch what is ready while the smaller rollout refills
+    assert policy.plan(paced).batch_size == 64
 
 
 def test_disabled_ers_is_a_noop():
@@ -251,11 +262,30 @@ def test_a_balanced_step_breaks_the_opposite_streak():
     assert policy.plan(backlogged("RRRRRAA")).changes == ()
 
 
-def test_an_evaluation_phase_resets_hysteresis():
+def test_a_phase_is_undone_at_its_end_and_resets_hysteresis():
     policy = ERSPolicy(ERSConfig(hysteresis_steps=3))
-    policy.plan(starved("RRRRFAA", DEC))
-    policy.plan(make_input("RRRRRAA", is_eval=True, volume=64))
-    assert policy.plan(backlogged("RRRRRRA")).changes == (RoleChange(5, R, F),)
+    policy.plan(starved("RRRRFAA", DEC))  # -> RRRRRAA, direction: to rollout
+    during = policy.plan(make_input("RRRRRAA", is_eval=True, volume=64))
+    assert during.changes == (RoleChange(6, A, R),)  # -> RRRRRAR
+    again = policy.plan(make_input("RRRRRAR", is_eval=True, volume=64))  # still evaluating
+    assert again.changes == () and again.reason is PlanReason.EVALUATION
+    after = policy.plan(backlogged("RRRRRAR"))
+    assert after == plan((6, R, A), mode=COL, batch=64, reason=PlanReason.PHASE_END)
+    assert policy.state == ERSState()
+    # the phase cleared the memory of the move to rollout: the next signal acts at once
+    assert policy.plan(backlogged("RRRRRAA")).changes == (RoleChange(4, R, F),)
+
+
+def test_cold_start_at_launch_is_undone_for_the_next_step():
+    policy = ERSPolicy()
+    launch = policy.plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
+    assert launch.reason is PlanReason.COLD_START
+    layout = apply(roles("RRRRFAAA"), launch)
+    assert layout == roles("RRRRRARR")
+    first = policy.plan(ERSInput(1, False, ReadinessSignals(0, 10.0, 1.0, 64, 0), 60.0, layout,
+                                 COL, T, NUM_MB))
+    assert first.reason is PlanReason.PHASE_END and first.mode is DEC
+    assert apply(layout, first) == roles("RRRRFAAA")
 
 
 # --------------------------------------------------------------------------- config

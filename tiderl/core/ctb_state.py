@@ -177,7 +177,11 @@ class TaskBook:
 
     Build it with ``CTBConfig.new_book()`` so that its priority weights, context norm and default
     footprint are the configured ones. Staleness throttle: non-eval admissions stop at
-    ``(version + max_staleness + 1) * tasks_per_step``; ``tasks_per_step == 0`` disables it.
+    ``num_retired_train + (max_staleness + 1) * tasks_per_step``, where ``num_retired_train`` counts
+    the training tasks already trained or discarded (:meth:`retire`) and ``tasks_per_step`` is the
+    current global batch. With a fixed batch B this is the familiar (version + max_staleness + 1)
+    · B; with elastic batches it follows what was really consumed, so rollout never runs further
+    ahead than the staleness bound allows. ``tasks_per_step == 0`` disables it.
     """
 
     weights: PriorityWeights = field(default_factory=PriorityWeights)
@@ -185,7 +189,7 @@ class TaskBook:
     default_footprint_tokens: int = 512
     max_staleness: int = 0
     tasks_per_step: int = 0
-    version: int = 0
+    num_retired_train: int = 0
     num_admitted_train: int = 0
     ranks: dict[int, RankRecord] = field(default_factory=dict)  # sorted by rank id
     tasks: dict[TaskId, TaskRecord] = field(default_factory=dict)
@@ -215,7 +219,7 @@ class TaskBook:
         """How many non-eval tasks may have been admitted in total; None when unthrottled."""
         if self.tasks_per_step == 0:
             return None
-        return (self.version + self.max_staleness + 1) * self.tasks_per_step
+        return self.num_retired_train + (self.max_staleness + 1) * self.tasks_per_step
 
     def task(self, task_id: TaskId) -> TaskRecord:
         record = self.tasks.get(task_id)
@@ -351,8 +355,17 @@ class TaskBook:
         self.groups[task.group_id].num_dropped += 1
         self._forget(task)
 
-    def set_version(self, version: int) -> None:
-        self.version = version
+    def retire(self, num_tasks: int) -> None:
+        """``num_tasks`` training tasks were trained or discarded: the staleness window moves."""
+        if num_tasks < 0:
+            raise ValueError(f"cannot retire {num_tasks} tasks")
+        self.num_retired_train += num_tasks
+
+    def set_tasks_per_step(self, num_tasks: int) -> None:
+        """The global batch of the coming steps (ERS's elastic batch size), in tasks."""
+        if num_tasks < 0:
+            raise ValueError(f"tasks_per_step must be >= 0, got {num_tasks}")
+        self.tasks_per_step = num_tasks
 
     # ------------------------------------------------------------------ the adapter
 

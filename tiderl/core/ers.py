@@ -8,7 +8,10 @@ Called once per step at the post-update boundary, before ``sync_params``:
     reason               when                                          moves             mode
     COLD_START           step < cold_start_steps                       trainer->rollout  colocated
     EVALUATION           an evaluation phase runs                      trainer->rollout  colocated
+    PHASE_END            the first step after such a phase             the layout before it
+                                                                       is restored        its mode
     GENERATION_DEFICIT   volume < B_ideal, RAS < break-even, long TPRM trainer->rollout  colocated
+                         and rollout busy (idle share <= max_idle_rollout)
     CONSUMPTION_DEFICIT  HoL > tau·T_step, or RAS >= break-even        rollout->trainer  decoupled
                          (a backlog -- HoL over the threshold or TPRM shorter than the actor time --
                          moves ranks; RAS alone only provisions a missing Ref rank)
@@ -19,7 +22,9 @@ REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with t
 first. Invariant: a plan never moves a rank out of a group (rollout, trainer) that is at its
 minimum, never leaves the trainer without an actor, and never reverses the direction of the last
 move before ``hysteresis_steps`` consecutive steps of the opposite deficit (a balanced step breaks
-the streak; cold start and evaluation moves reset this memory).
+the streak; cold start and evaluation moves reset this memory). Phase moves are temporary: the
+layout and mode from before a cold start or evaluation phase come back, in one plan, at the first
+step after it (``max_scale_up_per_step`` bounds signal-driven moves, not this restoration).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class ERSConfig:
     min_rollout_ranks: int = 1
     min_trainer_ranks: int = 1
     cold_start_steps: int = 1
+    max_idle_rollout: float = 0.2  # a generation deficit needs rollout busy: at most this idle
 
     def __post_init__(self) -> None:
         require_positive(self.batch_min, "batch_min")
@@ -69,13 +75,16 @@ class ERSConfig:
         for name in ("min_rollout_ranks", "min_trainer_ranks"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         require_non_negative(self.cold_start_steps, "cold_start_steps")
+        require(0.0 <= self.max_idle_rollout <= 1.0, "max_idle_rollout",
+                f"expected a number in [0, 1], got {self.max_idle_rollout!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class ERSInput:
-    """What the coordinator knows at the boundary after step ``step``'s update.
+    """What the coordinator knows when it plans step ``step``: at launch (step 0), or at the
+    boundary after step ``step - 1``'s update.
 
-    ``signals`` is the buffer's view for the next step (``ReadinessTracker.signals(now)``);
+    ``signals`` is the buffer's view for that step (``ReadinessTracker.signals(now)``);
     ``step_duration_s`` is the mean step duration T_step; ``roles[r]`` is rank r's role.
     """
 
@@ -87,6 +96,7 @@ class ERSInput:
     mode: Mode
     timings: Ra2pTimings
     num_micro_batches: int
+    rollout_idle_frac: float = 0.0  # share of rollout GPU time idle last step (RWT / capacity)
 
     def __post_init__(self) -> None:
         if self.step_duration_s < 0 or self.num_micro_batches < 0:
@@ -106,10 +116,13 @@ class Direction(str, Enum):
 @dataclass(frozen=True, slots=True)
 class ERSState:
     """Hysteresis memory: the direction of the last signal-driven move, and how many consecutive
-    steps the opposite deficit has been seen since."""
+    steps the opposite deficit has been seen since; during a phase (cold start, evaluation), the
+    layout and mode from before it."""
 
     last_direction: Direction | None = None
     opposite_streak: int = 0
+    saved_roles: tuple[Role, ...] | None = None
+    saved_mode: Mode | None = None
 
 
 # --------------------------------------------------------------------------- signals
@@ -131,7 +144,9 @@ def decoupled_break_even(inp: ERSInput, ra2p: RA2PConfig) -> int | None:
 
 def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     """The reason for this step's plan; phases first, then generation before consumption (a
-    starved trainer also ages the buffer's head, so HoL alone does not mean slow consumption)."""
+    starved trainer also ages the buffer's head, so HoL alone does not mean slow consumption).
+    A generation deficit also needs busy rollout ranks: when they sat idle (the staleness
+    throttle held them: RWT), more of them would not produce more."""
     if inp.step < config.cold_start_steps:
         return PlanReason.COLD_START
     if inp.is_eval_step:
@@ -141,7 +156,9 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     break_even = decoupled_break_even(inp, ra2p)
     is_ras_high = break_even is not None and sig.ras >= break_even
     is_tprm_long = sig.tprm_s is None or sig.tprm_s > busy
-    if sig.ready_volume < config.batch_ideal and not is_ras_high and is_tprm_long:
+    is_rollout_busy = inp.rollout_idle_frac <= config.max_idle_rollout
+    if sig.ready_volume < config.batch_ideal and not is_ras_high and is_tprm_long \
+            and is_rollout_busy:
         return PlanReason.GENERATION_DEFICIT
     if sig.hol_latency_s > config.tau * inp.step_duration_s or is_ras_high:
         return PlanReason.CONSUMPTION_DEFICIT
@@ -159,13 +176,16 @@ def is_backlogged(inp: ERSInput, config: ERSConfig) -> bool:
 
 
 def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool) -> int:
-    """B_ideal when that much is ready; otherwise the ready volume clamped to [B_min, B_ideal],
-    or B_min under adaptive retention (keep a reservoir while a scaled-down rollout refills)."""
-    if ready_volume >= config.batch_ideal:
+    """B_ideal, except under adaptive retention: right after ERS scaled rollout down with less
+    than B_ideal ready, the trainer fetches only max(B_min, ready) for one step, keeping a
+    reservoir while the smaller rollout refills (paper §5.2).
+
+    The ready volume at the boundary alone does not shrink the batch: a streaming trainer
+    consumes micro-batches as they arrive, so the buffer is often near-empty at the boundary of a
+    healthy pipeline; shrinking the batch there would only add per-step sync and swap costs."""
+    if ready_volume >= config.batch_ideal or not is_retaining:
         return config.batch_ideal
-    if is_retaining:
-        return config.batch_min
-    return max(config.batch_min, ready_volume)
+    return max(config.batch_min, min(ready_volume, config.batch_ideal))
 
 
 # --------------------------------------------------------------------------- role moves
@@ -246,6 +266,15 @@ def moves_to_trainer(
     return tuple(layout.changes)
 
 
+def _restore(roles: tuple[Role, ...], saved: tuple[Role, ...]) -> tuple[RoleChange, ...]:
+    """Moves back to ``saved`` for every rank a phase changed (idle ranks stay as they are)."""
+    return tuple(
+        RoleChange(rank, now, before)
+        for rank, (now, before) in enumerate(zip(roles, saved, strict=False))
+        if now != before and Role.IDLE not in (now, before)
+    )
+
+
 def _apply(roles: tuple[Role, ...], changes: tuple[RoleChange, ...]) -> tuple[Role, ...]:
     new_roles = list(roles)
     for change in changes:
@@ -299,7 +328,12 @@ def plan_step(
     mode = inp.mode
     if reason in (PlanReason.COLD_START, PlanReason.EVALUATION):
         changes, mode = _scale_rollout(inp, config, ra2p, is_preemptive=True)
-        state = ERSState()  # phase-driven moves do not count against the next signal
+        saved_roles = state.saved_roles or inp.roles  # a phase right after a phase keeps the first
+        saved_mode = state.saved_mode or inp.mode
+        state = ERSState(saved_roles=saved_roles, saved_mode=saved_mode)
+    elif state.saved_roles is not None:
+        changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
+        reason, state = PlanReason.PHASE_END, ERSState()  # fresh hysteresis after a phase
     elif reason is PlanReason.BALANCED:
         state = ERSState(state.last_direction, 0)
     else:
@@ -314,7 +348,7 @@ def plan_step(
                 else _scale_trainer(inp, config, ra2p)
             )
             state = ERSState(direction if changes else state.last_direction, 0)
-    is_retaining = state.last_direction is Direction.TO_TRAINER
+    is_retaining = any(c.src is Role.ROLLOUT for c in changes)
     batch_size = elastic_batch_size(inp.signals.ready_volume, config, is_retaining)
     return ScalingPlan(changes, mode, batch_size, reason), state
 

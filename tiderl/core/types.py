@@ -254,6 +254,7 @@ class PlanReason(str, Enum):
     EVALUATION = "evaluation"
     GENERATION_DEFICIT = "generation_deficit"
     CONSUMPTION_DEFICIT = "consumption_deficit"
+    PHASE_END = "phase_end"  # a cold start or evaluation phase ended: its layout is undone
     BALANCED = "balanced"
 
 

@@ -51,6 +51,7 @@ class ReadyBuffer:
         self.tokens_of_seq: dict[str, int] = {}
         self.discarded_tokens = 0
         self.discarded_groups = 0
+        self.discarded_samples = 0
         self.max_staleness_seen: dict[int, int] = {}  # batch -> max staleness assigned to it
         self.buffered_tokens = 0  # ready, not yet consumed (pending + micro-batches)
 
@@ -91,6 +92,7 @@ class ReadyBuffer:
             self.discarded_tokens += tokens
             self.buffered_tokens -= tokens
             self.discarded_groups += 1
+            self.discarded_samples += len(group.plans)
 
     def _assign(self, group: SimGroup) -> None:
         staleness = self.open_batch - group.oldest_version

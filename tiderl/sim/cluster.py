@@ -62,7 +62,10 @@ class Cluster:
         self.cost = CachedCostModel(MODELS[scenario.model], GPUS[scenario.gpu])
         self.sampler = _sampler(scenario.workload, scenario.seed, scenario.steps)
         n = scenario.num_gpus
-        num_rollout = n if system.is_sync else scenario.num_rollout_gpus()
+        # the trainer must hold its sharded state (CostModel.min_train_gpus), whatever the ratio
+        self.min_trainer = min(self.cost.min_train_gpus(), max(1, n - 1))
+        num_rollout = n if system.is_sync else min(scenario.num_rollout_gpus(),
+                                                   max(1, n - self.min_trainer))
         self.roles = [Role.ACTOR] * (n - num_rollout) + [Role.ROLLOUT] * num_rollout
         self.max_staleness = 0 if system.is_sync else scenario.max_staleness
         self.policy = _rollout_policy(system, scenario)
@@ -81,7 +84,10 @@ class Cluster:
                                   tokens_per_rank=scenario.ra2p.tokens_per_rank,
                                   on_micro_batch=self._on_micro_batch,
                                   on_batch_closed=self._on_batch_closed)
-        self.ers = ERSPolicy(scenario.ers_config(), scenario.ra2p) if system.uses_ers else None
+        ers = scenario.ers_config()
+        ers = replace(ers, min_trainer_ranks=max(ers.min_trainer_ranks, self.min_trainer))
+        self.ers = ERSPolicy(ers, scenario.ra2p) if system.uses_ers else None
+        self._num_retired = 0  # training tasks reported to the book as retired
         self.swap_s = self.cost.model_swap_s()
         self.cross_node = n > self.cost.gpu.gpus_per_node
         # step state
@@ -93,6 +99,7 @@ class Cluster:
         self.closed_batches: set[int] = set()
         self.records: list[StepRecord] = []
         self.trained_tokens = 0
+        self.trained_samples = 0
         self.in_step_tokens = 0
         self.num_fed_groups = 0
         self.fed_groups: list[list[TaskPlan]] = []  # the task stream, in feeding order
@@ -112,6 +119,8 @@ class Cluster:
         for rank, role in enumerate(self.roles):
             if role is Role.ROLLOUT:
                 self.pool.add_rank(rank, available_at=0.0)
+        if self.ers is not None:  # the launch plan: a cold start maximises rollout (§5.2)
+            self._apply_ers(0.0, is_launch=True)
         self._feed()
         self.mean_seq_tokens = self._fed_mean_tokens()
         self._start_step()
@@ -119,11 +128,10 @@ class Cluster:
         return self._result()
 
     def _feed(self) -> None:
-        """Groups up to the book's staleness throttle, (version + max_staleness + 1) batches of
-        B_ideal, so that the throttle is the core's. With ERS's elastic batches (fewer samples
-        per version) rollout then runs ahead of consumption and the surplus ages into discards.
-        """
-        horizon = (self.version + self.max_staleness + 1) * self.scenario.batch_groups
+        """Groups up to the book's staleness throttle (retired tasks + (max_staleness + 1)
+        batches of the current size), so that the throttle is the core's."""
+        limit = self.book.train_admission_limit
+        horizon = -(-limit // self.scenario.group_size) if limit is not None else 0
         while self.num_fed_groups < horizon:
             idx = self.num_fed_groups
             batch = idx // self.scenario.batch_groups
@@ -247,6 +255,14 @@ class Cluster:
         count = max(1, min(self.scenario.batch_ideal, target // seq))
         return MicroBatch(0, tuple(Sequence(f"t{i}", seq) for i in range(count)))
 
+    def _last_rollout_idle_frac(self) -> float:
+        """RWT of the last step over its rollout GPU-seconds (0 before the first step)."""
+        if not self.records:
+            return 0.0
+        last = self.records[-1]
+        capacity = last.num_rollout * (last.end_s - last.start_s)
+        return min(1.0, last.rwt_s / capacity) if capacity > 0 else 0.0
+
     def _mean_step_s(self) -> float:
         if not self.records:
             return 0.0
@@ -257,6 +273,7 @@ class Cluster:
         self.executor = None
         self._integrate_idle()
         self.trained_tokens += self.in_step_tokens
+        self.trained_samples += executor.samples
         self.in_step_tokens = 0
         self.last_num_mbs = executor.num_micro_batches
         if executor.samples:
@@ -270,8 +287,11 @@ class Cluster:
             self.loop.stop()
             return
         self.pool.set_version(self.version)
-        self._feed()
+        retired = self.trained_samples + self.buffer.discarded_samples  # out of the window
+        self.book.retire(retired - self._num_retired)
+        self._num_retired = retired
         switch_s = self._apply_ers(now) if self.ers is not None else 0.0
+        self._feed()
         sync_s = self._sync(now)
         record.rwt_s += sync_s * self.roles.count(Role.ROLLOUT)
         self.loop.at(now + max(sync_s, switch_s), lambda _: self._start_step())
@@ -289,18 +309,20 @@ class Cluster:
             engine.kv.flush()
         return sync_s
 
-    def _apply_ers(self, now: float) -> float:
-        """ERS at the post-update boundary: role moves (a leaving rollout rank's tasks resume
-        elsewhere, fresh prefill), the next batch size. Returns the slowest role switch."""
+    def _apply_ers(self, now: float, is_launch: bool = False) -> float:
+        """ERS for step ``self.step``, at launch or at the post-update boundary: role moves (a
+        leaving rollout rank's tasks resume elsewhere, fresh prefill) and, after an update, the
+        next batch size. Returns the slowest role switch."""
         trainer = [r for r, role in enumerate(self.roles) if role in TRAINER_ROLES]
         num_ref = max(1, self.roles.count(Role.REF))
         mb = self._typical_mb(len(trainer))
         timings = typical_timings(self.cost, mb, num_ref, max(1, len(trainer) - num_ref),
                                   self.swap_s)
-        inp = ERSInput(step=self.step - 1, is_eval_step=self._is_eval_step(),
+        inp = ERSInput(step=self.step, is_eval_step=self._is_eval_step(),
                        signals=self.tracker.signals(now), step_duration_s=self._mean_step_s(),
                        roles=tuple(self.roles), mode=self.mode, timings=timings,
-                       num_micro_batches=max(1, self.last_num_mbs))
+                       num_micro_batches=max(1, self.last_num_mbs),
+                       rollout_idle_frac=self._last_rollout_idle_frac())
         plan = self.ers.plan(inp)
         sync_s = self.cost.weight_sync_s(len(self.pool.engines), self.cross_node)
         switch_s = 0.0
@@ -313,7 +335,10 @@ class Cluster:
                 switch_s = max(switch_s, seconds)
             elif change.dst is Role.ROLLOUT:
                 self.pool.add_rank(change.rank, available_at=now + max(sync_s, seconds))
-        self.buffer.set_batch_size(self.step, plan.batch_size, now)
+        if not is_launch:  # step 0 trains B_ideal: nothing is ready yet to size it from
+            # The staleness window stays B_ideal wide: sizing it by the elastic batch would
+            # throttle rollout exactly when ERS shrinks a batch because too little was ready.
+            self.buffer.set_batch_size(self.step, plan.batch_size, now)
         return switch_s
 
     # ---- metrics ----

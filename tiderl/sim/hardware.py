@@ -18,6 +18,11 @@ GIB = 1024**3
 BF16_BYTES = 2
 
 
+# Bytes per parameter a colocated trainer holds: bf16 weights 2 + bf16 grads 2 + fp32 master,
+# Adam m and v 12 (calibration §5) + the colocated Ref's bf16 weights 2.
+TRAIN_STATE_BYTES_PER_PARAM = 18
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A decoder's shape (HF ``config.json`` names in comments); derived sizes of calibration §8.
@@ -290,6 +295,16 @@ class CostModel:
         free = (budget - self.model.weight_bytes - self.activation_peak_bytes()
                 - self.gpu.non_torch_bytes - state)
         return max(0, int(free // self.model.kv_bytes_per_token))
+
+    def min_train_gpus(self) -> int:
+        """GPUs a colocated trainer needs to hold its state, sharded (FSDP/ZeRO-3 style).
+
+        Mixed-precision AdamW keeps 16 B/param (bf16 weights and grads, fp32 master, m, v;
+        calibration §5) and the colocated Ref adds 2 B/param; each GPU also keeps A_peak free.
+        """
+        state = TRAIN_STATE_BYTES_PER_PARAM * self.model.params_total
+        per_gpu = self.gpu.memory_bytes - self.activation_peak_bytes()
+        return max(1, math.ceil(state / per_gpu))
 
     # ---- training and reference (calibration §8.5-8.6) ----
 

@@ -153,7 +153,6 @@ class RolloutPool:
 
     def set_version(self, version: int) -> None:
         self.version = version
-        self.book.set_version(version)
         self.mark_dirty()
 
     # ---- CTB rounds ----

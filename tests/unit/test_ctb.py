@@ -263,13 +263,15 @@ def test_first_turn_probing():
     book.report_turn("g0", 700, 650)
     assert book.group_of(book.task("g0")).probed_footprint == 700
     plan = schedule(book)
-    assert plan == [Admit("g1", 0), Admit("g2", 0)]  # with the probe: the shared prefix
+    assert plan == [Admit("g1", 1), Admit("g2", 0)]  # the probed footprint, most headroom
+    with_group = CTBConfig(admit_with_group=True)
+    assert schedule(book, with_group) == [Admit("g1", 0), Admit("g2", 0)]  # the shared prefix
     book.apply(plan)
-    assert book.ranks[0].usage == 3 * 700
+    assert (book.ranks[0].usage, book.ranks[1].usage) == (2 * 700, 700)
 
     book.report_turn("g1", 900, 850)  # every turn updates the footprint
     book.report_turn("g0", 1000, 950)  # later turns of the probe do not change the estimate
-    assert book.ranks[0].usage == 700 + 900 + 1000
+    assert (book.ranks[0].usage, book.ranks[1].usage) == (1000 + 700, 900)
     assert book.group_of(book.task("g0")).probed_footprint == 700
 
 
@@ -325,6 +327,22 @@ def test_staleness_throttle_admits_an_exact_count_and_exempts_eval():
     assert schedule(book) == []
     with pytest.raises(ValueError):
         book.retire(-1)
+
+
+def test_staleness_throttle_reserves_whole_groups():
+    book = make_book([100_000], tasks_per_step=2, max_staleness=1)  # limit 4
+    add(book, "a", size=3)
+    add(book, "b", size=3)
+    plan = schedule(book)
+    assert plan == [Admit("a0", 0)]  # a's probe reserves a0-a2; b (3 more) would exceed 4
+    book.apply(plan)
+    assert book.num_admitted_train == 3
+    book.report_turn("a0", 100, 50)  # the probe's first turn: its siblings follow, unthrottled
+    assert schedule(book) == [Admit("a1", 0), Admit("a2", 0)]
+    book.apply(schedule(book))
+    assert book.num_admitted_train == 3
+    book.retire(3)
+    assert schedule(book) == [Admit("b0", 0)]
 
 
 def test_diversity_penalty_changes_the_rank_choice():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,9 +118,10 @@ def test_pauses_follow_priority_and_spare_eval_tasks(scenario):
 @PROPERTY
 @given(scenarios())
 def test_placements_honour_group_affinity(scenario):
-    """Replayed one by one: a Resume or Admit goes to the rank holding most of its group's active
-    tasks (ties: lower id) whenever that rank has room."""
+    """Replayed one by one: a Resume (and an Admit with admit_with_group) goes to the rank holding
+    most of its group's active tasks (ties: lower id) whenever that rank has room."""
     book, config = scenario
+    config = replace(config, admit_with_group=True)
     state = copy.deepcopy(book)
     for decision in CTBPolicy(config).schedule(book):
         if not isinstance(decision, Pause):

@@ -56,6 +56,10 @@ class CTBConfig:
     diversity_penalty_tokens: int = 256  # per active task of the same env on a rank
     policy: str = "ctb"  # "ctb" | "request"
     request_concurrency: int = 64  # tasks per rank under the request-level baseline
+    # Admit a new task on the rank holding most of its group (the shared prompt is cached there).
+    # Off by default: the paper asks group affinity of resumes only, and concentrating whole
+    # groups on one rank unbalances decode when KV is plentiful (docs/simulator.md, Fig. 8).
+    admit_with_group: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
@@ -104,7 +108,7 @@ class _Draft:
 
     __slots__ = (
         "book", "budget", "env_delta", "group_delta", "max_headroom", "num_active",
-        "num_admitted_train", "num_empty", "num_open", "usage",
+        "num_admitted_train", "num_empty", "num_open", "reserved", "usage",
     )  # fmt: skip
 
     def __init__(self, book: TaskBook):
@@ -117,6 +121,7 @@ class _Draft:
         self.env_delta: dict[tuple[str, int], int] = {}
         self.num_open = book.num_open_sessions
         self.num_admitted_train = book.num_admitted_train
+        self.reserved: set[str] = set()  # groups whose first admission is in this round
         self.refresh()
 
     def refresh(self) -> None:
@@ -196,8 +201,8 @@ class CTBPolicy(SchedulingPolicy):
     highest P(t), then larger footprint, then lower task_id. A task paused in a round is not
     resumed in it. A paused task goes to the rank holding most of its group's active tasks where
     it fits (shared prefix), else to its last rank if it fits (its own context may be cached),
-    else to the rank with most headroom. A new task goes to the rank holding most of its group
-    where it fits, else to the one maximising headroom - diversity penalty.
+    else to the rank with most headroom. A new task goes to the rank maximising headroom -
+    diversity penalty (with ``admit_with_group``: first to the rank holding most of its group).
     """
 
     pins_tasks: ClassVar[bool] = True
@@ -256,8 +261,6 @@ class CTBPolicy(SchedulingPolicy):
                 continue  # O(1) per group that cannot be admitted: this loop is hot
             if self._is_env_full(draft):
                 break
-            if _is_throttled(book, draft) and not group.has_eval:
-                continue
             plan += self._admit_group(book, group, draft)
             largest = draft.largest_fit()
         return plan
@@ -267,15 +270,18 @@ class CTBPolicy(SchedulingPolicy):
         for task in book.admissible(group):
             if self._is_env_full(draft) or not draft.fits_somewhere(task.footprint):
                 break
-            if not task.is_eval and _is_throttled(book, draft):
-                continue
-            rank = draft.sibling_rank(task)
+            cost = 0 if group.group_id in draft.reserved else book.throttle_cost(task)
+            if _is_throttled(book, draft.num_admitted_train + cost):
+                break  # the group's whole reservation does not fit in the staleness window
+            rank = draft.sibling_rank(task) if self.config.admit_with_group else None
             if rank is None:
                 rank = draft.roomiest_rank(task, self.config.diversity_penalty_tokens)
             assert rank is not None, "fits_somewhere() promised a rank"
             draft.put_on(task, rank)
             draft.num_open += 1
-            draft.num_admitted_train += 0 if task.is_eval else 1
+            draft.num_admitted_train += cost
+            if not task.is_eval:
+                draft.reserved.add(group.group_id)
             plan.append(Admit(task.task_id, rank))
         return plan
 
@@ -294,10 +300,11 @@ def _resume_rank(task: TaskRecord, book: TaskBook, draft: _Draft) -> int:
     return rank
 
 
-def _is_throttled(book: TaskBook, draft: _Draft) -> bool:
-    """Staleness throttle for non-eval tasks (eval tasks run on an anchored version)."""
+def _is_throttled(book: TaskBook, num_admitted_train: int) -> bool:
+    """Whether that many admitted training tasks would exceed the staleness window (eval tasks
+    cost nothing: they run on an anchored version)."""
     limit = book.train_admission_limit
-    return limit is not None and draft.num_admitted_train >= limit
+    return limit is not None and num_admitted_train > limit
 
 
 class RequestLevelPolicy(SchedulingPolicy):
@@ -327,18 +334,22 @@ class RequestLevelPolicy(SchedulingPolicy):
         return plan + self._admissions(book, slots)
 
     def _admissions(self, book: TaskBook, slots: dict[int, int]) -> list[Decision]:
-        cap, limit = self.config.max_env_sessions, book.train_admission_limit
+        cap = self.config.max_env_sessions
         num_open, num_train = book.num_open_sessions, book.num_admitted_train
+        reserved: set[str] = set()
         plan: list[Decision] = []
         for task in book.new_tasks():
-            if not task.is_eval and limit is not None and num_train >= limit:
+            cost = 0 if task.group_id in reserved else book.throttle_cost(task)
+            if _is_throttled(book, num_train + cost):
                 continue
             rank = None if cap and num_open >= cap else self._next_rank(slots)
             if rank is None:
                 break
             plan.append(Admit(task.task_id, rank))
             num_open += 1
-            num_train += 0 if task.is_eval else 1
+            num_train += cost
+            if not task.is_eval:
+                reserved.add(task.group_id)
         return plan
 
     def _next_rank(self, slots: dict[int, int]) -> int | None:

@@ -107,6 +107,7 @@ class GroupRecord:
     probed_footprint: int | None = None
     num_finished: int = 0
     num_dropped: int = 0
+    is_reserved: bool = False  # its first admission counted the whole group against the throttle
     pending: dict[TaskId, None] = field(default_factory=dict)  # NEW tasks, in FIFO order
     num_active_on: dict[int, int] = field(default_factory=dict)  # rank -> active tasks there
 
@@ -181,7 +182,10 @@ class TaskBook:
     the training tasks already trained or discarded (:meth:`retire`) and ``tasks_per_step`` is the
     current global batch. With a fixed batch B this is the familiar (version + max_staleness + 1)
     · B; with elastic batches it follows what was really consumed, so rollout never runs further
-    ahead than the staleness bound allows. ``tasks_per_step == 0`` disables it.
+    ahead than the staleness bound allows. ``tasks_per_step == 0`` disables it. The throttle counts
+    whole groups: a group's first admission (its probe) reserves all its NEW training tasks, so
+    the siblings that follow the probe never wait behind other groups for a later version (a
+    group straddling the window would train on data as old as its probe).
     """
 
     weights: PriorityWeights = field(default_factory=PriorityWeights)
@@ -233,6 +237,14 @@ class TaskBook:
     def priority(self, task: TaskRecord) -> float:
         """P(t), cached on the task: every event that changes its inputs recomputes it."""
         return task.priority
+
+    def throttle_cost(self, task: TaskRecord) -> int:
+        """What admitting ``task`` adds to ``num_admitted_train``: its group's NEW training tasks
+        for the group's first admission, then 0 (the group is reserved); 0 for eval tasks."""
+        group = self.groups[task.group_id]
+        if task.is_eval or group.is_reserved:
+            return 0
+        return sum(1 for task_id in group.pending if not self.tasks[task_id].is_eval)
 
     def admissible(self, group: GroupRecord) -> list[TaskRecord]:
         """First-turn probing: an unprobed group offers only its probe, and only while NEW.
@@ -395,10 +407,11 @@ class TaskBook:
 
     def _admit(self, task: TaskRecord, rank: int) -> None:
         _check_state(task, TaskState.NEW, "admit")
+        self.num_admitted_train += self.throttle_cost(task)
+        if not task.is_eval:
+            self.groups[task.group_id].is_reserved = True
         self._unqueue(task)
         self._activate(task, rank)
-        if not task.is_eval:
-            self.num_admitted_train += 1
 
     # ------------------------------------------------------------------ internals
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
+from tiderl.core.ctb import SchedulingPolicy, make_policy
 from tiderl.core.ers import ERSInput, ERSPolicy
 from tiderl.core.ra2p import (
     cost_colocated,
@@ -412,9 +412,10 @@ def _training_group(workload: str, seed: int, total_steps: int, index: int, size
     return tuple(sampler.sample_group(f"g{index}", size, batch))
 
 
-def _rollout_policy(system: SystemSpec, scenario: SimScenario) -> CTBPolicy | RequestLevelPolicy:
+def _rollout_policy(system: SystemSpec, scenario: SimScenario) -> SchedulingPolicy:
+    """The core's policy by name: CTB, or the request-level baseline at the scenario's
+    per-GPU concurrency."""
     if system.uses_ctb:
-        return CTBPolicy(replace(scenario.ctb, policy="ctb"))
-    config = replace(scenario.ctb, policy="request",
-                     request_concurrency=scenario.request_concurrency)
-    return RequestLevelPolicy(config)
+        return make_policy(replace(scenario.ctb, policy="ctb"))
+    return make_policy(replace(scenario.ctb, policy="request",
+                               request_concurrency=scenario.request_concurrency))

@@ -14,7 +14,7 @@ from tiderl.core.readiness import ReadinessTracker
 from tiderl.sim.cluster import Cluster, simulate, simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.scenario import SYSTEMS, SimScenario, SystemSpec
 
-SMALL = SimScenario(workload="webshop+alfworld", num_gpus=4, steps=4, group_size=4,
+SMALL = SimScenario(workload="webshop+alfworld", gpus=4, steps=4, group_size=4,
                     batch_groups=4, batch_min_groups=2, rollout_ratio=0.5, seed=3)
 ALL = [*SYSTEMS.values(), SystemSpec("tiderl", ctb=False), SystemSpec("tiderl", ra2p=False),
        SystemSpec("tiderl", ers=False)]
@@ -88,7 +88,7 @@ def test_systems_use_their_trainers(results):
     assert {s.mode for s in results["tiderl-no_ra2p"].steps} == {"vso"}
     assert {s.mode for s in results["tiderl"].steps} <= {"colocated", "decoupled"}
     verl = results["verl"]
-    assert all(s.num_rollout == s.num_trainer == SMALL.num_gpus for s in verl.steps)
+    assert all(s.num_rollout == s.num_trainer == SMALL.gpus for s in verl.steps)
     fixed = results["tiderl-no_ers"]
     assert all(s.num_rollout == 2 for s in fixed.steps)
 
@@ -124,7 +124,7 @@ def test_evaluation_phases_roll_out_but_are_not_trained():
 def test_ers_role_moves_keep_tokens_conserved():
     """8 GPUs: cold start moves trainer ranks to rollout, later deficits move some back, so
     rollout ranks close with tasks on them (they resume elsewhere with a fresh prefill)."""
-    scenario = replace(SMALL, num_gpus=8, steps=8, rollout_ratio=0.25, batch_groups=8,
+    scenario = replace(SMALL, gpus=8, steps=8, rollout_ratio=0.25, batch_groups=8,
                        batch_min_groups=4)
     result = simulate(SYSTEMS["tiderl"], scenario)
     layouts = {(s.num_rollout, s.num_trainer) for s in result.steps}

@@ -61,7 +61,7 @@ class Cluster:
         self.loop = EventLoop()
         self.cost = CachedCostModel(MODELS[scenario.model], GPUS[scenario.gpu])
         self.sampler = _sampler(scenario.workload, scenario.seed, scenario.steps)
-        n = scenario.num_gpus
+        n = scenario.gpus
         # the trainer must hold its sharded state (CostModel.min_train_gpus), whatever the ratio
         self.min_trainer = min(self.cost.min_train_gpus(), max(1, n - 1))
         num_rollout = n if system.is_sync else min(scenario.num_rollout_gpus(),
@@ -194,7 +194,7 @@ class Cluster:
         self._feed_eval()
         self.tracker.start_step(now)
         trainer = [r for r, role in enumerate(self.roles) if role in TRAINER_ROLES]
-        num_trainer = len(trainer) if not self.system.is_sync else self.scenario.num_gpus
+        num_trainer = len(trainer) if not self.system.is_sync else self.scenario.gpus
         kind, num_ref = self._executor_kind(num_trainer)
         self.buffer.num_dp_ranks = num_trainer - num_ref if kind == "decoupled" else num_trainer
         self.executor = build_executor(kind, self.loop, self.cost, num_gpus=num_trainer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from typing import Any
 
@@ -16,15 +17,8 @@ def scenario_from_profile(profile: Profile) -> SimScenario:
     sim = profile.sim
     ers = replace(profile.ers, batch_min=sim.batch_min_groups * sim.group_size,
                   batch_ideal=sim.batch_groups * sim.group_size)
-    return SimScenario(
-        workload=sim.workload, model=sim.model, gpu=sim.gpu, num_gpus=sim.gpus, steps=sim.steps,
-        seed=sim.seed, group_size=sim.group_size, batch_groups=sim.batch_groups,
-        batch_min_groups=sim.batch_min_groups, max_staleness=sim.max_staleness,
-        eval_every=sim.eval_every, eval_groups=sim.eval_groups, rollout_ratio=sim.rollout_ratio,
-        request_concurrency=sim.request_concurrency,
-        ctb_round_interval_s=sim.ctb_round_interval_s,
-        ctb=profile.ctb, ra2p=profile.ra2p, ers=ers,
-    )
+    fields = {f.name: getattr(sim, f.name) for f in dataclasses.fields(sim)}
+    return SimScenario(**fields, ctb=profile.ctb, ra2p=profile.ra2p, ers=ers)
 
 
 def compare_policies(scenario: SimScenario, policies: list[str]) -> ExperimentResult:

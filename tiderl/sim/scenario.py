@@ -18,51 +18,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tiderl.core.config import require, require_choice, require_int
+from tiderl.core.config import require_choice, require_int
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
 from tiderl.core.ra2p import RA2PConfig
+from tiderl.sim.config import SimConfig
 
 SYSTEM_NAMES = ("verl", "areal", "streamrl", "tiderl")
 
 
 @dataclass(frozen=True)
-class SimScenario:
-    """One simulated setup. Batches are in GRPO groups of ``group_size`` samples (tasks):
-    B_ideal = batch_groups·group_size, B_min = batch_min_groups·group_size."""
+class SimScenario(SimConfig):
+    """One simulated setup: the profile's ``sim`` section (:class:`SimConfig`) plus the core
+    policies' configs. Batches are in GRPO groups of ``group_size`` samples (tasks):
+    B_ideal = batch_groups·group_size, B_min = batch_min_groups·group_size. (``experiment`` and
+    ``policies`` say what to run on a scenario; the simulation itself ignores them.)"""
 
-    workload: str = "webshop"
-    model: str = "qwen2.5-7b"
-    gpu: str = "h100-sxm"
-    num_gpus: int = 8
-    steps: int = 100
-    seed: int = 0
-    group_size: int = 8
-    batch_groups: int = 32
-    batch_min_groups: int = 16
-    max_staleness: int = 1
-    eval_every: int = 0  # an evaluation phase every this many steps (0: none)
-    eval_groups: int = 0  # groups per evaluation phase
-    rollout_ratio: float = 0.25  # initial rollout share (fixed-split systems keep it)
-    request_concurrency: int = 256  # running requests per rollout GPU (engine max_num_seqs)
     kv_block_size: int = 16
-    ctb_round_interval_s: float = 0.5
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=lambda: ERSConfig(batch_min=128, batch_ideal=256))
 
     def __post_init__(self) -> None:
-        for key in ("num_gpus", "steps", "group_size", "batch_groups", "batch_min_groups",
-                    "request_concurrency", "kv_block_size"):
-            require_int(getattr(self, key), key, minimum=1)
-        for key in ("max_staleness", "eval_every", "eval_groups", "seed"):
-            require_int(getattr(self, key), key, minimum=0)
-        require(self.batch_min_groups <= self.batch_groups, "batch_min_groups",
-                f"expected <= batch_groups ({self.batch_groups}), got {self.batch_min_groups}")
-        require(0.0 < self.rollout_ratio < 1.0 or self.num_gpus == 1, "rollout_ratio",
-                f"expected a number in (0, 1), got {self.rollout_ratio!r}")
-        require(self.ctb_round_interval_s > 0, "ctb_round_interval_s",
-                f"expected a positive number, got {self.ctb_round_interval_s!r}")
+        super().__post_init__()
+        require_int(self.kv_block_size, "kv_block_size", minimum=1)
 
     @property
     def batch_ideal(self) -> int:
@@ -79,9 +58,9 @@ class SimScenario:
 
     def num_rollout_gpus(self) -> int:
         """The initial rollout share, at least one GPU and leaving the trainer at least one."""
-        if self.num_gpus == 1:
+        if self.gpus == 1:
             return 1
-        return min(self.num_gpus - 1, max(1, round(self.num_gpus * self.rollout_ratio)))
+        return min(self.gpus - 1, max(1, round(self.gpus * self.rollout_ratio)))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""The two attention paths of the model: dense (training, reference) and paged (engine).
+
+Paged KV cache layout (one tensor for the whole model)::
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                           ^ 0 = keys, 1 = values
+
+A *slot* is one token's place in the cache: ``slot = block_id * block_size + offset``. A
+sequence's block table lists its block ids in order, so its token at position ``p`` lives in
+block ``block_table[p // block_size]`` at offset ``p % block_size``. Block id 0 is a valid
+block: padding entries in a block table may hold any valid id (they are masked out).
+
+A paged step takes the *new* tokens of several sequences packed into one flat batch (prefill
+chunks and single decode tokens alike): sequence ``s`` owns rows
+``query_start_loc[s]:query_start_loc[s + 1]``, and after this step's keys are written its
+cache holds ``context_lens[s]`` tokens (cached + new). New tokens sit at the end of the context,
+so the query at position ``p`` attends to cached positions ``0..p``.
+
+Plain torch gather/scatter, no custom kernels: correct first, fast enough for tiny models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Where one paged step's tokens go and what they attend to (all int64 tensors).
+
+    - ``slot_mapping`` [num_tokens]: the cache slot each new token's key/value is written to.
+    - ``block_tables`` [num_seqs, max_blocks]: each sequence's block ids (padding: any valid id).
+    - ``context_lens`` [num_seqs]: tokens in each sequence's cache after this step.
+    - ``query_start_loc`` [num_seqs + 1]: cumulative count of new tokens per sequence.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int],
+              block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor,
+                                                                              PagedBatch]:
+        """Positions and batch for sequences that have ``num_cached[s]`` tokens in their blocks
+        and add ``num_new[s]`` tokens (packed in sequence order). Block tables must already
+        cover ``num_cached + num_new`` tokens; short ones are padded with their first block.
+        """
+        positions, slots = [], []
+        for table, cached, new in zip(block_tables, num_cached, num_new, strict=True):
+            if (cached + new + block_size - 1) // block_size > len(table):
+                raise ValueError("block table too short for its sequence")
+            for p in range(cached, cached + new):
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+        width = max(len(t) for t in block_tables)
+        padded = [t + [t[0]] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for new in num_new:
+            starts.append(starts[-1] + new)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        lens = [c + n for c, n in zip(num_cached, num_new, strict=True)]
+        return tensor(positions), cls(tensor(slots), tensor(padded), tensor(lens), tensor(starts))
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each sequence's last new token (where its next-token logits are)."""
+        return self.query_start_loc[1:] - 1
+
+
+def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed cache in the layout above."""
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over whole sequences; q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [num_tokens, Hkv, D] at their slots; ``layer_cache`` is
+    ``kv_cache[layer]`` ([2, num_blocks, block_size, Hkv, D]), written in place."""
+    num_kv_heads, head_dim = layer_cache.shape[-2:]
+    flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
+    flat[0, slot_mapping] = k.to(flat.dtype)
+    flat[1, slot_mapping] = v.to(flat.dtype)
+
+
+def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, positions: torch.Tensor,
+                    batch: PagedBatch) -> torch.Tensor:
+    """Attention of packed new tokens q [num_tokens, H, D] over their sequences' cached keys
+    (this step's already written) -> [num_tokens, H, D].
+
+    The sequences are padded into one [num_seqs, H, max_new, max_context] problem and run
+    through one ``scaled_dot_product_attention`` call with an explicit mask.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    seq_ids, rows = _token_rows(batch, num_tokens)
+    max_new = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max())
+    q_pad = q.new_zeros(batch.num_seqs, max_new, num_heads, head_dim)
+    q_pad[seq_ids, rows] = q
+    # Padding queries sit at position 0 so that no row of the mask is empty (no NaN).
+    pos_pad = positions.new_zeros(batch.num_seqs, max_new)
+    pos_pad[seq_ids, rows] = positions
+    keys, values = _gather_context(layer_cache, batch.block_tables)
+    max_context = int(batch.context_lens.max())
+    keys, values = keys[:, :max_context], values[:, :max_context]
+    key_pos = torch.arange(max_context, device=q.device)
+    mask = key_pos.view(1, 1, -1) <= pos_pad.unsqueeze(-1)
+    mask &= key_pos.view(1, 1, -1) < batch.context_lens.view(-1, 1, 1)
+    groups = num_heads // keys.shape[2]
+    keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2).to(q.dtype)
+    values = values.repeat_interleave(groups, dim=2).transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values,
+                                         attn_mask=mask.unsqueeze(1))
+    return out.transpose(1, 2)[seq_ids, rows]
+
+
+def _token_rows(batch: PagedBatch, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed token: its sequence index and its row within that sequence's new tokens."""
+    starts = batch.query_start_loc
+    counts = starts[1:] - starts[:-1]
+    seq_ids = torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts)
+    rows = torch.arange(num_tokens, device=starts.device) - starts[seq_ids]
+    return seq_ids, rows
+
+
+def _gather_context(layer_cache: torch.Tensor,
+                    block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cached keys and values, [num_seqs, max_blocks * block_size, Hkv, D]."""
+    num_seqs, max_blocks = block_tables.shape
+    _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+    gathered = layer_cache[:, block_tables]  # [2, num_seqs, max_blocks, block_size, Hkv, D]
+    gathered = gathered.reshape(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    return gathered[0], gathered[1]

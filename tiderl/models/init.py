@@ -1,0 +1,57 @@
+"""Seeded random-init models for tests and the embedded CPU default (no downloads).
+
+Sizes follow docs/research feasibility §2: ``tiny`` is 128 hidden / 4 layers / 4 heads / 2 KV
+heads, ``small`` 256 / 8 / 8 / 4, both with a 4x MLP and untied embeddings. The vocabulary is
+the word list of :mod:`tiderl.models.vocab`. The same size and seed give byte-identical files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiderl.models.loading import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, save_model
+from tiderl.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from tiderl.models.tokenizer import word_tokenizer
+from tiderl.models.vocab import BOS, EOS, VOCAB
+
+SIZES = {"tiny": (128, 4, 4, 2), "small": (256, 8, 8, 4)}  # hidden, layers, heads, kv heads
+INIT_STD = 0.02
+
+
+def size_config(size: str) -> Qwen2Config:
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r} (known: {', '.join(SIZES)})")
+    hidden, layers, heads, kv_heads = SIZES[size]
+    return Qwen2Config(
+        vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=4096, torch_dtype="float32",
+        bos_token_id=VOCAB.index(BOS), eos_token_id=VOCAB.index(EOS))
+
+
+def init_model(size: str, seed: int = 0) -> Qwen2ForCausalLM:
+    """A float32 CPU model: matrices and embeddings ~ N(0, 0.02), biases 0, norms 1 (as HF
+    initialises Qwen2), drawn from one generator in parameter order."""
+    model = Qwen2ForCausalLM(size_config(size))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+    return model.eval()
+
+
+def write_random_checkpoint(size: str, out: str | Path, seed: int = 0) -> list[Path]:
+    """Write config.json, model.safetensors and tokenizer.json for ``init_model(size, seed)``;
+    returns the three paths."""
+    folder = Path(out)
+    save_model(init_model(size, seed), folder)
+    word_tokenizer().save(str(folder / TOKENIZER_FILE), pretty=True)
+    return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, folder / TOKENIZER_FILE]

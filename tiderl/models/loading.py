@@ -1,0 +1,152 @@
+"""HF-format model folders: ``config.json`` + ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``) + ``tokenizer.json``.
+
+A real Qwen2 / Qwen2.5 checkpoint on local disk loads as is; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from tiderl.models.config import ModelConfig
+from tiderl.models.qwen2 import DTYPES, Qwen2Config, Qwen2ForCausalLM
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+TIED_KEY = "lm_head.weight"
+
+
+class ModelLoadError(Exception):
+    """A model folder that cannot be read; the message names the file."""
+
+
+def load_config(path: str | Path) -> Qwen2Config:
+    file = Path(path) / CONFIG_FILE
+    try:
+        return Qwen2Config.from_hf(json.loads(file.read_text()))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{file}: not found") from exc
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{file}: {exc}") from exc
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors file(s), by HF name."""
+    folder = Path(path)
+    index = folder / INDEX_FILE
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS_FILE).exists():
+        files = [WEIGHTS_FILE]
+    else:
+        raise ModelLoadError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
+               device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
+    """Build the model from a folder; ``dtype`` defaults to the config's ``torch_dtype``."""
+    config = load_config(path)
+    model = _empty_model(config, dtype or config.torch_dtype, device)
+    state = {k: v for k, v in load_state_dict(path).items()
+             if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints saved the rope table
+    if config.tie_word_embeddings:
+        state.pop(TIED_KEY, None)
+    missing, unexpected = _check_keys(model, state)
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: weights do not match config.json "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.load_state_dict(state, strict=False)  # tied lm_head shares the embedding
+    return model.eval()
+
+
+def save_model(model: Qwen2ForCausalLM, path: str | Path,
+               max_shard_bytes: int | None = None) -> None:
+    """Write ``config.json`` and the weights (one file, or shards of at most
+    ``max_shard_bytes`` plus an index). Tied models omit ``lm_head.weight``, as HF does."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf() | {"torch_dtype": _dtype_name(model.dtype)}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop(TIED_KEY)
+    shards = _shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, name)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    file = Path(path) / TOKENIZER_FILE
+    if not file.exists():
+        raise ModelLoadError(f"{file}: not found")
+    return Tokenizer.from_file(str(file))
+
+
+def model_from_config(config: ModelConfig,
+                      device: torch.device | str = "cpu") -> tuple[Qwen2ForCausalLM, Tokenizer]:
+    """The profile's model and tokenizer: the folder at ``config.path``, or (empty path) a
+    seeded random-init model of ``config.size`` with the word-level tokenizer."""
+    if config.path:
+        return load_model(config.path, config.dtype, device), load_tokenizer(config.path)
+    from tiderl.models.init import init_model
+    from tiderl.models.tokenizer import word_tokenizer
+
+    model = init_model(config.size, config.seed)
+    return model.to(device=device, dtype=DTYPES[config.dtype]), word_tokenizer()
+
+
+def _empty_model(config: Qwen2Config, dtype: str | torch.dtype,
+                 device: torch.device | str) -> Qwen2ForCausalLM:
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.tie_weights()
+    return model
+
+
+def _check_keys(model: Qwen2ForCausalLM, state: dict) -> tuple[list[str], list[str]]:
+    expected = set(model.state_dict())
+    if model.config.tie_word_embeddings:
+        expected.discard(TIED_KEY)
+    return sorted(expected - set(state)), sorted(set(state) - expected)
+
+
+def _shards(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict]:
+    shards: list[dict] = [{}]
+    size = 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_bytes is not None and shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)

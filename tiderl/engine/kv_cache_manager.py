@@ -227,6 +227,13 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         self._task_context.clear()
 
+    def evict_unreferenced(self) -> None:
+        """Forget the content of every unreferenced block (a flush): blocks held by a request
+        or a pin stay hit-able."""
+        blocks = self.pool.get_new_blocks(self.pool.num_free_blocks)  # evicts their content
+        assert blocks is not None
+        self.pool.free_blocks(blocks)
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def _block_tokens(self, request: Request, i: int) -> list[int]:

@@ -1,0 +1,258 @@
+"""The embedded rollout engine: scheduler + model runner behind an async ``generate``.
+
+    generate() ──add_request──> Scheduler.waiting          (event-loop thread, under the lock)
+                                     │
+    step loop (asyncio task) ── await step() in the model thread ──> finished requests
+                                     │                                    │
+        step() = schedule() → ModelRunner.execute() → update()           └─> resolve futures
+
+One background asyncio task (started by the first ``generate``) runs ``step`` in a single model
+thread while there is unfinished work and sleeps on an event otherwise. A lock serialises steps
+with every call that touches the scheduler or the weights (pin, unpin, flush, update_weights),
+so those always apply between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tiderl.engine.config import EngineConfig
+from tiderl.engine.kv_cache_manager import TokenUsage
+from tiderl.engine.model_runner import ModelRunner
+from tiderl.engine.request import Request, SamplingParams
+from tiderl.engine.scheduler import Scheduler, SchedulerOutput
+from tiderl.models.config import ModelConfig
+from tiderl.models.loading import model_from_config
+from tiderl.models.qwen2 import Qwen2ForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOutput:
+    task_id: str
+    output_ids: list[int]
+    logprobs: list[float]  # of each output token under its sampling distribution (sampler.py)
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prefix-cache hit tokens at admission
+    version: int  # weights version when the first output token was sampled
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    kv_cache_usage_perc: float  # 0..1
+    num_requests_running: int
+    num_requests_waiting: int
+    num_preemptions: int
+    prompt_tokens_computed: int  # prompt positions computed (prefills and recomputes)
+    decode_tokens: int  # output tokens sampled
+
+
+class LLMEngine:
+    def __init__(self, model: Qwen2ForCausalLM, engine_config: EngineConfig,
+                 eos_token_id: int | None, version: int = 0) -> None:
+        self.config = engine_config
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.version = version
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = model.config.max_position_embeddings
+        self.scheduler = Scheduler(engine_config, eos_token_id)
+        self.runner = ModelRunner(model, self.scheduler.kv_cache.pool.num_blocks,
+                                  engine_config.block_size)
+        self.prompt_tokens_computed = 0
+        self.decode_tokens = 0
+        self._versions: dict[str, int] = {}  # request id -> version of its first output token
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._futures: dict[str, asyncio.Future[Request]] = {}
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_configs(cls, model_config: ModelConfig, engine_config: EngineConfig) -> LLMEngine:
+        model, _ = model_from_config(model_config)
+        return cls(model, engine_config, model.config.eos_token_id)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """One ``schedule()`` → ``execute()`` → ``update()``; returns the requests it finished."""
+        with self._lock:
+            output = self.scheduler.schedule()
+            self._count(output)
+            result = self.runner.execute(output)
+            return self.scheduler.update(result)
+
+    def _count(self, output: SchedulerOutput) -> None:
+        requests = self.scheduler.requests
+        for item in output.scheduled:
+            request = requests[item.request_id]
+            start, end = item.num_computed_tokens, item.num_computed_tokens + len(item.token_ids)
+            self.prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
+            if item.samples:
+                self.decode_tokens += 1
+                if item.num_output_tokens == 0:
+                    self._versions[item.request_id] = self.version
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, task_id: str, prompt_ids: list[int],
+                    sampling: SamplingParams) -> Request:
+        """Validate and queue one turn (the synchronous half of ``generate``)."""
+        self._validate(prompt_ids, sampling)
+        request = Request(f"{task_id}#{next(self._ids)}", task_id, list(prompt_ids), sampling)
+        with self._lock:
+            self.scheduler.add_request(request)
+        return request
+
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateOutput:
+        request = self.add_request(task_id, prompt_ids, sampling)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[request.request_id] = future
+        self._start_loop()
+        try:
+            await future
+        except asyncio.CancelledError:
+            with self._lock:
+                self.scheduler.abort_request(request.request_id)
+            self._versions.pop(request.request_id, None)
+            raise
+        finally:
+            self._futures.pop(request.request_id, None)
+        return self._output(request)
+
+    def _output(self, request: Request) -> GenerateOutput:
+        version = self._versions.pop(request.request_id, self.version)
+        reason = request.finish_reason.value if request.finish_reason else "abort"
+        return GenerateOutput(request.task_id, list(request.output_token_ids),
+                              list(request.output_logprobs), reason, request.num_prompt_tokens,
+                              request.num_cached_tokens, version)
+
+    def _validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        if not prompt_ids:
+            raise ValueError("prompt_ids: empty prompt")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: token ids outside the vocabulary [0, "
+                             f"{self.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, longer than max_model_len "
+                             f"{self.max_model_len}")
+        total = len(prompt_ids) + sampling.max_tokens
+        if total > self.config.kv_cache_tokens:
+            raise ValueError(f"prompt + max_tokens = {total} tokens, more than the KV pool "
+                             f"holds ({self.config.kv_cache_tokens})")
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: outside the vocabulary: {bad[:5]}")
+
+    # -- the step loop ---------------------------------------------------------------------------
+
+    def _start_loop(self) -> None:
+        task, loop = self._loop_task, asyncio.get_running_loop()
+        if task is None or task.done() or task.get_loop() is not loop:  # none yet, or dead
+            self._wake = asyncio.Event()
+            self._executor = self._executor or ThreadPoolExecutor(1, "tiderl-model")
+            self._loop_task = loop.create_task(self._run())
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_unfinished:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                finished = await loop.run_in_executor(self._executor, self.step)
+            except Exception as exc:  # a failing step fails every waiting caller
+                self._fail_all(exc)
+                continue
+            for request in finished:
+                future = self._futures.get(request.request_id)
+                if future is not None and not future.done():
+                    future.set_result(request)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            for request_id, future in list(self._futures.items()):
+                self.scheduler.abort_request(request_id)
+                if not future.done():
+                    future.set_exception(exc)
+
+    async def close(self) -> None:
+        """Stop the step loop; pending ``generate`` calls are cancelled."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        for future in list(self._futures.values()):
+            future.cancel()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- pins, cache, weights --------------------------------------------------------------------
+
+    def pin(self, task_id: str) -> int:
+        """Pin the task's cached context; returns the pinned tokens (whole blocks)."""
+        with self._lock:
+            return self.scheduler.kv_cache.pin(task_id) * self.config.block_size
+
+    def unpin(self, task_id: str) -> None:
+        with self._lock:
+            self.scheduler.kv_cache.unpin(task_id)
+
+    def token_usage(self) -> TokenUsage:
+        with self._lock:
+            return self.scheduler.kv_cache.token_usage()
+
+    def flush(self) -> None:
+        """Drop every cached, unreferenced block (held and pinned blocks stay)."""
+        with self._lock:
+            self.scheduler.kv_cache.evict_unreferenced()
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load weights (HF names, any subset; cast to the model's dtype), set ``version`` and
+        reset the prefix cache: no KV computed with the old weights is hit again. Requests in
+        flight continue on their already-computed KV."""
+        params = self.model.state_dict(keep_vars=True)  # tied lm_head included
+        unknown = [k for k in state_dict if k not in params]
+        if unknown:
+            raise ValueError(f"update_weights: unknown parameters {unknown[:3]}")
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+        with self._lock, torch.no_grad():
+            for name, tensor in state_dict.items():
+                params[name].copy_(tensor)
+            self.scheduler.kv_cache.reset_prefix_cache()
+            self.version = version
+
+    def metrics(self) -> EngineMetrics:
+        with self._lock:
+            stats = self.scheduler.stats()
+        return EngineMetrics(
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            kv_cache_usage_perc=stats.kv_cache_usage_perc,
+            num_requests_running=stats.num_requests_running,
+            num_requests_waiting=stats.num_requests_waiting,
+            num_preemptions=stats.num_preemptions,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            decode_tokens=self.decode_tokens)

@@ -1,0 +1,249 @@
+"""The real `tiderl engine serve` process driven over HTTP with TideRLHTTPClient.
+
+Prefix-cache arithmetic (block size 16): a finished turn of P prompt and O output tokens has
+P + O - 1 tokens of KV (the last sampled token is never fed back), so its cached context is
+(P + O - 1) // 16 full blocks; the next turn of the task hits exactly those blocks.
+"""
+
+import asyncio
+import itertools
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.test_cli import assert_one_line_error, tiderl
+from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient, parse_prometheus
+from tiderl.engine.request import SamplingParams
+
+BLOCK = 16
+KV_TOKENS = 4096
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    for seed in (0, 1):
+        proc = tiderl("model", "init", "--out", str(root / f"m{seed}"), "--seed", str(seed))
+        assert proc.returncode == 0, proc.stderr
+    port = free_port()
+    script = Path(sys.executable).with_name("tiderl")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tiderl.cli.main"]
+    log = (root / "server.log").open("w")
+    args = ["engine", "serve", "--model", str(root / "m0"), "--port", str(port),
+            "--kv-cache-tokens", str(KV_TOKENS)]
+    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (root / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not answer /health in 30 s"
+            time.sleep(0.2)
+        yield {"url": url, "root": root, "proc": proc}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def run(server, scenario):
+    async def main():
+        async with TideRLHTTPClient(server["url"]) as client:
+            return await scenario(client)
+    return asyncio.run(main())
+
+
+async def raw_metrics(client) -> dict[str, float]:
+    return parse_prometheus((await client.http.get("/metrics")).text)
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    return after[f"tiderl:{name}"] - before[f"tiderl:{name}"]
+
+
+async def conversation(client, task_id, first, turns, obs_len=5):
+    """Turn k+1's prompt = turn k's prompt + its output + ``obs_len`` new observation ids."""
+    prompt, results = list(first), []
+    for k in range(turns):
+        out = await client.generate(task_id, prompt, GREEDY)
+        results.append((len(prompt), out))
+        observation = [first[0] + 100 * (k + 1) + j for j in range(obs_len)]
+        prompt = prompt + out.output_ids + observation
+    return results
+
+
+def test_multi_turn_conversation_hits_exact_prefix_blocks(server):
+    async def scenario(client):
+        before = await raw_metrics(client)
+        results = await conversation(client, "chat", list(range(10, 31)), turns=4)
+        return before, results, await raw_metrics(client), await client.metrics()
+
+    before, results, after, metrics = run(server, scenario)
+    assert all(out.finish_reason == "length" and len(out.output_ids) == 8 for _, out in results)
+    prompts = [p for p, _ in results]
+    assert prompts == [21, 34, 47, 60]  # 21, then + 8 outputs + 5 observation ids per turn
+    cached = [out.num_cached_tokens for _, out in results]
+    # (P + O - 1) // 16 blocks of the previous turn: (21+7)//16=1, (34+7)//16=2, (47+7)//16=3
+    assert cached == [0, 16, 32, 48]
+    for (p_prev, prev), (_, out) in itertools.pairwise(results):
+        assert out.num_cached_tokens == (p_prev + len(prev.output_ids) - 1) // BLOCK * BLOCK
+    assert [out.num_prompt_tokens for _, out in results] == prompts
+    assert all(out.version == 0 and len(out.logprobs) == 8 for _, out in results)
+    assert all(lp <= 0.0 for _, out in results for lp in out.logprobs)
+    assert delta(after, before, "prefix_cache_queries") == 162  # 21 + 34 + 47 + 60
+    assert delta(after, before, "prefix_cache_hits") == 96  # 0 + 16 + 32 + 48
+    assert delta(after, before, "prompt_tokens_computed") == 162 - 96
+    assert delta(after, before, "decode_tokens") == 32
+    assert after["tiderl:num_requests_running"] == after["tiderl:num_requests_waiting"] == 0
+    assert metrics.prefix_cache_hits == after["tiderl:prefix_cache_hits"]
+    assert metrics.cache_hit_rate == pytest.approx(metrics.prefix_cache_hits
+                                                   / metrics.prefix_cache_queries)
+
+
+def test_pin_survives_flush_and_unpin_releases(server):
+    async def scenario(client):
+        a = await conversation(client, "pinned", list(range(400, 421)), turns=1)
+        b = await conversation(client, "loose", list(range(600, 621)), turns=1)
+        pinned = await client.pin("pinned")
+        usage_pinned = await client.token_usage()
+        await client.flush()
+        after_flush = await client.token_usage()
+        next_a = list(range(400, 421)) + a[0][1].output_ids + [7, 8, 9, 10, 11]
+        next_b = list(range(600, 621)) + b[0][1].output_ids + [7, 8, 9, 10, 11]
+        a2 = await client.generate("pinned", next_a, GREEDY)
+        b2 = await client.generate("loose", next_b, GREEDY)
+        usage_moved = await client.token_usage()
+        await client.unpin("pinned")
+        return pinned, usage_pinned, after_flush, a2, b2, usage_moved, await client.token_usage()
+
+    pinned, usage_pinned, after_flush, a2, b2, usage_moved, released = run(server, scenario)
+    assert pinned == 16  # (21 + 8 - 1) // 16 = 1 block of the task's context
+    assert usage_pinned.num_total_tokens == KV_TOKENS
+    assert usage_pinned.num_pinned_tokens == usage_pinned.num_used_tokens == 16
+    assert after_flush.num_cached_tokens == 0 and after_flush.num_pinned_tokens == 16
+    assert a2.num_cached_tokens == 16  # the pin kept its block through the flush
+    assert b2.num_cached_tokens == 0  # the flush dropped the unpinned task's context
+    assert usage_moved.num_pinned_tokens == 32  # the pin moved to the newest context: 34+7 // 16
+    assert released.num_pinned_tokens == released.num_used_tokens == 0
+
+
+BAD_BODIES = [
+    ("malformed json", b"{not json", 422),
+    ("prompt is text", {"prompt": "hello"}, 422),
+    ("float token", {"prompt": [1.5]}, 422),
+    ("empty prompt", {"prompt": []}, 400),
+    ("id >= vocab", {"prompt": [1, 1554]}, 400),
+    ("negative id", {"prompt": [-1]}, 400),
+    ("longer than context", {"prompt": [5] * 4097}, 400),
+    ("max_tokens 0", {"prompt": [5], "max_tokens": 0}, 400),
+    ("temperature text", {"prompt": [5], "temperature": "hot"}, 422),
+    ("top_p > 1", {"prompt": [5], "top_p": 2.0}, 400),
+    ("stop id outside vocab", {"prompt": [5], "stop_token_ids": [99999]}, 400),
+    ("body is a list", [1, 2, 3], 422),
+    ("temperature NaN", b'{"prompt": [5], "temperature": NaN}', 422),
+    ("streaming", {"prompt": [5], "stream": True}, 400),
+    ("two choices", {"prompt": [5], "n": 2}, 400),
+]
+
+
+def test_bad_input_is_a_json_error_and_the_server_keeps_serving(server):
+    vocab = json.loads((server["root"] / "m0" / "config.json").read_text())["vocab_size"]
+    assert vocab == 1554  # BAD_BODIES' out-of-vocabulary id is the first one past the end
+    url = server["url"]
+    cases = [("/v1/completions", *case) for case in BAD_BODIES] + [
+        ("/tiderl/pin", "pin without task", {}, 422),
+        ("/tiderl/unpin", "unpin task not text", {"task_id": 5}, 422),
+        ("/tiderl/update_weights", "no such folder", {"path": "/no/such", "version": 1}, 400),
+        ("/tiderl/update_weights", "version missing", {"path": "/tmp"}, 422),
+    ]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for path, name, body, status in cases:
+            if isinstance(body, bytes):
+                response = http.post(path, content=body,
+                                     headers={"content-type": "application/json"})
+            else:
+                response = http.post(path, json=body)
+            assert response.status_code == status, (name, response.text)
+            error = response.json()["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", name
+            assert http.get("/health").status_code == 200, name
+        assert "longer than the context" in http.post(
+            "/v1/completions", json={"prompt": [5] * 4097}).json()["error"]["message"]
+    assert server["proc"].poll() is None
+
+    async def scenario(client):
+        with pytest.raises(EngineRequestError, match="empty"):
+            await client.generate("t", [], GREEDY)
+        return await client.generate("t", [1, 2, 3], GREEDY)
+
+    assert len(run(server, scenario).output_ids) == 8
+
+
+def test_update_weights_changes_outputs_and_resets_the_prefix_cache(server):
+    m0, m1 = str(server["root"] / "m0"), str(server["root"] / "m1")
+    prompt = list(range(800, 840))
+
+    async def scenario(client):
+        first = await client.generate("w0", prompt, GREEDY)
+        again = await client.generate("w1", prompt, GREEDY)
+        await client.update_weights(m1, 7)
+        health = (await client.http.get("/health")).json()
+        other = await client.generate("w2", prompt, GREEDY)
+        with pytest.raises(EngineRequestError, match=r"no model\.safetensors"):
+            await client.update_weights(str(server["root"]), 8)
+        await client.update_weights(m0, 9)
+        back = await client.generate("w3", prompt, GREEDY)
+        return first, again, health, other, back, await raw_metrics(client)
+
+    first, again, health, other, back, metrics = run(server, scenario)
+    assert again.num_cached_tokens == 32 and again.output_ids == first.output_ids
+    assert health["version"] == 7 and other.version == 7
+    assert other.num_cached_tokens == 0  # KV of the old weights is never hit again
+    assert (other.output_ids, other.logprobs) != (first.output_ids, first.logprobs)
+    assert other.output_ids != first.output_ids
+    assert back.version == 9 and back.num_cached_tokens == 0
+    assert back.output_ids == first.output_ids
+    assert back.logprobs == pytest.approx(first.logprobs, abs=1e-5)
+    assert metrics["tiderl:weight_version"] == 9
+
+
+def test_serve_without_a_model_folder_is_one_line_exit_2(tmp_path):
+    line = assert_one_line_error(tiderl("engine", "serve", "--model", str(tmp_path / "none")), 2)
+    assert line == f"error: tiderl engine serve: --model {tmp_path / 'none'}: no such folder"
+    line = assert_one_line_error(tiderl("engine", "serve", "--model", str(tmp_path)), 2)
+    assert "config.json: not found" in line
+
+
+def test_concurrent_tasks_share_the_engine(server):
+    async def scenario(client):
+        prompts = [list(range(1000 + 30 * i, 1020 + 30 * i)) for i in range(6)]
+        outs = await asyncio.gather(*(client.generate(f"c{i}", p, GREEDY)
+                                      for i, p in enumerate(prompts)))
+        return outs, await client.metrics()
+
+    outs, metrics = run(server, scenario)
+    assert [len(o.output_ids) for o in outs] == [8] * 6
+    assert [o.task_id for o in outs] == [f"c{i}" for i in range(6)]
+    assert metrics.num_requests_running == metrics.num_requests_waiting == 0

@@ -1,0 +1,397 @@
+"""One client interface to a rollout engine, four backends.
+
+    EngineClient ─┬─ EmbeddedClient     in-process LLMEngine
+                  ├─ TideRLHTTPClient   our server (tiderl/engine/server.py)
+                  ├─ VLLMClient         vLLM: /v1/completions with token ids, vllm:* metrics
+                  └─ SGLangClient       SGLang: /generate with input_ids, sglang:* metrics
+
+vLLM and SGLang cannot pin a task's KV; with them CTB works through admission alone (keeping the
+sum of active footprints within the budget keeps their prefixes resident). Calls a backend does
+not have raise :class:`NotSupported`. Request bodies and response parsing are pure functions.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from tiderl.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from tiderl.engine.kv_cache_manager import TokenUsage
+    from tiderl.engine.llm_engine import LLMEngine
+
+
+class NotSupported(Exception):
+    """The backend has no such call."""
+
+
+class EngineRequestError(ValueError):
+    """The server refused the request (4xx); the message is the server's."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """One turn, the same fields for every backend (``version`` None where unknown)."""
+
+    task_id: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientMetrics:
+    """Engine state; counters in tokens. SGLang exports a hit rate, not hit/query counters."""
+
+    prefix_cache_queries: float | None
+    prefix_cache_hits: float | None
+    kv_cache_usage_perc: float  # 0..1
+    num_requests_running: float
+    num_requests_waiting: float
+    num_preemptions: float | None = None
+    cache_hit_rate: float | None = None  # hits / queries (cumulative) or SGLang's gauge
+
+
+class EngineClient(abc.ABC):
+    @abc.abstractmethod
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateResult: ...
+
+    async def pin(self, task_id: str) -> int:
+        """Keep the task's cached context resident; returns the pinned tokens."""
+        raise self._no_pins("pin")
+
+    async def unpin(self, task_id: str) -> None:
+        raise self._no_pins("unpin")
+
+    def _no_pins(self, call: str) -> NotSupported:
+        return NotSupported(f"{type(self).__name__}: {call} is not supported by this backend "
+                            "(CTB keeps prefixes resident through admission alone)")
+
+    async def token_usage(self) -> TokenUsage:
+        raise NotSupported(f"{type(self).__name__}: token_usage is not supported; "
+                           "use metrics().kv_cache_usage_perc")
+
+    @abc.abstractmethod
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """``weights``: a safetensors folder path, or (in-process only) a state dict."""
+
+    @abc.abstractmethod
+    async def flush(self) -> None: ...
+
+    @abc.abstractmethod
+    async def metrics(self) -> ClientMetrics: ...
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# -- in-process ----------------------------------------------------------------------------------
+
+class EmbeddedClient(EngineClient):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateResult:
+        out = await self.engine.generate(task_id, prompt_ids, sampling)
+        return GenerateResult(out.task_id, list(out.output_ids), list(out.logprobs),
+                              str(out.finish_reason), out.num_prompt_tokens,
+                              out.num_cached_tokens, out.version)
+
+    async def pin(self, task_id: str) -> int:
+        return self.engine.pin(task_id)
+
+    async def unpin(self, task_id: str) -> None:
+        self.engine.unpin(task_id)
+
+    async def token_usage(self) -> TokenUsage:
+        return self.engine.token_usage()
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        if isinstance(weights, str | bytes) or hasattr(weights, "__fspath__"):
+            from tiderl.models.loading import load_state_dict
+
+            weights = load_state_dict(weights)
+        self.engine.update_weights(weights, version)
+
+    async def flush(self) -> None:
+        self.engine.flush()
+
+    async def metrics(self) -> ClientMetrics:
+        m = self.engine.metrics()
+        return ClientMetrics(m.prefix_cache_queries, m.prefix_cache_hits, m.kv_cache_usage_perc,
+                             m.num_requests_running, m.num_requests_waiting, m.num_preemptions,
+                             _rate(m.prefix_cache_hits, m.prefix_cache_queries))
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+# -- HTTP base -----------------------------------------------------------------------------------
+
+class _HTTPClient(EngineClient):
+    metric_prefix = ""  # the backend's Prometheus namespace
+
+    def __init__(self, base_url: str, timeout: float = 600.0,
+                 http: httpx.AsyncClient | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.http = http or httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+
+    async def _post(self, path: str, body: dict | None = None) -> dict:
+        return _json_or_raise(await self.http.post(path, json=body or {}))
+
+    async def metrics(self) -> ClientMetrics:
+        response = await self.http.get("/metrics")
+        _json_or_raise(response, parse=False)
+        values = parse_prometheus(response.text, FRACTIONS)
+        return metrics_from_prometheus(values, self.metric_prefix)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _json_or_raise(response: httpx.Response, parse: bool = True) -> dict:
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:200]
+        error = EngineRequestError if response.status_code < 500 else RuntimeError
+        raise error(f"{response.request.method} {response.request.url.path}: "
+                    f"{response.status_code}: {message}")
+    return response.json() if parse else {}
+
+
+def _rate(hits: float | None, queries: float | None) -> float | None:
+    return None if hits is None or not queries else hits / queries
+
+
+# -- TideRL server -------------------------------------------------------------------------------
+
+class TideRLHTTPClient(_HTTPClient):
+    metric_prefix = "tiderl:"
+
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateResult:
+        body = completion_body(prompt_ids, sampling) | {"task_id": task_id}
+        return parse_completion(task_id, await self._post("/v1/completions", body))
+
+    async def pin(self, task_id: str) -> int:
+        return int((await self._post("/tiderl/pin", {"task_id": task_id}))["num_pinned_tokens"])
+
+    async def unpin(self, task_id: str) -> None:
+        await self._post("/tiderl/unpin", {"task_id": task_id})
+
+    async def token_usage(self) -> TokenUsage:
+        from tiderl.engine.kv_cache_manager import TokenUsage
+
+        response = await self.http.get("/tiderl/usage")
+        return TokenUsage(**_json_or_raise(response))
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        if isinstance(weights, dict):
+            raise NotSupported("TideRLHTTPClient.update_weights: pass a safetensors folder "
+                               "path (state dicts are not sent over HTTP)")
+        await self._post("/tiderl/update_weights", {"path": str(weights), "version": version})
+
+    async def flush(self) -> None:
+        await self._post("/tiderl/flush")
+
+
+# -- vLLM ----------------------------------------------------------------------------------------
+
+class VLLMClient(_HTTPClient):
+    """vLLM's OpenAI server; ``flush`` needs ``VLLM_SERVER_DEV_MODE=1`` (/reset_prefix_cache)."""
+
+    metric_prefix = "vllm:"
+
+    def __init__(self, base_url: str, model: str, timeout: float = 600.0,
+                 http: httpx.AsyncClient | None = None) -> None:
+        super().__init__(base_url, timeout, http)
+        self.model = model
+
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateResult:
+        body = completion_body(prompt_ids, sampling) | {"model": self.model,
+                                                         "return_token_ids": True}
+        return parse_completion(task_id, await self._post("/v1/completions", body))
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        raise NotSupported("VLLMClient.update_weights: vLLM updates weights through its "
+                           "weight-transfer endpoints or collective_rpc, which TideRL does not "
+                           "drive yet; restart the server on the new folder")
+
+    async def flush(self) -> None:
+        await self._post("/reset_prefix_cache")
+
+
+def completion_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
+    """An OpenAI /v1/completions body with a token-id prompt (vLLM and TideRL)."""
+    body: dict[str, Any] = {"prompt": list(prompt_ids), "max_tokens": sampling.max_tokens,
+                            "temperature": sampling.temperature, "top_p": sampling.top_p,
+                            "logprobs": 1}
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    return body
+
+
+def parse_completion(task_id: str, data: dict) -> GenerateResult:
+    """A /v1/completions response: ``choices[0].token_ids`` (vLLM ``return_token_ids``, or
+    TideRL), else the ``token_id:N`` strings of ``logprobs.tokens``
+    (vLLM ``--return-tokens-as-token-ids``)."""
+    choice = data["choices"][0]
+    logprobs = choice.get("logprobs") or {}
+    ids = choice.get("token_ids")
+    if ids is None:
+        tokens = logprobs.get("tokens") or []
+        if not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            raise ValueError("completion response has no token ids (vLLM: send "
+                             "return_token_ids or start it with --return-tokens-as-token-ids)")
+        ids = [int(t.split(":", 1)[1]) for t in tokens]
+    usage = data.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = usage.get("cached_tokens", details.get("cached_tokens")) or 0
+    return GenerateResult(task_id, [int(i) for i in ids],
+                          [float(x) for x in logprobs.get("token_logprobs") or []],
+                          choice.get("finish_reason") or "", int(usage.get("prompt_tokens", 0)),
+                          int(cached), data.get("version"))
+
+
+# -- SGLang --------------------------------------------------------------------------------------
+
+class SGLangClient(_HTTPClient):
+    """SGLang's native server (start it with ``--enable-metrics`` for ``metrics()``)."""
+
+    metric_prefix = "sglang:"
+
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateResult:
+        return parse_sglang_generate(task_id, prompt_ids,
+                                     await self._post("/generate", sglang_generate_body(
+                                         prompt_ids, sampling)))
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        if isinstance(weights, dict):
+            raise NotSupported("SGLangClient.update_weights: pass a checkpoint folder path")
+        data = await self._post("/update_weights_from_disk",
+                                {"model_path": str(weights), "weight_version": str(version)})
+        if not data.get("success", False):
+            raise RuntimeError(f"SGLang update_weights_from_disk: {data.get('message')}")
+
+    async def flush(self) -> None:
+        await self._post("/flush_cache")
+
+
+def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
+    params: dict[str, Any] = {"max_new_tokens": sampling.max_tokens,
+                              "temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    return {"input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
+
+
+def parse_sglang_generate(task_id: str, prompt_ids: list[int], data: dict) -> GenerateResult:
+    """``meta_info.output_token_logprobs`` is a list of ``[logprob, token_id, text]``."""
+    meta = data["meta_info"]
+    entries = meta.get("output_token_logprobs") or []
+    ids = data.get("output_ids")
+    if ids is None:
+        ids = [entry[1] for entry in entries]
+    finish = meta.get("finish_reason")
+    reason = finish.get("type", "") if isinstance(finish, dict) else str(finish or "")
+    return GenerateResult(task_id, [int(i) for i in ids], [float(e[0]) for e in entries],
+                          reason, int(meta.get("prompt_tokens", len(prompt_ids))),
+                          int(meta.get("cached_tokens", 0)),
+                          _int_or_none(meta.get("weight_version")))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) or str(value).isdigit() else None
+
+
+# -- Prometheus ----------------------------------------------------------------------------------
+
+def parse_prometheus(text: str, average: Collection[str] = ()) -> dict[str, float]:
+    """Prometheus text format to {name: value}, summing a name's label sets (names in
+    ``average``, such as a per-engine usage fraction, are averaged over them instead).
+
+    A trailing ``_total`` is dropped from every sample name (a counter ``x`` is exposed as
+    ``x_total``; older clients name the family with it), and ``*_created`` samples are skipped.
+    """
+    values: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name = line[:line.index("{")]
+            rest = line[line.rindex("}") + 1:].split()
+        else:
+            name, *rest = line.split()
+        if not rest or name.endswith("_created"):
+            continue
+        name = name.removesuffix("_total")
+        try:
+            values[name] = values.get(name, 0.0) + float(rest[0])
+        except ValueError:
+            continue  # a malformed sample is skipped, never fatal
+        counts[name] = counts.get(name, 0) + 1
+    for name in set(average) & set(values):
+        values[name] /= counts[name]
+    return values
+
+
+FRACTIONS = ("tiderl:kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+             "vllm:gpu_cache_usage_perc", "sglang:token_usage", "sglang:cache_hit_rate")
+
+
+_VLLM_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc",
+               "num_requests_running", "num_requests_waiting", "num_preemptions", None)
+_NAMES = {  # ClientMetrics field -> metric name after the prefix (None: not exported)
+    "tiderl:": _VLLM_NAMES, "vllm:": _VLLM_NAMES,  # TideRL uses vLLM's names
+    "sglang:": (None, None, "token_usage", "num_running_reqs", "num_queue_reqs", None,
+                "cache_hit_rate"),
+}
+
+
+_OLD_NAMES = {  # vLLM before its "gpu_" metric prefix was dropped
+    "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries": "vllm:gpu_prefix_cache_queries",
+    "vllm:prefix_cache_hits": "vllm:gpu_prefix_cache_hits",
+}
+
+
+def metrics_from_prometheus(values: dict[str, float], prefix: str) -> ClientMetrics:
+    """Map a backend's metric names (``prefix`` is "tiderl:", "vllm:" or "sglang:")."""
+    names = _NAMES[prefix]
+
+    def get(i: int) -> float | None:
+        if names[i] is None:
+            return None
+        name = prefix + names[i]
+        return values.get(name, values.get(_OLD_NAMES.get(name, "")))
+
+    queries, hits = get(0), get(1)
+    rate = get(6) if names[6] is not None else _rate(hits, queries)
+    return ClientMetrics(queries, hits, get(2) or 0.0, get(3) or 0.0, get(4) or 0.0, get(5),
+                         rate)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import typer
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
 
-from tiderl.cli.errors import not_built
+import typer
+from rich.console import Console
+
+from tiderl.cli.errors import CLIError, not_built
+from tiderl.cli.output import JsonFlag, Output, table
 
 app = typer.Typer(help="Benchmarks, side by side in one run: JSON + table.", no_args_is_help=True)
 
@@ -22,12 +29,51 @@ def ctb() -> None:
 
 
 @app.command("engine")
-def engine() -> None:
-    """Embedded engine decode throughput and prefix reuse."""
-    raise not_built("bench engine")
+def engine(
+    out: Path = typer.Option(Path("bench/results/engine.json"), "--out",
+                             help="Where the JSON result is written."),
+    quick: bool = typer.Option(False, "--quick", help="Skip batch 64 (about half the time)."),
+    json_mode: bool = JsonFlag,
+) -> None:
+    """Embedded engine decode throughput vs transformers, prefix reuse, pinned vs request-level."""
+    output = Output(json_mode)
+    output.note("running bench/engine.py (about 1-2 minutes on 2 cores) ...")
+    result = _bench_script("engine").run_bench(quick, output.note)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    output.note(f"wrote {out}")
+    output.result(result, lambda console: _render_engine(console, result))
 
 
 @app.command("e2e")
 def e2e() -> None:
     """The same workload under sync, async, stream and tiderl modes: goodput and reward."""
     raise not_built("bench e2e")
+
+
+def _bench_script(name: str) -> ModuleType:
+    """The benchmark script ``bench/NAME.py`` of the source checkout, imported by path."""
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    if not path.exists():
+        raise CLIError(f"tiderl bench {name}: {path} not found (benchmarks run from a checkout)")
+    spec = importlib.util.spec_from_file_location(f"tiderl_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _render_engine(console: Console, result: dict) -> None:
+    ours, hf = result["decode_tok_s"], result["hf_generate_tok_s"]
+    console.print(table("decode tokens/s (greedy, 64 new tokens)",
+                        ("config/dtype/batch", "engine", "transformers", "ratio"),
+                        [(k, v, hf[k], round(v / hf[k], 2)) for k, v in ours.items()]))
+    reuse = result["prefix_reuse"]
+    console.print(table("prefix reuse", ("figure", "value"), list(reuse.items())))
+    rows = [(name, *(result[name][k] for k in ("hit_rate", "decode_tok_s", "num_preemptions")))
+            for name in ("request_level", "pinned_budget")]
+    ratios = result["pinned_vs_request_level"]
+    rows.append(("pinned / request-level", ratios["hit_rate_ratio"],
+                 ratios["throughput_ratio"], ""))
+    console.print(table("multi-turn workload, KV pool < working set",
+                        ("policy", "hit rate", "decode tok/s", "preemptions"), rows))

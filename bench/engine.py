@@ -1,0 +1,276 @@
+"""Embedded engine: decode throughput vs transformers, prefix reuse, pinned vs request-level.
+
+    python bench/engine.py [--out bench/results/engine.json] [--quick]
+
+1. Decode tokens/s (generated tokens / wall time of the whole batch, 32-token prompts included)
+   of our engine vs transformers ``generate`` on the same weights: greedy, exactly 64 new tokens
+   (no eos), batch 1/8/32/64, tiny and small, float32 and bfloat16, best of 2 timed runs after a
+   warm-up. Target: >= 2x at batch 32.
+2. Prefix reuse: prompt tokens computed for a turn that extends a cached context vs the same
+   prompt with an empty cache.
+3. Multi-turn tasks with environment pauses (asyncio sleeps) on a KV pool smaller than the working
+   set: request-level scheduling at a fixed concurrency (no pins) vs token-budget admission with
+   pinning (a task is admitted only when its final footprint fits the pool; pinned while active).
+
+Runs on ``torch.set_num_threads(2)``, as on the 2-core development machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info
+
+from tiderl.engine.config import EngineConfig
+from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.request import SamplingParams
+from tiderl.models.init import init_model
+from tiderl.models.loading import save_model
+
+PROMPT_LEN, NEW_TOKENS = 32, 64
+BATCHES = (1, 8, 32, 64)
+TARGET_SPEEDUP = 2.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def decode_engine(model, batch: int, prompts: torch.Tensor) -> float:
+    config = EngineConfig(kv_cache_tokens=max(2048, 2 * batch * (PROMPT_LEN + NEW_TOKENS)),
+                          block_size=16, max_num_seqs=max(64, batch),
+                          max_num_batched_tokens=max(2048, batch * PROMPT_LEN))
+    engine = LLMEngine(model, config, eos_token_id=None)
+
+    def once(tag: int, max_tokens: int) -> float:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        start = time.perf_counter()
+        requests = [engine.add_request(f"r{i}", [tag, *p.tolist()], sampling)
+                    for i, p in enumerate(prompts)]
+        while not all(r.is_finished for r in requests):
+            engine.step()
+        return time.perf_counter() - start
+
+    once(1, 8)  # warm-up
+    return batch * NEW_TOKENS / min(once(tag, NEW_TOKENS) for tag in (2, 3))  # best of 2
+
+
+def decode_hf(hf_model, batch: int, prompts: torch.Tensor) -> float:
+    def once(max_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf_model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                              max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    once(8)
+    return batch * NEW_TOKENS / min(once(NEW_TOKENS) for _ in range(2))
+
+
+def hf_copy(model, dtype: torch.dtype):
+    import transformers
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_model(model, folder)
+        hf = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=dtype)
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+def decode_section(quick: bool, note: Callable[[str], None]) -> dict:
+    ours, hf, speedup, skipped = {}, {}, {}, []
+    for size in ("tiny", "small"):
+        for dname, dtype in DTYPES.items():
+            model = init_model(size).to(dtype)
+            hf_model = hf_copy(init_model(size), dtype)
+            for batch in BATCHES:
+                key = f"{size}/{dname}/b{batch}"
+                if quick and batch == 64:
+                    skipped.append(key)
+                    continue
+                prompts = torch.randint(10, 1000, (batch, PROMPT_LEN),
+                                        generator=torch.Generator().manual_seed(batch))
+                ours[key] = round(decode_engine(model, batch, prompts), 1)
+                hf[key] = round(decode_hf(hf_model, batch, prompts), 1)
+                note(f"decode {key}: engine {ours[key]} tok/s, transformers {hf[key]} tok/s")
+            key = f"{size}/{dname}/b32"
+            speedup[f"{size}/{dname}"] = round(ours[key] / hf[key], 2)
+    return {"decode_tok_s": ours, "hf_generate_tok_s": hf, "speedup_vs_hf_b32": {
+        **speedup, "headline_tiny_fp32": speedup["tiny/fp32"]},
+        "meets_target": speedup["tiny/fp32"] >= TARGET_SPEEDUP, "skipped": skipped}
+
+
+def prefix_section() -> dict:
+    model = init_model("tiny")
+    config = EngineConfig(kv_cache_tokens=4096, block_size=16, max_num_batched_tokens=2048)
+    rng = random.Random(0)
+    context = [rng.randrange(10, 1000) for _ in range(500)]
+    turn = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def run_turn(engine: LLMEngine, prompt: list[int]) -> tuple[int, float, list[int]]:
+        before = engine.metrics().prompt_tokens_computed
+        start = time.perf_counter()
+        request = engine.add_request("task", prompt, turn)
+        while not request.is_finished:
+            engine.step()
+        elapsed = time.perf_counter() - start
+        computed = engine.metrics().prompt_tokens_computed - before
+        return computed, elapsed, request.output_token_ids
+
+    warm = LLMEngine(model, config, eos_token_id=None)
+    _, _, outputs = run_turn(warm, context)
+    with_cache, without_cache = [], []
+    for _ in range(3):  # each: a new 32-token observation after the cached turn
+        prompt2 = [*context, *outputs, *(rng.randrange(10, 1000) for _ in range(32))]
+        with_cache.append(run_turn(warm, prompt2)[:2])
+        without_cache.append(run_turn(LLMEngine(model, config, eos_token_id=None), prompt2)[:2])
+    return {"context_tokens": len(prompt2), "computed_with_cache": with_cache[0][0],
+            "computed_without_cache": without_cache[-1][0],
+            "turn_s_with_cache": round(sorted(s for _, s in with_cache)[1], 4),
+            "turn_s_without_cache": round(sorted(s for _, s in without_cache)[1], 4)}
+
+
+# -- multi-turn workload ---------------------------------------------------------------------------
+
+WORKLOAD = {"tasks": 24, "turns": (3, 7), "prompt": (96, 160), "observation": (24, 64),
+            "new_tokens": 16, "pause_s": (0.05, 0.25), "kv_cache_tokens": 3072, "block_size": 16,
+            "request_level_concurrency": 12}
+
+
+def make_tasks(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    w = WORKLOAD
+    tasks = []
+    for i in range(w["tasks"]):
+        turns = rng.randint(*w["turns"])
+        obs = [[rng.randrange(10, 1000) for _ in range(rng.randint(*w["observation"]))]
+               for _ in range(turns - 1)]
+        prompt = [rng.randrange(10, 1000) for _ in range(rng.randint(*w["prompt"]))]
+        pauses = [rng.uniform(*w["pause_s"]) for _ in range(turns - 1)]
+        footprint = len(prompt) + turns * w["new_tokens"] + sum(map(len, obs))
+        tasks.append({"id": f"task{i}", "prompt": prompt, "obs": obs, "pauses": pauses,
+                      "footprint": footprint})
+    return tasks
+
+
+async def run_task(engine: LLMEngine, task: dict) -> None:
+    context = list(task["prompt"])
+    sampling = SamplingParams(max_tokens=WORKLOAD["new_tokens"], temperature=0.0)
+    for turn in range(len(task["obs"]) + 1):
+        out = await engine.generate(task["id"], context, sampling)
+        context += out.output_ids
+        if turn < len(task["obs"]):
+            await asyncio.sleep(task["pauses"][turn])  # the environment step
+            context += task["obs"][turn]
+
+
+async def request_level(engine: LLMEngine, tasks: list[dict]) -> None:
+    slots = asyncio.Semaphore(WORKLOAD["request_level_concurrency"])
+
+    async def one(task: dict) -> None:
+        async with slots:
+            await run_task(engine, task)
+
+    await asyncio.gather(*map(one, tasks))
+
+
+async def pinned_budget(engine: LLMEngine, tasks: list[dict]) -> None:
+    block = WORKLOAD["block_size"]
+    budget = WORKLOAD["kv_cache_tokens"]
+    used = 0
+    room = asyncio.Condition()
+
+    async def one(task: dict) -> None:
+        nonlocal used
+        need = -(-task["footprint"] // block) * block
+        async with room:
+            await room.wait_for(lambda: used + need <= budget)
+            used += need
+        engine.pin(task["id"])
+        try:
+            await run_task(engine, task)
+        finally:
+            engine.unpin(task["id"])
+            async with room:
+                used -= need
+                room.notify_all()
+
+    await asyncio.gather(*map(one, tasks))
+
+
+def workload_mode(policy) -> dict:
+    model = init_model("tiny")
+    config = EngineConfig(kv_cache_tokens=WORKLOAD["kv_cache_tokens"],
+                          block_size=WORKLOAD["block_size"], max_num_seqs=64,
+                          max_num_batched_tokens=1024)
+    engine = LLMEngine(model, config, eos_token_id=None)
+    tasks = make_tasks()
+
+    async def main() -> float:
+        start = time.perf_counter()
+        await policy(engine, tasks)
+        elapsed = time.perf_counter() - start
+        await engine.close()
+        return elapsed
+
+    elapsed = asyncio.run(main())
+    m = engine.metrics()
+    return {"wall_s": round(elapsed, 2), "hit_rate": round(m.prefix_cache_hits
+                                                           / m.prefix_cache_queries, 4),
+            "decode_tok_s": round(m.decode_tokens / elapsed, 1),
+            "total_tok_s": round((m.decode_tokens + m.prompt_tokens_computed) / elapsed, 1),
+            "prompt_tokens_computed": m.prompt_tokens_computed,
+            "decode_tokens": m.decode_tokens, "num_preemptions": m.num_preemptions,
+            "prefix_cache_queries": m.prefix_cache_queries,
+            "prefix_cache_hits": m.prefix_cache_hits}
+
+
+def workload_section() -> dict:
+    tasks = make_tasks()
+    req, pin = workload_mode(request_level), workload_mode(pinned_budget)
+    return {"workload": {**WORKLOAD, "working_set_tokens": sum(t["footprint"] for t in tasks)},
+            "request_level": req, "pinned_budget": pin,
+            "pinned_vs_request_level": {
+                "hit_rate_ratio": round(pin["hit_rate"] / req["hit_rate"], 3),
+                "throughput_ratio": round(pin["decode_tok_s"] / req["decode_tok_s"], 3)}}
+
+
+def run_bench(quick: bool = False, note: Callable[[str], None] = lambda _: None) -> dict:
+    """Every section, side by side; returns the JSON-ready result."""
+    torch.set_num_threads(2)
+    start = time.perf_counter()
+    result = decode_section(quick, note)
+    result["prefix_reuse"] = prefix_section()
+    note(f"prefix reuse: {result['prefix_reuse']}")
+    result |= workload_section()
+    note(f"pinned vs request-level: {result['pinned_vs_request_level']}")
+    result["total_wall_s"] = round(time.perf_counter() - start, 1)
+    result["machine"] = machine_info() | {"torch_threads": torch.get_num_threads()}
+    result["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    parser.add_argument("--quick", action="store_true", help="Skip batch 64.")
+    args = parser.parse_args()
+    result = run_bench(args.quick, lambda line: sys.stderr.write(line + "\n"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
+from machine import machine_info, write_result
 
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
@@ -266,9 +265,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="Skip batch 64.")
     args = parser.parse_args()
     result = run_bench(args.quick, lambda line: sys.stderr.write(line + "\n"))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

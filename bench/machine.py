@@ -1,9 +1,11 @@
-"""Machine facts recorded beside every benchmark result."""
+"""Machine facts recorded beside every benchmark result, and writing a result."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 
@@ -18,3 +20,11 @@ def machine_info() -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "implementation": platform.python_implementation()}
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    """Write ``result`` as JSON to ``path`` (folders made as needed) and echo it on stdout."""
+    text = json.dumps(result, indent=2) + "\n"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    sys.stdout.write(text)

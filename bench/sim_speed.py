@@ -8,18 +8,17 @@ Target: all four policies together in <= 30 s of wall time on the 2-core develop
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from machine import machine_info
-from tiderl.sim.cluster import simulate
-from tiderl.sim.scenario import SYSTEMS
+from machine import machine_info, write_result
 
 from tiderl.profile import load_profile
+from tiderl.sim.cluster import simulate
 from tiderl.sim.runner import scenario_from_profile
+from tiderl.sim.scenario import SYSTEMS
 
 TARGET_S = 30.0
 
@@ -46,14 +45,12 @@ def main() -> int:
         "target_s": TARGET_S,
         "meets_target": total <= TARGET_S,
         "scenario": {"workload": scenario.workload, "model": scenario.model,
-                     "gpus": scenario.num_gpus, "steps": scenario.steps},
+                     "gpus": scenario.gpus, "steps": scenario.steps},
         "per_policy": per_policy,
         "machine": machine_info(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     return 0
 
 

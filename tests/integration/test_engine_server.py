@@ -20,6 +20,7 @@ import pytest
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient, parse_prometheus
 from tiderl.engine.request import SamplingParams
+from tiderl.models.vocab import VOCAB
 
 BLOCK = 16
 KV_TOKENS = 4096
@@ -154,7 +155,7 @@ BAD_BODIES = [
     ("prompt is text", {"prompt": "hello"}, 422),
     ("float token", {"prompt": [1.5]}, 422),
     ("empty prompt", {"prompt": []}, 400),
-    ("id >= vocab", {"prompt": [1, 1554]}, 400),
+    ("id >= vocab", {"prompt": [1, len(VOCAB)]}, 400),
     ("negative id", {"prompt": [-1]}, 400),
     ("longer than context", {"prompt": [5] * 4097}, 400),
     ("max_tokens 0", {"prompt": [5], "max_tokens": 0}, 400),
@@ -170,7 +171,7 @@ BAD_BODIES = [
 
 def test_bad_input_is_a_json_error_and_the_server_keeps_serving(server):
     vocab = json.loads((server["root"] / "m0" / "config.json").read_text())["vocab_size"]
-    assert vocab == 1554  # BAD_BODIES' out-of-vocabulary id is the first one past the end
+    assert vocab == len(VOCAB)  # BAD_BODIES' out-of-vocabulary id is the first one past the end
     url = server["url"]
     cases = [("/v1/completions", *case) for case in BAD_BODIES] + [
         ("/tiderl/pin", "pin without task", {}, 422),

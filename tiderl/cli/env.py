@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from tiderl.cli.errors import not_built
+from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.output import Output
 
 app = typer.Typer(help="The environment service.", no_args_is_help=True)
 
@@ -14,6 +15,30 @@ def serve(
     envs: str = typer.Option("guess,shop,household", "--envs", help="Environments to serve."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8100, "--port"),
+    max_sessions: int = typer.Option(256, "--max-sessions", help="Open sessions at most."),
+    idle_ttl: float = typer.Option(600.0, "--idle-ttl", help="Seconds before an idle session "
+                                   "expires (paused sessions never do)."),
+    max_turns: int = typer.Option(20, "--max-turns", help="Turn cap of every episode."),
+    gym: str = typer.Option("", "--gym", help="Also serve a gymnasium env as 'gym': "
+                            "ENV_ID or module:factory."),
 ) -> None:
-    """Serve /start /observation /end /pause /resume over HTTP."""
-    raise not_built("env serve")
+    """Serve /start /observation /end /pause /resume, /health and /metrics over HTTP."""
+    from tiderl.core.config import ConfigError
+    from tiderl.env.base import UnknownEnvironment, make_env
+    from tiderl.env.config import EnvConfig
+    from tiderl.env.server import serve as serve_app
+
+    names = [name.strip() for name in envs.split(",") if name.strip()]
+    try:
+        config = EnvConfig(envs=names, max_turns=max_turns, max_sessions=max_sessions,
+                           idle_ttl_s=idle_ttl)
+        for name in names + ([f"gym:{gym}"] if gym else []):
+            make_env(name, max_turns=max_turns)  # fail now, not on the first /start
+    except (ConfigError, UnknownEnvironment) as exc:
+        raise CLIError(f"tiderl env serve: --envs/--gym: {exc}", EXIT_USAGE) from exc
+    except ImportError as exc:  # a missing module or an environment not built yet
+        raise CLIError(f"tiderl env serve: {exc}", EXIT_USAGE) from exc
+    served = ", ".join(names + (["gym"] if gym else []))
+    Output().note(f"tiderl env: {served} on http://{host}:{port} "
+                  f"(max {max_sessions} sessions, idle TTL {idle_ttl:g} s)")
+    serve_app(config, host, port, gym=gym or None)

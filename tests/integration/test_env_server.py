@@ -1,0 +1,173 @@
+"""The real `tiderl env serve` process driven over HTTP: lifecycle, bad input, fuzz."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.test_cli import assert_one_line_error, tiderl
+from tests.integration.test_engine_server import free_port
+from tiderl.env.client import EnvClientError, HTTPEnvClient
+from tiderl.env.guess import GuessEnv
+
+MAX_SESSIONS = 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("env")
+    port = free_port()
+    script = Path(sys.executable).with_name("tiderl")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tiderl.cli.main"]
+    log = (root / "server.log").open("w")
+    args = ["env", "serve", "--envs", "guess,shop", "--port", str(port),
+            "--max-sessions", str(MAX_SESSIONS), "--idle-ttl", "60"]
+    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (root / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not answer /health in 30 s"
+            time.sleep(0.2)
+        yield {"url": url, "proc": proc, "log": root / "server.log"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def run(server, scenario):
+    async def main():
+        async with HTTPEnvClient(server["url"], retries=1, backoff_s=0.01) as client:
+            return await scenario(client)
+    return asyncio.run(main())
+
+
+def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
+    async def scenario(client):
+        started = await client.start("guess", "1 500", seed=7)
+        solver = GuessEnv()
+        assert solver.reset("1 500", 7) == (started.observation, started.info)
+        await client.pause(started.session)
+        with pytest.raises(EnvClientError, match="paused") as info:
+            await client.step(started.session, "guess 1")
+        assert info.value.status == 409
+        await client.resume(started.session)
+        rewards = []
+        for _ in range(20):
+            action = solver.solve()
+            expected = solver.step(action)
+            out = await client.step(started.session, action)
+            assert (out.observation, out.reward, out.done) == (
+                expected.observation, expected.reward, expected.done)
+            rewards.append(out.reward)
+            if out.done:
+                break
+        assert out.done and rewards[-1] == 1.0 and len(rewards) <= 9
+        assert (await client.end(started.session)).state == "ended"
+        with pytest.raises(EnvClientError, match=f"/end on session '{started.session}'") as info:
+            await client.end(started.session)
+        assert info.value.status == 404
+        shop = await client.start("shop", None, seed=1)
+        assert shop.observation
+        await client.end(shop.session)
+        return await client.http.get("/metrics")
+
+    text = run(server, scenario).text
+    assert "tiderl_env_steps_total" in text and "tiderl_env_step_latency_seconds_bucket" in text
+    assert 'tiderl_env_errors_total{route="/end",status="404"}' in text
+
+
+def test_session_limit_is_429_with_retry_after(server):
+    async def scenario(client):
+        sessions = [(await client.start("guess")).session for _ in range(MAX_SESSIONS)]
+        try:
+            response = await client.http.post("/start", json={"env": "guess"})
+            assert response.status_code == 429
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.json()["error"]["type"] == "session_limit"
+        finally:
+            for session in sessions:
+                await client.end(session)
+    run(server, scenario)
+
+
+BAD = [
+    ("/start", b"{not json", 400, "malformed JSON"),
+    ("/start", b"", 400, "malformed JSON"),
+    ("/start", b"[1, 2]", 422, "Expected `object`"),
+    ("/start", b"{}", 422, "missing required field `env`"),
+    ("/start", b'{"env": 3}', 422, "Expected `str`, got `int`"),
+    ("/start", b'{"env": "guess", "seed": "x"}', 422, "$.seed"),
+    ("/start", b'{"env": "nope"}', 400, "unknown environment 'nope'"),
+    ("/start", b'{"env": "household"}', 400, "unknown environment"),  # not served here
+    ("/start", b'{"env": "guess", "extra": 1}', 422, "unknown field `extra`"),
+    ("/observation", b'{"session": "s1"}', 422, "missing required field `action`"),
+    ("/observation", b'{"session": "zz", "action": "guess 1"}', 404, "session 'zz': unknown"),
+    ("/observation", json.dumps({"session": "s1", "action": "x" * 5000}).encode(), 422,
+     "longer than the limit"),
+    ("/end", b'{"session": null}', 422, "Expected `str`, got `null`"),
+    ("/pause", b'{"session": ""}', 422, "session: expected 1 to"),
+    ("/resume", b'{"session": "zz"}', 404, "unknown"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,message", BAD)
+def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(server, route, body, status,
+                                                                message):
+    response = httpx.post(server["url"] + route, content=body,
+                          headers={"content-type": "application/json"}, timeout=5)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]["message"]
+    assert httpx.get(server["url"] + "/health", timeout=5).json()["status"] == "ok"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=10)
+FIELDS = st.sampled_from(["env", "task", "seed", "session", "action"])
+BODIES = (st.dictionaries(FIELDS, JSON, max_size=4).map(json.dumps)
+          | JSON.map(json.dumps) | st.text(max_size=40))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/start", "/observation", "/end", "/pause", "/resume"]),
+       body=BODIES)
+def test_fuzz_never_5xx(server, route, body):
+    with httpx.Client(base_url=server["url"], timeout=5) as http:
+        response = http.post(route, content=body.encode(),
+                             headers={"content-type": "application/json"})
+        assert response.status_code < 500, (route, body, response.text)
+        if response.status_code == 200 and route == "/start":  # keep the table from filling
+            http.post("/end", json={"session": response.json()["session"]})
+
+
+def test_server_is_alive_after_all_of_it(server):
+    assert server["proc"].poll() is None
+    health = httpx.get(server["url"] + "/health", timeout=5).json()
+    assert health["envs"] == ["guess", "shop"]
+    assert "Traceback" not in server["log"].read_text()
+
+
+def test_unknown_env_on_the_command_line_is_one_line_exit_2():
+    line = assert_one_line_error(tiderl("env", "serve", "--envs", "guess,nope"), 2)
+    assert "nope" in line

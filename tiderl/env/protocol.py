@@ -1,0 +1,92 @@
+"""Typed messages of the environment protocol (paper App. B.1), JSON over HTTP.
+
+    POST /start         StartRequest{env, task, seed}  -> StartResponse{session, observation, info}
+    POST /observation   ObservationRequest{session, action} -> ObservationResponse{observation, ..}
+    POST /end|/pause|/resume   SessionRequest{session}  -> SessionResponse{session, state}
+
+Errors are ``{"error": {"message", "type"}}`` with a 4xx status (see :mod:`tiderl.env.server`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MAX_ACTION_CHARS = 4096
+MAX_TASK_CHARS = 4096
+MAX_SESSION_CHARS = 128
+
+
+class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
+    env: str
+    task: str | None = None
+    seed: int = 0
+
+
+class StartResponse(msgspec.Struct):
+    session: str
+    observation: str
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ObservationRequest(msgspec.Struct, forbid_unknown_fields=True):
+    session: str
+    action: str
+
+
+class ObservationResponse(msgspec.Struct):
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class SessionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of /end, /pause and /resume."""
+
+    session: str
+
+
+EndRequest = PauseRequest = ResumeRequest = SessionRequest
+
+
+class SessionResponse(msgspec.Struct):
+    session: str
+    state: str  # "ended", "paused" or "active"
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode and check one request body; raises :class:`ProtocolError` with a clear message."""
+    try:
+        msg = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed JSON: {exc}", "malformed_json", 400) from exc
+    check_limits(msg)
+    return msg
+
+
+def check_limits(msg: msgspec.Struct) -> None:
+    """Length limits the types alone do not express."""
+    action = getattr(msg, "action", None)
+    if action is not None and len(action) > MAX_ACTION_CHARS:
+        raise ProtocolError(f"action: {len(action)} characters, longer than the limit "
+                            f"({MAX_ACTION_CHARS})")
+    task = getattr(msg, "task", None)
+    if task is not None and len(task) > MAX_TASK_CHARS:
+        raise ProtocolError(f"task: {len(task)} characters, longer than the limit "
+                            f"({MAX_TASK_CHARS})")
+    session = getattr(msg, "session", None)
+    if session is not None and not 0 < len(session) <= MAX_SESSION_CHARS:
+        raise ProtocolError(f"session: expected 1 to {MAX_SESSION_CHARS} characters")
+
+
+class ProtocolError(ValueError):
+    """A request that does not fit the protocol (answered 400/422)."""
+
+    def __init__(self, message: str, kind: str = "invalid_request", status: int = 422):
+        super().__init__(message)
+        self.kind = kind
+        self.status = status

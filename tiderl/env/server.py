@@ -1,0 +1,147 @@
+"""HTTP server of the environment service (paper App. B.1).
+
+    client ──POST /start /observation /end /pause /resume──> build_app ──> EnvService
+           ──GET /health──> liveness and session counts
+           ──GET /metrics──> private Prometheus registry (sessions, steps, errors, step latency)
+    a sweep task expires idle sessions every few seconds (each request also checks its session)
+
+Bodies are decoded with msgspec (:mod:`tiderl.env.protocol`). Bad input is answered with
+``{"error": {"message", "type"}}``: 400 malformed JSON / unknown env, 404 unknown or expired
+session, 409 a step on a paused or finished session, 422 missing fields, wrong types or an
+action over the length limit, 429 (with ``Retry-After``) when the session table is full.
+The server keeps serving after any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tiderl.env.config import EnvConfig
+from tiderl.env.protocol import ObservationRequest, SessionRequest, StartRequest, decode
+from tiderl.env.service import EnvService, error_status
+
+PREFIX = "tiderl_env_"
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                   10)
+
+
+class EnvMetrics:
+    """The app's own registry, so two apps in one process never share counters."""
+
+    def __init__(self, service: EnvService) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        table = service.table
+        Gauge(PREFIX + "sessions_open", "Sessions open (active or paused).",
+              registry=self.registry).set_function(lambda: table.num_open)
+        Gauge(PREFIX + "sessions_paused", "Sessions paused.",
+              registry=self.registry).set_function(lambda: table.num_paused)
+        Gauge(PREFIX + "sessions_expired", "Sessions expired since start.",
+              registry=self.registry).set_function(lambda: table.counters.num_expired)
+        Gauge(PREFIX + "sessions_rejected", "Starts refused at the session limit.",
+              registry=self.registry).set_function(lambda: table.counters.num_rejected)
+        self.starts = Counter(PREFIX + "starts", "Sessions started.", registry=self.registry)
+        self.steps = Counter(PREFIX + "steps", "Environment steps.", registry=self.registry)
+        self.errors = Counter(PREFIX + "errors", "Requests answered with an error.",
+                              ["route", "status"], registry=self.registry)
+        self.step_latency = Histogram(PREFIX + "step_latency_seconds",
+                                      "Time to answer /observation (latency model included).",
+                                      buckets=LATENCY_BUCKETS, registry=self.registry)
+
+
+def error_response(status: int, message: str, kind: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status,
+                        headers=headers)
+
+
+def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
+              gym: str | None = None) -> FastAPI:
+    """The routes over one :class:`EnvService`; ``clock`` drives idle expiry (tests inject one)."""
+    service = EnvService(config, clock=clock, gym=gym)
+    metrics = EnvMetrics(service)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_sweep(service, min(5.0, config.idle_ttl_s / 4)))
+        yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+
+    app = FastAPI(title="TideRL environments", lifespan=lifespan)
+    app.state.service = service
+
+    async def answer(route: str, call: Callable[[], Awaitable[Any]]) -> Response:
+        try:
+            out = await call()
+        except Exception as exc:  # every failure becomes a JSON error; the server keeps going
+            status, kind, headers = error_status(exc)
+            metrics.errors.labels(route, str(status)).inc()
+            message = str(exc) if status < 500 else f"{type(exc).__name__}: {exc}"
+            return error_response(status, message, kind, headers)
+        return Response(msgspec.json.encode(out), media_type="application/json")
+
+    @app.post("/start")
+    async def start(request: Request) -> Response:
+        async def call() -> Any:
+            out = await service.start(decode(await request.body(), StartRequest))
+            metrics.starts.inc()
+            return out
+        return await answer("/start", call)
+
+    @app.post("/observation")
+    async def observation(request: Request) -> Response:
+        async def call() -> Any:
+            began = time.perf_counter()
+            out = await service.step(decode(await request.body(), ObservationRequest))
+            metrics.steps.inc()
+            metrics.step_latency.observe(time.perf_counter() - began)
+            return out
+        return await answer("/observation", call)
+
+    def session_route(path: str, method: Callable[[SessionRequest], Any]) -> None:
+        async def route(request: Request) -> Response:
+            async def call() -> Any:
+                return method(decode(await request.body(), SessionRequest))
+            return await answer(path, call)
+        app.add_api_route(path, route, methods=["POST"], name=path.strip("/"))
+
+    session_route("/end", service.end)
+    session_route("/pause", service.pause)
+    session_route("/resume", service.resume)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return service.health()
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _sweep(service: EnvService, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        service.table.expire(service.clock())
+
+
+def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
+          gym: str | None = None) -> None:
+    """Run the app with uvicorn until interrupted (blocks)."""
+    import uvicorn
+
+    uvicorn.run(build_app(config, gym=gym), host=host, port=port, log_level="warning",
+                access_log=False)

@@ -1,0 +1,133 @@
+"""The environment service without HTTP: environments, the session table, latency models.
+
+    /start ──> EnvService.start ──make_env, reset──> SessionTable.create
+    /observation ──> EnvService.step ──sleep(step latency)──> env.step ──> ObservationResponse
+    /end /pause /resume ──> SessionTable
+
+The HTTP server (:mod:`tiderl.env.server`) and :class:`tiderl.env.client.InProcessEnvClient`
+both call it, so the two see the same semantics and the same errors (:func:`error_status`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tiderl.env.base import Environment, UnknownEnvironment, make_env
+from tiderl.env.config import EnvConfig
+from tiderl.env.latency import LatencyModel
+from tiderl.env.protocol import (
+    ObservationRequest,
+    ObservationResponse,
+    ProtocolError,
+    SessionRequest,
+    SessionResponse,
+    StartRequest,
+    StartResponse,
+)
+from tiderl.env.sessions import SessionLimit, SessionState, SessionTable, UnknownSession
+
+
+class SessionConflict(Exception):
+    """A step on a paused session or a finished episode (answered 409)."""
+
+
+class EnvService:
+    def __init__(self, config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
+                 gym: str | None = None, seed: int = 0):
+        self.config = config
+        self.clock = clock
+        self.gym = gym
+        self.table: SessionTable[Environment] = SessionTable(config.max_sessions,
+                                                             config.idle_ttl_s)
+        self.start_latency = LatencyModel(config.start_latency, random.Random(seed))
+        self.step_latency = LatencyModel(config.step_latency, random.Random(seed + 1))
+        self.num_steps = 0
+
+    @property
+    def env_names(self) -> list[str]:
+        return [*self.config.envs, *(["gym", f"gym:{self.gym}"] if self.gym else [])]
+
+    def resolve(self, name: str) -> str:
+        """The registry name for a requested env; unknown names are a 400."""
+        if name not in self.env_names:
+            raise ProtocolError(f"env: unknown environment {name!r}; this server has "
+                                f"{', '.join(self.env_names)}", "unknown_env", 400)
+        return f"gym:{self.gym}" if name == "gym" else name
+
+    async def start(self, req: StartRequest) -> StartResponse:
+        registry_name = self.resolve(req.env)
+        self.table.expire(self.clock())
+        if self.table.num_open >= self.table.max_sessions:  # refuse before doing any work
+            self.table.counters.num_rejected += 1
+            raise SessionLimit(self.table.max_sessions, self.table.retry_after_s(self.clock()))
+        await _sleep(self.start_latency.sample())
+        try:
+            env = make_env(registry_name, max_turns=self.config.max_turns)
+            observation, info = env.reset(req.task, req.seed)
+        except UnknownEnvironment as exc:
+            raise ProtocolError(str(exc), "unknown_env", 400) from exc
+        except ValueError as exc:  # e.g. a task the environment cannot parse
+            raise ProtocolError(f"{req.env}: {exc}", "invalid_task", 400) from exc
+        session = self.table.create(req.env, env, self.clock())
+        return StartResponse(session.id, observation, info)
+
+    async def step(self, req: ObservationRequest) -> ObservationResponse:
+        self._steppable(req.session)
+        await _sleep(self.step_latency.sample())
+        session = self._steppable(req.session)  # it may have ended during the sleep
+        self.table.touch(req.session, self.clock())
+        try:
+            result = session.env.step(req.action)
+        except ValueError as exc:
+            raise ProtocolError(f"action: {exc}", "invalid_action", 400) from exc
+        session.num_steps += 1
+        session.is_done = result.done
+        self.num_steps += 1
+        return ObservationResponse(result.observation, float(result.reward), result.done,
+                                   result.info)
+
+    def end(self, req: SessionRequest) -> SessionResponse:
+        self.table.end(req.session, self.clock())
+        return SessionResponse(req.session, "ended")
+
+    def pause(self, req: SessionRequest) -> SessionResponse:
+        self.table.pause(req.session, self.clock())
+        return SessionResponse(req.session, "paused")
+
+    def resume(self, req: SessionRequest) -> SessionResponse:
+        self.table.resume(req.session, self.clock())
+        return SessionResponse(req.session, "active")
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "envs": self.env_names, "sessions": self.table.num_open,
+                "max_sessions": self.table.max_sessions}
+
+    def _steppable(self, session_id: str):
+        session = self.table.get(session_id, self.clock())
+        if session.state is SessionState.PAUSED:
+            raise SessionConflict(f"session {session_id!r} is paused; /resume it first")
+        if session.is_done:
+            raise SessionConflict(f"session {session_id!r}: the episode is done; /end it")
+        return session
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+def error_status(exc: Exception) -> tuple[int, str, dict[str, str]]:
+    """HTTP status, error type and extra headers for an exception the service raises."""
+    if isinstance(exc, ProtocolError):
+        return exc.status, exc.kind, {}
+    if isinstance(exc, UnknownSession):
+        return 404, "unknown_session", {}
+    if isinstance(exc, SessionLimit):
+        return 429, "session_limit", {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    if isinstance(exc, SessionConflict):
+        return 409, "session_conflict", {}
+    return 500, "internal_error", {}

@@ -1,0 +1,147 @@
+"""The session table of the environment service: pure state, time from an injected clock.
+
+    create ──> active ──pause──> paused ──resume──> active ──end──> (gone)
+                 │  idle longer than the TTL (checked at ``now``)      │
+                 └──────────────────────> expired (gone) <─────────────┘ never while paused
+
+Invariant: ``len(sessions) <= max_sessions``, and no session is returned once it has been idle
+(not paused) for longer than ``idle_ttl_s``. Every method takes ``now``; nothing reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class SessionState(str, Enum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+
+
+class SessionLimit(Exception):
+    """The table is full (answered 429 with ``Retry-After``)."""
+
+    def __init__(self, max_sessions: int, retry_after_s: float):
+        super().__init__(f"session limit reached ({max_sessions} open); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class UnknownSession(KeyError):
+    """No such session: never created, ended or expired (answered 404)."""
+
+    def __init__(self, session: str, reason: str = "unknown"):
+        super().__init__(session)
+        self.session = session
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"session {self.session!r}: {self.reason}"
+
+
+@dataclass
+class Session(Generic[T]):
+    id: str
+    env_name: str
+    env: T
+    last_active: float
+    state: SessionState = SessionState.ACTIVE
+    num_steps: int = 0
+    is_done: bool = False  # the episode ended; only /end is left
+
+
+@dataclass
+class SessionCounters:
+    num_created: int = 0
+    num_ended: int = 0
+    num_expired: int = 0
+    num_rejected: int = 0
+
+
+@dataclass
+class SessionTable(Generic[T]):
+    max_sessions: int
+    idle_ttl_s: float
+    sessions: dict[str, Session[T]] = field(default_factory=dict)
+    counters: SessionCounters = field(default_factory=SessionCounters)
+    _next_id: int = 0
+
+    def create(self, env_name: str, env: T, now: float) -> Session[T]:
+        self.expire(now)
+        if len(self.sessions) >= self.max_sessions:
+            self.counters.num_rejected += 1
+            raise SessionLimit(self.max_sessions, self.retry_after_s(now))
+        self._next_id += 1
+        session = Session(f"s{self._next_id}", env_name, env, now)
+        self.sessions[session.id] = session
+        self.counters.num_created += 1
+        return session
+
+    def get(self, session_id: str, now: float) -> Session[T]:
+        """The session, or :class:`UnknownSession`; an expired one is dropped here."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(session_id)
+        if self.is_expired(session, now):
+            self._drop(session_id, expired=True)
+            raise UnknownSession(session_id, "expired")
+        return session
+
+    def touch(self, session_id: str, now: float) -> Session[T]:
+        session = self.get(session_id, now)
+        session.last_active = now
+        return session
+
+    def pause(self, session_id: str, now: float) -> Session[T]:
+        """Stop the idle clock (pausing a paused session is a no-op)."""
+        session = self.get(session_id, now)
+        session.state = SessionState.PAUSED
+        session.last_active = now
+        return session
+
+    def resume(self, session_id: str, now: float) -> Session[T]:
+        """Restart the idle clock from ``now`` (resuming an active session only touches it)."""
+        session = self.get(session_id, now)
+        session.state = SessionState.ACTIVE
+        session.last_active = now
+        return session
+
+    def end(self, session_id: str, now: float) -> Session[T]:
+        session = self.get(session_id, now)
+        self._drop(session_id, expired=False)
+        return session
+
+    def expire(self, now: float) -> list[str]:
+        """Drop every idle session past the TTL (paused ones never); return their ids."""
+        gone = [s.id for s in self.sessions.values() if self.is_expired(s, now)]
+        for session_id in gone:
+            self._drop(session_id, expired=True)
+        return gone
+
+    def is_expired(self, session: Session[T], now: float) -> bool:
+        return (session.state is SessionState.ACTIVE
+                and now - session.last_active > self.idle_ttl_s)
+
+    def retry_after_s(self, now: float) -> float:
+        """When the next active session would expire, at least 1 s (for ``Retry-After``)."""
+        active = [s.last_active + self.idle_ttl_s - now for s in self.sessions.values()
+                  if s.state is SessionState.ACTIVE]
+        return max(1.0, min(active, default=self.idle_ttl_s))
+
+    @property
+    def num_open(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def num_paused(self) -> int:
+        return sum(s.state is SessionState.PAUSED for s in self.sessions.values())
+
+    def _drop(self, session_id: str, *, expired: bool) -> None:
+        del self.sessions[session_id]
+        if expired:
+            self.counters.num_expired += 1
+        else:
+            self.counters.num_ended += 1

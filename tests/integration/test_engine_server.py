@@ -8,15 +8,11 @@ P + O - 1 tokens of KV (the last sampled token is never fed back), so its cached
 import asyncio
 import itertools
 import json
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.integration.serving import free_port, serving
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient, parse_prometheus
 from tiderl.engine.request import SamplingParams
@@ -27,12 +23,6 @@ KV_TOKENS = 4096
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
@@ -40,33 +30,10 @@ def server(tmp_path_factory):
         proc = tiderl("model", "init", "--out", str(root / f"m{seed}"), "--seed", str(seed))
         assert proc.returncode == 0, proc.stderr
     port = free_port()
-    script = Path(sys.executable).with_name("tiderl")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tiderl.cli.main"]
-    log = (root / "server.log").open("w")
     args = ["engine", "serve", "--model", str(root / "m0"), "--port", str(port),
             "--kv-cache-tokens", str(KV_TOKENS)]
-    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (root / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not answer /health in 30 s"
-            time.sleep(0.2)
+    with serving(args, port, root / "server.log") as (url, proc):
         yield {"url": url, "root": root, "proc": proc}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def run(server, scenario):

@@ -2,18 +2,14 @@
 
 import asyncio
 import json
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.integration.serving import free_port, serving
 from tests.integration.test_cli import assert_one_line_error, tiderl
-from tests.integration.test_engine_server import free_port
 from tiderl.env.client import EnvClientError, HTTPEnvClient
 from tiderl.env.guess import GuessEnv
 
@@ -24,33 +20,10 @@ MAX_SESSIONS = 8
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("env")
     port = free_port()
-    script = Path(sys.executable).with_name("tiderl")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "tiderl.cli.main"]
-    log = (root / "server.log").open("w")
     args = ["env", "serve", "--envs", "guess,shop", "--port", str(port),
             "--max-sessions", str(MAX_SESSIONS), "--idle-ttl", "60"]
-    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (root / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not answer /health in 30 s"
-            time.sleep(0.2)
+    with serving(args, port, root / "server.log") as (url, proc):
         yield {"url": url, "proc": proc, "log": root / "server.log"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def run(server, scenario):

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from tiderl.core.config import ConfigError
 from tiderl.env.client import EnvClientError, InProcessEnvClient
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import MAX_ACTION_CHARS, ObservationRequest, ProtocolError, decode
@@ -160,3 +161,19 @@ def test_in_process_client_serves_a_gym_factory_as_gym():
         await client.end(started.session)
 
     run(scenario())
+
+
+def test_an_environment_subclass_is_served_by_its_dotted_path():
+    name = "tiderl.env.guess:GuessEnv"  # any importable Environment subclass works the same way
+    client = InProcessEnvClient(EnvConfig(envs=[name]))
+
+    async def scenario():
+        started = await client.start(name, "between 1 and 4", seed=0)
+        out = await client.step(started.session, "guess 2")
+        assert isinstance(out.observation, str) and out.observation
+        await client.end(started.session)
+
+    run(scenario())
+    with pytest.raises(ConfigError) as info:
+        EnvConfig(envs=["nope"])
+    assert info.value.key == "envs[0]" and "module:Class" in info.value.message

@@ -26,6 +26,11 @@ class LatencyConfig:
             require(self.median_s > 0, "median_s", f"expected > 0 for kind {self.kind!r}")
 
 
+def _is_env_name(name: str) -> bool:
+    """A built-in, a gymnasium env (``gym:...``) or a dotted path (``pkg.mod:Class``)."""
+    return name in BUILTIN_ENVS or name.startswith("gym:") or ":" in name or "." in name
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     envs: list[str] = field(default_factory=lambda: ["guess"])
@@ -40,7 +45,9 @@ class EnvConfig:
         require(bool(self.envs), "envs", "expected at least one environment")
         if not self.url:
             for i, name in enumerate(self.envs):
-                require_choice(name, BUILTIN_ENVS, f"envs[{i}]")
+                require(_is_env_name(name), f"envs[{i}]",
+                        f"expected a built-in environment ({', '.join(BUILTIN_ENVS)}), gym:ENV_ID "
+                        f"or a dotted path to an Environment subclass (module:Class), got {name!r}")
         require_positive(self.max_turns, "max_turns")
         require_positive(self.max_sessions, "max_sessions")
         require_positive(self.idle_ttl_s, "idle_ttl_s")

@@ -110,14 +110,19 @@ def choose_mode(
     num_actor_ranks: int,
     max_aggregate: int,
     config: RA2PConfig | None = None,
+    colocated_timings: Ra2pTimings | None = None,
 ) -> Mode:
-    """The mode with the lower App. A cost, unless ``config.mode`` fixes one."""
+    """The mode with the lower App. A cost, unless ``config.mode`` fixes one.
+
+    ``timings`` are per micro-batch in the decoupled layout; ``colocated_timings``, when given,
+    are those of the colocated layout (there Ref and Actor both run on every trainer rank, so a
+    micro-batch's times differ from the decoupled layout's)."""
     config = config or RA2PConfig()
     if config.mode != "auto":
         return Mode(config.mode)
     times = list(ready_times)
     c_dec = cost_decoupled(times, timings, num_actor_ranks)
-    c_col = cost_colocated(times, timings, max_aggregate)
+    c_col = cost_colocated(times, colocated_timings or timings, max_aggregate)
     cheaper = is_decoupled_cheaper(c_dec, c_col, config.decoupled_margin)
     return Mode.DECOUPLED if cheaper else Mode.COLOCATED
 

@@ -23,12 +23,7 @@ from functools import lru_cache
 
 from tiderl.core.ctb import SchedulingPolicy, make_policy
 from tiderl.core.ers import ERSInput, ERSPolicy
-from tiderl.core.ra2p import (
-    cost_colocated,
-    cost_decoupled,
-    is_decoupled_cheaper,
-    synthetic_ready_times,
-)
+from tiderl.core.ra2p import choose_mode, synthetic_ready_times
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.types import MicroBatch, Mode, Role, Sequence
 from tiderl.sim.buffer import ReadyBuffer
@@ -228,7 +223,7 @@ class Cluster:
     def _choose_mode(self, num_trainer: int, num_ref: int) -> Mode:
         """RA2P's choice on the expected ready times (RAS at start, the rest TPRM apart): the
         core's C_dec and C_col, each with the per-micro-batch times of its own layout (Ref on
-        ``num_ref`` GPUs vs on all ``num_trainer``), compared by ``is_decoupled_cheaper``."""
+        ``num_ref`` GPUs vs on all ``num_trainer``), chosen by the core's ``choose_mode``."""
         config = self.scenario.ra2p
         if config.mode != "auto":
             return Mode(config.mode)
@@ -239,10 +234,8 @@ class Cluster:
         mb = self._typical_mb(num_trainer)
         dec = typical_timings(self.cost, mb, num_ref, num_trainer - num_ref, self.swap_s)
         col = typical_timings(self.cost, mb, num_trainer, num_trainer, self.swap_s)
-        c_dec = cost_decoupled(times, dec, num_trainer - num_ref)
-        c_col = cost_colocated(times, col, config.max_aggregate)
-        cheaper = is_decoupled_cheaper(c_dec, c_col, config.decoupled_margin)
-        return Mode.DECOUPLED if cheaper else Mode.COLOCATED
+        return choose_mode(times, dec, num_trainer - num_ref, config.max_aggregate, config,
+                           colocated_timings=col)
 
     def _expected_mbs(self, num_dp: int) -> int:
         target = self.scenario.ra2p.tokens_per_rank * max(1, num_dp)

@@ -1,0 +1,297 @@
+"""RA2P executors: how one step's micro-batches go through the Ref and Actor models.
+
+- ``DecoupledExecutor`` (paper §5.1, Fig. 6): Ref on its own rank(s), Actor on the others. Each
+  micro-batch is dispatched over the actor ranks smallest-last (``order_smallest_last``). An actor
+  rank runs its forward as soon as the micro-batch arrives and builds the loss (with its KL) only
+  in the backward, once the ref logprobs of its share have come from its Ref rank; the Ref rank
+  computes the shares one after another, in feed order, and sends each as soon as it is done.
+- ``ColocatedExecutor``: Ref and Actor on the same ranks; the ready micro-batches are aggregated
+  (up to ``max_aggregate``): Ref over all of them, one swap, Actor over all of them. Inputs and ref
+  logprobs are handed from one model to the other as the same tensors (no copy, no serialisation).
+  ``max_aggregate=1`` gives the vanilla streaming baselines: VSO (a swap per model change) and,
+  with ``swap=False``, VS (both models resident).
+
+Every executor returns the same ``StepResult``. The step's global batch (its micro-batches in
+order and their samples) is known to every trainer rank; each rank computes the dispatch with the
+same ``tiderl.core.ra2p`` function and trains exactly its share.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from tiderl.core.ra2p import dispatch_zigzag, order_smallest_last
+from tiderl.core.types import MicroBatch, Mode
+from tiderl.trainer.batch import PackedBatch, TrainSample, pack
+from tiderl.trainer.loss import LossStats
+from tiderl.trainer.timeline import Timeline
+from tiderl.trainer.worker import ActorWorker, RefWorker, StepStats
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """The micro-batches of one step, in the order they become ready, and their samples."""
+
+    micro_batches: tuple[MicroBatch, ...]
+    samples: Mapping[str, TrainSample]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.samples[s.seq_id].num_loss_tokens
+                   for mb in self.micro_batches for s in mb.sequences)
+
+
+class Arrivals(Protocol):
+    """When the step's micro-batches become available on this rank (a prefix at a time)."""
+
+    def wait(self, index: int) -> None:
+        """Block until micro-batch ``index`` is available."""
+
+    def num_ready(self) -> int:
+        """How many micro-batches are available now."""
+
+
+class AllReady:
+    """Every micro-batch is available at the step start (RAS = N)."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def wait(self, index: int) -> None:
+        del index
+
+    def num_ready(self) -> int:
+        return self.count
+
+
+class ScheduledArrivals:
+    """Micro-batch ``i`` becomes available ``ready_time`` seconds after ``origin`` (wall clock):
+    the synthetic arrival schedules of the benchmark."""
+
+    def __init__(self, micro_batches: tuple[MicroBatch, ...], origin: float):
+        self.ready_at = [origin + mb.ready_time for mb in micro_batches]
+
+    def wait(self, index: int) -> None:
+        delay = self.ready_at[index] - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+    def num_ready(self) -> int:
+        now = time.time()
+        return sum(1 for t in self.ready_at if t <= now)
+
+
+@dataclass
+class StepResult:
+    mode: str
+    seconds: float  # step start to the end of the last backward on this rank
+    loss: LossStats  # summed over the step's actor ranks
+    step: StepStats | None  # None on a rank without an actor
+    seq_ids: list[str] = field(default_factory=list)  # the sequences this rank trained
+    events: list[dict] = field(default_factory=list)
+
+
+class ModelSwap:
+    """Moves the idle model out of device memory and the next one in (the colocated swap).
+
+    On a GPU the idle model's parameters go to host memory and the next model's come back; on
+    the CPU both already live in host memory, so a swap moves nothing and its timeline event says
+    ``noop``."""
+
+    def __init__(self, models: Mapping[str, torch.nn.Module], device: torch.device):
+        self.models = dict(models)
+        self.device = device
+        self.active: str | None = None
+
+    @property
+    def moves_memory(self) -> bool:
+        return self.device.type != "cpu"
+
+    def to(self, name: str, timeline: Timeline) -> None:
+        if name == self.active:
+            return
+        note = "offload+load" if self.moves_memory else "noop"
+        with timeline.span("swap", note=f"{self.active}->{name} {note}"):
+            if self.moves_memory:
+                for other, module in self.models.items():
+                    _move(module, self.device if other == name else torch.device("cpu"))
+                torch.cuda.synchronize(self.device)
+        self.active = name
+
+
+def _move(module: torch.nn.Module, device: torch.device) -> None:
+    # Swap the storage under each parameter, keeping the Parameter objects (and so the optimizer's
+    # and DDP's references to them).
+    for param in module.parameters():
+        param.data = param.data.to(device, non_blocking=True)
+
+
+def _shares(step: StepInput, per_rank: list[list]) -> list[list[TrainSample]]:
+    return [[step.samples[s.seq_id] for s in seqs] for seqs in per_rank]
+
+
+def _reduce_loss(stats: LossStats, group: dist.ProcessGroup | None) -> LossStats:
+    if not dist.is_initialized():
+        return stats
+    values = stats.as_tensor()
+    dist.all_reduce(values, group=group)
+    return LossStats.from_tensor(values)
+
+
+class DecoupledExecutor:
+    """One rank of the decoupled layout: ``ref`` on the ranks in ``ref_ranks``, ``actor`` on the
+    ranks in ``actor_ranks`` (global ranks; ``actor_group`` is the actor ranks' process group).
+    Actor rank ``actor_ranks[i]`` gets its ref logprobs from ``ref_ranks[i % len(ref_ranks)]``."""
+
+    mode = Mode.DECOUPLED
+
+    def __init__(self, rank: int, ref_ranks: list[int], actor_ranks: list[int], *,
+                 ref: RefWorker | None = None, actor: ActorWorker | None = None,
+                 actor_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+        if (rank in ref_ranks) == (rank in actor_ranks):
+            raise ValueError(f"rank {rank} must be exactly one of ref {ref_ranks} / actor "
+                             f"{actor_ranks} in the decoupled layout")
+        if (ref is None) == (rank in ref_ranks) or (actor is None) == (rank in actor_ranks):
+            raise ValueError(f"rank {rank}: give the worker of its role and only that one")
+        self.rank = rank
+        self.ref_ranks = list(ref_ranks)
+        self.actor_ranks = list(actor_ranks)
+        self.ref, self.actor = ref, actor
+        self.actor_group = actor_group
+        self.device = torch.device(device)
+        self.timeline = Timeline(rank)
+
+    def ref_rank_of(self, actor_index: int) -> int:
+        return self.ref_ranks[actor_index % len(self.ref_ranks)]
+
+    def dispatch(self, mb: MicroBatch) -> list[list]:
+        return order_smallest_last(mb.sequences, len(self.actor_ranks))
+
+    def run_step(self, step: StepInput, arrivals: Arrivals, origin: float) -> StepResult:
+        self.timeline.start_step(origin)
+        if self.ref is not None:
+            return self._run_ref(step, arrivals)
+        return self._run_actor(step, arrivals)
+
+    def _run_ref(self, step: StepInput, arrivals: Arrivals) -> StepResult:
+        served = [i for i in range(len(self.actor_ranks)) if self.ref_rank_of(i) == self.rank]
+        sends: list[dist.Work] = []
+        seq_ids: list[str] = []
+        for index, mb in enumerate(step.micro_batches):
+            with self.timeline.span("wait", (mb.mb_id,)):
+                arrivals.wait(index)
+            shares = _shares(step, self.dispatch(mb))
+            for i in served:  # feed order: actor 0's share first, so actor M-1 waits longest
+                batch = pack(shares[i], self.device)
+                note = f"to rank {self.actor_ranks[i]}"
+                with self.timeline.span("ref_forward", (mb.mb_id,), note):
+                    ref_logprobs = self.ref.ref_logprobs(batch).contiguous()
+                sends.append(dist.isend(ref_logprobs, dst=self.actor_ranks[i], tag=mb.mb_id))
+                seq_ids += batch.seq_ids
+        seconds = self.timeline.now()
+        for work in sends:
+            work.wait()
+        return StepResult(self.mode.value, seconds, LossStats(), None, seq_ids,
+                          self.timeline.as_dicts())
+
+    def _run_actor(self, step: StepInput, arrivals: Arrivals) -> StepResult:
+        me = self.actor_ranks.index(self.rank)
+        src = self.ref_rank_of(me)
+        stats = LossStats()
+        seq_ids: list[str] = []
+        last = len(step.micro_batches) - 1
+        for index, mb in enumerate(step.micro_batches):
+            with self.timeline.span("wait", (mb.mb_id,)):
+                arrivals.wait(index)
+            batch = pack(_shares(step, self.dispatch(mb))[me], self.device)
+            ref_logprobs = torch.empty(batch.input_ids.shape, device=self.device)
+            pending_recv = dist.irecv(ref_logprobs, src=src, tag=mb.mb_id)
+            with self.timeline.span("actor_forward", (mb.mb_id,)):
+                pending = self.actor.forward(batch, sync=index == last)
+            with self.timeline.span("wait_ref", (mb.mb_id,)):
+                pending_recv.wait()
+            with self.timeline.span("actor_backward", (mb.mb_id,)):
+                stats += self.actor.backward(pending, ref_logprobs)
+            seq_ids += batch.seq_ids
+        seconds = self.timeline.now()
+        with self.timeline.span("optimizer_step"):
+            step_stats = self.actor.optimizer_step(step.num_loss_tokens)
+        stats = _reduce_loss(stats, self.actor_group)
+        return StepResult(self.mode.value, seconds, stats, step_stats, seq_ids,
+                          self.timeline.as_dicts())
+
+
+class ColocatedExecutor:
+    """One rank of the colocated layout: Ref and Actor on every rank of ``group``, each
+    micro-batch dispatched zig-zag over them."""
+
+    mode = Mode.COLOCATED
+
+    def __init__(self, ref: RefWorker | None, actor: ActorWorker, *, max_aggregate: int,
+                 swap: bool = True, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu"):
+        if max_aggregate < 1:
+            raise ValueError(f"max_aggregate must be >= 1, got {max_aggregate}")
+        self.ref, self.actor = ref, actor
+        self.max_aggregate = max_aggregate
+        self.group = group
+        self.device = torch.device(device)
+        self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.dp_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.timeline = Timeline(dist.get_rank() if dist.is_initialized() else 0)
+        models = {"actor": actor.backend.module}
+        if ref is not None:
+            models["ref"] = ref.backend.module
+        self.swapper = ModelSwap(models, self.device) if swap else None
+
+    @property
+    def name(self) -> str:
+        if self.max_aggregate > 1:
+            return "colocated"
+        return "vso" if self.swapper is not None else "vs"
+
+    def _swap_to(self, name: str) -> None:
+        if self.swapper is not None:
+            self.swapper.to(name, self.timeline)
+
+    def run_step(self, step: StepInput, arrivals: Arrivals, origin: float) -> StepResult:
+        self.timeline.start_step(origin)
+        stats = LossStats()
+        seq_ids: list[str] = []
+        n = len(step.micro_batches)
+        index = 0
+        while index < n:
+            with self.timeline.span("wait", (step.micro_batches[index].mb_id,)):
+                arrivals.wait(index)
+            count = max(1, min(arrivals.num_ready() - index, self.max_aggregate, n - index))
+            group = step.micro_batches[index:index + count]
+            ids = tuple(mb.mb_id for mb in group)
+            batches: list[PackedBatch] = [
+                pack(_shares(step, dispatch_zigzag(mb.sequences, self.dp_size))[self.dp_rank],
+                     self.device) for mb in group]
+            ref_logprobs: list[torch.Tensor | None] = [None] * count
+            if self.ref is not None:
+                self._swap_to("ref")
+                with self.timeline.span("ref_forward", ids):
+                    ref_logprobs = [self.ref.ref_logprobs(b) for b in batches]
+            self._swap_to("actor")
+            for offset, (mb, batch) in enumerate(zip(group, batches, strict=True)):
+                sync = index + offset == n - 1
+                with self.timeline.span("actor_forward", (mb.mb_id,)):
+                    pending = self.actor.forward(batch, sync=sync)
+                with self.timeline.span("actor_backward", (mb.mb_id,)):
+                    stats += self.actor.backward(pending, ref_logprobs[offset])
+                seq_ids += batch.seq_ids
+            index += count
+        seconds = self.timeline.now()
+        with self.timeline.span("optimizer_step"):
+            step_stats = self.actor.optimizer_step(step.num_loss_tokens)
+        stats = _reduce_loss(stats, self.group)
+        return StepResult(self.name, seconds, stats, step_stats, seq_ids,
+                          self.timeline.as_dicts())

@@ -1,0 +1,126 @@
+"""Run a function on N local rank processes joined in one torch.distributed group.
+
+Used by the trainer benchmark and the multi-process tests; the runtime's rank daemons join their
+group the same way (``init_rank``) from an address the coordinator hands out. Each rank is a real
+``spawn``-ed process with its own interpreter, so nothing is shared but the sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+class RankError(RuntimeError):
+    """A rank process raised, died or did not finish in time; the message says which."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_rank(rank: int, world_size: int, init_method: str, *, device: str = "cpu",
+              threads: int = 1, timeout_s: float = 300.0) -> RankContext:
+    """Join the process group of ``world_size`` ranks at ``init_method`` (``tcp://host:port``)."""
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    dist.init_process_group(default_backend(dev), init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return RankContext(rank=rank, world_size=world_size, device=dev)
+
+
+def _child(rank: int, world_size: int, init_method: str, fn: Callable, arg: Any,
+           device: str, threads: int, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        ctx = init_rank(rank, world_size, init_method, device=device, threads=threads)
+        value = fn(ctx, arg)
+        # plain pickle copies tensor data: torch's queue would share it through file
+        # descriptors that die with this process
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report any failure to the parent, then exit non-zero
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_alive(procs: list, values: dict, deadline: float, timeout_s: float) -> None:
+    for rank, proc in enumerate(procs):
+        if rank not in values and proc.exitcode is not None:
+            raise RankError(f"rank {rank} exited with code {proc.exitcode} before reporting")
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(procs))) - set(values))
+        raise RankError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+
+
+def run_ranks(fn: Callable[[RankContext, Any], T], world_size: int, arg: Any = None, *,
+              device: str = "cpu", threads: int = 1, timeout_s: float = 600.0) -> list[T]:
+    """``fn(ctx, arg)`` on ``world_size`` spawned processes; their return values by rank.
+
+    ``fn`` must be a module-level function and its argument and result picklable. The first
+    rank to fail (or a timeout) raises ``RankError`` with its traceback, and every rank process
+    is terminated: nothing is left running.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [context.Process(target=_child, daemon=True,
+                             args=(r, world_size, init_method, fn, arg, device, threads, results))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    values: dict[int, T] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                _check_alive(procs, values, deadline, timeout_s)
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} failed:\n{value}")
+            values[rank] = pickle.loads(value)
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [values[r] for r in range(world_size)]

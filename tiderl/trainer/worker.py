@@ -1,0 +1,97 @@
+"""Actor (policy + AdamW) and Ref (frozen) workers on the ranks of their backend's group.
+
+The actor splits a micro-batch's work in two so that the loss can be deferred (paper §5.1,
+Fig. 6): ``forward`` runs the policy and keeps the graph; ``backward`` builds the GRPO loss from
+those logprobs and the ref logprobs (which may arrive later, from another rank) and back-propagates
+it. ``train`` is the ordinary order (ref logprobs first), used by the colocated executor. Gradients
+of a step accumulate unnormalised; ``optimizer_step`` scales them by 1/N (N = the step's loss
+tokens over all ranks), clips, steps and bumps the version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiderl.trainer.batch import PackedBatch
+from tiderl.trainer.config import TrainerConfig
+from tiderl.trainer.loss import LossStats, grpo_loss_sum
+from tiderl.trainer.parallel import TrainBackend, group_size
+
+
+class RefWorker:
+    def __init__(self, backend: TrainBackend):
+        self.backend = backend
+        for param in backend.parameters():
+            param.requires_grad_(False)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        return self.backend.logprobs(batch.input_ids, batch.loss_mask)
+
+
+@dataclass
+class PendingLoss:
+    """An actor forward waiting for its ref logprobs: the batch and its logprobs (with graph)."""
+
+    batch: PackedBatch
+    logprobs: torch.Tensor
+    sync: bool
+
+
+@dataclass(frozen=True)
+class StepStats:
+    version: int
+    loss_tokens: int
+    grad_norm: float
+
+
+class ActorWorker:
+    def __init__(self, backend: TrainBackend, config: TrainerConfig, version: int = 0):
+        self.backend = backend
+        self.config = config
+        self.version = version
+        self.optimizer = torch.optim.AdamW(backend.parameters(), lr=config.lr,
+                                           weight_decay=config.weight_decay)
+
+    def forward(self, batch: PackedBatch, *, sync: bool) -> PendingLoss:
+        """Policy logprobs of ``batch``. ``sync``: this is the step's last backward on this
+        rank, where gradients are reduced across the group (DDP decides it at forward time)."""
+        with self.backend.grad_sync(sync):
+            logprobs = self.backend.logprobs(batch.input_ids, batch.loss_mask)
+        return PendingLoss(batch, logprobs, sync)
+
+    def backward(self, pending: PendingLoss, ref_logprobs: torch.Tensor | None) -> LossStats:
+        """Build the loss (with its KL to ``ref_logprobs``) and back-propagate it."""
+        batch = pending.batch
+        loss_sum, stats = grpo_loss_sum(
+            pending.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+            ref_logprobs if self.config.kl_beta > 0 else None,
+            clip_eps=self.config.clip_eps, kl_beta=self.config.kl_beta)
+        with self.backend.grad_sync(pending.sync):
+            loss_sum.backward()
+        return stats
+
+    def train(self, batch: PackedBatch, ref_logprobs: torch.Tensor | None, *,
+              sync: bool) -> LossStats:
+        return self.backward(self.forward(batch, sync=sync), ref_logprobs)
+
+    def optimizer_step(self, global_loss_tokens: int) -> StepStats:
+        """Normalise the accumulated gradients by the step's loss tokens, clip and step.
+
+        The group reduction averaged the ranks' sums, so the scale is ``group_size / N``."""
+        scale = group_size(self.backend.group) / max(global_loss_tokens, 1)
+        params = [p for p in self.backend.parameters() if p.grad is not None]
+        with torch.no_grad():
+            for param in params:
+                param.grad.mul_(scale)
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        return StepStats(self.version, global_loss_tokens, float(grad_norm))
+

@@ -86,7 +86,7 @@ def test_launch_without_runtime_says_so_and_starts_nothing():
     ["top"], ["status"], ["logs", "j1"], ["stop", "j1"],
     ["rebalance", "j1", "--rollout", "2", "--trainer", "2"],
     ["profile", "kv", "--engine", "http://127.0.0.1:1"], ["profile", "readiness", "--job", "j1"],
-    ["bench", "ra2p"], ["bench", "ctb"], ["bench", "e2e"],
+    ["bench", "ctb"], ["bench", "e2e"],
 ])
 def test_commands_not_built_yet_exit_1_with_one_line(args):
     line = assert_one_line_error(tiderl(*args), 1)

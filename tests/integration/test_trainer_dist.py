@@ -4,7 +4,11 @@ dispatched sequences."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +180,27 @@ def _failing_rank(ctx: RankContext, _arg) -> None:
 def test_a_failing_rank_is_reported_and_nothing_is_left_running():
     with pytest.raises(RankError, match="rank 1 failed"):
         run_ranks(_failing_rank, 2, timeout_s=60)
+
+
+def test_bench_ra2p_cli_writes_every_key(tmp_path):
+    """`tiderl bench ra2p --quick`: four real rank processes, JSON with the documented keys, the
+    PNG beside it, and figures that hang together (a check that it runs, not a measurement)."""
+    out = tmp_path / "ra2p.json"
+    script = Path(sys.executable).with_name("tiderl")
+    proc = subprocess.run([str(script), "bench", "ra2p", "--quick", "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result == json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert set(result["modes"]) == {"CM", "DM", "VS", "VSO"}
+    for figures in result["modes"].values():
+        assert figures["measured_s"] > 0 and figures["predicted_s"] > 0
+    assert len(result["grid"]) == 2
+    for cell in result["grid"]:
+        assert cell["fastest"] == min(cell["measured_s"], key=cell["measured_s"].get)
+        assert cell["chosen"] in ("CM", "DM")
+    fraction = sum(c["chosen"] == c["fastest"] for c in result["grid"]) / 2
+    assert result["chosen_is_fastest_fraction"] == fraction
+    timings = result["timings"]["decoupled"]
+    assert min(timings["t_ref"], timings["t_act_f"], timings["t_act_b"]) > 0

@@ -115,10 +115,10 @@ def test_consumption_deficit_by_hol_provisions_a_ref_rank_then_actors():
 
 
 def test_consumption_deficit_by_ras_at_the_break_even():
-    assert break_even_ras(NUM_MB, 10.0, T, 2, 8) == 15  # long TPRM: decoupled needs a backlog
-    at_break_even = make_input("RRRRAA", ras=15, tprm=10.0, hol=1.0, volume=40)
+    assert break_even_ras(NUM_MB, 10.0, T, 2, 8) == 11  # long TPRM: decoupled needs a backlog
+    at_break_even = make_input("RRRRAA", ras=11, tprm=10.0, hol=1.0, volume=40)
     assert ERSPolicy().plan(at_break_even) == plan((3, R, F), mode=DEC, batch=40, reason=CONS)
-    below = make_input("RRRRAA", ras=14, tprm=10.0, hol=1.0, volume=40)
+    below = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40)
     assert ERSPolicy().plan(below) == plan((5, A, R), mode=COL, batch=64, reason=GEN)
 
 

@@ -30,24 +30,26 @@ T = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)  # actor busy t
 
 
 def reference_decoupled(ready_times, timings, num_actor_ranks):
-    """C_dec: the fill-bubble sum and the per-micro-batch max(), 1-indexed as in the paper."""
-    a = [None, *sorted(ready_times)]
-    n = len(a) - 1
-    n0 = len([x for x in a[1:] if x <= 0])
+    """C_dec: the fill-bubble sum, then the actors as one server over explicit arrival events
+    (a FIFO of arrived micro-batches, each taking t_act_f + t_act_b)."""
+    n = len(ready_times)
     m = min(num_actor_ranks, n)  # actor ranks that receive a micro-batch
     fill = 0.0
     for i in range(m):
         fill += i * timings.t_ref
-    total = 0.0
-    for i in range(1, n + 1):
-        if i <= n0:
-            delta = 0.0
-        elif i == n0 + 1:
-            delta = max(a[i], 0.0)
-        else:
-            delta = a[i] - a[i - 1]
-        total += max(delta, timings.t_act_f + timings.t_act_b)
-    return fill + total
+    arrivals = deque(sorted(ready_times))
+    queued = 0
+    clock = 0.0
+    while arrivals or queued:
+        while arrivals and arrivals[0] <= clock:
+            arrivals.popleft()
+            queued += 1
+        if not queued:
+            clock = arrivals[0]  # idle until the next arrival event
+            continue
+        queued -= 1
+        clock += timings.t_act_f + timings.t_act_b
+    return fill + clock
 
 
 def reference_colocated(ready_times, timings, max_aggregate):
@@ -90,8 +92,8 @@ def test_colocated_cost_matches_reference(times, timings, max_aggregate):
 
 def test_costs_by_hand():
     times = [5.0, -2.0, 6.0, 0.0, 1.0]  # N0 = 2 (-2 and 0); order does not matter
-    # fill: 0·1 + 1·1 = 1; then max(0,3) + max(0,3) + max(1,3) + max(4,3) + max(1,3) = 16
-    assert cost_decoupled(times, T, num_actor_ranks=2) == 17.0
+    # fill: 0·1 + 1·1 = 1; queue: the two ready ones end at 6, the one at 1 at 9, 5 -> 12, 6 -> 15
+    assert cost_decoupled(times, T, num_actor_ranks=2) == 16.0
     # T=0: k=2 -> 0.5+2, 0.5+6 -> 9; k=3 (1, 5, 6 <= 9) -> 9+0.5+3+0.5+9 = 22
     assert cost_colocated(times, T, max_aggregate=8) == 22.0
     # cap 2: 9; k=2 -> 18; k=1 -> 18+0.5+1+0.5+3 = 23
@@ -99,8 +101,8 @@ def test_costs_by_hand():
 
 
 def test_fill_bubble_counts_only_actors_with_work():
-    # N = 3 < 4 actor ranks: M = 3, fill = 0 + 1 + 2
-    assert cost_decoupled([10.0, 20.0, 30.0], T, num_actor_ranks=4) == 3.0 + 30.0
+    # N = 3 < 4 actor ranks: M = 3, fill = 0 + 1 + 2; the last arrives at 30 and takes 3
+    assert cost_decoupled([10.0, 20.0, 30.0], T, num_actor_ranks=4) == 3.0 + 33.0
     assert cost_decoupled([], T, num_actor_ranks=4) == 0.0
     assert cost_colocated([], T, max_aggregate=4) == 0.0
 
@@ -118,12 +120,14 @@ PURE = RA2PConfig(decoupled_margin=0.0)
 
 
 def test_choose_mode_by_hand():
-    times = [5.0, -2.0, 6.0, 0.0, 1.0]  # C_dec 17 < C_col 22
+    times = [5.0, -2.0, 6.0, 0.0, 1.0]  # C_dec 16 < C_col 22
     assert choose_mode(times, T, 2, 8, PURE) is Mode.DECOUPLED
     assert choose_mode(times, T, 2, 8) is Mode.DECOUPLED
-    # long gaps, 3 actors: C_dec = 3 + 30 = 33 < C_col = 35, but not by 10%
-    assert choose_mode([10.0, 20.0, 30.0], T, 4, 8, PURE) is Mode.DECOUPLED
-    assert choose_mode([10.0, 20.0, 30.0], T, 4, 8) is Mode.COLOCATED
+    # long gaps, 2 actors: C_dec = 1 + 33 = 34 < C_col = 30 + 0.5 + 1 + 0.5 + 3 = 35, not by 10%
+    assert choose_mode([10.0, 20.0, 30.0], T, 2, 8, PURE) is Mode.DECOUPLED
+    assert choose_mode([10.0, 20.0, 30.0], T, 2, 8) is Mode.COLOCATED
+    # 4 actors fill a longer bubble (0 + 1 + 2): C_dec = 36 > 35
+    assert choose_mode([10.0, 20.0, 30.0], T, 4, 8, PURE) is Mode.COLOCATED
 
 
 def test_tie_goes_to_colocated():
@@ -150,8 +154,8 @@ def test_choose_mode_picks_the_lower_cost(times, timings, num_actor_ranks, max_a
 
 def test_break_even_by_hand():
     timings = Ra2pTimings(t_ref=2.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
-    # N0=0: [8,16,24] dec 6+24=30, col 30 (tie -> colocated); N0=1: 25 vs 22; N0=2: 20 vs 17;
-    # N0=3: [0,0,0] dec 6+9=15, col 0.5+6+0.5+9=16 -> decoupled.
+    # fill 0+2+4 = 6. N0=0: [8,16,24] dec 6+27=33, col 30; N0=1: 6+19=25 vs 22; N0=2: 6+11=17
+    # vs 17 (tie -> colocated); N0=3: [0,0,0] dec 6+9=15, col 0.5+6+0.5+9=16 -> decoupled.
     assert break_even_ras(3, 8.0, timings, 3, 8, margin=0.0) == 3
     assert break_even_ras(3, 8.0, timings, 3, 8, margin=0.1) is None
     assert synthetic_ready_times(3, 1, 8.0) == [0.0, 8.0, 16.0]
@@ -161,8 +165,8 @@ def test_break_even_follows_tprm():
     # margin 0.1: short TPRM keeps the decoupled pipeline fed from the start; long TPRM needs
     # nearly the whole batch ready.
     assert break_even_ras(16, 0.5, T, 2, 8) == 0
-    assert break_even_ras(16, 10.0, T, 2, 8) == 15
-    assert break_even_ras(16, 30.0, T, 2, 8) == 16
+    assert break_even_ras(16, 10.0, T, 2, 8) == 11
+    assert break_even_ras(16, 30.0, T, 2, 8) == 15
 
 
 @FAST

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,9 +19,26 @@ app = typer.Typer(help="Benchmarks, side by side in one run: JSON + table.", no_
 
 
 @app.command("ra2p")
-def ra2p() -> None:
+def ra2p(
+    out: Path = typer.Option(Path("bench/results/ra2p.json"), "--out",
+                             help="Where the JSON result is written (the PNG goes beside it)."),
+    quick: bool = typer.Option(False, "--quick",
+                               help="4 smaller micro-batches, a 2-cell grid, no repeats "
+                                    "(a check that it runs, not a measurement)."),
+    json_mode: bool = JsonFlag,
+) -> None:
     """RA2P modes (colocated, decoupled, vanilla streaming) on local ranks vs the cost model."""
-    raise not_built("bench ra2p")
+    output = Output(json_mode)
+    script = _script_path("ra2p")
+    output.note("running bench/ra2p.py on 4 rank processes (about 4 minutes on 2 cores) ...")
+    args = [sys.executable, str(script), "--out", str(out.resolve())] + (["--quick"] * quick)
+    done = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CLIError(f"bench ra2p failed: {last}")
+    result = json.loads(out.read_text())
+    output.note(f"wrote {out} and {out.with_suffix('.png')}")
+    output.result(result, lambda console: _render_ra2p(console, result))
 
 
 @app.command("ctb")
@@ -51,11 +70,17 @@ def e2e() -> None:
     raise not_built("bench e2e")
 
 
-def _bench_script(name: str) -> ModuleType:
-    """The benchmark script ``bench/NAME.py`` of the source checkout, imported by path."""
+def _script_path(name: str) -> Path:
     path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
     if not path.exists():
         raise CLIError(f"tiderl bench {name}: {path} not found (benchmarks run from a checkout)")
+    return path
+
+
+def _bench_script(name: str) -> ModuleType:
+    """The benchmark script ``bench/NAME.py`` of the source checkout, imported by path (a script
+    that spawns rank processes runs as its own process instead: see ``ra2p``)."""
+    path = _script_path(name)
     spec = importlib.util.spec_from_file_location(f"tiderl_bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -77,3 +102,18 @@ def _render_engine(console: Console, result: dict) -> None:
                  ratios["throughput_ratio"], ""))
     console.print(table("multi-turn workload, KV pool < working set",
                         ("policy", "hit rate", "decode tok/s", "preemptions"), rows))
+
+
+def _render_ra2p(console: Console, result: dict) -> None:
+    modes = result["modes"]
+    console.print(table("step time, all micro-batches ready at the start (s)",
+                        ("mode", "measured", "cost model", "error"),
+                        [(m, v["measured_s"], v["predicted_s"], f"{v['error']:.1%}")
+                         for m, v in modes.items()]))
+    rows = [(c["ras"], c["tprm_s"], c["measured_s"]["CM"], c["measured_s"]["DM"], c["fastest"],
+             c["chosen"]) for c in result["grid"]]
+    console.print(table("(RAS, TPRM) grid", ("RAS", "TPRM s", "CM s", "DM s", "fastest",
+                                               "chosen"), rows))
+    console.print(f"prediction error max {result['prediction_error_max']:.1%} (target 15%); "
+                  f"chosen = fastest in {result['chosen_is_fastest_fraction']:.0%} of cells "
+                  "(target 90%)")

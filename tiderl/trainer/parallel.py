@@ -87,6 +87,7 @@ class DDPBackend(_DenseBackend):
         return contextlib.nullcontext() if enabled or no_sync is None else no_sync()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The live tensors (no copy): sync or save them before the next optimizer step."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -112,9 +113,14 @@ class FSDP2Backend(_DenseBackend):
         fully_shard(model, mesh=mesh)
         super().__init__(model, model, group)
 
-    def grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def grad_sync(self, enabled: bool) -> Iterator[None]:
+        # FSDP2 reads the flag in the backward hooks: keep it for the block, then sync again
         self.module.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -1,0 +1,161 @@
+"""Checkpoints of the actor: model, optimizer, version and RNG, resumable bit-exactly.
+
+Layout of one checkpoint (``torch.distributed.checkpoint``, so FSDP2 shards are saved as shards
+and can be loaded on another world size)::
+
+    <path>/step-00000012/
+        .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: {"model": ..., "optim": ...}
+        rng-rank0.pt, rng-rank1.pt, ...              each rank's torch / CUDA / python RNG
+        meta.json                                    written last: the "complete" marker
+
+``meta.json`` is written by rank 0 of the backend's group after a barrier that every rank passes
+only once its files are written, so a checkpoint with ``meta.json`` is complete and one without
+it (a crash mid-save) is never loaded. Works without a process group too (single process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tiderl.trainer.parallel import TrainBackend
+
+META_FILE = "meta.json"
+STEP_PATTERN = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable; the message names its path."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    version: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    backend: str = ""
+    rng_restored: bool = False  # False when loaded on another world size (RNG is per rank)
+
+
+def step_dir(path: str | Path, version: int) -> Path:
+    return Path(path) / f"step-{version:08d}"
+
+
+def save_checkpoint(path: str | Path, backend: TrainBackend, optimizer: torch.optim.Optimizer,
+                    version: int, extra: dict[str, Any] | None = None) -> Path:
+    """Save under ``path/step-{version:08d}``; every rank of ``backend.group`` must call this.
+    ``extra`` (JSON-serialisable, e.g. buffer and dataset position) is stored in meta.json."""
+    folder = step_dir(path, version)
+    rank, world_size = _rank_and_size(backend.group)
+    meta = {"version": version, "extra": extra or {}, "world_size": world_size,
+            "backend": backend.name}
+    meta_text = json.dumps(meta, indent=2)  # fails here, before any file, if extra is not JSON
+    folder.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        # An older save of this version stops counting as complete. No other rank writes into
+        # the folder before rank 0 joins dcp.save's first collective, which is after this.
+        (folder / META_FILE).unlink(missing_ok=True)
+    model_state, optim_state = get_state_dict(backend.module, optimizer)
+    with _single_process_ok():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder,
+                 process_group=backend.group)
+    torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
+    _barrier(backend.group)
+    if rank == 0:
+        tmp = folder / f"{META_FILE}.tmp"
+        tmp.write_text(meta_text + "\n")
+        os.replace(tmp, folder / META_FILE)
+    _barrier(backend.group)  # no rank returns before the checkpoint is complete
+    return folder
+
+
+def load_checkpoint(path: str | Path, backend: TrainBackend,
+                    optimizer: torch.optim.Optimizer) -> CheckpointMeta:
+    """Load a complete checkpoint folder (as ``save_checkpoint`` / ``latest_checkpoint`` return
+    it) into ``backend`` and ``optimizer`` in place, and restore this rank's RNG."""
+    folder = Path(path)
+    meta = read_meta(folder)
+    rank, world_size = _rank_and_size(backend.group)
+    rng_file = folder / f"rng-rank{rank}.pt"
+    restore_rng = meta.world_size == world_size
+    if restore_rng and not rng_file.is_file():
+        raise CheckpointError(f"incomplete checkpoint at {folder}: {rng_file.name} is missing")
+    model_state, optim_state = get_state_dict(backend.module, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=folder, process_group=backend.group)
+    set_state_dict(backend.module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    if restore_rng:
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return CheckpointMeta(meta.version, meta.extra, meta.world_size, meta.backend, restore_rng)
+
+
+def read_meta(folder: str | Path) -> CheckpointMeta:
+    """The meta of a complete checkpoint; ``CheckpointError`` when there is none at ``folder``."""
+    meta_file = Path(folder) / META_FILE
+    if not meta_file.is_file():
+        what = "does not exist" if not Path(folder).exists() else "has no meta.json (incomplete)"
+        raise CheckpointError(f"no complete checkpoint at {folder}: the folder {what}")
+    try:
+        data = json.loads(meta_file.read_text())
+        return CheckpointMeta(int(data["version"]), dict(data["extra"]), int(data["world_size"]),
+                              str(data["backend"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"unreadable {meta_file}: {exc}") from None
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The complete checkpoint under ``path`` with the highest version, or None."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    complete = [(int(match.group(1)), child) for child in root.iterdir()
+                if (match := STEP_PATTERN.match(child.name)) and (child / META_FILE).is_file()]
+    return max(complete)[1] if complete else None
+
+
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns on every save/load without a process group; for us that is a supported mode."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

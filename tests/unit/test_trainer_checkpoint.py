@@ -90,8 +90,8 @@ def keep_rng() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict], Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    saved = [(d) for d in run_ranks(_save_rank, 2, str(root), timeout_s=120)]
-    loaded = [(d) for d in run_ranks(_load_rank, 2, str(root), timeout_s=120)]
+    saved = run_ranks(_save_rank, 2, str(root), timeout_s=120)
+    loaded = run_ranks(_load_rank, 2, str(root), timeout_s=120)
     return saved, loaded, root
 
 

@@ -90,7 +90,7 @@ def _mismatch_errors(ctx: RankContext, model: Qwen2ForCausalLM, layout: list) ->
 
 @pytest.fixture(scope="module")
 def synced() -> list[dict]:
-    return [(data) for data in run_ranks(_sync_rank, 2, timeout_s=120)]
+    return run_ranks(_sync_rank, 2, timeout_s=120)
 
 
 def test_plan_buckets_cuts_by_size_and_dtype() -> None:

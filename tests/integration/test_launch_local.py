@@ -1,0 +1,89 @@
+"""The local executor with real processes: job.json, logs, stopping without orphans (by PID)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiderl.launch.local import (
+    JobState,
+    LaunchError,
+    LocalExecutor,
+    ProcessCommand,
+    group_members,
+    is_running,
+    process_state,
+)
+
+SLEEPER = "import time; print('up', flush=True); time.sleep(60)"
+# ignores SIGTERM, and starts a grandchild in its group that ignores it too
+STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+            "print('up', flush=True); time.sleep(60)")
+
+
+def _job(tmp_path) -> LocalExecutor:
+    return LocalExecutor(JobState(job_id="j1", run_dir=str(tmp_path), created=time.time()))
+
+
+def _wait_for_logs(records, text="up", timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(text in Path(r.log).read_text() for r in records):
+            return
+        time.sleep(0.05)
+    raise AssertionError("processes did not start")
+
+
+def test_start_records_pids_and_logs_then_stop_leaves_nothing(tmp_path):
+    executor = _job(tmp_path)
+    executor.start([ProcessCommand("env", "env", (sys.executable, "-c", SLEEPER)),
+                    ProcessCommand("rank0", "rank", (sys.executable, "-c", STUBBORN), rank=0),
+                    ProcessCommand("rank1", "rank", (sys.executable, "-c", SLEEPER), rank=1,
+                                   env={"TIDERL_TEST": "1"})])
+    records = executor.state.processes
+    _wait_for_logs(records)
+    saved = json.loads((tmp_path / "job.json").read_text())
+    assert [p["name"] for p in saved["processes"]] == ["env", "rank0", "rank1"]
+    assert [p["pid"] for p in saved["processes"]] == [r.pid for r in records]
+    assert JobState.load(tmp_path).processes == records
+    stubborn_group = group_members(records[1].pid)
+    assert len(stubborn_group) == 2  # rank0 and its grandchild
+    assert all(is_running(r.pid) for r in records)
+
+    outcome = executor.stop(grace_s=1.0)
+    assert outcome == {"env": "terminated", "rank0": "killed", "rank1": "terminated"}
+    time.sleep(0.1)
+    for pid in [r.pid for r in records] + stubborn_group:
+        assert not is_running(pid), (pid, process_state(pid))
+    assert executor.stop(grace_s=0.1) == dict.fromkeys(["env", "rank0", "rank1"], "gone")
+
+
+def test_a_process_that_cannot_start_stops_the_others(tmp_path):
+    executor = _job(tmp_path)
+    with pytest.raises(LaunchError, match="rank1: could not start '/no/such/python'"):
+        executor.start([ProcessCommand("rank0", "rank", (sys.executable, "-c", SLEEPER)),
+                        ProcessCommand("rank1", "rank", ("/no/such/python", "-c", "pass"))])
+    (started,) = executor.state.processes
+    assert not is_running(started.pid)
+
+
+def test_exited_reports_exit_codes(tmp_path):
+    executor = _job(tmp_path)
+    executor.start([ProcessCommand("quick", "rank", (sys.executable, "-c", "raise SystemExit(3)")),
+                    ProcessCommand("slow", "rank", (sys.executable, "-c", SLEEPER))])
+    deadline = time.monotonic() + 10
+    while not executor.exited() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(r.name, code) for r, code in executor.exited()] == [("quick", 3)]
+    executor.stop(grace_s=1.0)
+
+
+def test_loading_a_missing_job_is_one_line(tmp_path):
+    with pytest.raises(LaunchError, match="no such job"):
+        JobState.load(tmp_path / "nope")

@@ -1,0 +1,202 @@
+"""The local executor: start a job's processes on this machine, record them, stop them.
+
+Each process runs in its own session (``start_new_session``), so a Ctrl-C in the launcher's
+terminal reaches only the launcher, which then stops the job in order. A process's own children
+share its process group and are stopped with it (``killpg``): nothing is orphaned. Its stdout and
+stderr go to ``runs/<job>/logs/<name>.log``; PIDs and log paths are recorded in ``job.json``,
+which ``tiderl status | logs | stop`` read.
+
+Liveness reads the process state from ``/proc``: a killed process that is not reaped yet (its
+parent is gone and PID 1 reaps late, or we have not waited yet) is a zombie, which ``kill -0``
+would still call alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+JOB_FILE = "job.json"
+
+
+class LaunchError(RuntimeError):
+    """A process could not be started; the message names it. Nothing of the job is left running."""
+
+
+@dataclass(frozen=True)
+class ProcessCommand:
+    name: str
+    kind: str  # "env" | "coordinator" | "rank"
+    argv: tuple[str, ...]
+    rank: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+
+
+@dataclass
+class ProcessRecord:
+    name: str
+    kind: str
+    pid: int
+    log: str
+    argv: list[str]
+    rank: int | None = None
+    host: str = "localhost"
+
+
+@dataclass
+class JobState:
+    job_id: str
+    run_dir: str
+    created: float
+    processes: list[ProcessRecord] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # bus endpoints, profile path, ...
+
+    def save(self) -> None:
+        path = Path(self.run_dir) / JOB_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> JobState:
+        path = Path(run_dir) / JOB_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise LaunchError(f"{path}: no such job") from None
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"{path}: unreadable ({exc})") from None
+        processes = [ProcessRecord(**p) for p in data.pop("processes")]
+        return cls(processes=processes, **data)
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state from ``/proc/PID/stat`` (R, S, D, Z, ...), or None if there is no
+    such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]  # the name field may hold spaces and parentheses
+
+
+def is_running(pid: int) -> bool:
+    state = process_state(pid)
+    return state is not None and state not in ("Z", "X")
+
+
+class LocalExecutor:
+    """Starts processes and keeps their ``Popen`` handles, so it can reap its own children."""
+
+    def __init__(self, state: JobState):
+        self.state = state
+        self.popens: dict[int, subprocess.Popen] = {}
+
+    def start(self, commands: Sequence[ProcessCommand], cwd: str | Path | None = None) -> None:
+        """Start every command in order; if one fails to start, stop those already started and
+        raise ``LaunchError`` naming it."""
+        logs = Path(self.state.run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for command in commands:
+            log_path = logs / f"{command.name}.log"
+            try:
+                with open(log_path, "ab") as log:
+                    proc = subprocess.Popen(
+                        list(command.argv), stdin=subprocess.DEVNULL, stdout=log,
+                        stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+                        env={**os.environ, **command.env})
+            except OSError as exc:
+                self.stop(grace_s=2.0)
+                raise LaunchError(f"{command.name}: could not start {command.argv[0]!r} "
+                                  f"({exc.strerror or exc})") from None
+            self.popens[proc.pid] = proc
+            self.state.processes.append(ProcessRecord(
+                name=command.name, kind=command.kind, pid=proc.pid, log=str(log_path),
+                argv=list(command.argv), rank=command.rank))
+            self.state.save()
+
+    def exited(self) -> list[tuple[ProcessRecord, int]]:
+        """The job's processes that have ended, with their exit codes."""
+        ended = []
+        for record in self.state.processes:
+            proc = self.popens.get(record.pid)
+            if proc is not None and proc.poll() is not None:
+                ended.append((record, proc.returncode))
+        return ended
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, str]:
+        """Stop every process (last started first); see ``stop_processes``."""
+        return stop_processes(self.state.processes, grace_s, self.popens)
+
+
+def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 10.0,
+                   popens: dict[int, subprocess.Popen] | None = None) -> dict[str, str]:
+    """SIGTERM each process group, wait up to ``grace_s`` for all of them to end, then SIGKILL
+    the rest; finally SIGKILL any member of their groups still running (a child that ignored
+    SIGTERM after its parent ended). Returns how each ended: "terminated", "killed" or "gone"
+    (not running when we came). Children of ours are reaped; others are read from /proc."""
+    popens = popens or {}
+    outcome: dict[str, str] = {}
+    pending = []
+    for record in reversed(records):
+        if not _alive(record.pid, popens):
+            outcome[record.name] = "gone"
+            continue
+        _signal_group(record.pid, signal.SIGTERM)
+        pending.append(record)
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        still = []
+        for record in pending:
+            if _alive(record.pid, popens):
+                still.append(record)
+            else:
+                outcome[record.name] = "terminated"
+        pending = still
+        if pending:
+            time.sleep(0.05)
+    for record in pending:
+        _signal_group(record.pid, signal.SIGKILL)
+        outcome[record.name] = "killed"
+    for record in pending:  # a SIGKILL ends it; reap our own children
+        proc = popens.get(record.pid)
+        if proc is not None:
+            proc.wait(timeout=5)
+    for record in records:
+        if group_members(record.pid):
+            _signal_group(record.pid, signal.SIGKILL)
+    return outcome
+
+
+def group_members(pgid: int) -> list[int]:
+    """Running processes (not zombies) whose process group is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _alive(pid: int, popens: dict[int, subprocess.Popen]) -> bool:
+    proc = popens.get(pid)
+    if proc is not None:
+        return proc.poll() is None
+    return is_running(pid)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)  # each process leads its own session and group

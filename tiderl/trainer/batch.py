@@ -66,10 +66,6 @@ class PackedBatch:
     advantages: torch.Tensor
 
     @property
-    def num_sequences(self) -> int:
-        return len(self.seq_ids)
-
-    @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 

@@ -52,8 +52,6 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 class _DenseBackend:
     """Shared by DDP and FSDP2: the Qwen2 dense forward through the wrapper."""
 
-    name = "dense"
-
     def __init__(self, model: Qwen2ForCausalLM, module: nn.Module,
                  group: dist.ProcessGroup | None):
         self.model = model  # the unwrapped Qwen2 (for its config)

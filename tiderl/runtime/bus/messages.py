@@ -1,0 +1,286 @@
+"""Bus wire format and message types: typed msgspec structs, never pickle, never dict bags.
+
+Framing. Every message is exactly three ZeroMQ frames (a ROUTER prepends the peer identity on
+receive and consumes it on send; callers of :mod:`sockets` never see it)::
+
+    [kind: 1 byte] [schema version: 1 byte] [payload: msgpack map of the struct's fields]
+
+The kind frame comes first and alone so a SUB socket can filter on it (ZeroMQ matches
+subscriptions against the first frame) and a router can dispatch without decoding. The version
+has its own frame so a peer of another TideRL version is refused with a clear line before the
+payload is looked at. Kinds are grouped by direction: 0x01-0x1f rank → coordinator, 0x20-0x3f
+coordinator → rank, 0x40- coordinator PUB.
+
+Any violation (wrong frame count, unknown kind, other schema version, a payload that does not
+decode into the kind's struct) raises :class:`BusProtocolError` with one line naming the kind,
+version or field; the sockets log and drop such a message and keep serving.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class BusProtocolError(ValueError):
+    """A message that does not follow the bus wire format; the receiver drops it."""
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every top-level bus message; ``kind`` is its one-byte wire tag (class-level).
+
+    msgspec does not inherit ``kw_only``, so each message class repeats it."""
+
+    kind: ClassVar[int]
+
+
+# --- rank -> coordinator ---------------------------------------------------------------------
+
+class Hello(Message, kw_only=True):
+    """First message of a rank daemon: who it is, so the coordinator can map identity to rank."""
+
+    kind: ClassVar[int] = 0x01
+    rank: int
+    pid: int
+    host: str
+    role: str
+    device: str
+
+
+class Heartbeat(Message, kw_only=True):
+    """Liveness beacon; ``sent_at`` is the rank's wall clock, for lag diagnostics only."""
+
+    kind: ClassVar[int] = 0x02
+    rank: int
+    sent_at: float
+
+
+class TurnReport(Message, kw_only=True):
+    """One generated turn of a task: feeds CTB's footprints (``context_tokens``) and goodput."""
+
+    kind: ClassVar[int] = 0x03
+    rank: int
+    task_id: str
+    tokens: int
+    context_tokens: int
+    done: bool
+    version: int
+
+
+class TurnData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One turn of a finished trajectory (nested in :class:`TaskFinished`, not a message)."""
+
+    context_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    version: int
+
+
+class TaskFinished(Message, kw_only=True):
+    """A finished trajectory with its reward; the coordinator files it into its group."""
+
+    kind: ClassVar[int] = 0x04
+    rank: int
+    task_id: str
+    group_id: str
+    reward: float
+    turns: list[TurnData]
+    num_tokens: int
+
+
+class TaskPaused(Message, kw_only=True):
+    """The rank has paused a task (its KV blocks are unpinned and may be evicted)."""
+
+    kind: ClassVar[int] = 0x05
+    rank: int
+    task_id: str
+
+
+class Ack(Message, kw_only=True):
+    """Answer to a coordinator command: ``ref`` is that command's ``seq``."""
+
+    kind: ClassVar[int] = 0x06
+    rank: int
+    ref: int
+    ok: bool
+    error: str = ""
+
+
+class StepDone(Message, kw_only=True):
+    """A trainer rank finished its share of optimizer step ``step``; ``version`` is the new one."""
+
+    kind: ClassVar[int] = 0x07
+    rank: int
+    step: int
+    version: int
+    loss: float
+    loss_tokens: int
+    seconds: float
+
+
+class RankMetrics(Message, kw_only=True):
+    """A rank's engine gauges; also nested in :class:`Snapshot` for ``tiderl top``."""
+
+    kind: ClassVar[int] = 0x08
+    rank: int
+    role: str
+    kv_tokens_used: int
+    kv_tokens_budget: int
+    prefix_hit_rate: float
+    running: int
+    waiting: int
+
+
+# --- coordinator -> rank (``seq`` is echoed back as Ack.ref) ---------------------------------
+
+class Admit(Message, kw_only=True):
+    """Start a task on this rank (a CTB decision)."""
+
+    kind: ClassVar[int] = 0x20
+    seq: int
+    task_id: str
+    group_id: str
+    env: str
+    seed: int
+    eval: bool = False
+
+
+class Pause(Message, kw_only=True):
+    """Pause a task at its next turn boundary (a CTB decision)."""
+
+    kind: ClassVar[int] = 0x21
+    seq: int
+    task_id: str
+
+
+class Resume(Message, kw_only=True):
+    """Resume a paused task on this rank (a CTB decision)."""
+
+    kind: ClassVar[int] = 0x22
+    seq: int
+    task_id: str
+
+
+class SetBudget(Message, kw_only=True):
+    """This rank's KV token budget for CTB admission."""
+
+    kind: ClassVar[int] = 0x23
+    seq: int
+    tokens: int
+
+
+class SyncWeights(Message, kw_only=True):
+    """Join the post-update weight broadcast of ``version`` from ``src_rank``."""
+
+    kind: ClassVar[int] = 0x24
+    seq: int
+    version: int
+    src_rank: int
+
+
+class SetRole(Message, kw_only=True):
+    """Switch role (rollout, ref, actor, idle) at the sync boundary of ``version`` (an ERS plan)."""
+
+    kind: ClassVar[int] = 0x25
+    seq: int
+    role: str
+    version: int
+
+
+class TrainSampleData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One training sequence of a step (nested in :class:`TrainStep`, not a message)."""
+
+    seq_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    advantage: float
+    version: int
+
+
+class TrainStep(Message, kw_only=True):
+    """Run optimizer step ``step`` over ``samples``, grouped by seq_id into micro-batches."""
+
+    kind: ClassVar[int] = 0x26
+    seq: int
+    step: int
+    micro_batches: list[list[str]]
+    samples: list[TrainSampleData]
+    mode: str
+    ref_ranks: list[int]
+    actor_ranks: list[int]
+
+
+class Shutdown(Message, kw_only=True):
+    """Stop the rank daemon cleanly."""
+
+    kind: ClassVar[int] = 0x27
+    seq: int
+    reason: str
+
+
+# --- coordinator PUB -------------------------------------------------------------------------
+
+class Snapshot(Message, kw_only=True):
+    """The coordinator's periodic metrics snapshot, what ``tiderl top`` displays."""
+
+    kind: ClassVar[int] = 0x40
+    step: int
+    time: float
+    roles: dict[int, str]
+    metrics: dict[str, float]
+    ranks: list[RankMetrics]
+
+
+MESSAGES: tuple[type[Message], ...] = (
+    Hello, Heartbeat, TurnReport, TaskFinished, TaskPaused, Ack, StepDone, RankMetrics,
+    Admit, Pause, Resume, SetBudget, SyncWeights, SetRole, TrainStep, Shutdown,
+    Snapshot,
+)
+
+
+def _by_kind(messages: tuple[type[Message], ...]) -> dict[int, type[Message]]:
+    table: dict[int, type[Message]] = {}
+    for cls in messages:
+        if not 0 <= cls.kind <= 0xFF or cls.kind in table:
+            raise RuntimeError(f"bus message {cls.__name__}: kind {cls.kind:#04x} is not a "
+                               "free byte")
+        table[cls.kind] = cls
+    return table
+
+
+_BY_KIND = _by_kind(MESSAGES)
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _BY_KIND.items()}
+_KIND_FRAMES = {cls: bytes([kind]) for kind, cls in _BY_KIND.items()}
+_VERSION_FRAME = bytes([SCHEMA_VERSION])
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> list[bytes]:
+    """The three frames of ``msg``; a TypeError for a struct that is not a registered message."""
+    kind_frame = _KIND_FRAMES.get(type(msg))
+    if kind_frame is None:
+        raise TypeError(f"{type(msg).__name__} is not a bus message (see messages.MESSAGES)")
+    return [kind_frame, _VERSION_FRAME, _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """The message in ``frames`` (kind, version, payload); BusProtocolError if malformed."""
+    if len(frames) != 3:
+        raise BusProtocolError(f"expected 3 frames [kind, version, payload], got {len(frames)}")
+    kind_frame, version_frame, payload = frames
+    if len(kind_frame) != 1 or kind_frame[0] not in _BY_KIND:
+        raise BusProtocolError(f"unknown message kind {bytes(kind_frame)!r}")
+    kind = kind_frame[0]
+    name = f"{_BY_KIND[kind].__name__} (kind {kind:#04x})"
+    if version_frame != _VERSION_FRAME:
+        got = int.from_bytes(version_frame, "big")
+        raise BusProtocolError(f"{name}: schema version {got}, "
+                               f"expected {SCHEMA_VERSION} (peer runs another TideRL version?)")
+    try:
+        return _DECODERS[kind].decode(payload)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError; its text names $.field
+        raise BusProtocolError(f"{name}: bad payload: {exc}") from None

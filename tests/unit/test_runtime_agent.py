@@ -1,0 +1,85 @@
+"""The agent loop with the embedded engine and in-process environments (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tiderl.engine.clients import EmbeddedClient
+from tiderl.engine.config import EngineConfig
+from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.request import SamplingParams
+from tiderl.env.client import InProcessEnvClient
+from tiderl.env.config import EnvConfig
+from tiderl.env.sessions import SessionState
+from tiderl.models.config import ModelConfig
+from tiderl.models.tokenizer import word_tokenizer
+from tiderl.runtime.agent import AgentLoop, AgentTask, TurnEvent
+
+SAMPLING = SamplingParams(max_tokens=6, temperature=1.0, seed=0)
+
+
+def _loop(events: list[TurnEvent], max_turns: int = 4, max_context: int = 4096):
+    engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=4096))
+    env = InProcessEnvClient(EnvConfig(envs=["guess"]))
+    return AgentLoop(EmbeddedClient(engine), env, word_tokenizer(), SAMPLING,
+                     max_turns=max_turns, max_context_tokens=max_context,
+                     on_turn=events.append), env
+
+
+def test_trajectory_rebuilds_every_turns_prompt_and_reports_each_turn():
+    events: list[TurnEvent] = []
+    loop, _ = _loop(events)
+    tasks = [AgentTask(f"t{i}", "g0", "guess", "1 100", seed=i) for i in range(3)]
+
+    async def play():
+        return await asyncio.gather(*(loop.run(t) for t in tasks))
+
+    trajectories = asyncio.run(play())
+    for task, trajectory in zip(tasks, trajectories, strict=True):
+        assert trajectory.task_id == task.task_id and trajectory.group_id == "g0"
+        assert 1 <= len(trajectory.turns) <= 4
+        assert trajectory.reward is not None and 0.0 <= trajectory.reward <= 1.0
+        mine = [e for e in events if e.task_id == task.task_id]
+        assert len(mine) == len(trajectory.turns)
+        context = 0
+        for turn, event in zip(trajectory.turns, mine, strict=True):
+            assert turn.context_ids and 1 <= len(turn.output_ids) <= SAMPLING.max_tokens
+            assert len(turn.logprobs) == len(turn.output_ids)
+            assert all(lp <= 0.0 for lp in turn.logprobs)
+            context += len(turn.context_ids) + len(turn.output_ids)
+            assert event.context_tokens == context  # the whole context after this turn
+        ids, mask, _, _ = trajectory.flatten()
+        assert len(ids) == context and sum(mask) == trajectory.num_output_tokens
+
+
+def test_pause_holds_the_task_at_its_turn_boundary_until_resume():
+    events: list[TurnEvent] = []
+    loop, env = _loop(events, max_turns=3)
+    task = AgentTask("p", "g", "guess", "1 1000", seed=1)
+
+    async def scenario():
+        running = asyncio.create_task(loop.run(task))
+        while not events:  # let the first turn happen
+            await asyncio.sleep(0.01)
+        loop.pause("p")
+        await asyncio.sleep(0.3)
+        held = len(events)
+        paused_sessions = [s for s in env.service.table.sessions.values()
+                           if s.state is SessionState.PAUSED]
+        loop.resume("p")
+        trajectory = await running
+        return held, len(paused_sessions), trajectory
+
+    held, num_paused, trajectory = asyncio.run(scenario())
+    assert held <= 2  # at most the turn already under way when the pause came
+    assert num_paused == 1  # the environment session was paused while the task waited
+    assert len(trajectory.turns) >= held
+
+
+def test_context_cap_ends_the_task_with_reward_zero():
+    events: list[TurnEvent] = []
+    loop, _ = _loop(events, max_turns=20, max_context=40)
+    trajectory = asyncio.run(loop.run(AgentTask("c", "g", "guess", "1 1000", seed=2)))
+    assert trajectory.reward == 0.0 and 1 <= len(trajectory.turns) < 20
+    assert len(events) == len(trajectory.turns) and not events[-1].done
+    assert events[-1].context_tokens <= 40  # every generated turn fitted under the cap

@@ -286,12 +286,11 @@ def run_bench(quick: bool = False, note: Callable[[str], None] = print) -> dict:
                                         config.max_aggregate, ra2p,
                                         colocated_timings=timings["colocated"]))
         fastest = min(cell, key=cell.get)
-        errors = {m: abs(predict(m, times, timings, config.max_aggregate) - s) / s
-                  for m, s in cell.items()}
+        predicted = {m: predict(m, times, timings, config.max_aggregate) for m in cell}
+        errors = {m: abs(predicted[m] - s) / s for m, s in cell.items()}
         grid.append({"ras": ras, "tprm_s": tprm, "fastest": fastest, "chosen": chosen,
                      "measured_s": {m: round(s, 4) for m, s in cell.items()},
-                     "predicted_s": {m: round(predict(m, times, timings, config.max_aggregate), 4)
-                                     for m in cell},
+                     "predicted_s": {m: round(p, 4) for m, p in predicted.items()},
                      "margin": round(abs(cell["CM"] - cell["DM"]) / min(cell.values()), 4),
                      "prediction_error_max": round(max(errors.values()), 4)})
     errors = [m["error"] for m in modes.values()] + [c["prediction_error_max"] for c in grid]

@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+from tiderl.core.buffer import ReadyBuffer
 from tiderl.core.ctb import SchedulingPolicy, make_policy
 from tiderl.core.ers import ERSInput, ERSPolicy
 from tiderl.core.ra2p import choose_mode, synthetic_ready_times
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.types import MicroBatch, Mode, Role, Sequence
-from tiderl.sim.buffer import ReadyBuffer
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS

@@ -11,28 +11,44 @@ when it is assigned: b minus the version of its oldest tokens. A group above the
 there and its tokens count as discarded. Batch sizes are whole groups: B_ideal unless the
 coordinator sets the open batch's size (ERS's elastic batch). Micro-batches are formed with
 ``tiderl.core.ra2p.next_micro_batch`` as data arrives; the last ones of a batch with
-``is_last=True`` (the smallest sequences at the end).
+``is_last=True`` (the smallest sequences at the end). The simulator and the runtime's coordinator
+use this one buffer; each hands it its own group type (:class:`ReadyGroup`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 from tiderl.core.ra2p import next_micro_batch
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.types import MicroBatch, Sequence
-from tiderl.sim.rollout import SimGroup, trajectory_tokens
 
 
-class ReadyBuffer:
+class ReadyGroup(Protocol):
+    """A finished GRPO group as the buffer sees it: one training sequence per task."""
+
+    @property
+    def oldest_version(self) -> int: ...
+
+    @property
+    def sequences(self) -> tuple[Sequence, ...]: ...
+
+
+G = TypeVar("G", bound=ReadyGroup)
+
+
+class ReadyBuffer(Generic[G]):
     """Forms micro-batches for batch ``open_batch``; ``on_micro_batch(b, mb)`` and
-    ``on_batch_closed(b)`` tell the trainer."""
+    ``on_batch_closed(b)`` tell the trainer; ``on_group_dropped(g)`` names a group discarded as too
+    stale."""
 
     def __init__(self, tracker: ReadinessTracker, *, group_size: int, batch_ideal: int,
                  max_staleness: int, tokens_per_rank: int,
                  on_micro_batch: Callable[[int, MicroBatch], None],
-                 on_batch_closed: Callable[[int], None]) -> None:
+                 on_batch_closed: Callable[[int], None],
+                 on_group_dropped: Callable[[G], None] | None = None) -> None:
         self.tracker = tracker
         self.group_size = group_size
         self.batch_ideal = batch_ideal
@@ -41,13 +57,14 @@ class ReadyBuffer:
         self.num_dp_ranks = 1
         self._on_micro_batch = on_micro_batch
         self._on_batch_closed = on_batch_closed
-        self.pending: deque[SimGroup] = deque()
+        self._on_group_dropped = on_group_dropped
+        self.pending: deque[G] = deque()
         self.open_batch = 0
         self.need = batch_ideal  # samples still to assign to the open batch
         self.assigned_samples = 0
         self._assigned: list[Sequence] = []  # assigned to the open batch, not in a micro-batch
         self._num_mbs = 0
-        self.group_of_seq: dict[str, SimGroup] = {}
+        self.group_of_seq: dict[str, G] = {}
         self.tokens_of_seq: dict[str, int] = {}
         self.discarded_tokens = 0
         self.discarded_groups = 0
@@ -55,9 +72,9 @@ class ReadyBuffer:
         self.max_staleness_seen: dict[int, int] = {}  # batch -> max staleness assigned to it
         self.buffered_tokens = 0  # ready, not yet consumed (pending + micro-batches)
 
-    def add_group(self, group: SimGroup, now: float) -> None:
+    def add_group(self, group: G, now: float) -> None:
         self.pending.append(group)
-        self.buffered_tokens += sum(trajectory_tokens(p) for p in group.plans)
+        self.buffered_tokens += _tokens(group)
         self._fill(now)
 
     def set_batch_size(self, batch: int, samples: int, now: float) -> None:
@@ -88,23 +105,24 @@ class ReadyBuffer:
             if self.open_batch - group.oldest_version <= self.max_staleness:
                 return
             self.pending.popleft()
-            tokens = sum(trajectory_tokens(p) for p in group.plans)
+            tokens = _tokens(group)
             self.discarded_tokens += tokens
             self.buffered_tokens -= tokens
             self.discarded_groups += 1
-            self.discarded_samples += len(group.plans)
+            self.discarded_samples += len(group.sequences)
+            if self._on_group_dropped is not None:
+                self._on_group_dropped(group)
 
-    def _assign(self, group: SimGroup) -> None:
+    def _assign(self, group: G) -> None:
         staleness = self.open_batch - group.oldest_version
         seen = self.max_staleness_seen.get(self.open_batch, 0)
         self.max_staleness_seen[self.open_batch] = max(seen, staleness)
-        for plan in group.plans:
-            seq = Sequence(plan.task_id, trajectory_tokens(plan))
+        for seq in group.sequences:
             self.group_of_seq[seq.seq_id] = group
             self.tokens_of_seq[seq.seq_id] = seq.num_tokens
             self._assigned.append(seq)
-        self.need -= len(group.plans)
-        self.assigned_samples += len(group.plans)
+        self.need -= len(group.sequences)
+        self.assigned_samples += len(group.sequences)
 
     def _emit(self, now: float, is_last: bool) -> None:
         while self._assigned:
@@ -134,3 +152,7 @@ class ReadyBuffer:
             del self.tokens_of_seq[seq.seq_id]
         self.buffered_tokens -= mb.num_tokens
         return mb.num_tokens
+
+
+def _tokens(group: ReadyGroup) -> int:
+    return sum(seq.num_tokens for seq in group.sequences)

@@ -13,7 +13,7 @@ from tiderl.env.config import EnvConfig
 from tiderl.env.sessions import SessionState
 from tiderl.models.config import ModelConfig
 from tiderl.models.tokenizer import word_tokenizer
-from tiderl.runtime.agent import AgentLoop, AgentTask, TurnEvent
+from tiderl.runtime.agent import AgentLoop, AgentTask, TaskDetached, TurnEvent
 
 SAMPLING = SamplingParams(max_tokens=6, temperature=1.0, seed=0)
 
@@ -40,7 +40,10 @@ def test_trajectory_rebuilds_every_turns_prompt_and_reports_each_turn():
         assert 1 <= len(trajectory.turns) <= 4
         assert trajectory.reward is not None and 0.0 <= trajectory.reward <= 1.0
         mine = [e for e in events if e.task_id == task.task_id]
-        assert len(mine) == len(trajectory.turns)
+        assert len(mine) == 2 * len(trajectory.turns)  # after the generation, after the env
+        assert [e.running for e in mine[1::2]] == [not e.done for e in mine[1::2]]
+        mine = mine[::2]
+        assert not any(e.running or e.done for e in mine)
         context = 0
         for turn, event in zip(trajectory.turns, mine, strict=True):
             assert turn.context_ids and 1 <= len(turn.output_ids) <= SAMPLING.max_tokens
@@ -71,9 +74,9 @@ def test_pause_holds_the_task_at_its_turn_boundary_until_resume():
         return held, len(paused_sessions), trajectory
 
     held, num_paused, trajectory = asyncio.run(scenario())
-    assert held <= 2  # at most the turn already under way when the pause came
+    assert held <= 4  # at most the turn already under way when the pause came (2 events)
     assert num_paused == 1  # the environment session was paused while the task waited
-    assert len(trajectory.turns) >= held
+    assert 2 * len(trajectory.turns) >= held
 
 
 def test_context_cap_ends_the_task_with_reward_zero():
@@ -81,5 +84,39 @@ def test_context_cap_ends_the_task_with_reward_zero():
     loop, _ = _loop(events, max_turns=20, max_context=40)
     trajectory = asyncio.run(loop.run(AgentTask("c", "g", "guess", "1 1000", seed=2)))
     assert trajectory.reward == 0.0 and 1 <= len(trajectory.turns) < 20
-    assert len(events) == len(trajectory.turns) and not events[-1].done
+    assert len(events) == 2 * len(trajectory.turns) and not events[-1].done
     assert events[-1].context_tokens <= 40  # every generated turn fitted under the cap
+
+
+def test_a_detached_task_goes_on_from_its_carry_on_another_loop():
+    """ERS moved the rank: the task stops at a turn boundary and another loop (another engine)
+    finishes it in the same environment session, keeping the turns already played."""
+    events: list[TurnEvent] = []
+    first, env = _loop(events, max_turns=6)
+    engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=4096))
+    second = AgentLoop(EmbeddedClient(engine), env, word_tokenizer(), SAMPLING, max_turns=6,
+                       max_context_tokens=4096, on_turn=events.append)
+    task = AgentTask("d", "g", "guess", "1 1000", seed=3)
+
+    async def scenario():
+        running = asyncio.create_task(first.run(task))
+        while len(events) < 2:
+            await asyncio.sleep(0.005)
+        first.detach("d")
+        try:
+            await running
+        except TaskDetached as exc:
+            carry = exc.carry
+        else:
+            raise AssertionError("run returned instead of raising TaskDetached")
+        sessions = {k: v.state for k, v in env.service.table.sessions.items()}
+        played = len(carry.turns)
+        trajectory = await second.run(task, carry)
+        return carry, played, sessions, trajectory
+
+    carry, played, sessions, trajectory = asyncio.run(scenario())
+    assert played >= 1 and carry.next_context
+    assert sessions[carry.session] is SessionState.PAUSED  # kept open for the next rank
+    assert trajectory.turns[:played] == carry.turns[:played]
+    assert len(trajectory.turns) > played or trajectory.reward is not None
+    assert carry.session not in env.service.table.sessions  # ended by the second loop

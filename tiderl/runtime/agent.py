@@ -6,8 +6,12 @@ the new context tokens, the model's output tokens with their behaviour logprobs 
 version that produced them: exactly what the trainer consumes (``TrainSample.from_trajectory``).
 
 CTB pauses and resumes whole tasks. ``pause`` takes effect at the task's next turn boundary: the
-loop pauses the environment session (so its idle timeout stops), waits for ``resume``, resumes
-the session and goes on with the same context.
+loop unpins the task's KV (when it pins), pauses the environment session (so its idle timeout
+stops), waits for ``resume``, resumes the session and goes on with the same context.
+
+A task can also leave the rank (ERS moved the rank to the trainer): ``detach`` stops it at its
+next turn boundary and ``run`` raises :class:`TaskDetached` with a :class:`TaskCarry` (the open
+environment session, the turns so far, the next context), from which another rank's loop goes on.
 """
 
 from __future__ import annotations
@@ -36,27 +40,51 @@ class AgentTask:
 
 @dataclass(frozen=True)
 class TurnEvent:
-    """Reported after every turn: what CTB needs to track the task's footprint."""
+    """Reported twice a turn, what CTB needs to track a task: after the generation (``running``
+    False: the task now waits for its environment) and after the observation (``running`` True
+    unless ``done``: the next generation starts)."""
 
     task_id: str
     context_tokens: int  # the whole context after this turn (prompt + every output so far)
     output_tokens: int  # this turn's
     version: int
     done: bool
+    running: bool
+
+
+@dataclass
+class TaskCarry:
+    """A task in flight, movable to another rank: its environment session, the turns played and
+    the context the next turn starts from (everything since the last output)."""
+
+    session: str
+    turns: list[Turn]
+    next_context: list[int]
+
+
+class TaskDetached(Exception):
+    """``run`` stopped at a turn boundary because the task was detached."""
+
+    def __init__(self, task_id: str, carry: TaskCarry):
+        super().__init__(f"task {task_id} detached")
+        self.task_id = task_id
+        self.carry = carry
 
 
 class AgentLoop:
     def __init__(self, engine: EngineClient, env: EnvClient, tokenizer: Tokenizer,
                  sampling: SamplingParams, *, max_turns: int, max_context_tokens: int,
                  version: Callable[[], int] = lambda: 0,
-                 on_turn: Callable[[TurnEvent], None] | None = None):
+                 on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False):
         self.engine, self.env, self.tokenizer = engine, env, tokenizer
         self.sampling = sampling
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
         self.version = version  # for backends that do not report the version they sampled with
         self.on_turn = on_turn
+        self.pin = pin  # keep each task's KV pinned between its turns (CTB)
         self._running: dict[str, asyncio.Event] = {}
+        self._detached: set[str] = set()
 
     def pause(self, task_id: str) -> None:
         self._gate(task_id).clear()
@@ -66,6 +94,11 @@ class AgentLoop:
 
     def is_paused(self, task_id: str) -> bool:
         return not self._gate(task_id).is_set()
+
+    def detach(self, task_id: str) -> None:
+        """Stop the task at its next turn boundary (now, if it is paused)."""
+        self._detached.add(task_id)
+        self._gate(task_id).set()
 
     def _gate(self, task_id: str) -> asyncio.Event:
         gate = self._running.get(task_id)
@@ -78,40 +111,67 @@ class AgentLoop:
         gate = self._gate(task_id)
         if gate.is_set():
             return
+        if self.pin:
+            await self.engine.unpin(task_id)
         await self.env.pause(session)
         await gate.wait()
-        await self.env.resume(session)
+        if task_id not in self._detached:
+            await self.env.resume(session)  # a detached task's next rank resumes the session
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    async def run(self, task: AgentTask) -> Trajectory:
+    def _report(self, task_id: str, context: int, output: int, version: int, done: bool,
+                running: bool) -> None:
+        if self.on_turn is not None:
+            self.on_turn(TurnEvent(task_id, context, output, version, done, running))
+
+    async def run(self, task: AgentTask, carry: TaskCarry | None = None) -> Trajectory:
         """Play the task to its end (done, the turn cap or the context cap; the last two score
-        0) and return its trajectory with the reward."""
-        start = await self.env.start(task.env, task.task, task.seed)
-        trajectory = Trajectory(task.task_id, task.group_id, reward=0.0)
-        context: list[int] = []
-        new_context = self._encode(start.observation)
+        0) and return its trajectory with the reward; from ``carry`` when it moved here."""
+        if carry is None:
+            start = await self.env.start(task.env, task.task, task.seed)
+            carry = TaskCarry(start.session, [], self._encode(start.observation))
+        else:
+            await self.env.resume(carry.session)
+        session = carry.session
+        trajectory = Trajectory(task.task_id, task.group_id, reward=0.0, turns=list(carry.turns))
+        context = [t for turn in trajectory.turns for t in (*turn.context_ids, *turn.output_ids)]
+        new_context = list(carry.next_context)
+        ended = True
         try:
-            for _ in range(self.max_turns):
-                await self._wait_if_paused(task.task_id, start.session)
+            while len(trajectory.turns) < self.max_turns:
+                await self._wait_if_paused(task.task_id, session)
+                if task.task_id in self._detached:
+                    ended = False
+                    if self.pin:
+                        await self.engine.unpin(task.task_id)
+                    await self.env.pause(session)
+                    raise TaskDetached(task.task_id, TaskCarry(session, trajectory.turns,
+                                                               new_context))
                 prompt = context + new_context
                 if len(prompt) + self.sampling.max_tokens > self.max_context_tokens:
                     break
                 out = await self.engine.generate(task.task_id, prompt, self.sampling)
+                if self.pin:
+                    await self.engine.pin(task.task_id)
                 version = out.version if out.version is not None else self.version()
                 trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version))
                 context = prompt + out.output_ids
-                step = await self.env.step(start.session,
-                                           self.tokenizer.decode(out.output_ids))
-                if self.on_turn is not None:
-                    self.on_turn(TurnEvent(task.task_id, len(context), len(out.output_ids),
-                                           version, step.done))
+                self._report(task.task_id, len(context), len(out.output_ids), version,
+                             False, False)
+                step = await self.env.step(session, self.tokenizer.decode(out.output_ids))
+                self._report(task.task_id, len(context), len(out.output_ids), version,
+                             step.done, not step.done)
                 if step.done:
                     trajectory.reward = step.reward
                     break
                 new_context = self._encode(step.observation)
         finally:
             self._running.pop(task.task_id, None)
-            await self.env.end(start.session)
+            self._detached.discard(task.task_id)
+            if ended:
+                if self.pin:
+                    await self.engine.unpin(task.task_id)
+                await self.env.end(session)
         return trajectory

@@ -18,6 +18,7 @@ same ``tiderl.core.ra2p`` function and trains exactly its share.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,11 +51,15 @@ class StepInput:
 class Arrivals(Protocol):
     """When the step's micro-batches become available on this rank (a prefix at a time)."""
 
-    def wait(self, index: int) -> None:
-        """Block until micro-batch ``index`` is available."""
+    def wait(self, index: int) -> bool:
+        """Block until micro-batch ``index`` is available (True) or the step is known to have
+        fewer micro-batches (False)."""
 
     def num_ready(self) -> int:
         """How many micro-batches are available now."""
+
+    def is_last(self, index: int) -> bool:
+        """Whether available micro-batch ``index`` is the step's last (may block until known)."""
 
 
 class AllReady:
@@ -63,11 +68,14 @@ class AllReady:
     def __init__(self, count: int):
         self.count = count
 
-    def wait(self, index: int) -> None:
-        del index
+    def wait(self, index: int) -> bool:
+        return index < self.count
 
     def num_ready(self) -> int:
         return self.count
+
+    def is_last(self, index: int) -> bool:
+        return index == self.count - 1
 
 
 class ScheduledArrivals:
@@ -77,14 +85,71 @@ class ScheduledArrivals:
     def __init__(self, micro_batches: tuple[MicroBatch, ...], origin: float):
         self.ready_at = [origin + mb.ready_time for mb in micro_batches]
 
-    def wait(self, index: int) -> None:
+    def wait(self, index: int) -> bool:
+        if index >= len(self.ready_at):
+            return False
         delay = self.ready_at[index] - time.time()
         if delay > 0:
             time.sleep(delay)
+        return True
 
     def num_ready(self) -> int:
         now = time.time()
         return sum(1 for t in self.ready_at if t <= now)
+
+    def is_last(self, index: int) -> bool:
+        return index == len(self.ready_at) - 1
+
+
+class StreamedStep:
+    """A step whose micro-batches arrive while it runs (the runtime's streaming trainer): both
+    the step's data (``micro_batches``, ``samples``) and its :class:`Arrivals`.
+
+    The feeding thread calls ``add`` for each micro-batch as the global buffer forms it and
+    ``close`` once the batch is complete; the executor's thread blocks in ``wait``. Until
+    ``close``, ``num_loss_tokens`` covers only what has arrived."""
+
+    def __init__(self) -> None:
+        self.micro_batches: list[MicroBatch] = []
+        self.samples: dict[str, TrainSample] = {}
+        self.closed = False
+        self._cond = threading.Condition()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        with self._cond:
+            return sum(self.samples[s.seq_id].num_loss_tokens
+                       for mb in self.micro_batches for s in mb.sequences)
+
+    def add(self, mb: MicroBatch, samples: list[TrainSample]) -> None:
+        with self._cond:
+            if self.closed:
+                raise ValueError(f"micro-batch {mb.mb_id} arrived after its step was closed")
+            self.samples.update((s.seq_id, s) for s in samples)
+            self.micro_batches.append(mb)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def wait(self, index: int) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: index < len(self.micro_batches) or self.closed)
+            return index < len(self.micro_batches)
+
+    def num_ready(self) -> int:
+        with self._cond:
+            return len(self.micro_batches)
+
+    def is_last(self, index: int) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: index + 1 < len(self.micro_batches) or self.closed)
+            return index + 1 >= len(self.micro_batches)
+
+
+StepData = StepInput | StreamedStep
 
 
 @dataclass
@@ -132,7 +197,18 @@ def _move(module: torch.nn.Module, device: torch.device) -> None:
         param.data = param.data.to(device, non_blocking=True)
 
 
-def _shares(step: StepInput, per_rank: list[list]) -> list[list[TrainSample]]:
+def _arrived(step: StepData, arrivals: Arrivals, timeline: Timeline):
+    """The step's micro-batches in arrival order, each once it is available (waits recorded)."""
+    index = 0
+    while True:
+        with timeline.span("wait", (index,)):
+            if not arrivals.wait(index):
+                return
+        yield step.micro_batches[index]
+        index += 1
+
+
+def _shares(step: StepData, per_rank: list[list]) -> list[list[TrainSample]]:
     return [[step.samples[s.seq_id] for s in seqs] for seqs in per_rank]
 
 
@@ -173,19 +249,17 @@ class DecoupledExecutor:
     def dispatch(self, mb: MicroBatch) -> list[list]:
         return order_smallest_last(mb.sequences, len(self.actor_ranks))
 
-    def run_step(self, step: StepInput, arrivals: Arrivals, origin: float) -> StepResult:
+    def run_step(self, step: StepData, arrivals: Arrivals, origin: float) -> StepResult:
         self.timeline.start_step(origin)
         if self.ref is not None:
             return self._run_ref(step, arrivals)
         return self._run_actor(step, arrivals)
 
-    def _run_ref(self, step: StepInput, arrivals: Arrivals) -> StepResult:
+    def _run_ref(self, step: StepData, arrivals: Arrivals) -> StepResult:
         served = [i for i in range(len(self.actor_ranks)) if self.ref_rank_of(i) == self.rank]
         sends: list[dist.Work] = []
         seq_ids: list[str] = []
-        for index, mb in enumerate(step.micro_batches):
-            with self.timeline.span("wait", (mb.mb_id,)):
-                arrivals.wait(index)
+        for mb in _arrived(step, arrivals, self.timeline):
             shares = _shares(step, self.dispatch(mb))
             for i in served:  # feed order: actor 0's share first, so actor M-1 waits longest
                 batch = pack(shares[i], self.device)
@@ -200,20 +274,17 @@ class DecoupledExecutor:
         return StepResult(self.mode.value, seconds, LossStats(), None, seq_ids,
                           self.timeline.as_dicts())
 
-    def _run_actor(self, step: StepInput, arrivals: Arrivals) -> StepResult:
+    def _run_actor(self, step: StepData, arrivals: Arrivals) -> StepResult:
         me = self.actor_ranks.index(self.rank)
         src = self.ref_rank_of(me)
         stats = LossStats()
         seq_ids: list[str] = []
-        last = len(step.micro_batches) - 1
-        for index, mb in enumerate(step.micro_batches):
-            with self.timeline.span("wait", (mb.mb_id,)):
-                arrivals.wait(index)
+        for index, mb in enumerate(_arrived(step, arrivals, self.timeline)):
             batch = pack(_shares(step, self.dispatch(mb))[me], self.device)
             ref_logprobs = torch.empty(batch.input_ids.shape, device=self.device)
             pending_recv = dist.irecv(ref_logprobs, src=src, tag=mb.mb_id)
             with self.timeline.span("actor_forward", (mb.mb_id,)):
-                pending = self.actor.forward(batch, sync=index == last)
+                pending = self.actor.forward(batch, sync=arrivals.is_last(index))
             with self.timeline.span("wait_ref", (mb.mb_id,)):
                 pending_recv.wait()
             with self.timeline.span("actor_backward", (mb.mb_id,)):
@@ -260,16 +331,16 @@ class ColocatedExecutor:
         if self.swapper is not None:
             self.swapper.to(name, self.timeline)
 
-    def run_step(self, step: StepInput, arrivals: Arrivals, origin: float) -> StepResult:
+    def run_step(self, step: StepData, arrivals: Arrivals, origin: float) -> StepResult:
         self.timeline.start_step(origin)
         stats = LossStats()
         seq_ids: list[str] = []
-        n = len(step.micro_batches)
         index = 0
-        while index < n:
-            with self.timeline.span("wait", (step.micro_batches[index].mb_id,)):
-                arrivals.wait(index)
-            count = max(1, min(arrivals.num_ready() - index, self.max_aggregate, n - index))
+        while True:
+            with self.timeline.span("wait", (index,)):
+                if not arrivals.wait(index):
+                    break
+            count = max(1, min(arrivals.num_ready() - index, self.max_aggregate))
             group = step.micro_batches[index:index + count]
             ids = tuple(mb.mb_id for mb in group)
             batches: list[PackedBatch] = [
@@ -282,7 +353,7 @@ class ColocatedExecutor:
                     ref_logprobs = [self.ref.ref_logprobs(b) for b in batches]
             self._swap_to("actor")
             for offset, (mb, batch) in enumerate(zip(group, batches, strict=True)):
-                sync = index + offset == n - 1
+                sync = arrivals.is_last(index + offset)
                 with self.timeline.span("actor_forward", (mb.mb_id,)):
                     pending = self.actor.forward(batch, sync=sync)
                 with self.timeline.span("actor_backward", (mb.mb_id,)):

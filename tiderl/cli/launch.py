@@ -1,7 +1,9 @@
-"""`tiderl launch`: resolve the profile, plan the processes, start the job."""
+"""`tiderl launch`: resolve the profile, plan the processes, run the job to its end."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -23,18 +25,87 @@ def launch(
     profile: str = ProfileOpt,
     overrides: list[str] | None = SetOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved profile and plan."),
+    run_root: Path | None = typer.Option(None, "--run-root",
+                                         help="Folder of run folders (default: runtime.run_dir)."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Start the rollout and trainer daemons of one job (this machine by default)."""
+    """Start the environment service, the coordinator and the rank daemons of one job (this
+    machine by default), follow it with a progress line and print where its report is.
+
+    Ctrl-C or SIGTERM stop every process of the job."""
     if nodes is not None:
         raise CLIError("tiderl launch --nodes: launching over SSH is not built yet")
     resolved = load_profile(profile, overrides or [])
     plan = plan_local(resolved)
     out = Output(json_mode)
-    out.result(_payload(resolved, plan), lambda console: _render(console, resolved, plan))
-    if not dry_run:
-        raise CLIError("tiderl launch: the runtime is not built yet; nothing was started "
-                       "(the plan above is what it would run)")
+    if dry_run:
+        out.result(_payload(resolved, plan), lambda console: _render(console, resolved, plan))
+        return
+    _run(resolved, run_root, out)
+
+
+def _run(profile: Profile, run_root: Path | None, out: Output) -> None:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from tiderl.launch.job import run_local
+    from tiderl.launch.local import LaunchError
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the job like Ctrl-C
+    rt = profile.runtime
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),
+                        TimeRemainingColumn(), TextColumn("{task.fields[line]}"),
+                        console=out.err_console, disable=out.json_mode)
+    bar = progress.add_task(f"{rt.mode} job", total=rt.steps, line="starting ...")
+
+    def on_snapshot(snap) -> None:
+        progress.update(bar, completed=snap.step, line=_progress_line(snap))
+
+    def on_start(state) -> None:
+        out.note(f"job {state.job_id}: {state.run_dir} (logs in {state.run_dir}/logs)")
+
+    try:
+        with progress:
+            result = run_local(profile, run_root=run_root, on_snapshot=on_snapshot,
+                               on_start=on_start)
+    except LaunchError as exc:
+        raise CLIError(f"tiderl launch: {exc}") from exc
+    except KeyboardInterrupt:
+        raise CLIError("tiderl launch: interrupted; every process of the job was stopped",
+                       130) from None
+    payload = {"job": result.job_id, "run_dir": str(result.run_dir),
+               "report": str(result.report) if result.report else None,
+               "exit_code": result.exit_code,
+               "last": dict(result.last.metrics) if result.last else None}
+    if result.exit_code != 0:
+        raise CLIError(f"tiderl launch: the coordinator failed (exit {result.exit_code}); "
+                       f"see {result.run_dir}/logs/coordinator.log")
+    out.result(payload, lambda console: console.print(
+        f"done: {result.job_id}  report: {result.report}"))
+
+
+def _progress_line(snap) -> str:
+    m = snap.metrics
+    roles = {}
+    for role in snap.roles.values():
+        roles[role] = roles.get(role, 0) + 1
+    layout = " ".join(f"{role[0].upper()}{n}" for role, n in sorted(roles.items()))
+    parts = [f"roles {layout}"]
+    if "reward_mean" in m:
+        parts.append(f"reward {m['reward_mean']:.3f}")
+    if "goodput_tok_s" in m:
+        parts.append(f"goodput {m['goodput_tok_s']:.0f} tok/s")
+    if snap.mode:
+        parts.append(f"mode {snap.mode}")
+    parts.append(f"tasks {m.get('active', 0):.0f} active {m.get('paused', 0):.0f} paused")
+    return "  ".join(parts)
 
 
 def _payload(profile: Profile, plan: LaunchPlan) -> dict:

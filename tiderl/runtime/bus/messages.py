@@ -68,6 +68,7 @@ class TurnReport(Message, kw_only=True):
     context_tokens: int
     done: bool
     version: int
+    running: bool = True  # False: the turn's generation is done, the task waits for its env
 
 
 class TurnData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -91,12 +92,23 @@ class TaskFinished(Message, kw_only=True):
     num_tokens: int
 
 
-class TaskPaused(Message, kw_only=True):
-    """The rank has paused a task (its KV blocks are unpinned and may be evicted)."""
+class TaskCarry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A task in flight moving between ranks: its open environment session, the turns played and
+    the context its next turn starts from (nested, not a message)."""
+
+    session: str
+    turns: list[TurnData]
+    next_context: list[int]
+
+
+class TaskDetached(Message, kw_only=True):
+    """The rank stopped a task at a turn boundary to leave the rollout role; ``carry`` lets
+    another rank go on with it (an Admit with the carry)."""
 
     kind: ClassVar[int] = 0x05
     rank: int
     task_id: str
+    carry: TaskCarry
 
 
 class Ack(Message, kw_only=True):
@@ -116,9 +128,12 @@ class StepDone(Message, kw_only=True):
     rank: int
     step: int
     version: int
+    mode: str
     loss: float
     loss_tokens: int
+    grad_norm: float
     seconds: float
+    stats: dict[str, float] = {}
 
 
 class RankMetrics(Message, kw_only=True):
@@ -132,26 +147,42 @@ class RankMetrics(Message, kw_only=True):
     prefix_hit_rate: float
     running: int
     waiting: int
+    prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, found cached
+    idle_s: float = 0.0  # cumulative seconds its engine had nothing to run
 
 
 # --- coordinator -> rank (``seq`` is echoed back as Ack.ref) ---------------------------------
 
 class Admit(Message, kw_only=True):
-    """Start a task on this rank (a CTB decision)."""
+    """Start a task on this rank (a CTB decision); with ``carry``, go on with a task that ran on
+    another rank (CTB resumed it here)."""
 
     kind: ClassVar[int] = 0x20
     seq: int
     task_id: str
     group_id: str
     env: str
+    task: str = ""
     seed: int
     eval: bool = False
+    pin: bool = False  # keep its KV pinned between turns (CTB pins, the request level does not)
+    carry: TaskCarry | None = None
 
 
 class Pause(Message, kw_only=True):
     """Pause a task at its next turn boundary (a CTB decision)."""
 
     kind: ClassVar[int] = 0x21
+    seq: int
+    task_id: str
+
+
+class Detach(Message, kw_only=True):
+    """Stop a task at its next turn boundary and send it back as :class:`TaskDetached` (it goes on
+    on another rank)."""
+
+    kind: ClassVar[int] = 0x23
     seq: int
     task_id: str
 
@@ -164,34 +195,23 @@ class Resume(Message, kw_only=True):
     task_id: str
 
 
-class SetBudget(Message, kw_only=True):
-    """This rank's KV token budget for CTB admission."""
-
-    kind: ClassVar[int] = 0x23
-    seq: int
-    tokens: int
-
-
 class SyncWeights(Message, kw_only=True):
-    """Join the post-update weight broadcast of ``version`` from ``src_rank``."""
+    """The post-update boundary of ``version``: every rank takes ``roles[rank]`` (an ERS plan)
+    and joins the weight broadcast from ``src_rank``; ``joiners`` (new actor ranks) also receive
+    the optimizer state. Every rank gets it, in the same order: the broadcasts are collectives."""
 
     kind: ClassVar[int] = 0x24
     seq: int
     version: int
     src_rank: int
-
-
-class SetRole(Message, kw_only=True):
-    """Switch role (rollout, ref, actor, idle) at the sync boundary of ``version`` (an ERS plan)."""
-
-    kind: ClassVar[int] = 0x25
-    seq: int
-    role: str
-    version: int
+    roles: list[str]
+    members: list[int]  # the live ranks taking part in the broadcasts (a dead one is left out)
+    joiners: list[int] = []
+    checkpoint: str = ""  # a folder: the actors save a checkpoint of ``version`` there first
 
 
 class TrainSampleData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One training sequence of a step (nested in :class:`TrainStep`, not a message)."""
+    """One training sequence of a step (nested in :class:`MicroBatchData`, not a message)."""
 
     seq_id: str
     input_ids: list[int]
@@ -202,16 +222,34 @@ class TrainSampleData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 
 class TrainStep(Message, kw_only=True):
-    """Run optimizer step ``step`` over ``samples``, grouped by seq_id into micro-batches."""
+    """Open optimizer step ``step`` with this RA2P layout; its micro-batches follow as
+    :class:`MicroBatchData` as the global buffer forms them, then :class:`StepClosed`."""
+
+    kind: ClassVar[int] = 0x25
+    seq: int
+    step: int
+    mode: str  # decoupled | colocated | vso | vs
+    ref_ranks: list[int]
+    actor_ranks: list[int]
+    max_aggregate: int
+
+
+class MicroBatchData(Message, kw_only=True):
+    """One micro-batch of the open step, its sequences in the buffer's order."""
 
     kind: ClassVar[int] = 0x26
     seq: int
     step: int
-    micro_batches: list[list[str]]
+    mb_id: int
     samples: list[TrainSampleData]
-    mode: str
-    ref_ranks: list[int]
-    actor_ranks: list[int]
+
+
+class StepClosed(Message, kw_only=True):
+    """The global batch of ``step`` is complete: no micro-batch follows."""
+
+    kind: ClassVar[int] = 0x28
+    seq: int
+    step: int
 
 
 class Shutdown(Message, kw_only=True):
@@ -233,11 +271,12 @@ class Snapshot(Message, kw_only=True):
     roles: dict[int, str]
     metrics: dict[str, float]
     ranks: list[RankMetrics]
+    mode: str = ""  # the RA2P mode of the last step
 
 
 MESSAGES: tuple[type[Message], ...] = (
-    Hello, Heartbeat, TurnReport, TaskFinished, TaskPaused, Ack, StepDone, RankMetrics,
-    Admit, Pause, Resume, SetBudget, SyncWeights, SetRole, TrainStep, Shutdown,
+    Hello, Heartbeat, TurnReport, TaskFinished, TaskDetached, Ack, StepDone, RankMetrics,
+    Admit, Pause, Detach, Resume, SyncWeights, TrainStep, MicroBatchData, Shutdown, StepClosed,
     Snapshot,
 )
 

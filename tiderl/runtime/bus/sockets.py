@@ -310,6 +310,11 @@ class BusClient(_Peer):
         got = _receive(self._sock, timeout_s, source="the coordinator")
         return None if got is None else got[1]
 
+    def fileno(self) -> int:
+        """ZeroMQ's notification descriptor, for an event loop's reader: edge-triggered, so a
+        reader drains with ``recv(0)`` until None."""
+        return self._sock.getsockopt(zmq.FD)
+
 
 class Subscriber(_Peer):
     """``tiderl top``'s end: a SUB to the coordinator's PUB, subscribed to every kind."""

@@ -1,0 +1,136 @@
+"""The run report on hand-written run folders: real files, real matplotlib (Agg)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiderl.runtime.report import ReportError, read_jsonl, summarize, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOKENS = [100, 120, 140, 160, 180, 200]
+TIMES = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+REWARDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+EVALS = {2: 0.35, 5: 0.55}
+MODES = ["colocated", "colocated", "decoupled", "decoupled", "decoupled", "decoupled"]
+KV = [None, 0.5, 0.6, 0.7, 0.8, 0.9]
+TPRM = [None, None, 1.5, 1.2, 0.9, 0.8]
+STALENESS = [0, 1, 1, 2, 3, 1]
+# Rank 1 goes rollout -> actor at step 3, rank 0 rollout -> ref at step 5.
+ROLES = [["rollout", "rollout", "actor", "actor"]] * 3 + [
+    ["rollout", "actor", "actor", "actor"]] * 2 + [["ref", "actor", "actor", "actor"]]
+
+
+def _metrics() -> list[dict]:
+    rows, total = [], 0
+    for i in range(6):
+        total += TOKENS[i]
+        rows.append({
+            "step": i, "time_s": TIMES[i], "step_s": 10.0, "goodput_tok_s": total / TIMES[i],
+            "trained_tokens": TOKENS[i], "trained_tokens_total": total, "trained_samples": 4,
+            "generated_tokens_total": 250 * (i + 1), "discarded_tokens_total": 10 * i,
+            "ras": i % 3, "tprm_s": TPRM[i], "rwt_s": 1.0, "twt_s": 0.5, "mode": MODES[i],
+            "roles": ROLES[i], "num_rollout": ROLES[i].count("rollout"),
+            "num_trainer": ROLES[i].count("actor"), "kv_hit_rate": KV[i],
+            "staleness_max": STALENESS[i], "reward_mean": REWARDS[i],
+            "eval_reward": EVALS.get(i), "loss": 1.0 / (i + 1), "grad_norm": 0.3, "version": i + 1,
+            "batch_size": 4, "ers_reason": None,
+        })
+    return rows
+
+
+EVENTS = [
+    {"time_s": 0.0, "kind": "launch"},
+    {"time_s": 31.0, "kind": "eval", "step": 2, "reward": 0.35},
+    {"time_s": 32.5, "kind": "role_change", "rank": 1, "src": "rollout", "dst": "actor", "step": 3},
+    {"time_s": 52.0, "kind": "role_change", "rank": 0, "src": "rollout", "dst": "ref", "step": 5},
+    {"time_s": 61.0, "kind": "stop", "reason": "max_steps"},
+]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    _write_jsonl(tmp_path / "metrics.jsonl", _metrics())
+    _write_jsonl(tmp_path / "events.jsonl", EVENTS)
+    return tmp_path
+
+
+def test_summarize_computes_the_table_numbers():
+    s = summarize(_metrics())
+    assert s["num_steps"] == 6
+    assert s["wall_time_s"] == 60.0
+    assert s["trained_tokens_total"] == sum(TOKENS) == 900
+    assert s["goodput_end_tok_s"] == pytest.approx(900 / 60)
+    last_half = [sum(TOKENS[: i + 1]) / TIMES[i] for i in (3, 4, 5)]
+    assert s["goodput_last_half_mean_tok_s"] == pytest.approx(sum(last_half) / 3)
+    assert (s["generated_tokens_total"], s["discarded_tokens_total"]) == (1500, 50)
+    assert s["reward_first"] == 0.1
+    assert s["reward_last3_mean"] == pytest.approx(0.5)
+    assert (s["eval_reward_first"], s["eval_reward_last"]) == (0.35, 0.55)
+    assert s["staleness_max"] == 3
+    assert s["kv_hit_rate_mean"] == pytest.approx(0.7)
+    assert (s["rwt_total_s"], s["twt_total_s"]) == (6.0, 3.0)
+    assert s["modes"] == {"colocated": 2, "decoupled": 4}
+    assert s["num_role_changes"] == 2
+
+
+def test_report_has_summary_steps_role_changes_and_valid_images(run_dir: Path):
+    path = write_report(run_dir, title="Demo run")
+    assert path == run_dir / "report.md"
+    text = path.read_text()
+    assert text.startswith("# Demo run\n")
+    assert "| trained tokens | 900 |" in text
+    assert f"| goodput at end (tok/s) | {900 / 60:.1f} |" in text  # 15.0
+    assert "| mean goodput, last half of steps (tok/s) | 14.0 |" in text  # (13 + 14 + 15) / 3
+    assert "| generated tokens | 1500 |" in text
+    assert "| reward: first step / mean of last 3 | 0.100 / 0.500 |" in text
+    assert "| eval reward: first / last | 0.350 / 0.550 |" in text
+    assert "| max staleness | 3 |" in text
+    assert "| mean KV hit rate | 0.700 |" in text
+    assert "| total RWT / TWT (s) | 6.00 / 3.00 |" in text
+    assert "| modes (steps) | colocated: 2, decoupled: 4 |" in text
+    assert "| role changes (rank-steps) | 2 |" in text
+    assert "| 0 | 10.0 | colocated | R2 A2 | 0 | n/a | 10.0 | 0.100 | 1.0000 | 0 |" in text
+    assert "| 5 | 60.0 | decoupled | F1 A3 | 2 | 0.80 | 15.0 | 0.600 | 0.1667 | 1 |" in text
+    assert "- t=32.5 s, step 3: rank 1 rollout -> actor" in text
+    assert "- t=52.0 s, step 5: rank 0 rollout -> ref" in text
+    assert "Event counts: launch: 1, eval: 1, role_change: 2, stop: 1." in text
+    for name in ("goodput_reward.png", "roles.png", "readiness.png"):
+        assert f"]({name})" in text
+        data = (run_dir / name).read_bytes()
+        assert data[:8] == PNG_MAGIC
+        assert len(data) > 10_000
+
+
+def test_missing_files_still_give_a_report_that_says_so(tmp_path: Path):
+    text = write_report(tmp_path).read_text()
+    assert text.startswith(f"# Run report: {tmp_path.name}\n")
+    assert "No steps recorded" in text
+    assert "No events recorded" in text
+    assert "![" not in text
+    assert not list(tmp_path.glob("*.png"))
+    assert summarize([]) == {"num_steps": 0}
+
+
+def test_empty_metrics_file_reads_as_no_steps(tmp_path: Path):
+    (tmp_path / "metrics.jsonl").write_text("\n")
+    assert read_jsonl(tmp_path / "metrics.jsonl") == []
+    assert "No steps recorded" in write_report(tmp_path).read_text()
+
+
+@pytest.mark.parametrize("bad", ["{not json", "[1, 2]"])
+@pytest.mark.parametrize("name", ["metrics.jsonl", "events.jsonl"])
+def test_malformed_line_names_file_and_line(run_dir: Path, name: str, bad: str):
+    path = run_dir / name
+    first = path.read_text().splitlines()[0]
+    path.write_text(f"{first}\n\n{bad}\n")
+    with pytest.raises(ReportError, match=rf"{name}:3: ") as info:
+        write_report(run_dir)
+    assert "\n" not in str(info.value)
+    assert not (run_dir / "report.md").exists()

@@ -1,0 +1,157 @@
+"""Run a job on this machine: prepare its run folder, start its processes, follow it, stop it.
+
+    runs/<job>/  profile.yaml (resolved)  roles.json  keys/ (CurveZMQ, 0700/0600)  job.json
+                 logs/<process>.log  metrics.jsonl  events.jsonl  checkpoints/  report.md  *.png
+
+The environment service starts first (the launcher waits for its /health), then the coordinator
+and the rank daemons (``python -m tiderl.runtime ...``). The launcher follows the coordinator's
+PUB snapshots (what ``tiderl top`` reads) and ends when the coordinator exits: it gives the ranks a
+grace period to save and exit, then stops whatever is left (SIGTERM, then SIGKILL by process
+group). A failed process, Ctrl-C or SIGTERM stop the whole job: no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tiderl.launch.local import JobState, LaunchError, LocalExecutor, ProcessCommand
+from tiderl.launch.plan import LaunchPlan, plan_local
+from tiderl.profile import Profile, profile_to_dict
+from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
+from tiderl.trainer.spawn import free_port
+
+ENV_START_TIMEOUT_S = 60.0
+RANK_EXIT_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: str
+    run_dir: Path
+    exit_code: int  # the coordinator's
+    report: Path | None
+    last: Snapshot | None
+
+
+def new_job_id(profile: Profile) -> str:
+    return f"{datetime.now():%Y%m%d-%H%M%S}-{profile.runtime.mode}"
+
+
+def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path) -> None:
+    """The files every daemon reads: the resolved profile, the initial roles, the bus keys."""
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile),
+                                                         sort_keys=False))
+    (run_dir / "roles.json").write_text(json.dumps([p.role.value for p in plan.ranks]))
+    make_job_keys(run_dir / "keys")
+
+
+def local_commands(profile: Profile, plan: LaunchPlan, run_dir: Path,
+                   ports: dict[str, int]) -> list[ProcessCommand]:
+    py = (sys.executable, "-m", "tiderl.runtime")
+    d = ("--run-dir", str(run_dir))
+    env_url = profile.env.url or f"http://127.0.0.1:{ports['env']}"
+    bus = f"tcp://{profile.runtime.bus_host}:{ports['bus']}"
+    commands = []
+    for spec in plan.processes:
+        if spec.kind == "env":
+            argv = (*py, "env", *d, "--port", str(ports["env"]))
+        elif spec.kind == "coordinator":
+            argv = (*py, "coordinator", *d, "--port", str(ports["bus"]),
+                    "--pub-port", str(ports["pub"]))
+        else:
+            argv = (*py, "rank", *d, "--rank", str(spec.rank), "--bus", bus,
+                    "--dist", f"tcp://127.0.0.1:{ports['dist']}", "--env-url", env_url,
+                    "--device", spec.device or "cpu", "--threads", str(spec.threads or 1))
+        env = {"OMP_NUM_THREADS": str(spec.threads or 1)} if spec.kind == "rank" else {}
+        commands.append(ProcessCommand(spec.name, spec.kind, argv, spec.rank, env))
+    return commands
+
+
+def _wait_for_env(url: str, executor: LocalExecutor) -> None:
+    deadline = time.monotonic() + ENV_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for record, code in executor.exited():
+            raise LaunchError(f"{record.name} exited with code {code} (see {record.log})")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise LaunchError(f"the environment service did not answer at {url} within "
+                      f"{ENV_START_TIMEOUT_S:.0f} s")
+
+
+def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | None = None,
+              on_snapshot: Callable[[Snapshot], None] | None = None,
+              on_start: Callable[[JobState], None] | None = None) -> JobResult:
+    """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
+    and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate."""
+    plan = plan_local(profile)
+    job_id = job_id or new_job_id(profile)
+    run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
+    prepare_run_dir(profile, plan, run_dir)
+    ports = {name: free_port() for name in ("env", "bus", "pub", "dist")}
+    state = JobState(job_id, str(run_dir), time.time(), info={
+        "mode": profile.runtime.mode, "ports": ports,
+        "bus": f"tcp://{profile.runtime.bus_host}:{ports['bus']}",
+        "pub": f"tcp://{profile.runtime.bus_host}:{ports['pub']}"})
+    state.save()
+    executor = LocalExecutor(state)
+    commands = local_commands(profile, plan, run_dir, ports)
+    try:
+        env_cmds = [c for c in commands if c.kind == "env"]
+        if env_cmds:
+            executor.start(env_cmds)
+            _wait_for_env(f"http://127.0.0.1:{ports['env']}", executor)
+        executor.start([c for c in commands if c.kind != "env"])
+        if on_start is not None:
+            on_start(state)
+        code, last = _follow(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
+    finally:
+        executor.stop(grace_s=5.0)
+    report = run_dir / "report.md"
+    return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
+
+
+def _follow(executor: LocalExecutor, state: JobState, keys,
+            on_snapshot: Callable[[Snapshot], None] | None) -> tuple[int, Snapshot | None]:
+    """Until the coordinator exits: snapshots to ``on_snapshot``; a failed rank or environment
+    ends the job with LaunchError."""
+    last: Snapshot | None = None
+    with Subscriber(state.info["pub"], keys) as sub:
+        while True:
+            msg = sub.recv(0.25)
+            if isinstance(msg, Snapshot):
+                last = msg
+                if on_snapshot is not None:
+                    on_snapshot(msg)
+            for record, code in executor.exited():
+                if record.kind == "coordinator":
+                    if code == 0:
+                        _let_ranks_exit(executor)
+                    return code, last
+                if code != 0:
+                    raise LaunchError(f"{record.name} exited with code {code} "
+                                      f"(see {record.log})")
+
+
+def _let_ranks_exit(executor: LocalExecutor) -> None:
+    """The ranks got their Shutdown (after the last checkpoint): give them time to finish."""
+    ranks = {r.pid for r in executor.state.processes if r.kind == "rank"}
+    deadline = time.monotonic() + RANK_EXIT_GRACE_S
+    while time.monotonic() < deadline:
+        done = {r.pid for r, _ in executor.exited()}
+        if ranks <= done:
+            return
+        time.sleep(0.1)

@@ -1,0 +1,95 @@
+"""The job's daemons, as the launcher starts them (not a user command):
+
+    python -m tiderl.runtime env         --run-dir D --port P
+    python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q
+    python -m tiderl.runtime rank        --run-dir D --rank R --bus tcp://... --dist tcp://...
+                                         --env-url http://... [--device cpu] [--threads 1]
+
+Each reads the resolved profile and the bus keys from the run folder the launcher prepared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from tiderl.core.types import Role
+from tiderl.profile import load_profile
+
+PROFILE_FILE = "profile.yaml"
+ROLES_FILE = "roles.json"
+
+
+def _env(args: argparse.Namespace) -> int:
+    from tiderl.env.server import serve
+
+    profile = load_profile(str(args.run_dir / PROFILE_FILE))
+    serve(profile.env, "127.0.0.1", args.port)
+    return 0
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from tiderl.runtime.bus import BusServer, load_job_keys
+    from tiderl.runtime.coordinator import Coordinator, CoordinatorError
+    from tiderl.runtime.report import write_report
+
+    profile = load_profile(str(args.run_dir / PROFILE_FILE))
+    roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
+    keys = load_job_keys(args.run_dir / "keys")
+    with BusServer(keys, profile.runtime.bus_host, args.port, args.pub_port) as server:
+        coordinator = Coordinator(profile, args.run_dir, server, roles)
+        try:
+            coordinator.run()
+        except CoordinatorError as exc:
+            coordinator.event("stop", reason=str(exc))
+            logging.getLogger("tiderl.coordinator").error("%s", exc)
+            return 1
+        finally:
+            coordinator.close()
+    path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}")
+    logging.getLogger("tiderl.coordinator").info("report: %s", path)
+    return 0
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from tiderl.runtime.rank import RankArgs, main
+
+    profile = load_profile(str(args.run_dir / PROFILE_FILE))
+    roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
+    main(RankArgs(rank=args.rank, world_size=len(roles), run_dir=args.run_dir, bus=args.bus,
+                  dist_init=args.dist, env_url=args.env_url, role=roles[args.rank],
+                  device=args.device, threads=args.threads), profile, roles)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tiderl.runtime")
+    sub = parser.add_subparsers(dest="daemon", required=True)
+    env = sub.add_parser("env")
+    coord = sub.add_parser("coordinator")
+    rank = sub.add_parser("rank")
+    for p in (env, coord, rank):
+        p.add_argument("--run-dir", type=Path, required=True)
+    env.add_argument("--port", type=int, required=True)
+    coord.add_argument("--port", type=int, required=True)
+    coord.add_argument("--pub-port", type=int, required=True)
+    rank.add_argument("--rank", type=int, required=True)
+    rank.add_argument("--bus", required=True)
+    rank.add_argument("--dist", required=True)
+    rank.add_argument("--env-url", required=True)
+    rank.add_argument("--device", default="cpu")
+    rank.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    name = args.daemon if args.daemon != "rank" else f"rank{args.rank}"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks, then exit
+    return {"env": _env, "coordinator": _coordinator, "rank": _rank}[args.daemon](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,597 @@
+"""The rank daemon: one process per rank (device), in any role the coordinator gives it.
+
+    bus (DEALER) ──Admit / Pause / Resume──> agent loops on the rollout engine ──TurnReport,
+                                                                                 TaskFinished──> bus
+                 ──SyncWeights, TrainStep──> one command at a time, in a worker thread:
+                                             role switch + weight broadcast, RA2P step
+                 ──MicroBatchData / StepClosed──> the open step's StreamedStep (fed while it runs)
+
+All ranks form one ``torch.distributed`` world (gloo on CPU, NCCL on GPU) and create the trainer
+process groups of :mod:`tiderl.runtime.groups` at start-up. Roles:
+
+- ``rollout``: the embedded engine plus one agent loop per admitted task against the environment
+  service; pins each task's KV between turns when CTB asks (``Admit.pin``).
+- ``actor``: the policy (DDP over the actor set) with AdamW, and a frozen Ref copy for the
+  colocated modes (swapped on a GPU).
+- ``ref``: the frozen Ref model only (the decoupled mode's dedicated rank).
+- ``sync`` mode: every rank is a rollout rank and an actor at once (verl's hybrid engine): it
+  rolls out, then trains, then loads its own new weights into its engine.
+
+At the post-update boundary (``SyncWeights``) every rank takes its new role and joins the weight
+broadcast from the source actor: a leaving rollout rank detaches its tasks (they go on elsewhere
+from their carry) and drops its engine; a new rollout rank builds its engine from the broadcast;
+a new actor gets the weights and the optimizer state; a new Ref loads the initial weights
+locally. While an evaluation task runs on a rollout rank its engine keeps the anchored version:
+new weights wait until the evaluation tasks there are done (paper §3.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tiderl.core.types import MicroBatch, Mode, Role, Sequence, Trajectory, Turn
+from tiderl.engine.clients import EmbeddedClient
+from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.request import SamplingParams
+from tiderl.env.client import HTTPEnvClient
+from tiderl.models.loading import model_from_config
+from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.profile import Profile
+from tiderl.runtime.agent import AgentLoop, AgentTask, TaskCarry, TaskDetached, TurnEvent
+from tiderl.runtime.bus import (
+    Ack,
+    Admit,
+    BusClient,
+    Detach,
+    Heartbeat,
+    Hello,
+    MicroBatchData,
+    Pause,
+    RankMetrics,
+    Resume,
+    Shutdown,
+    StepClosed,
+    StepDone,
+    SyncWeights,
+    TaskFinished,
+    TrainStep,
+    TurnData,
+    TurnReport,
+    load_job_keys,
+    rank_identity,
+)
+from tiderl.runtime.bus import TaskCarry as CarryMsg
+from tiderl.runtime.bus import (
+    TaskDetached as TaskDetachedMsg,
+)
+from tiderl.runtime.groups import trainer_sets
+from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.checkpoint import save_checkpoint
+from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
+from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.spawn import init_rank
+from tiderl.trainer.sync import param_layout, state_layout, sync_params
+from tiderl.trainer.worker import ActorWorker, RefWorker
+
+log = logging.getLogger("tiderl.rank")
+
+FALLBACK_POLL_S = 0.05
+IDLE_SAMPLE_S = 0.05  # the bus reader is edge-triggered: a slow poll catches a missed edge
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    rank: int
+    world_size: int
+    run_dir: Path
+    bus: str  # the coordinator's ROUTER endpoint
+    dist_init: str  # tcp://host:port of the torch.distributed store
+    env_url: str
+    role: Role
+    device: str = "cpu"
+    threads: int = 1
+
+
+class RankDaemon:
+    def __init__(self, args: RankArgs, profile: Profile):
+        self.args, self.profile = args, profile
+        self.rank = args.rank
+        self.is_sync = profile.runtime.mode == "sync"
+        self.role = args.role
+        self.version = 0
+        self.device = torch.device(args.device)
+        self.tokenizer = None
+        self.layout = None  # weight-sync layout (every rank builds the same model)
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.actor_set: tuple[int, ...] = ()
+        self.actor: ActorWorker | None = None
+        self.ref: RefWorker | None = None
+        self.engine: LLMEngine | None = None
+        self.agent: AgentLoop | None = None
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.eval_tasks: set[str] = set()
+        self.pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
+        self._joined_optimizer: dict[str, torch.Tensor] | None = None
+        self.idle_s = 0.0
+        self.queries_before = self.hits_before = 0  # prefix counters of engines dropped earlier
+        self.streams: dict[int, StreamedStep] = {}
+        self.commands: asyncio.Queue = asyncio.Queue()
+        self.bus: BusClient | None = None
+        self.env = HTTPEnvClient(args.env_url) if args.env_url else None
+        self._stopping: asyncio.Event | None = None
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def setup(self, initial_roles: list[Role]) -> None:
+        """Join the world, create every trainer group, build this role's models."""
+        ctx = init_rank(self.rank, self.args.world_size, self.args.dist_init,
+                        device=self.args.device, threads=self.args.threads)
+        self.device = ctx.device
+        for ranks in trainer_sets(self.args.world_size):
+            group = dist.new_group(list(ranks))
+            if self.rank in ranks:
+                self.groups[ranks] = group
+        model, self.tokenizer = self._initial_model()
+        self.layout = param_layout(model)
+        self.actor_set = _ranks_with(initial_roles, Role.ACTOR, self.is_sync)
+        if self.is_sync or self.role is Role.ROLLOUT:
+            self._start_engine(model, 0)
+            model = None
+        if self.is_sync or self.role is Role.ACTOR:
+            self._make_actor(model, None)
+            model = None
+        if self._needs_ref(self.role):
+            self._make_ref()
+
+    def _initial_model(self) -> tuple[Qwen2ForCausalLM, object]:
+        return model_from_config(self.profile.model, self.device)
+
+    def _needs_ref(self, role: Role) -> bool:
+        if self.profile.trainer.kl_beta == 0:
+            return False
+        return self.is_sync or role in (Role.REF, Role.ACTOR)
+
+    def _make_ref(self) -> None:
+        if self.ref is None:
+            model, _ = self._initial_model()
+            # the frozen Ref runs on its rank alone: no collective ties it to the actor group
+            self.ref = RefWorker(make_backend(self.profile.trainer.backend, model,
+                                              self._group((self.rank,)), trainable=False))
+
+    def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        return self.groups[tuple(sorted(ranks))]
+
+    def _make_actor(self, model: Qwen2ForCausalLM | None,
+                    state: dict[str, torch.Tensor] | None) -> None:
+        if model is None:
+            model, _ = self._initial_model()
+        if state is not None:
+            _load_weights(model, state)
+        backend = make_backend(self.profile.trainer.backend, model, self._group(self.actor_set))
+        self.actor = ActorWorker(backend, self.profile.trainer, self.version)
+
+    def _rewrap_actor(self) -> None:
+        """The actor set changed: wrap the same module and optimizer for the new group."""
+        assert self.actor is not None
+        model = self.actor.backend.model
+        self.actor.backend = make_backend(self.profile.trainer.backend, model,
+                                          self._group(self.actor_set))
+
+    def _start_engine(self, model: Qwen2ForCausalLM | None, version: int,
+                      state: dict[str, torch.Tensor] | None = None) -> None:
+        if self.profile.engine.backend != "embedded":
+            raise RuntimeError(f"rank {self.rank}: engine.backend {self.profile.engine.backend!r} "
+                               "is not run by the rank daemon; use engine.backend: embedded")
+        if model is None:
+            model, _ = self._initial_model()
+        if state is not None:
+            _load_weights(model, state)
+        model.eval()
+        self.engine = LLMEngine(model, self.profile.engine, model.config.eos_token_id, version)
+        engine_cfg, env_cfg = self.profile.engine, self.profile.env
+        sampling = SamplingParams(max_tokens=engine_cfg.max_new_tokens,
+                                  temperature=engine_cfg.temperature, top_p=engine_cfg.top_p)
+        self.agent = AgentLoop(EmbeddedClient(self.engine), self.env, self.tokenizer, sampling,
+                               max_turns=env_cfg.max_turns,
+                               max_context_tokens=min(engine_cfg.kv_cache_tokens,
+                                                      model.config.max_position_embeddings),
+                               on_turn=self._on_turn)
+
+    # -- the event loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        keys = load_job_keys(self.args.run_dir / "keys")
+        self.bus = BusClient(self.args.bus, keys, rank_identity(self.rank))
+        self._stopping = asyncio.Event()
+        self._send(Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
+                         role=self.role.value, device=str(self.device)))
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.bus.fileno(), self._drain)
+        workers = [asyncio.create_task(self._heartbeats()),
+                   asyncio.create_task(self._count_idle()),
+                   asyncio.create_task(self._fallback_poll()),
+                   asyncio.create_task(self._run_commands())]
+        try:
+            await self._stopping.wait()
+        finally:
+            loop.remove_reader(self.bus.fileno())
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            for task in self.tasks.values():
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            if self.engine is not None:
+                await self.engine.close()
+            if self.env is not None:
+                await self.env.close()
+            self.bus.close()
+
+    def _send(self, msg) -> None:
+        assert self.bus is not None
+        self.bus.send(msg)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            self._send(Heartbeat(rank=self.rank, sent_at=time.time()))
+            self._send(self._metrics())
+            await asyncio.sleep(self.profile.runtime.heartbeat_s)
+
+    async def _count_idle(self) -> None:
+        """RWT on this rank: seconds its engine had no request to run (sampled)."""
+        while True:
+            await asyncio.sleep(IDLE_SAMPLE_S)
+            if self.engine is not None and not self.engine.scheduler.has_unfinished:
+                self.idle_s += IDLE_SAMPLE_S
+
+    def _metrics(self) -> RankMetrics:
+        used = budget = running = waiting = queries = hits = 0
+        hit = 0.0
+        if self.engine is not None:
+            usage = self.engine.token_usage()
+            m = self.engine.metrics()
+            used, budget = usage.num_used_tokens, usage.num_total_tokens
+            running, waiting = int(m.num_requests_running), int(m.num_requests_waiting)
+            queries, hits = int(m.prefix_cache_queries), int(m.prefix_cache_hits)
+            hit = hits / queries if queries else 0.0
+        return RankMetrics(rank=self.rank, role=self.role.value, kv_tokens_used=used,
+                           kv_tokens_budget=budget, prefix_hit_rate=hit, running=running,
+                           waiting=waiting, prefix_queries=self.queries_before + queries,
+                           prefix_hits=self.hits_before + hits, idle_s=self.idle_s)
+
+    async def _fallback_poll(self) -> None:
+        while True:
+            await asyncio.sleep(FALLBACK_POLL_S)
+            self._drain()
+
+    def _drain(self) -> None:
+        assert self.bus is not None
+        while (msg := self.bus.recv(0)) is not None:
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Admit) and msg.eval:  # after any weight sync before it: anchored
+            self.commands.put_nowait(msg)
+        elif isinstance(msg, Admit):
+            self._admit(msg)
+        elif isinstance(msg, Detach):
+            if self.agent is not None and msg.task_id in self.tasks:
+                self.agent.detach(msg.task_id)
+        elif isinstance(msg, Pause | Resume):
+            if self.agent is not None and msg.task_id in self.tasks:
+                (self.agent.pause if isinstance(msg, Pause) else self.agent.resume)(msg.task_id)
+        elif isinstance(msg, TrainStep):
+            self.streams[msg.step] = StreamedStep()
+            self.commands.put_nowait(msg)
+        elif isinstance(msg, MicroBatchData):
+            self._feed(msg)
+        elif isinstance(msg, StepClosed):
+            self.streams.setdefault(msg.step, StreamedStep()).close()
+        elif isinstance(msg, SyncWeights | Shutdown):  # in order: a boundary, the last save
+            self.commands.put_nowait(msg)
+        else:
+            log.warning("rank %d: ignored a %s", self.rank, type(msg).__name__)
+
+    # -- rollout ---------------------------------------------------------------------------------
+
+    def _admit(self, msg: Admit) -> None:
+        if self.agent is None:
+            self._send(Ack(rank=self.rank, ref=msg.seq, ok=False,
+                           error=f"rank {self.rank} is not a rollout rank"))
+            return
+        task = AgentTask(msg.task_id, msg.group_id, msg.env, msg.task or None, msg.seed, msg.eval)
+        carry = None if msg.carry is None else TaskCarry(
+            msg.carry.session, [Turn(t.context_ids, t.output_ids, t.logprobs, t.version)
+                                for t in msg.carry.turns], msg.carry.next_context)
+        if msg.eval:
+            self.eval_tasks.add(msg.task_id)
+        self.agent.pin = msg.pin
+        self.tasks[msg.task_id] = asyncio.create_task(self._play(task, carry))
+
+    async def _play(self, task: AgentTask, carry: TaskCarry | None) -> None:
+        assert self.agent is not None
+        try:
+            trajectory = await self.agent.run(task, carry)
+        except TaskDetached as exc:
+            turns = [_turn_data(t) for t in exc.carry.turns]
+            self._send(TaskDetachedMsg(rank=self.rank, task_id=task.task_id, carry=CarryMsg(
+                session=exc.carry.session, turns=turns, next_context=exc.carry.next_context)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an environment or engine failure ends the task with reward 0
+            log.warning("rank %d: task %s failed: %s", self.rank, task.task_id, exc)
+            self._finish(task, Trajectory(task.task_id, task.group_id, reward=0.0))
+        else:
+            self._finish(task, trajectory)
+        finally:
+            self.tasks.pop(task.task_id, None)
+            self.eval_tasks.discard(task.task_id)
+            self._apply_pending_weights()
+
+    def _finish(self, task: AgentTask, trajectory: Trajectory) -> None:
+        self._send(TaskFinished(rank=self.rank, task_id=task.task_id, group_id=task.group_id,
+                                reward=float(trajectory.reward or 0.0),
+                                turns=[_turn_data(t) for t in trajectory.turns],
+                                num_tokens=trajectory.num_tokens))
+
+    def _on_turn(self, event: TurnEvent) -> None:
+        self._send(TurnReport(rank=self.rank, task_id=event.task_id, tokens=event.output_tokens,
+                              context_tokens=event.context_tokens, done=event.done,
+                              version=event.version, running=event.running))
+
+    async def _leave_rollout(self) -> None:
+        """Detach every task at its next turn boundary (they go on elsewhere), drop the engine."""
+        assert self.agent is not None and self.engine is not None
+        for task_id in list(self.tasks):
+            self.agent.detach(task_id)
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        m = self.engine.metrics()
+        self.queries_before += int(m.prefix_cache_queries)
+        self.hits_before += int(m.prefix_cache_hits)
+        await self.engine.close()
+        self.engine = self.agent = None
+        self.pending_weights = None
+
+    def _apply_pending_weights(self) -> None:
+        """New weights wait while an evaluation task runs here (its version is anchored)."""
+        if self.pending_weights is None or self.eval_tasks or self.engine is None:
+            return
+        state, version = self.pending_weights
+        self.pending_weights = None
+        self.engine.update_weights(state, version)
+
+    # -- trainer ---------------------------------------------------------------------------------
+
+    def _feed(self, msg: MicroBatchData) -> None:
+        samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
+                               tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
+        mb = MicroBatch(msg.mb_id, tuple(Sequence(s.seq_id, s.num_tokens) for s in samples))
+        self.streams.setdefault(msg.step, StreamedStep()).add(mb, samples)
+
+    async def _run_commands(self) -> None:
+        while True:
+            cmd = await self.commands.get()
+            try:
+                if isinstance(cmd, TrainStep):
+                    await self._train(cmd)
+                elif isinstance(cmd, Admit):
+                    self._admit(cmd)
+                elif isinstance(cmd, Shutdown):
+                    log.info("rank %d: shutdown (%s)", self.rank, cmd.reason)
+                    assert self._stopping is not None
+                    self._stopping.set()
+                    return
+                else:
+                    await self._boundary(cmd)
+            except Exception as exc:
+                log.exception("rank %d: %s failed", self.rank, type(cmd).__name__)
+                self._send(Ack(rank=self.rank, ref=cmd.seq, ok=False, error=f"{exc}"[:500]))
+                raise
+
+    async def _train(self, cmd: TrainStep) -> None:
+        stream = self.streams[cmd.step]
+        executor = self._executor(cmd)
+        if executor is None:  # not in this step's trainer set
+            self.streams.pop(cmd.step, None)
+            return
+        result = await asyncio.to_thread(executor.run_step, stream, stream, time.time())
+        self.streams.pop(cmd.step, None)
+        if result.step is not None:
+            self.version = result.step.version
+        means = result.loss.means()
+        self._send(StepDone(
+            rank=self.rank, step=cmd.step, version=self.version, mode=result.mode,
+            loss=float(means.get("loss", 0.0)), loss_tokens=int(stream.num_loss_tokens),
+            grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
+            stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)}))
+
+    def _executor(self, cmd: TrainStep):
+        if cmd.mode == Mode.DECOUPLED.value:
+            if self.rank not in cmd.ref_ranks and self.rank not in cmd.actor_ranks:
+                return None
+            is_ref = self.rank in cmd.ref_ranks
+            if is_ref:
+                self._make_ref()
+            group = self._group(tuple(cmd.actor_ranks)) if not is_ref else None
+            return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
+                                     ref=self.ref if is_ref else None,
+                                     actor=None if is_ref else self.actor,
+                                     actor_group=group, device=self.device)
+        if self.rank not in cmd.actor_ranks:
+            return None
+        assert self.actor is not None, f"rank {self.rank} has no actor for step {cmd.step}"
+        return ColocatedExecutor(self.ref, self.actor, max_aggregate=cmd.max_aggregate,
+                                 swap=cmd.mode != "vs", group=self._group(tuple(cmd.actor_ranks)),
+                                 device=self.device)
+
+    # -- the boundary ----------------------------------------------------------------------------
+
+    async def _boundary(self, cmd: SyncWeights) -> None:
+        roles = [Role(r) for r in cmd.roles]
+        new = roles[self.rank]
+        new_actors = _ranks_with(roles, Role.ACTOR, self.is_sync)
+        if self.is_sync:  # every rank trained the same update: its engine takes its own weights
+            if cmd.version > 0:
+                assert self.actor is not None and self.engine is not None
+                self.pending_weights = (self.actor.backend.full_state_dict(), cmd.version)
+                self._apply_pending_weights()
+            self.version = cmd.version
+            self._ack(cmd)
+            return
+        if self.role is Role.ROLLOUT and new is not Role.ROLLOUT:
+            await self._leave_rollout()
+        if cmd.checkpoint and self.role is Role.ACTOR:
+            await asyncio.to_thread(self._save_checkpoint, cmd)
+        state = None
+        if cmd.version > 0:
+            group = self._group(tuple(cmd.members))
+            source = self.actor.backend.full_state_dict() if self.rank == cmd.src_rank else None
+            result = await asyncio.to_thread(
+                sync_params, source, self.layout, cmd.version if source is not None else None,
+                src=cmd.src_rank, group=group, device=self.device)
+            state = result.state
+            if cmd.joiners:
+                await asyncio.to_thread(self._sync_optimizer, cmd, group)
+        self.version = cmd.version
+        self._take_role(new, new_actors, state, cmd)
+        self._ack(cmd)
+
+    def _take_role(self, new: Role, new_actors: tuple[int, ...],
+                   state: dict[str, torch.Tensor] | None, cmd: SyncWeights) -> None:
+        changed = new_actors != self.actor_set
+        self.actor_set = new_actors
+        if new is Role.ROLLOUT:
+            if self.engine is None:
+                self._start_engine(None, self.version, state)
+            elif state is not None:
+                self.pending_weights = (state, self.version)
+                self._apply_pending_weights()
+        if new is Role.ACTOR:
+            if self.actor is None:
+                self._make_actor(None, state)
+                self.actor.version = self.version
+                if self.rank in cmd.joiners and self._joined_optimizer is not None:
+                    _load_optimizer(self.actor, self._joined_optimizer)
+            elif changed:
+                self._rewrap_actor()
+        else:
+            self.actor = None
+        self._joined_optimizer = None
+        if self._needs_ref(new):
+            self._make_ref()
+        else:
+            self.ref = None
+        if new is not self.role:
+            log.info("rank %d: %s -> %s at version %d", self.rank, self.role.value, new.value,
+                     self.version)
+        self.role = new
+
+    def _save_checkpoint(self, cmd: SyncWeights) -> None:
+        assert self.actor is not None
+        save_checkpoint(cmd.checkpoint, self.actor.backend, self.actor.optimizer, cmd.version,
+                        {"step": cmd.version})
+
+    def _sync_optimizer(self, cmd: SyncWeights, group: dist.ProcessGroup) -> None:
+        """The source actor's AdamW state to the new actors (a broadcast over the members)."""
+        layout = self._optimizer_layout()
+        source = None
+        if self.rank == cmd.src_rank:
+            assert self.actor is not None
+            source = _optimizer_state(self.actor)
+        result = sync_params(source, layout, cmd.version if source is not None else None,
+                             src=cmd.src_rank, group=group, device=self.device)
+        self._joined_optimizer = result.state if self.rank in cmd.joiners else None
+
+    def _optimizer_layout(self):
+        model, _ = (self.actor.backend.model, None) if self.actor else self._initial_model()
+        state = {}
+        for name, param in model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"{name}.{key}"] = torch.empty(param.shape, dtype=torch.float32,
+                                                     device="meta")
+            state[f"{name}.step"] = torch.empty((), dtype=torch.float32, device="meta")
+        return state_layout(state)
+
+    def _ack(self, cmd) -> None:
+        self._send(Ack(rank=self.rank, ref=cmd.seq, ok=True))
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def phase_times(events: list[dict]) -> dict[str, float]:
+    """Per-micro-batch pass times (``t_ref``, ``t_act_f``, ``t_act_b``: the RA2P cost model's
+    inputs, measured), the mean swap, and ``wait_s``: this rank's time waiting for data."""
+    spans: dict[str, float] = {}
+    mbs: dict[str, set] = {}
+    for event in events:
+        name = event["name"]
+        spans[name] = spans.get(name, 0.0) + event["end"] - event["start"]
+        mbs.setdefault(name, set()).update(event["mb_ids"])
+    times = {"wait_s": spans.get("wait", 0.0) + spans.get("wait_ref", 0.0)}
+    for key, name in (("t_ref", "ref_forward"), ("t_act_f", "actor_forward"),
+                      ("t_act_b", "actor_backward")):
+        if mbs.get(name):
+            times[key] = spans[name] / len(mbs[name])
+    swaps = [e for e in events if e["name"] == "swap"]
+    if swaps:
+        times["t_swap"] = spans["swap"] / len(swaps)
+    return times
+
+
+def _ranks_with(roles: list[Role], role: Role, is_sync: bool) -> tuple[int, ...]:
+    if is_sync:
+        return tuple(range(len(roles)))
+    return tuple(r for r, x in enumerate(roles) if x is role)
+
+
+def _turn_data(turn: Turn) -> TurnData:
+    return TurnData(context_ids=list(turn.context_ids), output_ids=list(turn.output_ids),
+                    logprobs=list(turn.logprobs), version=turn.version)
+
+
+def _load_weights(model: Qwen2ForCausalLM, state: dict[str, torch.Tensor]) -> None:
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
+def _optimizer_state(actor: ActorWorker) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for name, param in actor.backend.model.named_parameters():
+        slot = actor.optimizer.state.get(param, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[f"{name}.{key}"] = slot[key].float() if key in slot else torch.zeros(
+                param.shape, dtype=torch.float32, device=param.device)
+        step = slot.get("step", torch.tensor(0.0))
+        state[f"{name}.step"] = torch.as_tensor(step, dtype=torch.float32).reshape(())
+    return state
+
+
+def _load_optimizer(actor: ActorWorker, state: dict[str, torch.Tensor]) -> None:
+    for name, param in actor.backend.model.named_parameters():
+        actor.optimizer.state[param] = {
+            "step": state[f"{name}.step"].clone().cpu(),
+            "exp_avg": state[f"{name}.exp_avg"].to(param.device, param.dtype).clone(),
+            "exp_avg_sq": state[f"{name}.exp_avg_sq"].to(param.device, param.dtype).clone(),
+        }
+
+
+def main(args: RankArgs, profile: Profile, roles: list[Role]) -> None:
+    """Run one rank to its Shutdown (``python -m tiderl.runtime rank``)."""
+    daemon = RankDaemon(args, profile)
+    daemon.setup(roles)
+    try:
+        asyncio.run(daemon.run())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,248 @@
+"""Run report: three PNGs and a Markdown summary of a training run folder.
+
+A job writes `runs/<job>/metrics.jsonl` (one object per optimizer step) and `events.jsonl`
+(one object per event). `write_report` reads both and writes, beside them:
+
+    goodput_reward.png   goodput and reward vs time
+    roles.png            ranks per role vs time (stacked)
+    readiness.png        RAS/TPRM plane, one colour per mode
+    report.md            summary table, per-step table, role changes, the three images
+
+`summarize` gives the summary numbers alone (the benchmark and CLI reuse it). Plots use
+matplotlib's Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from itertools import pairwise
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+Row = dict[str, Any]
+
+ROLE_LETTERS = {"rollout": "R", "ref": "F", "actor": "A", "idle": "I"}
+IMAGES = ("goodput_reward.png", "roles.png", "readiness.png")
+STEP_COLUMNS = ("step", "time (s)", "mode", "roles", "RAS", "TPRM (s)", "goodput (tok/s)",
+                "reward", "loss", "staleness")
+
+
+class ReportError(ValueError):
+    """A run file that cannot be read; the message names the file and line."""
+
+
+def read_jsonl(path: Path) -> list[Row]:
+    """The JSON objects of `path`, one per non-blank line; [] when the file is missing."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows: list[Row] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReportError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ReportError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def summarize(metrics: list[Row]) -> Row:
+    """The summary table's numbers. Values are None where the run has nothing to say.
+
+    Goodput "last half" averages `metrics[n // 2:]`; `num_role_changes` counts, between
+    consecutive steps, the ranks whose role differs.
+    """
+    if not metrics:
+        return {"num_steps": 0}
+    last = metrics[-1]
+    half = metrics[len(metrics) // 2 :]
+    evals = [m["eval_reward"] for m in metrics if m["eval_reward"] is not None]
+    kv = [m["kv_hit_rate"] for m in metrics if m["kv_hit_rate"] is not None]
+    tail = metrics[-3:]
+    return {
+        "num_steps": len(metrics),
+        "wall_time_s": last["time_s"],
+        "trained_tokens_total": last["trained_tokens_total"],
+        "goodput_end_tok_s": last["goodput_tok_s"],
+        "goodput_last_half_mean_tok_s": _mean([m["goodput_tok_s"] for m in half]),
+        "generated_tokens_total": last["generated_tokens_total"],
+        "discarded_tokens_total": last["discarded_tokens_total"],
+        "reward_first": metrics[0]["reward_mean"],
+        "reward_last3_mean": _mean([m["reward_mean"] for m in tail]),
+        "eval_reward_first": evals[0] if evals else None,
+        "eval_reward_last": evals[-1] if evals else None,
+        "staleness_max": max(m["staleness_max"] for m in metrics),
+        "kv_hit_rate_mean": _mean(kv) if kv else None,
+        "rwt_total_s": sum(m["rwt_s"] for m in metrics),
+        "twt_total_s": sum(m["twt_s"] for m in metrics),
+        "modes": dict(Counter(m["mode"] for m in metrics)),
+        "num_role_changes": sum(
+            _num_changed(prev["roles"], cur["roles"]) for prev, cur in pairwise(metrics)
+        ),
+    }
+
+
+def write_report(run_dir: Path, *, title: str | None = None) -> Path:
+    """Write the three PNGs (when there are steps) and `report.md` into `run_dir`."""
+    run_dir = Path(run_dir)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    if metrics:
+        _plot_goodput_reward(metrics, run_dir / IMAGES[0])
+        _plot_roles(metrics, run_dir / IMAGES[1])
+        _plot_readiness(metrics, run_dir / IMAGES[2])
+    lines = [f"# {title or f'Run report: {run_dir.name}'}", ""]
+    if (run_dir / "profile.yaml").exists():
+        lines += ["Resolved profile: [profile.yaml](profile.yaml)", ""]
+    lines += _summary_section(summarize(metrics))
+    lines += _steps_section(metrics)
+    lines += _events_section(events)
+    if metrics:
+        lines += ["## Figures", ""]
+        lines += [line for name in IMAGES for line in (f"![{name[:-4]}]({name})", "")]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def compact_roles(roles: list[str]) -> str:
+    """Per-rank roles as counts, e.g. ["rollout", "actor", "rollout"] -> "R2 A1"."""
+    counts = Counter(roles)
+    order = [*ROLE_LETTERS, *sorted(set(counts) - set(ROLE_LETTERS))]
+    return " ".join(f"{ROLE_LETTERS.get(r, r)}{counts[r]}" for r in order if counts[r])
+
+
+def _summary_section(s: Row) -> list[str]:
+    if not s["num_steps"]:
+        return ["## Summary", "", "No steps recorded (metrics.jsonl missing or empty).", ""]
+    modes = ", ".join(f"{mode}: {n}" for mode, n in s["modes"].items())
+    rows = [
+        ("steps", s["num_steps"]),
+        ("wall time (s)", _fmt(s["wall_time_s"], 1)),
+        ("trained tokens", s["trained_tokens_total"]),
+        ("goodput at end (tok/s)", _fmt(s["goodput_end_tok_s"], 1)),
+        ("mean goodput, last half of steps (tok/s)", _fmt(s["goodput_last_half_mean_tok_s"], 1)),
+        ("generated tokens", s["generated_tokens_total"]),
+        ("discarded tokens", s["discarded_tokens_total"]),
+        ("reward: first step / mean of last 3",
+         f"{_fmt(s['reward_first'])} / {_fmt(s['reward_last3_mean'])}"),
+        ("eval reward: first / last",
+         f"{_fmt(s['eval_reward_first'])} / {_fmt(s['eval_reward_last'])}"),
+        ("max staleness", s["staleness_max"]),
+        ("mean KV hit rate", _fmt(s["kv_hit_rate_mean"])),
+        ("total RWT / TWT (s)", f"{_fmt(s['rwt_total_s'], 2)} / {_fmt(s['twt_total_s'], 2)}"),
+        ("modes (steps)", modes),
+        ("role changes (rank-steps)", s["num_role_changes"]),
+    ]
+    return ["## Summary", "", "| metric | value |", "|---|---|",
+            *(f"| {k} | {v} |" for k, v in rows), ""]
+
+
+def _steps_section(metrics: list[Row]) -> list[str]:
+    if not metrics:
+        return []
+    lines = ["## Steps", "", "Roles: R rollout, F ref, A actor, I idle.", "",
+             "| " + " | ".join(STEP_COLUMNS) + " |", "|" + "---|" * len(STEP_COLUMNS)]
+    for m in metrics:
+        cells = [m["step"], _fmt(m["time_s"], 1), m["mode"], compact_roles(m["roles"]), m["ras"],
+                 _fmt(m["tprm_s"], 2), _fmt(m["goodput_tok_s"], 1), _fmt(m["reward_mean"]),
+                 _fmt(m["loss"], 4), m["staleness_max"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return [*lines, ""]
+
+
+def _events_section(events: list[Row]) -> list[str]:
+    if not events:
+        return ["## Events", "", "No events recorded (events.jsonl missing or empty).", ""]
+    kinds = ", ".join(f"{k}: {n}" for k, n in Counter(e["kind"] for e in events).items())
+    changes = [e for e in events if e["kind"] == "role_change"]
+    lines = ["## Events", "", f"Event counts: {kinds}.", "", "Role changes:", ""]
+    lines += [f"- t={_fmt(e['time_s'], 1)} s, step {e.get('step')}: rank {e.get('rank')} "
+              f"{e.get('src')} -> {e.get('dst')}" for e in changes] or ["- none"]
+    return [*lines, ""]
+
+
+def _plot_goodput_reward(metrics: list[Row], path: Path) -> None:
+    plt = _pyplot()
+    t = [m["time_s"] for m in metrics]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    top.plot(t, [m["goodput_tok_s"] for m in metrics], linewidth=1.2)
+    top.set_ylabel("goodput (tok/s)")
+    top.set_title("Goodput and reward")
+    bottom.plot(t, [m["reward_mean"] for m in metrics], linewidth=1.2, label="train reward")
+    evals = [(m["time_s"], m["eval_reward"]) for m in metrics if m["eval_reward"] is not None]
+    if evals:
+        xs, ys = zip(*evals, strict=True)
+        bottom.scatter(xs, ys, color="tab:red", zorder=3, label="eval reward")
+    bottom.set_xlabel("time (s)")
+    bottom.set_ylabel("reward")
+    bottom.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _plot_roles(metrics: list[Row], path: Path) -> None:
+    plt = _pyplot()
+    counts = [Counter(m["roles"]) for m in metrics]
+    roles = [r for r in ROLE_LETTERS if any(c[r] for c in counts)]
+    roles += sorted({r for c in counts for r in c} - set(ROLE_LETTERS))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.stackplot([m["time_s"] for m in metrics], [[c[r] for c in counts] for r in roles],
+                 labels=roles, step="pre")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("ranks")
+    ax.set_title("Roles over time")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _save(fig, path)
+
+
+def _plot_readiness(metrics: list[Row], path: Path) -> None:
+    plt = _pyplot()
+    points = [m for m in metrics if m["tprm_s"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for mode in dict.fromkeys(m["mode"] for m in points):
+        chosen = [m for m in points if m["mode"] == mode]
+        ax.scatter([m["ras"] for m in chosen], [m["tprm_s"] for m in chosen], label=mode)
+    if points:
+        ax.legend(fontsize=8)
+    ax.set_xlabel("RAS (ready at start)")
+    ax.set_ylabel("TPRM (s)")
+    ax.set_title(f"RAS/TPRM per step ({len(metrics) - len(points)} skipped: TPRM null)")
+    _save(fig, path)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _num_changed(prev: list[str], cur: list[str]) -> int:
+    """Ranks whose role differs; a rank that appears or disappears counts as one change."""
+    return sum(a != b for a, b in zip(prev, cur, strict=False)) + abs(len(prev) - len(cur))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"

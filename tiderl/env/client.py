@@ -77,12 +77,16 @@ class EnvClient(ABC):
         await self.close()
 
 
+KEEPALIVE_EXPIRY_S = 30.0  # below the server's keep-alive (tiderl.env.server), see there
+
+
 class HTTPEnvClient(EnvClient):
     def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 3,
                  backoff_s: float = 0.1, max_connections: int = 256,
                  transport: httpx.AsyncBaseTransport | None = None):
         limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
+                              max_keepalive_connections=max_connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s,
                                       limits=limits, transport=transport)
         self.retries = retries

@@ -138,10 +138,15 @@ async def _sweep(service: EnvService, every_s: float) -> None:
         service.table.expire(service.clock())
 
 
+SERVER_KEEPALIVE_S = 75
+
+
 def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
           gym: str | None = None) -> None:
     """Run the app with uvicorn until interrupted (blocks)."""
     import uvicorn
 
+    # Keep idle connections longer than clients do (``KEEPALIVE_EXPIRY_S``): a server closing a
+    # kept-alive connection as a client reuses it fails a non-idempotent /observation.
     uvicorn.run(build_app(config, gym=gym), host=host, port=port, log_level="warning",
-                access_log=False)
+                access_log=False, timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -155,6 +155,9 @@ class Coordinator:
         self.closed: set[int] = set()
         self.mb_samples: dict[str, TrainSample] = {}  # buffered samples by seq_id
         self.rewards: dict[str, float] = {}
+        self.trained_groups: set[str] = set()
+        self.num_dropped_groups = 0
+        self.failed_samples = 0
         self.awaiting_close = False  # a whole-batch step waits for its batch
         self.syncing: dict[int, int] = {}  # SyncWeights seq -> rollout rank, until its Ack
         self.retire_pending = False
@@ -245,8 +248,17 @@ class Coordinator:
     def _finish(self) -> None:
         for rank in range(self.num_ranks):
             self._send(rank, b.Shutdown(seq=self._next_seq(), reason="job done"))
-        self.event("stop", reason="done", steps=self.step)
+        self.event("stop", reason="done", steps=self.step, groups=self._group_accounting())
         self._publish()
+
+    def _group_accounting(self) -> dict[str, int]:
+        """Every training group fed, by where it ended: trained, dropped, ready in the buffer
+        (past the last step) or still rolling out."""
+        buffered = {seq.seq_id.rsplit(".", 1)[0] for seq in self.mb_samples.values()}
+        rolling = sum(1 for g in self.groups.values() if not g.is_eval)
+        return {"fed": self.num_fed, "trained": len(self.trained_groups),
+                "dropped": self.num_dropped_groups, "buffered": len(buffered),
+                "rolling_out": rolling}
 
     def close(self) -> None:
         self.metrics_file.close()
@@ -407,8 +419,9 @@ class Coordinator:
                 self.event("eval", step=group.step, reward=round(mean, 4), versions=versions)
             return
         if any(not t.turns for t in trajectories):
+            self.num_dropped_groups += 1
+            self.failed_samples += len(trajectories)  # out of the staleness window too
             self.event("dropped_group", group=group.group_id, reason="a task produced no turn")
-            self.book.retire(0)
             return
         advantages = group_advantages(rewards, self.profile.trainer.adv_eps)
         group.samples = [TrainSample.from_trajectory(t, a)
@@ -419,6 +432,7 @@ class Coordinator:
         self.buffer.add_group(group, self.now())
 
     def _on_group_dropped(self, group: GroupRun) -> None:
+        self.num_dropped_groups += 1
         for sample in group.samples:
             self.mb_samples.pop(sample.seq_id, None)
         self.event("dropped_group", group=group.group_id, reason="stale",
@@ -602,7 +616,7 @@ class Coordinator:
         if not self.retire_pending or self.syncing:
             return
         self.retire_pending = False
-        retired = self.trained_samples + self.buffer.discarded_samples
+        retired = self.trained_samples + self.buffer.discarded_samples + self.failed_samples
         self.book.retire(retired - self.num_retired)
         self.num_retired = retired
         self._feed()
@@ -695,6 +709,7 @@ class Coordinator:
         marks, self._marks = self._marks, self._counter_marks()
         d_queries = self._marks["queries"] - marks["queries"]
         tokens = sum(s.num_tokens for s in step.samples)
+        self.trained_groups.update(s.seq_id.rsplit(".", 1)[0] for s in step.samples)
         self.trained_tokens += tokens
         self.trained_samples += len(step.samples)
         done = list(step.done.values())

@@ -1,0 +1,147 @@
+"""Short real jobs: the environment server, the coordinator and rank processes over the CurveZMQ
+bus and a gloo world, exactly as ``tiderl launch`` runs them (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.serving import tiderl_command
+from tiderl.launch.job import run_local
+from tiderl.launch.local import JobState, group_members, is_running
+from tiderl.profile import load_profile
+from tiderl.runtime.bus import (
+    BusClient,
+    Hello,
+    JobKeys,
+    load_job_keys,
+    make_job_keys,
+    rank_identity,
+)
+
+SMALL = [
+    "runtime.num_ranks=3", "runtime.rollout_ranks=2", "runtime.group_size=4",
+    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
+]
+
+
+def _small(steps: int, *extra: str):
+    return load_profile("local", [*SMALL, f"runtime.steps={steps}", *extra])
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _assert_all_gone(run_dir: Path) -> None:
+    state = JobState.load(run_dir)
+    assert len(state.processes) == 5  # env, coordinator, 3 ranks
+    for record in state.processes:
+        assert not is_running(record.pid), f"{record.name} (pid {record.pid}) is still running"
+        assert group_members(record.pid) == [], f"{record.name} left children behind"
+
+
+def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(tmp_path):
+    """3 steps of mode tiderl on one rollout and two actor ranks. ERS's cold start moves the
+    spare actor to rollout at launch and back after step 0 (a role switch both ways: it drops
+    its engine and gets the weights and the optimizer state); the job goes on to the end.
+    Meanwhile a client with other keys knocks on the bus."""
+    profile = _small(3, "runtime.rollout_ranks=1")
+    knocked = threading.Event()
+
+    def knock(state: JobState) -> None:
+        def run() -> None:  # it knows the server's public key, not the job's client key
+            job = load_job_keys(Path(state.run_dir) / "keys")
+            own = make_job_keys(tmp_path / "stranger-keys")
+            stranger = JobKeys(job.server_public, own.client_public, own.client_secret)
+            metrics = Path(state.run_dir) / "metrics.jsonl"
+            with BusClient(state.info["bus"], stranger, rank_identity(0)) as client:
+                client.send(Hello(rank=0, pid=1, host="x", role="rollout", device="cpu"))
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not metrics.exists():
+                    time.sleep(0.2)  # the coordinator is up once a step is done
+            knocked.set()
+        threading.Thread(target=run, daemon=True).start()
+
+    result = run_local(profile, run_root=tmp_path, on_start=knock)
+    assert result.exit_code == 0 and result.report is not None and knocked.is_set()
+    metrics = _read(result.run_dir / "metrics.jsonl")
+    events = _read(result.run_dir / "events.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["staleness_max"] <= profile.runtime.max_staleness for m in metrics)
+    assert all(4 <= m["trained_samples"] <= 8 and m["trained_samples"] % 4 == 0
+               for m in metrics)
+    # every group it fed was trained, dropped, or is still on its way at the end
+    (stop,) = [e for e in events if e["kind"] == "stop"]
+    groups = stop["groups"]
+    assert groups["fed"] == (groups["trained"] + groups["dropped"] + groups["buffered"]
+                             + groups["rolling_out"])
+    assert groups["trained"] * 4 == sum(m["trained_samples"] for m in metrics)
+    # ERS moved rank 2 to rollout at launch and back to the trainer at the first boundary
+    moves = [(e["rank"], e["src"], e["dst"]) for e in events if e["kind"] == "role_change"]
+    assert moves[:2] == [(2, "actor", "rollout"), (2, "rollout", "actor")]
+    assert metrics[0]["roles"] == ["rollout", "actor", "rollout"]
+    assert metrics[0]["num_trainer"] == 1
+    assert metrics[1]["roles"] == metrics[2]["roles"] == ["rollout", "actor", "actor"]
+    assert metrics[1]["num_trainer"] == metrics[2]["num_trainer"] == 2
+    assert metrics[-1]["version"] == 3
+    assert (result.run_dir / "checkpoints" / "step-00000003" / "meta.json").exists()
+    # the stranger never got in: the bus rejected it and said so
+    log = (result.run_dir / "logs" / "coordinator.log").read_text()
+    assert "bus: rejected a peer" in log and "unknown CURVE key" in log
+    assert "report.md" in str(result.report) and (result.run_dir / "roles.png").exists()
+    _assert_all_gone(result.run_dir)
+
+
+def test_ctrl_c_stops_every_process_of_the_job(tmp_path):
+    """SIGINT to ``tiderl launch`` mid-run: the launcher stops the job; no process survives."""
+    argv = [*tiderl_command(), "launch", "--run-root", str(tmp_path)]
+    for item in [*SMALL, "runtime.steps=50", "runtime.mode=async"]:
+        argv += ["--set", item]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "COLUMNS": "120"})
+    deadline = time.monotonic() + 120
+    run_dir = None
+    while time.monotonic() < deadline:
+        jobs = list(tmp_path.glob("*/job.json"))
+        if jobs and (jobs[0].parent / "metrics.jsonl").exists() and \
+                (jobs[0].parent / "metrics.jsonl").read_text():
+            run_dir = jobs[0].parent
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    assert run_dir is not None, "the job did not finish a step in time"
+    pids = [r.pid for r in JobState.load(run_dir).processes]
+    assert all(is_running(pid) for pid in pids)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted" in err.decode() and "Traceback" not in err.decode()
+    _assert_all_gone(run_dir)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stream"])
+def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
+    extra = ["runtime.mode=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
+        ["runtime.mode=stream"]
+    profile = _small(2, *extra)
+    result = run_local(profile, run_root=tmp_path)
+    assert result.exit_code == 0
+    metrics = _read(result.run_dir / "metrics.jsonl")
+    assert len(metrics) == 2
+    expected = "colocated" if mode == "sync" else "vso"
+    assert {m["mode"] for m in metrics} == {expected}
+    if mode == "sync":  # verl: staleness 0, every rank trains
+        assert all(m["staleness_max"] == 0 and m["num_trainer"] == 3 for m in metrics)
+    assert not [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "role_change"]
+    _assert_all_gone(result.run_dir)
+
+

@@ -73,20 +73,11 @@ def test_bad_usage_is_one_line_with_exit_2():
     assert_one_line_error(tiderl("no-such-command"), 2)
 
 
-def test_launch_without_runtime_says_so_and_starts_nothing():
-    proc = tiderl("launch")
-    assert proc.returncode == 1
-    assert "plan" in proc.stdout
-    assert proc.stderr.strip() == (
-        "error: tiderl launch: the runtime is not built yet; nothing was started "
-        "(the plan above is what it would run)")
-
-
 @pytest.mark.parametrize("args", [
     ["top"], ["status"], ["logs", "j1"], ["stop", "j1"],
     ["rebalance", "j1", "--rollout", "2", "--trainer", "2"],
     ["profile", "kv", "--engine", "http://127.0.0.1:1"], ["profile", "readiness", "--job", "j1"],
-    ["bench", "ctb"], ["bench", "e2e"],
+    ["bench", "ctb"],
 ])
 def test_commands_not_built_yet_exit_1_with_one_line(args):
     line = assert_one_line_error(tiderl(*args), 1)

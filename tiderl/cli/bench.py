@@ -65,9 +65,28 @@ def engine(
 
 
 @app.command("e2e")
-def e2e() -> None:
-    """The same workload under sync, async, stream and tiderl modes: goodput and reward."""
-    raise not_built("bench e2e")
+def e2e(
+    out: Path = typer.Option(Path("bench/results/e2e.json"), "--out",
+                             help="Where the JSON result is written (the PNG goes beside it)."),
+    steps: int = typer.Option(10, "--steps", min=1, help="Training steps of each job."),
+    quick: bool = typer.Option(False, "--quick",
+                               help="2 steps per job (a check that it runs, not a measurement)."),
+    json_mode: bool = JsonFlag,
+) -> None:
+    """The same workload under sync, async (every split), stream and tiderl: real jobs, side by
+    side; goodput, reward at equal trained samples, RWT, TWT, KV hit rate."""
+    output = Output(json_mode)
+    script = _script_path("e2e")
+    output.note("running bench/e2e.py: 6 jobs of 4 ranks each (minutes on 2 cores) ...")
+    args = [sys.executable, str(script), "--out", str(out.resolve()), "--steps", str(steps)]
+    done = subprocess.run(args + ["--quick"] * quick, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CLIError(f"bench e2e failed: {last}")
+    result = json.loads(out.read_text())
+    output.note(f"wrote {out} and {out.with_suffix('.png')}")
+    output.result(result, lambda console: _render_e2e(console, result))
 
 
 def _script_path(name: str) -> Path:
@@ -117,3 +136,16 @@ def _render_ra2p(console: Console, result: dict) -> None:
     console.print(f"prediction error max {result['prediction_error_max']:.1%} (target 15%); "
                   f"chosen = fastest in {result['chosen_is_fastest_fraction']:.0%} of cells "
                   "(target 90%)")
+
+
+def _render_e2e(console: Console, result: dict) -> None:
+    rows = [(mode, v.get("split", ""), v["goodput_tok_s"], v["reward_at_equal_samples"],
+             v["rwt_s"], v["twt_s"], v["kv_hit_rate"], v["staleness_max"])
+            for mode, v in result["modes"].items()]
+    console.print(table("modes (goodput in trained tokens/s)",
+                        ("mode", "split", "goodput", "reward", "RWT s", "TWT s", "KV hit",
+                         "staleness"), rows))
+    targets = result["targets"]
+    console.print(table("tiderl over", ("baseline", "ratio", "target"),
+                        [(k.removeprefix("tiderl_over_"), v, targets[k])
+                         for k, v in result["ratios"].items()]))

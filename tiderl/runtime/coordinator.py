@@ -653,8 +653,14 @@ class Coordinator:
         for change in plan.changes:
             roles[change.rank] = change.dst
         actors = {r for r, role in enumerate(roles) if role is Role.ACTOR}
+        old_actors = {r for r, role in enumerate(self.roles) if role is Role.ACTOR}
+        refusal = None
         if plan.changes and not has_group(actors, self.num_ranks):
-            self.event("plan_refused", reason=f"no process group for actor set {sorted(actors)}")
+            refusal = f"no process group for actor set {sorted(actors)}"
+        elif actors != old_actors and self.profile.trainer.backend != "ddp":
+            refusal = f"trainer.backend {self.profile.trainer.backend} keeps its actor set"
+        if refusal is not None:
+            self.event("plan_refused", reason=refusal, reason_plan=plan.reason.value)
             roles = list(self.roles)
         self.ra2p_mode = plan.mode
         if not is_launch:

@@ -1,0 +1,155 @@
+"""End to end: one workload under the four runtime modes, side by side in one run.
+
+Every mode is a real job (``tiderl.launch.job.run_local``: environment server, coordinator, four
+rank processes on this machine) on the same profile, seed and task stream; only the mode and the
+rollout split differ:
+
+- ``sync``: verl-like; every rank rolls out, then trains (staleness 0, request-level rollout);
+- ``async``: AReaL-like; a fixed rollout/trainer split, request-level rollout, whole global
+  batches; swept over every split, the best one is the baseline;
+- ``stream``: StreamRL-like; the fixed split, micro-batches streamed into VSO (a Ref/Actor swap
+  per micro-batch);
+- ``tiderl``: CTB, streamed micro-batches with RA2P's mode choice, and ERS.
+
+Workload: guess and shop tasks, a lognormal environment latency, a small KV pool per rollout
+rank. Figures per mode: goodput (trained tokens per second of the job), the training reward at
+equal trained samples (mean over the second half of the sample range every mode reached),
+RWT, TWT, KV hit rate, max staleness.
+
+Run: ``.venv/bin/python bench/e2e.py [--quick]`` or ``tiderl bench e2e``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info, write_result
+
+from tiderl.launch.job import run_local
+from tiderl.profile import load_profile
+from tiderl.runtime.report import read_jsonl, summarize
+
+WORKLOAD = [
+    "env.envs=[guess,shop]", "env.max_turns=8", "env.step_latency.kind=lognormal",
+    "env.step_latency.median_s=0.15", "env.step_latency.sigma=1.0",
+    "engine.kv_cache_tokens=4096", "engine.max_new_tokens=12",
+    "runtime.num_ranks=4", "runtime.group_size=8", "ers.batch_min=16", "ers.batch_ideal=32",
+]
+FIXED_SPLIT = 2  # the stream baseline's split and tiderl's initial one
+
+
+def _runs(num_ranks: int) -> list[tuple[str, list[str]]]:
+    runs = [("sync", ["runtime.mode=sync", f"runtime.rollout_ranks={num_ranks}"])]
+    runs += [(f"async-r{r}", ["runtime.mode=async", f"runtime.rollout_ranks={r}"])
+             for r in range(1, num_ranks)]
+    runs += [("stream", ["runtime.mode=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
+             ("tiderl", ["runtime.mode=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
+    return runs
+
+
+def _reward_at(metrics: list[dict], lo: int, hi: int) -> float:
+    """Sample-weighted training reward of the steps whose cumulative samples end in (lo, hi]."""
+    total = weight = 0.0
+    seen = 0
+    for m in metrics:
+        seen += m["trained_samples"]
+        if lo < seen <= hi:
+            total += m["reward_mean"] * m["trained_samples"]
+            weight += m["trained_samples"]
+    return total / weight if weight else 0.0
+
+
+def run_bench(steps: int, root: Path, note) -> dict:
+    results: dict[str, dict] = {}
+    series: dict[str, list[dict]] = {}
+    for name, overrides in _runs(4):
+        profile = load_profile("local", [*WORKLOAD, *overrides, f"runtime.steps={steps}"])
+        note(f"{name}: {steps} steps ...")
+        start = time.monotonic()
+        job = run_local(profile, run_root=root, job_id=name)
+        if job.exit_code != 0:
+            raise SystemExit(f"{name}: the job failed (see {job.run_dir}/logs)")
+        metrics = read_jsonl(job.run_dir / "metrics.jsonl")
+        summary = summarize(metrics)
+        series[name] = metrics
+        results[name] = {
+            "goodput_tok_s": summary["goodput_end_tok_s"],
+            "rwt_s": round(summary["rwt_total_s"], 2), "twt_s": round(summary["twt_total_s"], 2),
+            "kv_hit_rate": summary["kv_hit_rate_mean"],
+            "staleness_max": summary["staleness_max"],
+            "trained_samples": sum(m["trained_samples"] for m in metrics),
+            "trained_tokens": summary["trained_tokens_total"],
+            "wall_s": summary["wall_time_s"], "job_s": round(time.monotonic() - start, 1),
+            "modes_used": summary["modes"],
+            "role_changes": summary["num_role_changes"],
+        }
+    common = min(r["trained_samples"] for r in results.values())
+    for name, metrics in series.items():
+        results[name]["reward_at_equal_samples"] = round(
+            _reward_at(metrics, common // 2, common), 4)
+    asyncs = {k: v for k, v in results.items() if k.startswith("async")}
+    best_async = max(asyncs, key=lambda k: asyncs[k]["goodput_tok_s"])
+    modes = {"sync": results["sync"], "async": {**results[best_async], "split": best_async},
+             "stream": results["stream"], "tiderl": results["tiderl"]}
+    t = results["tiderl"]["goodput_tok_s"]
+    ratios = {"tiderl_over_sync": round(t / results["sync"]["goodput_tok_s"], 3),
+              "tiderl_over_async_best": round(t / results[best_async]["goodput_tok_s"], 3),
+              "tiderl_over_stream": round(t / results["stream"]["goodput_tok_s"], 3)}
+    sync_reward = results["sync"]["reward_at_equal_samples"]
+    return {
+        "modes": modes, "async_sweep": asyncs, "ratios": ratios,
+        "targets": {"tiderl_over_sync": 3.0, "tiderl_over_async_best": 1.3,
+                    "tiderl_over_stream": 1.3, "reward_within_of_sync": 0.05},
+        "reward_gap_vs_sync": round(results["tiderl"]["reward_at_equal_samples"] - sync_reward,
+                                    4),
+        "equal_samples": common, "steps": steps, "workload": WORKLOAD,
+        "series": {k: [{key: m[key] for key in ("step", "time_s", "goodput_tok_s",
+                                                "reward_mean", "mode", "num_rollout")}
+                       for m in v] for k, v in series.items()},
+        "machine": machine_info(),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(result["modes"])
+    left.bar(names, [result["modes"][n]["goodput_tok_s"] for n in names],
+             color=["#888", "#4a7", "#a74", "#37c"])
+    left.set_ylabel("goodput (trained tok/s)")
+    left.set_title(f"goodput, best async = {result['modes']['async']['split']}")
+    for name, points in result["series"].items():
+        right.plot([p["time_s"] for p in points], [p["goodput_tok_s"] for p in points],
+                   label=name, linewidth=1.2)
+    right.set_xlabel("time (s)")
+    right.set_ylabel("goodput (tok/s)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e.json"))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 steps per mode (a check it runs)")
+    args = parser.parse_args()
+    steps = 2 if args.quick else args.steps
+    with tempfile.TemporaryDirectory(prefix="tiderl-e2e-") as tmp:
+        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr))
+    write_result(args.out, result)
+    plot(result, Path(args.out).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ its own values; this module maps YAML onto those types and names the full key pa
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -208,12 +209,17 @@ def _convert_union(args: tuple[Any, ...], value: Any, key: str) -> Any:
     raise ConfigError(key, " or ".join(errors))
 
 
+_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+
+
 def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
     if tp is bool:
         _expect(isinstance(value, bool), key, "bool", value)
     elif tp is int:
         _expect(isinstance(value, int) and not isinstance(value, bool), key, "int", value)
     elif tp is float:
+        if isinstance(value, str) and _EXPONENT.fullmatch(value):
+            return float(value)  # YAML 1.1 reads 1e-2 (no dot) as a string
         _expect(isinstance(value, (int, float)) and not isinstance(value, bool), key, "float",
                 value)
         return float(value)

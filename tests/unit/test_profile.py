@@ -132,3 +132,11 @@ def test_missing_profile_is_one_line(tmp_path):
 def test_round_trip_through_plain_data():
     profile = load_profile("local")
     assert build_profile(profile_to_dict(profile)) == profile
+
+
+def test_exponent_floats_without_a_dot_are_floats():
+    """YAML 1.1 reads 1e-2 as a string; a float field takes it as the number it means."""
+    profile = load_profile("local", ["trainer.lr=1e-2", "ctb.budget_fraction=5E-1"])
+    assert profile.trainer.lr == 0.01 and profile.ctb.budget_fraction == 0.5
+    with pytest.raises(ProfileError, match=r"trainer\.lr: expected float, got"):
+        load_profile("local", ["trainer.lr=fast"])

@@ -1,5 +1,6 @@
 """Built-in environments, the latency model and the gymnasium adapter, all on CPU and seeded."""
 
+import math
 import random
 import statistics
 import sys
@@ -110,6 +111,24 @@ def test_guess_discount():
     env.reset("1 100", seed=0)
     env.step("guess 1000" if env.target != 1000 else "guess 1")
     assert env.step(f"guess {env.target}").reward == 0.5
+
+
+def test_guess_partial_credit_grades_the_closest_guess_of_a_lost_episode():
+    env = make_env("guess", max_turns=2, options={"partial_credit": 0.5})
+    env.reset("1 4", seed=3)
+    far, near = env.target + 500, env.target + 2
+    assert env.step(f"guess {near}").reward == 0.0  # not over yet
+    lost = env.step(f"guess {far}")
+    assert lost.done and lost.reward == pytest.approx(0.5 * (1 - math.log(3) / math.log(1001)))
+    env.reset("1 4", seed=3)
+    assert env.step("no number").reward == 0.0
+    assert env.step("nothing").reward == 0.0  # no numeric guess: no partial credit
+    env.reset("1 4", seed=3)
+    assert env.step(f"guess {env.target}").reward == 1.0  # found beats any partial
+    with pytest.raises(UnknownEnvironment, match="bad options"):
+        make_env("guess", options={"partial": 0.5})
+    with pytest.raises(ValueError, match="partial_credit"):
+        GuessEnv(partial_credit=1.0)
 
 
 def test_random_guesser_has_a_heavy_tail():

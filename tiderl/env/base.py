@@ -80,11 +80,15 @@ def _load_object(path: str) -> Any:
                                  f"{module_name}") from exc
 
 
-def make_env(name: str, *, max_turns: int = 20) -> Environment:
-    """Build a fresh environment (no episode yet) from a registry name or dotted path."""
+def make_env(name: str, *, max_turns: int = 20, options: dict[str, Any] | None = None
+             ) -> Environment:
+    """Build a fresh environment (no episode yet) from a registry name or dotted path;
+    ``options`` are its constructor's keyword arguments (``env.options`` of a profile)."""
     if name.startswith("gym:"):
         from tiderl.env.gym_adapter import make_gym_env
 
+        if options:
+            raise UnknownEnvironment(f"{name}: gymnasium environments take no options")
         return make_gym_env(name[len("gym:"):], max_turns=max_turns)
     path = _BUILTIN_PATHS.get(name)
     if path is None and "." not in name and ":" not in name:
@@ -94,4 +98,7 @@ def make_env(name: str, *, max_turns: int = 20) -> Environment:
     cls = _load_object(path or name)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise UnknownEnvironment(f"{name!r} is not a subclass of tiderl.env.base.Environment")
-    return cls(max_turns=max_turns)
+    try:
+        return cls(max_turns=max_turns, **(options or {}))
+    except TypeError as exc:  # an option the environment does not have
+        raise UnknownEnvironment(f"{name}: bad options {options}: {exc}") from None

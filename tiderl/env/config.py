@@ -36,6 +36,7 @@ class EnvConfig:
     envs: list[str] = field(default_factory=lambda: ["guess"])
     url: str = ""  # empty: in-process environments (the embedded default)
     tasks: dict[str, str] = field(default_factory=dict)  # env name -> task text ("1 16")
+    options: dict[str, dict[str, float]] = field(default_factory=dict)  # env -> constructor kwargs
     max_turns: int = 20
     max_sessions: int = 256
     idle_ttl_s: float = 600.0
@@ -49,9 +50,10 @@ class EnvConfig:
                 require(_is_env_name(name), f"envs[{i}]",
                         f"expected a built-in environment ({', '.join(BUILTIN_ENVS)}), gym:ENV_ID "
                         f"or a dotted path to an Environment subclass (module:Class), got {name!r}")
-        for name in self.tasks:
-            require(name in self.envs, f"tasks.{name}",
-                    f"expected one of the envs ({', '.join(self.envs)})")
+        for section in ("tasks", "options"):
+            for name in getattr(self, section):
+                require(name in self.envs, f"{section}.{name}",
+                        f"expected one of the envs ({', '.join(self.envs)})")
         require_positive(self.max_turns, "max_turns")
         require_positive(self.max_sessions, "max_sessions")
         require_positive(self.idle_ttl_s, "idle_ttl_s")

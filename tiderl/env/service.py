@@ -66,7 +66,8 @@ class EnvService:
             raise SessionLimit(self.table.max_sessions, self.table.retry_after_s(self.clock()))
         await _sleep(self.start_latency.sample())
         try:
-            env = make_env(registry_name, max_turns=self.config.max_turns)
+            env = make_env(registry_name, max_turns=self.config.max_turns,
+                           options=self.config.options.get(req.env))
             observation, info = env.reset(req.task, req.seed)
         except UnknownEnvironment as exc:
             raise ProtocolError(str(exc), "unknown_env", 400) from exc

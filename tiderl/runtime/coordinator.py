@@ -744,6 +744,8 @@ class Coordinator:
             if d_queries > 0 else None,
             "staleness_max": max((step.step - s.version for s in step.samples), default=0),
             "reward_mean": round(sum(rewards) / len(rewards), 4) if rewards else 0.0,
+            "solved_frac": round(sum(r >= 1.0 for r in rewards) / len(rewards), 4)
+            if rewards else 0.0,
             "eval_reward": _round(eval_reward),
             "loss": _round(sum(d.loss for d in actor_done) / max(1, len(actor_done))),
             "grad_norm": _round(actor_done[0].grad_norm if actor_done else 0.0),

@@ -546,10 +546,13 @@ class Coordinator:
         if self.mode == "async" or not refs:
             self.ra2p_mode = Mode.COLOCATED
             return "colocated", [], actors
-        self.ra2p_mode = self._choose_mode(len(actors), len(refs))
+        # ERS plans the layout and the mode together (its break-even is RA2P's cost model);
+        # without ERS, RA2P chooses each step and a colocated step leaves the Ref ranks idle.
+        if self.ers is None:
+            self.ra2p_mode = self._choose_mode(len(actors), len(refs))
         if self.ra2p_mode is Mode.DECOUPLED:
             return "decoupled", refs, actors
-        return "colocated", [], actors  # the Ref ranks wait out this step
+        return "colocated", [], actors
 
     def _choose_mode(self, num_actors: int, num_refs: int) -> Mode:
         """RA2P on the expected ready times (RAS now, the rest TPRM apart) and the measured

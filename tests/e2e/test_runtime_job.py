@@ -93,6 +93,7 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     assert metrics[1]["roles"] == metrics[2]["roles"] == ["rollout", "actor", "actor"]
     assert metrics[1]["num_trainer"] == metrics[2]["num_trainer"] == 2
     assert metrics[-1]["version"] == 3
+
     assert (result.run_dir / "checkpoints" / "step-00000003" / "meta.json").exists()
     # the stranger never got in: the bus rejected it and said so
     log = (result.run_dir / "logs" / "coordinator.log").read_text()
@@ -131,7 +132,7 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
     extra = ["runtime.mode=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
-        ["runtime.mode=stream"]
+        ["runtime.mode=stream", "runtime.eval_every=1", "runtime.eval_groups=1"]
     profile = _small(2, *extra)
     result = run_local(profile, run_root=tmp_path)
     assert result.exit_code == 0
@@ -141,7 +142,41 @@ def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
     assert {m["mode"] for m in metrics} == {expected}
     if mode == "sync":  # verl: staleness 0, every rank trains
         assert all(m["staleness_max"] == 0 and m["num_trainer"] == 3 for m in metrics)
+    else:  # an evaluation per step, each on one anchored version, never trained
+        evals = [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "eval"]
+        assert evals and evals[0]["step"] == 0 and evals[0]["versions"] == [0]
+        assert all(len(e["versions"]) == 1 for e in evals)
+        assert sum(m["trained_samples"] for m in metrics) == 16  # 2 steps of B_ideal 8
     assert not [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "role_change"]
     _assert_all_gone(result.run_dir)
 
 
+
+
+def test_a_dead_rollout_rank_is_detected_and_the_job_goes_on(tmp_path):
+    """SIGKILL one of two rollout ranks after the first step: the coordinator declares it dead
+    from its missed heartbeats, its tasks go back to CTB (restarted on the other rank), the
+    weight broadcasts leave it out, and the job finishes its steps."""
+    profile = _small(3, "ers.enabled=false")
+    killed: list[int] = []
+
+    def kill_rank_1(state: JobState) -> None:
+        def run() -> None:
+            metrics = Path(state.run_dir) / "metrics.jsonl"
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+                time.sleep(0.1)
+            (rank,) = [r for r in state.processes if r.rank == 1]
+            os.kill(rank.pid, signal.SIGKILL)
+            killed.append(rank.pid)
+        threading.Thread(target=run, daemon=True).start()
+
+    result = run_local(profile, run_root=tmp_path, on_start=kill_rank_1)
+    assert killed and result.exit_code == 0
+    metrics = _read(result.run_dir / "metrics.jsonl")
+    events = _read(result.run_dir / "events.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    (dead,) = [e for e in events if e["kind"] == "rank_dead"]
+    assert dead["rank"] == 1 and dead["role"] == "rollout"
+    assert metrics[-1]["roles"][1] == "idle" and metrics[-1]["num_rollout"] == 1
+    assert all(m["staleness_max"] <= 1 for m in metrics)

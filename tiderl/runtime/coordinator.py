@@ -170,6 +170,8 @@ class Coordinator:
         # metrics
         self.rank_metrics: dict[int, b.RankMetrics] = {}
         self.generated_tokens = 0
+        self.rwt_s = 0.0
+        self._rwt_at = self.clock()
         self.trained_tokens = 0
         self.trained_samples = 0
         self.records: list[dict] = []
@@ -228,6 +230,7 @@ class Coordinator:
                 self._handle(*got)
                 got = self.server.recv(0)
             self._schedule()
+            self._integrate_rwt()
             self._check_heartbeats()
             if self.now() - self._last_snapshot >= SNAPSHOT_S:
                 self._publish()
@@ -314,6 +317,8 @@ class Coordinator:
             return
         self.book.apply(decisions)
         for d in decisions:
+            if isinstance(d, AdmitDecision | ResumeDecision):  # its next generation starts now
+                self.book.set_running(d.task_id, True)
             if isinstance(d, AdmitDecision):
                 self._admit(d.task_id, d.rank)
             elif isinstance(d, PauseDecision):
@@ -450,6 +455,19 @@ class Coordinator:
                 if target == rank and task_id in self.carries:
                     del self.moves[task_id]
                     self._admit(task_id, rank, self.carries.pop(task_id))
+
+    def _integrate_rwt(self) -> None:
+        """RWT as the simulator counts it: rollout ranks with no generation in flight while no
+        task waits for admission (the staleness throttle holds rollout back), integrated over
+        the coordinator's rounds. Idle time while tasks wait for their environment and new
+        ones wait for KV budget is the scheduler's to fill, not a wait on the trainer."""
+        now = self.now()
+        elapsed, self._rwt_at = now - self._rwt_at, now
+        if self.book.num_new > 0 or (self.is_sync and self.current is not None):
+            return  # sync: rollout is parked while every rank trains (verl's phase)
+        idle = sum(1 for r in self.rollout_ready
+                   if not any(t.is_running for t in self.book.ranks[r].active.values()))
+        self.rwt_s += elapsed * idle
 
     # ---------------------------------------------------------------- heartbeats
 
@@ -711,8 +729,7 @@ class Coordinator:
     def _counter_marks(self) -> dict[str, float]:
         queries = sum(m.prefix_queries for m in self.rank_metrics.values())
         hits = sum(m.prefix_hits for m in self.rank_metrics.values())
-        idle = sum(m.idle_s for m in self.rank_metrics.values())
-        return {"queries": queries, "hits": hits, "idle": idle}
+        return {"queries": queries, "hits": hits, "rwt": self.rwt_s}
 
     def _record(self, step: StepRun, now: float) -> dict:
         marks, self._marks = self._marks, self._counter_marks()
@@ -738,7 +755,7 @@ class Coordinator:
             "generated_tokens_total": self.generated_tokens,
             "discarded_tokens_total": self.buffer.discarded_tokens,
             "ras": step.ras, "tprm_s": _round(self.tracker.signals(now).tprm_s),
-            "rwt_s": round(max(0.0, self._marks["idle"] - marks["idle"]), 3),
+            "rwt_s": round(self._marks["rwt"] - marks["rwt"], 3),
             "twt_s": round(twt, 3), "mode": step.mode,
             "roles": [r.value for r in self.roles],
             "num_rollout": len(self._rollout_ranks()), "num_trainer": len(step.ranks),

@@ -121,7 +121,6 @@ class RankDaemon:
         self.eval_tasks: set[str] = set()
         self.pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
         self._joined_optimizer: dict[str, torch.Tensor] | None = None
-        self.idle_s = 0.0
         self.queries_before = self.hits_before = 0  # prefix counters of engines dropped earlier
         self.streams: dict[int, StreamedStep] = {}
         self.commands: asyncio.Queue = asyncio.Queue()
@@ -217,7 +216,6 @@ class RankDaemon:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.bus.fileno(), self._drain)
         workers = [asyncio.create_task(self._heartbeats()),
-                   asyncio.create_task(self._count_idle()),
                    asyncio.create_task(self._fallback_poll()),
                    asyncio.create_task(self._run_commands())]
         try:
@@ -246,13 +244,6 @@ class RankDaemon:
             self._send(self._metrics())
             await asyncio.sleep(self.profile.runtime.heartbeat_s)
 
-    async def _count_idle(self) -> None:
-        """RWT on this rank: seconds its engine had no request to run (sampled)."""
-        while True:
-            await asyncio.sleep(IDLE_SAMPLE_S)
-            if self.engine is not None and not self.engine.scheduler.has_unfinished:
-                self.idle_s += IDLE_SAMPLE_S
-
     def _metrics(self) -> RankMetrics:
         used = budget = running = waiting = queries = hits = 0
         hit = 0.0
@@ -266,7 +257,7 @@ class RankDaemon:
         return RankMetrics(rank=self.rank, role=self.role.value, kv_tokens_used=used,
                            kv_tokens_budget=budget, prefix_hit_rate=hit, running=running,
                            waiting=waiting, prefix_queries=self.queries_before + queries,
-                           prefix_hits=self.hits_before + hits, idle_s=self.idle_s)
+                           prefix_hits=self.hits_before + hits)
 
     async def _fallback_poll(self) -> None:
         while True:

@@ -149,7 +149,6 @@ class RankMetrics(Message, kw_only=True):
     waiting: int
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of them, found cached
-    idle_s: float = 0.0  # cumulative seconds its engine had nothing to run
 
 
 # --- coordinator -> rank (``seq`` is echoed back as Ack.ref) ---------------------------------

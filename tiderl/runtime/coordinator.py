@@ -211,7 +211,7 @@ class Coordinator:
 
     def run(self) -> dict:
         self._await_hellos()
-        self.t0 = self.now()
+        self.t0 = self._rwt_at = self.now()
         self.tracker.start_step(self.t0)
         self.trainer_free_at = self.t0
         self.event("launch", mode=self.mode, roles=[r.value for r in self.roles])

@@ -155,9 +155,10 @@ def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
 
 def test_a_dead_rollout_rank_is_detected_and_the_job_goes_on(tmp_path):
     """SIGKILL one of two rollout ranks after the first step: the coordinator declares it dead
-    from its missed heartbeats, its tasks go back to CTB (restarted on the other rank), the
-    weight broadcasts leave it out, and the job finishes its steps."""
-    profile = _small(3, "ers.enabled=false")
+    (its bus connection is gone, or it misses heartbeats), its tasks go back to CTB (restarted
+    on the other rank), the weight broadcasts leave it out (one it died in is sent again
+    without it), and the job finishes its steps."""
+    profile = _small(8, "ers.enabled=false", "runtime.collective_timeout_s=10")
     killed: list[int] = []
 
     def kill_rank_1(state: JobState) -> None:
@@ -165,7 +166,7 @@ def test_a_dead_rollout_rank_is_detected_and_the_job_goes_on(tmp_path):
             metrics = Path(state.run_dir) / "metrics.jsonl"
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
-                time.sleep(0.1)
+                time.sleep(0.05)
             (rank,) = [r for r in state.processes if r.rank == 1]
             os.kill(rank.pid, signal.SIGKILL)
             killed.append(rank.pid)
@@ -175,7 +176,7 @@ def test_a_dead_rollout_rank_is_detected_and_the_job_goes_on(tmp_path):
     assert killed and result.exit_code == 0
     metrics = _read(result.run_dir / "metrics.jsonl")
     events = _read(result.run_dir / "events.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["step"] for m in metrics] == list(range(8))
     (dead,) = [e for e in events if e["kind"] == "rank_dead"]
     assert dead["rank"] == 1 and dead["role"] == "rollout"
     assert metrics[-1]["roles"][1] == "idle" and metrics[-1]["num_rollout"] == 1

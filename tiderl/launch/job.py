@@ -126,8 +126,9 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
 
 def _follow(executor: LocalExecutor, state: JobState, keys,
             on_snapshot: Callable[[Snapshot], None] | None) -> tuple[int, Snapshot | None]:
-    """Until the coordinator exits: snapshots to ``on_snapshot``; a failed rank or environment
-    ends the job with LaunchError."""
+    """Until the coordinator exits: snapshots to ``on_snapshot``. A rank that dies is the
+    coordinator's to handle (it misses heartbeats: a rollout rank is left out, a trainer rank
+    stops the job); the environment service failing ends the job with LaunchError."""
     last: Snapshot | None = None
     with Subscriber(state.info["pub"], keys) as sub:
         while True:
@@ -141,7 +142,7 @@ def _follow(executor: LocalExecutor, state: JobState, keys,
                     if code == 0:
                         _let_ranks_exit(executor)
                     return code, last
-                if code != 0:
+                if code != 0 and record.kind == "env":
                     raise LaunchError(f"{record.name} exited with code {code} "
                                       f"(see {record.log})")
 

@@ -27,12 +27,13 @@ class RuntimeConfig:
     run_dir: str = "runs"
     heartbeat_s: float = 1.0
     heartbeat_misses: int = 5
+    collective_timeout_s: float = 120.0  # a broadcast a rank died in fails after this
 
     def __post_init__(self) -> None:
         require_choice(self.mode, MODES, "mode")
         require_choice(self.device, DEVICES, "device")
         for name in ("num_ranks", "threads_per_rank", "steps", "group_size", "heartbeat_s",
-                     "heartbeat_misses", "eval_groups"):
+                     "heartbeat_misses", "eval_groups", "collective_timeout_s"):
             require_positive(getattr(self, name), name)
         require_non_negative(self.max_staleness, "max_staleness")
         require_non_negative(self.eval_every, "eval_every")

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from msgspec.structs import replace as replace_struct
+
 from tiderl.core.buffer import ReadyBuffer
 from tiderl.core.ctb import make_policy
 from tiderl.core.ers import ERSInput, ERSPolicy
@@ -48,7 +50,7 @@ from tiderl.core.types import Pause as PauseDecision
 from tiderl.core.types import Resume as ResumeDecision
 from tiderl.profile import Profile
 from tiderl.runtime import bus as b
-from tiderl.runtime.bus import BusServer, HeartbeatMonitor, rank_identity
+from tiderl.runtime.bus import BusSendError, BusServer, HeartbeatMonitor, rank_identity
 from tiderl.runtime.groups import has_group
 from tiderl.trainer.batch import TrainSample
 
@@ -160,6 +162,12 @@ class Coordinator:
         self.failed_samples = 0
         self.awaiting_close = False  # a whole-batch step waits for its batch
         self.syncing: dict[int, int] = {}  # SyncWeights seq -> rollout rank, until its Ack
+        self.boundary_sent: dict[int, b.SyncWeights] = {}  # seq -> the boundary, until its Ack
+        self.boundary_old_roles: list[Role] = list(roles)
+        self.resent_versions: set[int] = set()
+        self.superseded: set[int] = set()
+        self._seq_rank: dict[int, int] = {}  # boundary seq -> the rank it went to
+        self.step_wanted = False  # the next step opens once the boundary is taken
         self.retire_pending = False
         self.trainer_free_at = self.t0
         self.timings: dict[str, Ra2pTimings] = {}
@@ -197,7 +205,11 @@ class Coordinator:
     def _send(self, rank: int, msg: b.Message) -> None:
         if rank in self.dead:
             return
-        self.server.send(rank_identity(rank), msg)
+        try:
+            self.server.send(rank_identity(rank), msg)
+        except BusSendError as exc:  # its connection is gone: no need to wait for heartbeats
+            log.warning("%s", exc)
+            self._declare_dead(rank, "its bus connection is gone")
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -223,7 +235,8 @@ class Coordinator:
                 self._add_rollout_rank(rank)
         self._feed()
         self._feed_eval()
-        self._start_step()
+        self.step_wanted = True
+        self._maybe_start()
         while self.step < self.profile.runtime.steps:
             got = self.server.recv(ROUND_S)
             while got is not None:
@@ -444,8 +457,16 @@ class Coordinator:
                    oldest_version=group.oldest_version, batch=self.buffer.open_batch)
 
     def _on_ack(self, msg: b.Ack) -> None:
+        if msg.ref in self.superseded:
+            return  # an answer to a boundary that was sent again without a dead member
+        sent = self.boundary_sent.pop(msg.ref, None)
+        self._seq_rank.pop(msg.ref, None)
         if not msg.ok:
+            if sent is not None and set(sent.members) & self.dead:
+                self._resend_boundary(sent)  # a member died during the broadcast
+                return
             raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
+        self._maybe_start()
         if self.syncing.pop(msg.ref, None) is not None:
             self._maybe_retire()
         rank = self.pending_rollout.pop(msg.ref, None)
@@ -473,19 +494,33 @@ class Coordinator:
 
     def _check_heartbeats(self) -> None:
         for rank in self.heartbeats.dead(self.now()):
-            if rank in self.dead:
-                continue
-            self.dead.add(rank)
-            self.event("rank_dead", rank=rank, role=self.roles[rank].value)
-            if self.roles[rank] in TRAINER_ROLES or self.is_sync:
-                raise CoordinatorError(f"trainer rank {rank} stopped answering heartbeats")
-            if rank in self.rollout_ready:
-                self.rollout_ready.discard(rank)
-                for task_id in self.book.remove_rank(rank):
-                    self.carries[task_id] = None  # its state died with the rank: restart
-            self.roles[rank] = Role.IDLE
-            self.syncing = {seq: r for seq, r in self.syncing.items() if r != rank}
-            self._maybe_retire()
+            self._declare_dead(rank, "missed heartbeats")
+
+    def _declare_dead(self, rank: int, why: str) -> None:
+        """A rollout rank's tasks go back to CTB (from scratch: their state died with it) and it
+        leaves the broadcasts; a trainer rank's death stops the job."""
+        if rank in self.dead:
+            return
+        self.dead.add(rank)
+        self.event("rank_dead", rank=rank, role=self.roles[rank].value, why=why)
+        if self.roles[rank] in TRAINER_ROLES or self.is_sync:
+            raise CoordinatorError(f"trainer rank {rank} is gone ({why})")
+        if rank in self.rollout_ready:
+            self.rollout_ready.discard(rank)
+            self.book.remove_rank(rank)
+        for task_id, where in list(self.task_rank.items()):
+            if where == rank and task_id in self.book.tasks:  # active or paused there
+                self.carries[task_id] = None
+                del self.task_rank[task_id]
+                target = self.moves.pop(task_id, None)
+                if target is not None:
+                    self._move(task_id, target)
+        self.roles[rank] = Role.IDLE
+        self.syncing = {seq: r for seq, r in self.syncing.items() if r != rank}
+        for seq in [q for q in self.boundary_sent if self._seq_rank.get(q) == rank]:
+            del self.boundary_sent[seq]  # its answer will not come
+        self._maybe_retire()
+        self._maybe_start()
 
     # ---------------------------------------------------------------- the buffer and steps
 
@@ -628,6 +663,15 @@ class Coordinator:
         self._write_record(record)
         self._maybe_retire()
         self.trainer_free_at = self.now()
+        self.step_wanted = True
+        self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        """Open the next step once every live rank has taken the boundary: a TrainStep queued
+        behind a broadcast that fails (a member died) would hold the ranks that must redo it."""
+        if not self.step_wanted or self.boundary_sent:
+            return
+        self.step_wanted = False
         self._start_step()
 
     def _maybe_retire(self) -> None:
@@ -713,16 +757,40 @@ class Coordinator:
         if checkpoint or (every and self.version % every == 0):
             path = str(self.run_dir / "checkpoints")
         members = [r for r in range(self.num_ranks) if r not in self.dead]
-        joiners = sorted(new_actors - old_actors)
-        for rank in members:
+        self._send_boundary(b.SyncWeights(
+            seq=0, version=self.version, src_rank=keep[0], roles=[r.value for r in new],
+            members=members, joiners=sorted(new_actors - old_actors), checkpoint=path), old)
+
+    def _send_boundary(self, sync: b.SyncWeights, old: list[Role]) -> None:
+        self.boundary_old_roles = old
+        for rank in sync.members:
             seq = self._next_seq()
-            if new[rank] is Role.ROLLOUT and old[rank] is not Role.ROLLOUT:
+            msg = replace_struct(sync, seq=seq)
+            new = Role(sync.roles[rank])
+            if new is Role.ROLLOUT and old[rank] is not Role.ROLLOUT:
                 self.pending_rollout[seq] = rank
-            if (new[rank] is Role.ROLLOUT or self.is_sync) and self.version > 0:
+            if (new is Role.ROLLOUT or self.is_sync) and sync.version > 0:
                 self.syncing[seq] = rank
-            self._send(rank, b.SyncWeights(seq=seq, version=self.version, src_rank=keep[0],
-                                           roles=[r.value for r in new], members=members,
-                                           joiners=joiners, checkpoint=path))
+            self.boundary_sent[seq] = msg
+            self._seq_rank[seq] = rank
+            self._send(rank, msg)
+
+    def _resend_boundary(self, failed: b.SyncWeights) -> None:
+        """Once per failed boundary: the same roles and version, the live members only."""
+        members = [r for r in failed.members if r not in self.dead]
+        if failed.version in self.resent_versions or not members:
+            return
+        self.resent_versions.add(failed.version)
+        self.event("boundary_resent", version=failed.version, members=members)
+        for seq in [s for s, m in self.boundary_sent.items() if m.version == failed.version]:
+            del self.boundary_sent[seq]
+            self.superseded.add(seq)
+            self.syncing.pop(seq, None)
+            self.pending_rollout.pop(seq, None)
+        self.superseded.add(failed.seq)
+        # the actors saved their checkpoint before the broadcast: not again
+        self._send_boundary(replace_struct(failed, members=members, seq=0, checkpoint=""),
+                            self.boundary_old_roles)
 
     # ---------------------------------------------------------------- metrics
 

@@ -33,6 +33,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -135,8 +136,11 @@ class RankDaemon:
         ctx = init_rank(self.rank, self.args.world_size, self.args.dist_init,
                         device=self.args.device, threads=self.args.threads)
         self.device = ctx.device
+        # a member that dies mid-collective can leave the others blocked (gloo does not always
+        # see the closed connection): bounded, the broadcast fails and is sent again without it
+        timeout = timedelta(seconds=self.profile.runtime.collective_timeout_s)
         for ranks in trainer_sets(self.args.world_size):
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.groups[ranks] = group
         model, self.tokenizer = self._initial_model()
@@ -386,7 +390,10 @@ class RankDaemon:
             except Exception as exc:
                 log.exception("rank %d: %s failed", self.rank, type(cmd).__name__)
                 self._send(Ack(rank=self.rank, ref=cmd.seq, ok=False, error=f"{exc}"[:500]))
-                raise
+                if not isinstance(cmd, SyncWeights):
+                    raise
+                # a broadcast a member died in: the coordinator sends it again without that
+                # rank (another group); this rank's role is unchanged until one succeeds
 
     async def _train(self, cmd: TrainStep) -> None:
         stream = self.streams[cmd.step]
@@ -438,8 +445,8 @@ class RankDaemon:
             self.version = cmd.version
             self._ack(cmd)
             return
-        if self.role is Role.ROLLOUT and new is not Role.ROLLOUT:
-            await self._leave_rollout()
+        if self.role is Role.ROLLOUT and new is not Role.ROLLOUT and self.engine is not None:
+            await self._leave_rollout()  # (not again when a failed boundary is sent again)
         if cmd.checkpoint and self.role is Role.ACTOR:
             await asyncio.to_thread(self._save_checkpoint, cmd)
         state = None

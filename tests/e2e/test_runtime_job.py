@@ -90,8 +90,8 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     assert moves[:2] == [(2, "actor", "rollout"), (2, "rollout", "actor")]
     assert metrics[0]["roles"] == ["rollout", "actor", "rollout"]
     assert metrics[0]["num_trainer"] == 1
-    assert metrics[1]["roles"] == metrics[2]["roles"] == ["rollout", "actor", "actor"]
-    assert metrics[1]["num_trainer"] == metrics[2]["num_trainer"] == 2
+    assert metrics[1]["roles"] == ["rollout", "actor", "actor"]
+    assert metrics[1]["num_trainer"] == metrics[2]["num_trainer"] == 2  # ERS may add a Ref
     assert metrics[-1]["version"] == 3
 
     assert (result.run_dir / "checkpoints" / "step-00000003" / "meta.json").exists()

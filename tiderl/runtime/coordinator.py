@@ -166,6 +166,7 @@ class Coordinator:
         self.boundary_old_roles: list[Role] = list(roles)
         self.resent_versions: set[int] = set()
         self.superseded: set[int] = set()
+        self.failed_boundaries: dict[int, tuple[b.SyncWeights, float, str]] = {}
         self._seq_rank: dict[int, int] = {}  # boundary seq -> the rank it went to
         self.step_wanted = False  # the next step opens once the boundary is taken
         self.retire_pending = False
@@ -462,10 +463,13 @@ class Coordinator:
         sent = self.boundary_sent.pop(msg.ref, None)
         self._seq_rank.pop(msg.ref, None)
         if not msg.ok:
-            if sent is not None and set(sent.members) & self.dead:
-                self._resend_boundary(sent)  # a member died during the broadcast
-                return
-            raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
+            if sent is None:
+                raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
+            # most likely a member died during the broadcast: its heartbeats will say which
+            deadline = self.now() + self._heartbeat_window()
+            self.failed_boundaries.setdefault(sent.version, (sent, deadline, msg.error))
+            self._check_failed_boundaries()
+            return
         self._maybe_start()
         if self.syncing.pop(msg.ref, None) is not None:
             self._maybe_retire()
@@ -495,6 +499,22 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         for rank in self.heartbeats.dead(self.now()):
             self._declare_dead(rank, "missed heartbeats")
+        self._check_failed_boundaries()
+
+    def _heartbeat_window(self) -> float:
+        rt = self.profile.runtime
+        return rt.heartbeat_s * (rt.heartbeat_misses + 1)
+
+    def _check_failed_boundaries(self) -> None:
+        """A failed broadcast goes out again without the member that died in it; one with
+        every member alive past the heartbeat window is a real failure."""
+        for version, (sent, deadline, error) in list(self.failed_boundaries.items()):
+            if set(sent.members) & self.dead:
+                del self.failed_boundaries[version]
+                self._resend_boundary(sent)
+            elif self.now() > deadline:
+                raise CoordinatorError(f"the weight broadcast of version {version} failed with "
+                                       f"every rank alive: {error}")
 
     def _declare_dead(self, rank: int, why: str) -> None:
         """A rollout rank's tasks go back to CTB (from scratch: their state died with it) and it

@@ -465,7 +465,11 @@ class Coordinator:
         if not msg.ok:
             if sent is None:
                 raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
-            # most likely a member died during the broadcast: its heartbeats will say which
+            # most likely a member died during the broadcast: its heartbeats will say which;
+            # this answer's bookkeeping goes, the boundary will be sent again
+            self.syncing.pop(msg.ref, None)
+            self.pending_rollout.pop(msg.ref, None)
+            self.superseded.add(msg.ref)
             deadline = self.now() + self._heartbeat_window()
             self.failed_boundaries.setdefault(sent.version, (sent, deadline, msg.error))
             self._check_failed_boundaries()

@@ -29,15 +29,8 @@ def ra2p(
 ) -> None:
     """RA2P modes (colocated, decoupled, vanilla streaming) on local ranks vs the cost model."""
     output = Output(json_mode)
-    script = _script_path("ra2p")
     output.note("running bench/ra2p.py on 4 rank processes (about 4 minutes on 2 cores) ...")
-    args = [sys.executable, str(script), "--out", str(out.resolve())] + (["--quick"] * quick)
-    done = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CLIError(f"bench ra2p failed: {last}")
-    result = json.loads(out.read_text())
-    output.note(f"wrote {out} and {out.with_suffix('.png')}")
+    result = _run_script("ra2p", out, ["--quick"] * quick, output)
     output.result(result, lambda console: _render_ra2p(console, result))
 
 
@@ -76,17 +69,20 @@ def e2e(
     """The same workload under sync, async (every split), stream and tiderl: real jobs, side by
     side; goodput, reward at equal trained samples, RWT, TWT, KV hit rate."""
     output = Output(json_mode)
-    script = _script_path("e2e")
     output.note("running bench/e2e.py: 6 jobs of 4 ranks each (minutes on 2 cores) ...")
-    args = [sys.executable, str(script), "--out", str(out.resolve()), "--steps", str(steps)]
-    done = subprocess.run(args + ["--quick"] * quick, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    result = _run_script("e2e", out, ["--steps", str(steps)] + ["--quick"] * quick, output)
+    output.result(result, lambda console: _render_e2e(console, result))
+
+
+def _run_script(name: str, out: Path, extra: list[str], output: Output) -> dict:
+    """Run ``bench/NAME.py`` as its own process (it spawns rank processes); its JSON result."""
+    args = [sys.executable, str(_script_path(name)), "--out", str(out.resolve()), *extra]
+    done = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CLIError(f"bench e2e failed: {last}")
-    result = json.loads(out.read_text())
+        raise CLIError(f"bench {name} failed: {last}")
     output.note(f"wrote {out} and {out.with_suffix('.png')}")
-    output.result(result, lambda console: _render_e2e(console, result))
+    return json.loads(out.read_text())
 
 
 def _script_path(name: str) -> Path:

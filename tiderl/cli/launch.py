@@ -58,6 +58,9 @@ def _run(profile: Profile, run_root: Path | None, out: Output) -> None:
     from tiderl.launch.local import LaunchError
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the job like Ctrl-C
+    # Ctrl-C stops the job even when the launcher started with SIGINT ignored (as a background
+    # job of a non-interactive shell is), which Python would otherwise keep
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rt = profile.runtime
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),

@@ -15,24 +15,24 @@ Modes on one substrate: ``sync`` (every rank rolls out then trains, staleness 0,
 rollout, whole batches, colocated), ``async`` (fixed split, request-level, whole batches,
 colocated), ``stream`` (fixed split, request-level, micro-batches streamed, VSO: a Ref/Actor
 swap per micro-batch), ``tiderl`` (CTB, streamed micro-batches, RA2P's mode choice, ERS).
+
+Split by concern: ranks, layout and the boundary in :mod:`tiderl.runtime.layout`, the metrics
+in :mod:`tiderl.runtime.run_metrics`, the per-group and per-step state in
+:mod:`tiderl.runtime.records`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-
-from msgspec.structs import replace as replace_struct
 
 from tiderl.core.buffer import ReadyBuffer
 from tiderl.core.ctb import make_policy
-from tiderl.core.ers import ERSInput, ERSPolicy
+from tiderl.core.ers import ERSPolicy
 from tiderl.core.grpo import group_advantages
-from tiderl.core.ra2p import choose_mode, synthetic_ready_times
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.types import Admit as AdmitDecision
 from tiderl.core.types import (
@@ -41,7 +41,6 @@ from tiderl.core.types import (
     Mode,
     Ra2pTimings,
     Role,
-    Sequence,
     Task,
     Trajectory,
     Turn,
@@ -51,7 +50,9 @@ from tiderl.core.types import Resume as ResumeDecision
 from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.bus import BusSendError, BusServer, HeartbeatMonitor, rank_identity
-from tiderl.runtime.groups import has_group
+from tiderl.runtime.layout import LayoutMixin
+from tiderl.runtime.records import CoordinatorError, GroupRun, StepRun
+from tiderl.runtime.run_metrics import MetricsMixin
 from tiderl.trainer.batch import TrainSample
 
 log = logging.getLogger("tiderl.coordinator")
@@ -59,58 +60,9 @@ log = logging.getLogger("tiderl.coordinator")
 ROUND_S = 0.02  # bus poll / CTB round interval
 SNAPSHOT_S = 0.5
 HELLO_TIMEOUT_S = 600.0
-TRAINER_ROLES = (Role.ACTOR, Role.REF)
 
 
-class CoordinatorError(RuntimeError):
-    """The job cannot go on (a trainer rank died or failed); the message says which."""
-
-
-@dataclass
-class GroupRun:
-    """A GRPO group in flight: its tasks' specs and, as they finish, their trajectories."""
-
-    group_id: str
-    tasks: dict[str, Task]
-    task_text: str
-    is_eval: bool
-    step: int  # the step whose phase it belongs to (eval) or its feeding batch (train)
-    finished: dict[str, Trajectory] = field(default_factory=dict)
-    samples: list[TrainSample] = field(default_factory=list)
-
-    @property
-    def is_complete(self) -> bool:
-        return len(self.finished) == len(self.tasks)
-
-    # the ReadyBuffer's view (core.buffer.ReadyGroup)
-    @property
-    def oldest_version(self) -> int:
-        return min(s.version for s in self.samples)
-
-    @property
-    def sequences(self) -> tuple[Sequence, ...]:
-        return tuple(s.as_sequence() for s in self.samples)
-
-
-@dataclass
-class StepRun:
-    step: int
-    mode: str
-    ref_ranks: list[int]
-    actor_ranks: list[int]
-    start: float
-    ready_at: float  # when its trainer ranks were free (the previous boundary)
-    ras: int
-    done: dict[int, b.StepDone] = field(default_factory=dict)
-    samples: list[TrainSample] = field(default_factory=list)
-    num_mbs: int = 0
-
-    @property
-    def ranks(self) -> list[int]:
-        return self.ref_ranks + self.actor_ranks
-
-
-class Coordinator:
+class Coordinator(LayoutMixin, MetricsMixin):
     def __init__(self, profile: Profile, run_dir: Path, server: BusServer,
                  roles: list[Role]) -> None:
         self.profile, self.run_dir, self.server = profile, run_dir, server
@@ -267,15 +219,6 @@ class Coordinator:
             self._send(rank, b.Shutdown(seq=self._next_seq(), reason="job done"))
         self.event("stop", reason="done", steps=self.step, groups=self._group_accounting())
         self._publish()
-
-    def _group_accounting(self) -> dict[str, int]:
-        """Every training group fed, by where it ended: trained, dropped, ready in the buffer
-        (past the last step) or still rolling out."""
-        buffered = {seq.seq_id.rsplit(".", 1)[0] for seq in self.mb_samples.values()}
-        rolling = sum(1 for g in self.groups.values() if not g.is_eval)
-        return {"fed": self.num_fed, "trained": len(self.trained_groups),
-                "dropped": self.num_dropped_groups, "buffered": len(buffered),
-                "rolling_out": rolling}
 
     def close(self) -> None:
         self.metrics_file.close()
@@ -485,66 +428,7 @@ class Coordinator:
                     del self.moves[task_id]
                     self._admit(task_id, rank, self.carries.pop(task_id))
 
-    def _integrate_rwt(self) -> None:
-        """RWT as the simulator counts it: rollout ranks with no generation in flight while no
-        task waits for admission (the staleness throttle holds rollout back), integrated over
-        the coordinator's rounds. Idle time while tasks wait for their environment and new
-        ones wait for KV budget is the scheduler's to fill, not a wait on the trainer."""
-        now = self.now()
-        elapsed, self._rwt_at = now - self._rwt_at, now
-        if self.book.num_new > 0 or (self.is_sync and self.current is not None):
-            return  # sync: rollout is parked while every rank trains (verl's phase)
-        idle = sum(1 for r in self.rollout_ready
-                   if not any(t.is_running for t in self.book.ranks[r].active.values()))
-        self.rwt_s += elapsed * idle
-
     # ---------------------------------------------------------------- heartbeats
-
-    def _check_heartbeats(self) -> None:
-        for rank in self.heartbeats.dead(self.now()):
-            self._declare_dead(rank, "missed heartbeats")
-        self._check_failed_boundaries()
-
-    def _heartbeat_window(self) -> float:
-        rt = self.profile.runtime
-        return rt.heartbeat_s * (rt.heartbeat_misses + 1)
-
-    def _check_failed_boundaries(self) -> None:
-        """A failed broadcast goes out again without the member that died in it; one with
-        every member alive past the heartbeat window is a real failure."""
-        for version, (sent, deadline, error) in list(self.failed_boundaries.items()):
-            if set(sent.members) & self.dead:
-                del self.failed_boundaries[version]
-                self._resend_boundary(sent)
-            elif self.now() > deadline:
-                raise CoordinatorError(f"the weight broadcast of version {version} failed with "
-                                       f"every rank alive: {error}")
-
-    def _declare_dead(self, rank: int, why: str) -> None:
-        """A rollout rank's tasks go back to CTB (from scratch: their state died with it) and it
-        leaves the broadcasts; a trainer rank's death stops the job."""
-        if rank in self.dead:
-            return
-        self.dead.add(rank)
-        self.event("rank_dead", rank=rank, role=self.roles[rank].value, why=why)
-        if self.roles[rank] in TRAINER_ROLES or self.is_sync:
-            raise CoordinatorError(f"trainer rank {rank} is gone ({why})")
-        if rank in self.rollout_ready:
-            self.rollout_ready.discard(rank)
-            self.book.remove_rank(rank)
-        for task_id, where in list(self.task_rank.items()):
-            if where == rank and task_id in self.book.tasks:  # active or paused there
-                self.carries[task_id] = None
-                del self.task_rank[task_id]
-                target = self.moves.pop(task_id, None)
-                if target is not None:
-                    self._move(task_id, target)
-        self.roles[rank] = Role.IDLE
-        self.syncing = {seq: r for seq, r in self.syncing.items() if r != rank}
-        for seq in [q for q in self.boundary_sent if self._seq_rank.get(q) == rank]:
-            del self.boundary_sent[seq]  # its answer will not come
-        self._maybe_retire()
-        self._maybe_start()
 
     # ---------------------------------------------------------------- the buffer and steps
 
@@ -613,49 +497,6 @@ class Coordinator:
             self.closed.discard(self.step)
             self._close_current()
 
-    def _step_layout(self) -> tuple[str, list[int], list[int]]:
-        if self.is_sync:
-            return "colocated", [], list(range(self.num_ranks))
-        actors = [r for r, role in enumerate(self.roles) if role is Role.ACTOR]
-        refs = [r for r, role in enumerate(self.roles) if role is Role.REF]
-        if self.mode == "stream":
-            return "vso", [], actors
-        if self.mode == "async" or not refs:
-            self.ra2p_mode = Mode.COLOCATED
-            return "colocated", [], actors
-        # ERS plans the layout and the mode together (its break-even is RA2P's cost model);
-        # without ERS, RA2P chooses each step and a colocated step leaves the Ref ranks idle.
-        if self.ers is None:
-            self.ra2p_mode = self._choose_mode(len(actors), len(refs))
-        if self.ra2p_mode is Mode.DECOUPLED:
-            return "decoupled", refs, actors
-        return "colocated", [], actors
-
-    def _choose_mode(self, num_actors: int, num_refs: int) -> Mode:
-        """RA2P on the expected ready times (RAS now, the rest TPRM apart) and the measured
-        per-micro-batch times of each layout (the other layout's until one is measured)."""
-        config = self.profile.ra2p
-        if config.mode != "auto":
-            return Mode(config.mode)
-        dec = self.timings.get("decoupled") or self.timings.get("colocated")
-        col = self.timings.get("colocated") or dec
-        if dec is None:
-            return Mode.COLOCATED
-        signals = self.tracker.signals(self.now())
-        num_mbs = max(1, signals.ras, self._last_num_mbs())
-        tprm = signals.tprm_s if signals.tprm_s is not None else self._mean_step_s() / num_mbs
-        times = synthetic_ready_times(num_mbs, min(signals.ras, num_mbs), tprm)
-        return choose_mode(times, dec, num_actors, config.max_aggregate, config,
-                           colocated_timings=col)
-
-    def _last_num_mbs(self) -> int:
-        return self.records[-1]["num_micro_batches"] if self.records else 1
-
-    def _mean_step_s(self) -> float:
-        if not self.records:
-            return 0.0
-        return sum(r["step_s"] for r in self.records) / len(self.records)
-
     def _on_step_done(self, msg: b.StepDone) -> None:
         step = self.current
         if step is None or msg.step != step.step:
@@ -709,181 +550,3 @@ class Coordinator:
         self.book.retire(retired - self.num_retired)
         self.num_retired = retired
         self._feed()
-
-    def _learn_timings(self, step: StepRun) -> None:
-        stats = [d.stats for d in step.done.values()]
-
-        def mean(key: str) -> float:
-            values = [s[key] for s in stats if key in s]
-            return sum(values) / len(values) if values else 0.0
-
-        layout = "decoupled" if step.mode == "decoupled" else "colocated"
-        self.timings[layout] = Ra2pTimings(mean("t_ref"), mean("t_act_f"), mean("t_act_b"),
-                                           mean("t_swap"))
-
-    # ---------------------------------------------------------------- ERS and the boundary
-
-    def _plan_ers(self, is_launch: bool = False) -> None:
-        assert self.ers is not None
-        signals = self.tracker.signals(self.now())
-        timings = self.timings.get("decoupled") or self.timings.get("colocated") or Ra2pTimings(
-            0.0, 0.0, 0.0, 0.0)
-        last = self.records[-1] if self.records else None
-        idle = 0.0
-        if last is not None and last["num_rollout"] and last["step_s"] > 0:
-            idle = min(1.0, last["rwt_s"] / (last["num_rollout"] * last["step_s"]))
-        inp = ERSInput(step=self.step, is_eval_step=self._is_eval_phase(), signals=signals,
-                       step_duration_s=self._mean_step_s(), roles=tuple(self.roles),
-                       mode=self.ra2p_mode, timings=timings,
-                       num_micro_batches=max(1, self._last_num_mbs()), rollout_idle_frac=idle)
-        plan = self.ers.plan(inp)
-        self.last_plan_reason = plan.reason.value
-        roles = list(self.roles)
-        for change in plan.changes:
-            roles[change.rank] = change.dst
-        actors = {r for r, role in enumerate(roles) if role is Role.ACTOR}
-        old_actors = {r for r, role in enumerate(self.roles) if role is Role.ACTOR}
-        refusal = None
-        if plan.changes and not has_group(actors, self.num_ranks):
-            refusal = f"no process group for actor set {sorted(actors)}"
-        elif actors != old_actors and self.profile.trainer.backend != "ddp":
-            refusal = f"trainer.backend {self.profile.trainer.backend} keeps its actor set"
-        if refusal is not None:
-            self.event("plan_refused", reason=refusal, reason_plan=plan.reason.value)
-            roles = list(self.roles)
-        self.ra2p_mode = plan.mode
-        if not is_launch:
-            self.buffer.set_batch_size(self.step, plan.batch_size, self.now())
-        self._boundary(roles=roles, reason=plan.reason.value)
-
-    def _boundary(self, roles: list[Role] | None = None, reason: str | None = None,
-                  checkpoint: bool = False) -> None:
-        """Roles for the next step and the weight broadcast of the new version."""
-        old = list(self.roles)
-        new = roles if roles is not None else old
-        old_actors = {r for r, role in enumerate(old) if role is Role.ACTOR or self.is_sync}
-        new_actors = {r for r, role in enumerate(new) if role is Role.ACTOR or self.is_sync}
-        keep = sorted(old_actors & new_actors)
-        if not keep:
-            raise CoordinatorError(f"a plan left no actor in place ({old} -> {new})")
-        for rank, (src, dst) in enumerate(zip(old, new, strict=True)):
-            if src is dst:
-                continue
-            self.event("role_change", rank=rank, src=src.value, dst=dst.value, step=self.step,
-                       version=self.version, reason=reason)
-            if src is Role.ROLLOUT and rank in self.rollout_ready:
-                self.rollout_ready.discard(rank)
-                for task_id in self.book.remove_rank(rank):
-                    self.task_rank.pop(task_id, None)  # its carry comes back with TaskDetached
-        self.roles = list(new)
-        every = self.profile.trainer.checkpoint_every
-        path = ""
-        if checkpoint or (every and self.version % every == 0):
-            path = str(self.run_dir / "checkpoints")
-        members = [r for r in range(self.num_ranks) if r not in self.dead]
-        self._send_boundary(b.SyncWeights(
-            seq=0, version=self.version, src_rank=keep[0], roles=[r.value for r in new],
-            members=members, joiners=sorted(new_actors - old_actors), checkpoint=path), old)
-
-    def _send_boundary(self, sync: b.SyncWeights, old: list[Role]) -> None:
-        self.boundary_old_roles = old
-        for rank in sync.members:
-            seq = self._next_seq()
-            msg = replace_struct(sync, seq=seq)
-            new = Role(sync.roles[rank])
-            if new is Role.ROLLOUT and old[rank] is not Role.ROLLOUT:
-                self.pending_rollout[seq] = rank
-            if (new is Role.ROLLOUT or self.is_sync) and sync.version > 0:
-                self.syncing[seq] = rank
-            self.boundary_sent[seq] = msg
-            self._seq_rank[seq] = rank
-            self._send(rank, msg)
-
-    def _resend_boundary(self, failed: b.SyncWeights) -> None:
-        """Once per failed boundary: the same roles and version, the live members only."""
-        members = [r for r in failed.members if r not in self.dead]
-        if failed.version in self.resent_versions or not members:
-            return
-        self.resent_versions.add(failed.version)
-        self.event("boundary_resent", version=failed.version, members=members)
-        for seq in [s for s, m in self.boundary_sent.items() if m.version == failed.version]:
-            del self.boundary_sent[seq]
-            self.superseded.add(seq)
-            self.syncing.pop(seq, None)
-            self.pending_rollout.pop(seq, None)
-        self.superseded.add(failed.seq)
-        # the actors saved their checkpoint before the broadcast: not again
-        self._send_boundary(replace_struct(failed, members=members, seq=0, checkpoint=""),
-                            self.boundary_old_roles)
-
-    # ---------------------------------------------------------------- metrics
-
-    def _counter_marks(self) -> dict[str, float]:
-        queries = sum(m.prefix_queries for m in self.rank_metrics.values())
-        hits = sum(m.prefix_hits for m in self.rank_metrics.values())
-        return {"queries": queries, "hits": hits, "rwt": self.rwt_s}
-
-    def _record(self, step: StepRun, now: float) -> dict:
-        marks, self._marks = self._marks, self._counter_marks()
-        d_queries = self._marks["queries"] - marks["queries"]
-        tokens = sum(s.num_tokens for s in step.samples)
-        self.trained_groups.update(s.seq_id.rsplit(".", 1)[0] for s in step.samples)
-        self.trained_tokens += tokens
-        self.trained_samples += len(step.samples)
-        done = list(step.done.values())
-        actor_done = [d for d in done if d.rank in step.actor_ranks]
-        rewards = [self.rewards.pop(s.seq_id, 0.0) for s in step.samples]
-        elapsed = now - self.t0
-        twt = sum(d.stats.get("wait_s", 0.0) for d in done)
-        twt += (step.start - step.ready_at) * len(step.ranks)
-        eval_reward = None
-        for eval_step in sorted(self.eval_done):
-            eval_reward = self.eval_done.pop(eval_step)
-        return {
-            "step": step.step, "time_s": round(elapsed, 3), "step_s": round(now - step.start, 3),
-            "goodput_tok_s": round(self.trained_tokens / elapsed, 2) if elapsed > 0 else 0.0,
-            "trained_tokens": tokens, "trained_tokens_total": self.trained_tokens,
-            "trained_samples": len(step.samples),
-            "generated_tokens_total": self.generated_tokens,
-            "discarded_tokens_total": self.buffer.discarded_tokens,
-            "ras": step.ras, "tprm_s": _round(self.tracker.signals(now).tprm_s),
-            "rwt_s": round(self._marks["rwt"] - marks["rwt"], 3),
-            "twt_s": round(twt, 3), "mode": step.mode,
-            "roles": [r.value for r in self.roles],
-            "num_rollout": len(self._rollout_ranks()), "num_trainer": len(step.ranks),
-            "num_micro_batches": step.num_mbs,
-            "kv_hit_rate": _round((self._marks["hits"] - marks["hits"]) / d_queries)
-            if d_queries > 0 else None,
-            "staleness_max": max((step.step - s.version for s in step.samples), default=0),
-            "reward_mean": round(sum(rewards) / len(rewards), 4) if rewards else 0.0,
-            "solved_frac": round(sum(r >= 1.0 for r in rewards) / len(rewards), 4)
-            if rewards else 0.0,
-            "eval_reward": _round(eval_reward),
-            "loss": _round(sum(d.loss for d in actor_done) / max(1, len(actor_done))),
-            "grad_norm": _round(actor_done[0].grad_norm if actor_done else 0.0),
-            "version": step.step + 1, "batch_size": len(step.samples),
-            "ers_reason": self.last_plan_reason,
-        }
-
-    def _write_record(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
-        self._publish(record)
-
-    def _publish(self, record: dict | None = None) -> None:
-        self._last_snapshot = self.now()
-        last = record or (self.records[-1] if self.records else {})
-        metrics = {k: float(v) for k, v in last.items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}
-        metrics.update(steps=float(self.profile.runtime.steps), elapsed_s=self._elapsed(),
-                       active=float(self.book.num_active), paused=float(self.book.num_paused),
-                       new=float(self.book.num_new))
-        self.server.publish(b.Snapshot(
-            step=self.step, time=self._elapsed(),
-            roles={r: role.value for r, role in enumerate(self.roles)},
-            metrics=metrics, ranks=[self.rank_metrics[r] for r in sorted(self.rank_metrics)],
-            mode=str(last.get("mode", ""))))
-
-
-def _round(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None or math.isnan(value) else round(value, digits)

@@ -67,7 +67,7 @@ def local_commands(profile: Profile, plan: LaunchPlan, run_dir: Path,
             argv = (*py, "env", *d, "--port", str(ports["env"]))
         elif spec.kind == "coordinator":
             argv = (*py, "coordinator", *d, "--port", str(ports["bus"]),
-                    "--pub-port", str(ports["pub"]))
+                    "--pub-port", str(ports["pub"]), "--metrics-port", str(ports["metrics"]))
         else:
             argv = (*py, "rank", *d, "--rank", str(spec.rank), "--bus", bus,
                     "--dist", f"tcp://127.0.0.1:{ports['dist']}", "--env-url", env_url,
@@ -101,11 +101,12 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     job_id = job_id or new_job_id(profile)
     run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
     prepare_run_dir(profile, plan, run_dir)
-    ports = {name: free_port() for name in ("env", "bus", "pub", "dist")}
+    ports = {name: free_port() for name in ("env", "bus", "pub", "metrics", "dist")}
     state = JobState(job_id, str(run_dir), time.time(), info={
         "mode": profile.runtime.mode, "ports": ports,
         "bus": f"tcp://{profile.runtime.bus_host}:{ports['bus']}",
-        "pub": f"tcp://{profile.runtime.bus_host}:{ports['pub']}"})
+        "pub": f"tcp://{profile.runtime.bus_host}:{ports['pub']}",
+        "metrics": f"http://{profile.runtime.bus_host}:{ports['metrics']}/metrics"})
     state.save()
     executor = LocalExecutor(state)
     commands = local_commands(profile, plan, run_dir, ports)

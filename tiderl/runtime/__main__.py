@@ -1,7 +1,7 @@
 """The job's daemons, as the launcher starts them (not a user command):
 
     python -m tiderl.runtime env         --run-dir D --port P
-    python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q
+    python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q [--metrics-port M]
     python -m tiderl.runtime rank        --run-dir D --rank R --bus tcp://... --dist tcp://...
                                          --env-url http://... [--device cpu] [--threads 1]
 
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("--port", type=int, required=True)
     coord.add_argument("--port", type=int, required=True)
     coord.add_argument("--pub-port", type=int, required=True)
+    coord.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus /metrics on this port (0: none)")
     rank.add_argument("--rank", type=int, required=True)
     rank.add_argument("--bus", required=True)
     rank.add_argument("--dist", required=True)

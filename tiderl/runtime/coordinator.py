@@ -136,6 +136,8 @@ class Coordinator(LayoutMixin, MetricsMixin):
         self.trained_tokens = 0
         self.trained_samples = 0
         self.records: list[dict] = []
+        self.exporter = None  # Prometheus /metrics, set by the daemon (tiderl.runtime.prom)
+        self.plan_note = ""  # a pending or the last manual plan (tiderl rebalance), for top
         self._marks = self._counter_marks()
         self._last_snapshot = 0.0
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115

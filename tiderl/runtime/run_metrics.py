@@ -101,7 +101,7 @@ class MetricsMixin:
             step=self.step, time=self._elapsed(),
             roles={r: role.value for r, role in enumerate(self.roles)},
             metrics=metrics, ranks=[self.rank_metrics[r] for r in sorted(self.rank_metrics)],
-            mode=str(last.get("mode", ""))))
+            mode=str(last.get("mode", "")), note=self.plan_note))
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:

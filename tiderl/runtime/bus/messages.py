@@ -271,6 +271,7 @@ class Snapshot(Message, kw_only=True):
     metrics: dict[str, float]
     ranks: list[RankMetrics]
     mode: str = ""  # the RA2P mode of the last step
+    note: str = ""  # for operators: a pending or the last manual plan (tiderl rebalance)
 
 
 MESSAGES: tuple[type[Message], ...] = (

@@ -1,0 +1,55 @@
+"""Finding a job from the CLI: ``tiderl status | logs | stop | top | rebalance | profile`` take a
+job id (a folder in the run root, ``runtime.run_dir`` by default) or the path of a run folder.
+
+A job's ``job.json`` (written by the launcher, local or SSH) holds its processes and its
+endpoints: ``info["bus"]`` (the coordinator's ROUTER), ``info["pub"]`` (its PUB, what ``top``
+reads) and ``info["metrics"]`` (its Prometheus ``/metrics`` URL). The launcher's run folder holds
+the job's full bus keys (``keys/``), so a CLI client on the launcher's machine joins the bus with
+them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiderl.launch.local import JOB_FILE, JobState, LaunchError
+from tiderl.runtime.config import RuntimeConfig
+
+DEFAULT_RUN_ROOT = Path(RuntimeConfig().run_dir)
+
+
+def job_dir(job: str, run_root: Path | None = None) -> Path:
+    """The run folder of ``job``: a path to a run folder, or a job id under ``run_root``."""
+    as_path = Path(job)
+    if (as_path / JOB_FILE).exists():
+        return as_path
+    folder = (run_root or DEFAULT_RUN_ROOT) / job
+    if not (folder / JOB_FILE).exists():
+        raise LaunchError(f"no job {job!r} in {run_root or DEFAULT_RUN_ROOT}/ "
+                          f"(no {folder / JOB_FILE})")
+    return folder
+
+
+def resolve_job(job: str, run_root: Path | None = None) -> JobState:
+    return JobState.load(job_dir(job, run_root))
+
+
+def list_jobs(run_root: Path | None = None) -> list[JobState]:
+    """Every job in ``run_root``, oldest first; folders without a readable job.json are skipped."""
+    root = run_root or DEFAULT_RUN_ROOT
+    states = []
+    for path in sorted(root.glob(f"*/{JOB_FILE}")) if root.is_dir() else []:
+        try:
+            states.append(JobState.load(path.parent))
+        except LaunchError:
+            continue
+    return sorted(states, key=lambda s: s.created)
+
+
+def job_file(state: JobState, name: str) -> Path:
+    """A file the coordinator writes into its run folder (``metrics.jsonl``, ``events.jsonl``,
+    ``report.md``), as a local path. Raises ``LaunchError`` when it does not exist (yet)."""
+    path = Path(state.run_dir) / name
+    if not path.exists():
+        raise LaunchError(f"job {state.job_id} has no {name} yet ({path})")
+    return path

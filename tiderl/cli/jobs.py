@@ -1,30 +1,166 @@
-"""Job control: `tiderl status`, `tiderl logs`, `tiderl stop` (they read runs/<job>/)."""
+"""Job control: `tiderl status`, `tiderl logs`, `tiderl stop` (they read runs/<job>/job.json and
+reach an SSH job's nodes again over SSH)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
 import typer
 
-from tiderl.cli.errors import not_built
-from tiderl.cli.output import JsonFlag
+from tiderl.cli.errors import CLIError
+from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.launch.control import (
+    alive,
+    is_remote,
+    process_states,
+    read_log,
+    select,
+    sessions,
+    stop_job,
+)
+from tiderl.launch.local import JobState, LaunchError
+from tiderl.launch.registry import job_file, list_jobs, resolve_job
+
+RunRootOpt = typer.Option(None, "--run-root", help="Folder of run folders (default: runs/).")
+FOLLOW_POLL_S = 0.5
+ENDED_CHECK_S = 2.0
 
 
 def status(
-    job: str | None = typer.Argument(None, help="Job id; omit for every job in runs/."),
+    job: str | None = typer.Argument(None, help="Job id; omit for every job in the run root."),
+    run_root: Path | None = RunRootOpt,
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Show the processes of a job and whether they are alive."""
-    raise not_built("status")
+    """Show the processes of a job (node, PID, state) or one line per job."""
+    out = Output(json_mode)
+    try:
+        if job is None:
+            rows = [_job_summary(state) for state in list_jobs(run_root)]
+            out.result(rows, lambda console: console.print(table(
+                "jobs", ("job", "mode", "started", "where", "processes", "steps", "state"),
+                [(r["job"], r["mode"], r["started"], r["where"], r["processes"], r["steps"],
+                  r["state"]) for r in rows])))
+            return
+        state = resolve_job(job, run_root)
+        with sessions(state) as nodes:
+            states = process_states(state, nodes)
+    except LaunchError as exc:
+        raise CLIError(f"tiderl status: {exc}") from None
+    rows = [{"name": r.name, "kind": r.kind, "node": r.host, "pid": r.pid,
+             "state": _describe(states[r.name]), "log": r.log} for r in state.processes]
+    payload = {**_job_summary(state, states), "processes": rows}
+    out.result(payload, lambda console: console.print(table(
+        f"{state.job_id}  {payload['state']}  steps {payload['steps']}",
+        ("process", "kind", "node", "pid", "state", "log"),
+        [(r["name"], r["kind"], r["node"], r["pid"], r["state"], r["log"]) for r in rows])))
+
+
+def _job_summary(state: JobState, states: dict[str, str | None] | None = None) -> dict:
+    if states is None:
+        try:
+            with sessions(state) as nodes:
+                states = process_states(state, nodes)
+        except LaunchError:
+            states = {}
+    running = sum(alive(letter) for letter in states.values())
+    total = len(state.processes)
+    if not states and is_remote(state):
+        word = "unreachable"
+    else:
+        word = "running" if running == total and total else "ended" if not running else "partial"
+    return {"job": state.job_id, "mode": state.info.get("mode", ""),
+            "started": f"{datetime.fromtimestamp(state.created):%Y-%m-%d %H:%M:%S}",
+            "where": ", ".join(state.info["nodes"]) if is_remote(state) else "local",
+            "processes": f"{running}/{total}", "steps": _steps(state), "state": word}
+
+
+def _steps(state: JobState) -> str:
+    """Steps done, from the job's metrics.jsonl (fetched from an SSH job's node)."""
+    try:
+        done = len(job_file(state, "metrics.jsonl").read_text().splitlines())
+    except LaunchError:
+        done = 0
+    return f"{done}/{state.info.get('steps', '?')}"
+
+
+def _describe(letter: str | None) -> str:
+    if letter is None:
+        return "gone"
+    return "zombie (ended)" if letter in ("Z", "X") else f"running ({letter})"
 
 
 def logs(
     job: str = typer.Argument(..., help="Job id."),
     rank: int | None = typer.Option(None, "--rank", help="Only this rank's log."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
+    process: str | None = typer.Option(None, "--process",
+                                       help="Only this process's log: env, coordinator, rankN."),
+    follow: bool = typer.Option(False, "--follow", "-f",
+                                help="Keep printing new lines until the job ends (or Ctrl-C)."),
+    run_root: Path | None = RunRootOpt,
 ) -> None:
-    """Print a job's logs."""
-    raise not_built("logs")
+    """Print a job's logs (every process's, each line prefixed with its name, unless one is
+    chosen), from its nodes over SSH for an SSH job."""
+    try:
+        state = resolve_job(job, run_root)
+        records = select(state, rank, process)
+        prefix = len(records) > 1
+        offsets = dict.fromkeys((r.name for r in records), 0)
+        with sessions(state) as nodes:
+            checked = time.monotonic()
+            while True:
+                for record in records:
+                    fallback = Path(state.run_dir) / "logs" / Path(record.log).name
+                    data = read_log(record, nodes, offsets[record.name], fallback)
+                    if data:
+                        text = data.decode(errors="replace")
+                        if follow and not text.endswith("\n"):  # print whole lines only
+                            text = text[:text.rfind("\n") + 1]
+                        offsets[record.name] += len(text.encode())
+                        _print_lines(text, record.name if prefix else None)
+                if not follow:
+                    return
+                if time.monotonic() - checked >= ENDED_CHECK_S:
+                    checked = time.monotonic()
+                    if not any(map(alive, process_states(state, nodes).values())):
+                        return
+                time.sleep(FOLLOW_POLL_S)
+    except LaunchError as exc:
+        raise CLIError(f"tiderl logs: {exc}") from None
+    except KeyboardInterrupt:
+        return
 
 
-def stop(job: str = typer.Argument(..., help="Job id.")) -> None:
-    """Stop every process of a job (SIGTERM, then SIGKILL after a grace period)."""
-    raise not_built("stop")
+def _print_lines(text: str, name: str | None) -> None:
+    if name is not None:
+        text = "".join(f"{name:>11} | {line}\n" for line in text.splitlines())
+    sys.stdout.write(text)
+    with contextlib.suppress(BrokenPipeError):
+        sys.stdout.flush()
+
+
+def stop(
+    job: str = typer.Argument(..., help="Job id."),
+    grace: float = typer.Option(10.0, "--grace", help="Seconds between SIGTERM and SIGKILL."),
+    run_root: Path | None = RunRootOpt,
+    json_mode: bool = JsonFlag,
+) -> None:
+    """Stop every process of a job on every node (SIGTERM, then SIGKILL after a grace period),
+    and check by PID that none is left."""
+    out = Output(json_mode)
+    try:
+        state = resolve_job(job, run_root)
+        launcher, outcome = stop_job(state, grace)
+    except LaunchError as exc:
+        raise CLIError(f"tiderl stop: {exc}") from None
+    payload = {"job": state.job_id, "launcher_stopped": launcher,
+               "processes": [{"name": r.name, "node": r.host, "pid": r.pid,
+                              "outcome": outcome[r.name]} for r in state.processes]}
+    note = "its launcher stopped it; " if launcher else ""
+    out.result(payload, lambda console: console.print(table(
+        f"{state.job_id}: {note}no process left", ("process", "node", "pid", "outcome"),
+        [(p["name"], p["node"], p["pid"], p["outcome"]) for p in payload["processes"]])))
+

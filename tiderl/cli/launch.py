@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -9,9 +11,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from tiderl.cli.errors import CLIError
+from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
-from tiderl.launch.plan import LaunchPlan, plan_local
+from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, load_hosts
+from tiderl.launch.plan import LaunchPlan, plan_local, plan_nodes
 from tiderl.profile import DEFAULT_PROFILE, Profile, load_profile, profile_to_dict
 
 ProfileOpt = typer.Option(DEFAULT_PROFILE, "--profile", "-p",
@@ -30,21 +33,34 @@ def launch(
     json_mode: bool = JsonFlag,
 ) -> None:
     """Start the environment service, the coordinator and the rank daemons of one job (this
-    machine by default), follow it with a progress line and print where its report is.
+    machine by default, or the nodes of hosts.yaml over SSH), follow it with a progress line
+    and print where its report is.
 
-    Ctrl-C or SIGTERM stop every process of the job."""
-    if nodes is not None:
-        raise CLIError("tiderl launch --nodes: launching over SSH is not built yet")
+    Ctrl-C or SIGTERM stop every process of the job, on every node."""
     resolved = load_profile(profile, overrides or [])
-    plan = plan_local(resolved)
+    hosts = None
+    if nodes is not None:
+        try:
+            hosts = load_hosts(nodes)
+            plan = plan_nodes(hosts, resolved, "<job>", _port_placeholders(hosts))
+        except HostsError as exc:
+            raise CLIError(str(exc), EXIT_USAGE) from None
+    else:
+        plan = plan_local(resolved)
     out = Output(json_mode)
     if dry_run:
         out.result(_payload(resolved, plan), lambda console: _render(console, resolved, plan))
         return
-    _run(resolved, run_root, out)
+    _run(resolved, hosts, run_root, out)
 
 
-def _run(profile: Profile, run_root: Path | None, out: Output) -> None:
+def _port_placeholders(hosts: Hosts) -> dict[str, int | str]:
+    if hosts.port_base is not None:
+        return {name: hosts.port_base + i for i, name in enumerate(PORT_NAMES)}
+    return {name: f"<{name}-port>" for name in PORT_NAMES}
+
+
+def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Output) -> None:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -56,6 +72,7 @@ def _run(profile: Profile, run_root: Path | None, out: Output) -> None:
 
     from tiderl.launch.job import run_local
     from tiderl.launch.local import LaunchError
+    from tiderl.launch.remote import run_ssh
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the job like Ctrl-C
     # Ctrl-C stops the job even when the launcher started with SIGINT ignored (as a background
@@ -76,8 +93,10 @@ def _run(profile: Profile, run_root: Path | None, out: Output) -> None:
 
     try:
         with progress:
-            result = run_local(profile, run_root=run_root, on_snapshot=on_snapshot,
-                               on_start=on_start)
+            kwargs = {"run_root": run_root, "on_snapshot": on_snapshot, "on_start": on_start,
+                      "launcher_pid": os.getpid()}
+            result = (run_local(profile, **kwargs) if hosts is None
+                      else run_ssh(profile, hosts, **kwargs))
     except LaunchError as exc:
         raise CLIError(f"tiderl launch: {exc}") from exc
     except KeyboardInterrupt:
@@ -116,7 +135,8 @@ def _payload(profile: Profile, plan: LaunchPlan) -> dict:
         "profile": profile_to_dict(profile),
         "plan": [
             {"name": p.name, "kind": p.kind, "host": p.host, "rank": p.rank,
-             "role": p.role.value if p.role else None, "device": p.device, "threads": p.threads}
+             "role": p.role.value if p.role else None, "device": p.device, "threads": p.threads,
+             "command": list(p.argv), "env": p.env}
             for p in plan.processes
         ],
     }
@@ -128,7 +148,12 @@ def _render(console: Console, profile: Profile, plan: LaunchPlan) -> None:
         console.print(table(section, ("key", "value"), rows))
     rows = [(p.name, p.kind, p.host, p.role.value if p.role else "", p.device or "",
              p.threads or "") for p in plan.processes]
-    console.print(table("plan", ("process", "kind", "host", "role", "device", "threads"), rows))
+    console.print(table("plan", ("process", "kind", "node", "role", "device", "threads"), rows))
+    if any(p.argv for p in plan.processes):
+        for p in plan.processes:
+            env = " ".join(f"{k}={v}" for k, v in p.env.items())
+            console.print(f"[bold]{p.name}[/] on {p.host}: {env + ' ' if env else ''}"
+                          f"{shlex.join(p.argv)}", soft_wrap=True)
 
 
 def _flatten(values: dict, prefix: str = ""):

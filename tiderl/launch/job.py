@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tiderl.launch.hosts import PORT_NAMES
 from tiderl.launch.local import JobState, LaunchError, LocalExecutor, ProcessCommand
-from tiderl.launch.plan import LaunchPlan, plan_local
+from tiderl.launch.plan import Endpoints, LaunchPlan, plan_local
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.trainer.spawn import free_port
@@ -42,6 +43,13 @@ class JobResult:
     last: Snapshot | None
 
 
+def job_info(profile: Profile, ep: Endpoints, **extra) -> dict:
+    """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.registry)."""
+    return {"mode": profile.runtime.mode, "steps": profile.runtime.steps,
+            "ports": dict(ep.ports), "bus": ep.bus, "pub": ep.pub, "metrics": ep.metrics,
+            **extra}
+
+
 def new_job_id(profile: Profile) -> str:
     return f"{datetime.now():%Y%m%d-%H%M%S}-{profile.runtime.mode}"
 
@@ -55,29 +63,17 @@ def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path) -> None:
     make_job_keys(run_dir / "keys")
 
 
-def local_commands(profile: Profile, plan: LaunchPlan, run_dir: Path,
-                   ports: dict[str, int]) -> list[ProcessCommand]:
-    py = (sys.executable, "-m", "tiderl.runtime")
-    d = ("--run-dir", str(run_dir))
-    env_url = profile.env.url or f"http://127.0.0.1:{ports['env']}"
-    bus = f"tcp://{profile.runtime.bus_host}:{ports['bus']}"
-    commands = []
-    for spec in plan.processes:
-        if spec.kind == "env":
-            argv = (*py, "env", *d, "--port", str(ports["env"]))
-        elif spec.kind == "coordinator":
-            argv = (*py, "coordinator", *d, "--port", str(ports["bus"]),
-                    "--pub-port", str(ports["pub"]), "--metrics-port", str(ports["metrics"]))
-        else:
-            argv = (*py, "rank", *d, "--rank", str(spec.rank), "--bus", bus,
-                    "--dist", f"tcp://127.0.0.1:{ports['dist']}", "--env-url", env_url,
-                    "--device", spec.device or "cpu", "--threads", str(spec.threads or 1))
-        env = {"OMP_NUM_THREADS": str(spec.threads or 1)} if spec.kind == "rank" else {}
-        commands.append(ProcessCommand(spec.name, spec.kind, argv, spec.rank, env))
-    return commands
+def local_commands(plan: LaunchPlan) -> list[ProcessCommand]:
+    return [ProcessCommand(p.name, p.kind, p.argv, p.rank, p.env) for p in plan.processes]
 
 
-def _wait_for_env(url: str, executor: LocalExecutor) -> None:
+def local_endpoints(profile: Profile, ports: dict[str, int]) -> Endpoints:
+    return Endpoints(coordinator=profile.runtime.bus_host,
+                     env_url=profile.env.url or f"http://127.0.0.1:{ports['env']}",
+                     dist_host="127.0.0.1", ports=ports)
+
+
+def wait_for_env(url: str, executor: LocalExecutor) -> None:
     deadline = time.monotonic() + ENV_START_TIMEOUT_S
     while time.monotonic() < deadline:
         for record, code in executor.exited():
@@ -94,38 +90,38 @@ def _wait_for_env(url: str, executor: LocalExecutor) -> None:
 
 def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | None = None,
               on_snapshot: Callable[[Snapshot], None] | None = None,
-              on_start: Callable[[JobState], None] | None = None) -> JobResult:
+              on_start: Callable[[JobState], None] | None = None,
+              launcher_pid: int | None = None) -> JobResult:
     """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
-    and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate."""
-    plan = plan_local(profile)
+    and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate.
+    ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher."""
     job_id = job_id or new_job_id(profile)
     run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
+    ports = {name: free_port() for name in PORT_NAMES}
+    ep = local_endpoints(profile, ports)
+    plan = plan_local(profile, sys.executable, str(run_dir), ep)
     prepare_run_dir(profile, plan, run_dir)
-    ports = {name: free_port() for name in ("env", "bus", "pub", "metrics", "dist")}
-    state = JobState(job_id, str(run_dir), time.time(), info={
-        "mode": profile.runtime.mode, "ports": ports,
-        "bus": f"tcp://{profile.runtime.bus_host}:{ports['bus']}",
-        "pub": f"tcp://{profile.runtime.bus_host}:{ports['pub']}",
-        "metrics": f"http://{profile.runtime.bus_host}:{ports['metrics']}/metrics"})
+    state = JobState(job_id, str(run_dir), time.time(),
+                     info=job_info(profile, ep, launcher_pid=launcher_pid))
     state.save()
     executor = LocalExecutor(state)
-    commands = local_commands(profile, plan, run_dir, ports)
+    commands = local_commands(plan)
     try:
         env_cmds = [c for c in commands if c.kind == "env"]
         if env_cmds:
             executor.start(env_cmds)
-            _wait_for_env(f"http://127.0.0.1:{ports['env']}", executor)
+            wait_for_env(f"http://127.0.0.1:{ports['env']}", executor)
         executor.start([c for c in commands if c.kind != "env"])
         if on_start is not None:
             on_start(state)
-        code, last = _follow(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
+        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
     finally:
         executor.stop(grace_s=5.0)
     report = run_dir / "report.md"
     return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
 
 
-def _follow(executor: LocalExecutor, state: JobState, keys,
+def follow_job(executor: LocalExecutor, state: JobState, keys,
             on_snapshot: Callable[[Snapshot], None] | None) -> tuple[int, Snapshot | None]:
     """Until the coordinator exits: snapshots to ``on_snapshot``. A rank that dies is the
     coordinator's to handle (it misses heartbeats: a rollout rank is left out, a trainer rank
@@ -141,14 +137,14 @@ def _follow(executor: LocalExecutor, state: JobState, keys,
             for record, code in executor.exited():
                 if record.kind == "coordinator":
                     if code == 0:
-                        _let_ranks_exit(executor)
+                        let_ranks_exit(executor)
                     return code, last
                 if code != 0 and record.kind == "env":
                     raise LaunchError(f"{record.name} exited with code {code} "
                                       f"(see {record.log})")
 
 
-def _let_ranks_exit(executor: LocalExecutor) -> None:
+def let_ranks_exit(executor: LocalExecutor) -> None:
     """The ranks got their Shutdown (after the last checkpoint): give them time to finish."""
     ranks = {r.pid for r in executor.state.processes if r.kind == "rank"}
     deadline = time.monotonic() + RANK_EXIT_GRACE_S

@@ -175,6 +175,14 @@ def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 10.0,
     return outcome
 
 
+def records_by_host(records: Sequence[ProcessRecord]) -> dict[str, list[ProcessRecord]]:
+    """A job's process records grouped by node, in start order."""
+    hosts: dict[str, list[ProcessRecord]] = {}
+    for record in records:
+        hosts.setdefault(record.host, []).append(record)
+    return hosts
+
+
 def group_members(pgid: int) -> list[int]:
     """Running processes (not zombies) whose process group is ``pgid``."""
     members = []

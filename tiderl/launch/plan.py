@@ -1,5 +1,6 @@
-"""The launch plan: profile -> the processes a job runs. Pure (no I/O), so it can be printed,
-tested and, later, executed by the local or SSH executor.
+"""The launch plan: profile (+ hosts.yaml) -> the processes a job runs, with their command lines.
+Pure (no I/O), so it can be printed (``tiderl launch --dry-run``), tested and executed by the
+local or the SSH executor.
 
     env service (unless env.url is set)   coordinator   rank 0 .. rank N-1 (one device each)
 
@@ -7,25 +8,37 @@ Initial roles: in mode ``sync`` every rank is one colocated set (it rolls out, t
 other modes ranks ``0..rollout_ranks-1`` start as rollout and the rest as trainer ranks: all actor
 (Ref colocated) unless RA2P is pinned to ``decoupled``, which needs a dedicated ref rank. ERS may
 move ranks from the first post-update boundary on.
+
+On nodes (:func:`plan_nodes`) ranks fill the nodes of hosts.yaml in order, one per device; the
+coordinator and the environment service run where hosts.yaml says. Every daemon reads the run
+folder ``<workdir>/runs/<job>/`` of its node (the launcher pushes the profile and the keys there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from tiderl.core.types import Mode, Role
+from tiderl.launch.hosts import Hosts, HostsError
 from tiderl.profile import Profile
+
+LOCAL_HOST = "localhost"
 
 
 @dataclass(frozen=True)
 class ProcessSpec:
     name: str
     kind: str  # "env" | "coordinator" | "rank"
-    host: str = "localhost"
+    host: str = LOCAL_HOST  # the node's name in hosts.yaml
     rank: int | None = None
     role: Role | None = None
     device: str | None = None
     threads: int | None = None
+    argv: tuple[str, ...] = ()  # empty until the endpoints are known
+    env: dict[str, str] = field(default_factory=dict)  # added to the node's environment
+    run_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,33 @@ class LaunchPlan:
     @property
     def ranks(self) -> tuple[ProcessSpec, ...]:
         return tuple(p for p in self.processes if p.kind == "rank")
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.host for p in self.processes))
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the daemons meet: the coordinator's address (it binds there, the others connect),
+    the environment service's URL, rank 0's address (the gloo rendezvous) and the ports."""
+
+    coordinator: str
+    env_url: str
+    dist_host: str
+    ports: Mapping[str, int | str]  # bus, pub, metrics, env, dist (str: a placeholder)
+
+    @property
+    def bus(self) -> str:
+        return f"tcp://{self.coordinator}:{self.ports['bus']}"
+
+    @property
+    def pub(self) -> str:
+        return f"tcp://{self.coordinator}:{self.ports['pub']}"
+
+    @property
+    def metrics(self) -> str:
+        return f"http://{self.coordinator}:{self.ports['metrics']}/metrics"
 
 
 def initial_roles(profile: Profile) -> list[Role]:
@@ -48,8 +88,30 @@ def initial_roles(profile: Profile) -> list[Role]:
     return [Role.ROLLOUT] * rt.rollout_ranks + trainer
 
 
-def plan_local(profile: Profile) -> LaunchPlan:
-    """Every process on this machine; rank r gets ``cuda:r`` on GPU profiles, else CPU threads."""
+def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
+                   ep: Endpoints) -> tuple[str, ...]:
+    """``python -m tiderl.runtime <daemon> ...`` of one process (see tiderl/runtime/__main__)."""
+    head = (python, "-m", "tiderl.runtime", spec.kind, "--run-dir", run_dir)
+    ports = {k: str(v) for k, v in ep.ports.items()}
+    if spec.kind == "env":
+        host = ep.env_url.split("//", 1)[1].rsplit(":", 1)[0]
+        return (*head, "--host", host, "--port", ports["env"])
+    if spec.kind == "coordinator":
+        return (*head, "--port", ports["bus"], "--pub-port", ports["pub"],
+                "--metrics-port", ports["metrics"])
+    return (*head, "--rank", str(spec.rank), "--bus", ep.bus,
+            "--dist", f"tcp://{ep.dist_host}:{ports['dist']}", "--env-url", ep.env_url,
+            "--device", spec.device or "cpu", "--threads", str(spec.threads or 1))
+
+
+def _rank_env(spec: ProcessSpec) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(spec.threads or 1)} if spec.kind == "rank" else {}
+
+
+def plan_local(profile: Profile, python: str | None = None, run_dir: str | None = None,
+               ep: Endpoints | None = None) -> LaunchPlan:
+    """Every process on this machine; rank r gets ``cuda:r`` on GPU profiles, else CPU threads.
+    With ``python``, ``run_dir`` and ``ep``, each process carries its command line."""
     rt = profile.runtime
     processes: list[ProcessSpec] = []
     if not profile.env.url:
@@ -60,4 +122,58 @@ def plan_local(profile: Profile) -> LaunchPlan:
         threads = rt.threads_per_rank if rt.device == "cpu" else None
         processes.append(ProcessSpec(name=f"rank{rank}", kind="rank", rank=rank, role=role,
                                      device=device, threads=threads))
-    return LaunchPlan(processes=tuple(processes))
+    if python is None or run_dir is None or ep is None:
+        return LaunchPlan(processes=tuple(processes))
+    return LaunchPlan(tuple(replace(p, argv=daemon_command(p, python, run_dir, ep),
+                                    env=_rank_env(p), run_dir=run_dir) for p in processes))
+
+
+def node_run_dir(workdir: str, job_id: str) -> str:
+    return posixpath.join(workdir, "runs", job_id)
+
+
+def node_endpoints(hosts: Hosts, profile: Profile, plan_ranks: list[str],
+                   ports: Mapping[str, int | str]) -> Endpoints:
+    coordinator = hosts.node(hosts.coordinator).reach
+    if hosts.env_url:
+        env_url = hosts.env_url
+    elif hosts.env_node is not None:
+        env_url = f"http://{hosts.node(hosts.env_node).reach}:{ports['env']}"
+    else:
+        env_url = profile.env.url or ""
+    return Endpoints(coordinator, env_url, hosts.node(plan_ranks[0]).reach, ports)
+
+
+def node_profile(profile: Profile, hosts: Hosts) -> Profile:
+    """The profile the nodes run: the coordinator binds its bus at its node's address."""
+    return replace(profile, runtime=replace(profile.runtime,
+                                            bus_host=hosts.node(hosts.coordinator).reach))
+
+
+def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
+               ports: Mapping[str, int | str]) -> LaunchPlan:
+    """hosts.yaml + profile -> every process with its node, device and command line."""
+    rt = profile.runtime
+    if rt.num_ranks > hosts.num_devices:
+        raise HostsError(f"{hosts.source}: nodes: {hosts.num_devices} devices in all, but "
+                         f"runtime.num_ranks is {rt.num_ranks}")
+    slots = [(node, index) for node in hosts.nodes for index in node.devices]
+    rank_nodes = [node.name for node, _ in slots[:rt.num_ranks]]
+    ep = node_endpoints(hosts, profile, rank_nodes, ports)
+    specs: list[ProcessSpec] = []
+    if hosts.env_node is not None and not hosts.env_url:
+        specs.append(ProcessSpec(name="env", kind="env", host=hosts.env_node))
+    specs.append(ProcessSpec(name="coordinator", kind="coordinator", host=hosts.coordinator))
+    for rank, role in enumerate(initial_roles(profile)):
+        node, index = slots[rank]
+        cuda = rt.device == "cuda"
+        specs.append(ProcessSpec(name=f"rank{rank}", kind="rank", host=node.name, rank=rank,
+                                 role=role, device=f"cuda:{index}" if cuda else "cpu",
+                                 threads=None if cuda else rt.threads_per_rank))
+    processes = []
+    for spec in specs:
+        node = hosts.node(spec.host)
+        run_dir = node_run_dir(node.workdir, job_id)
+        processes.append(replace(spec, argv=daemon_command(spec, node.python, run_dir, ep),
+                                 env={**node.env, **_rank_env(spec)}, run_dir=run_dir))
+    return LaunchPlan(tuple(processes))

@@ -1,0 +1,140 @@
+"""Job control on a launched job, local or over SSH: process states, stopping, logs.
+
+What ``tiderl status | logs | stop`` do, from ``runs/<job>/job.json``: each process record names
+its node (``localhost`` for a local job; a node of ``info["nodes"]`` for an SSH job) and its PID;
+the PID leads the process's own group. States come from ``/proc`` (a zombie is not alive).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tiderl.launch.local import (
+    JobState,
+    LaunchError,
+    ProcessRecord,
+    is_running,
+    process_state,
+    records_by_host,
+    stop_processes,
+)
+from tiderl.launch.ssh import NodeSession
+
+LAUNCHER_EXIT_S = 30.0  # a launcher stops its job in order: its own grace periods and more
+
+
+def is_remote(state: JobState) -> bool:
+    return bool(state.info.get("nodes"))
+
+
+@contextlib.contextmanager
+def sessions(state: JobState) -> Iterator[dict[str, NodeSession]]:
+    """Open SSH sessions to the nodes of an SSH job (none for a local job)."""
+    if not is_remote(state):
+        yield {}
+        return
+    from tiderl.launch.remote import job_sessions
+
+    opened = job_sessions(state)
+    try:
+        yield opened
+    finally:
+        for session in opened.values():
+            session.close()
+
+
+def process_states(state: JobState, nodes: dict[str, NodeSession]) -> dict[str, str | None]:
+    """Each process's state letter (R, S, D, Z, ...), None when there is no such process."""
+    if not is_remote(state):
+        return {r.name: process_state(r.pid) for r in state.processes}
+    states: dict[str, str | None] = {}
+    for host, records in records_by_host(state.processes).items():
+        found = nodes[host].states([r.pid for r in records])
+        states.update({r.name: found[r.pid] for r in records})
+    return states
+
+
+def alive(letter: str | None) -> bool:
+    return letter is not None and letter not in ("Z", "X")
+
+
+def stop_job(state: JobState, grace_s: float = 10.0) -> tuple[bool, dict[str, str]]:
+    """Stop every process of the job on every node. Its launcher, when it still runs, gets
+    SIGTERM first (it stops the job in order and fetches an SSH job's results); then any
+    process left gets SIGTERM and, after ``grace_s``, SIGKILL. Returns (whether the launcher
+    was stopped, how each process ended: "terminated", "killed" or "gone" when it was not
+    running any more). Raises ``LaunchError`` if a process still runs afterwards."""
+    launcher = _stop_launcher(state.info.get("launcher_pid"), grace_s)
+    with sessions(state) as nodes:
+        if is_remote(state):
+            from tiderl.launch.remote import fetch_results, stop_on_nodes
+
+            outcome = stop_on_nodes(state, nodes, grace_s)
+            fetch_results(state, nodes)
+        else:
+            outcome = stop_processes(state.processes, grace_s)
+        after = process_states(state, nodes)
+    left = [name for name, letter in after.items() if alive(letter)]
+    if left:
+        raise LaunchError(f"job {state.job_id}: still running after SIGKILL: {', '.join(left)}")
+    return launcher, outcome
+
+
+def _stop_launcher(pid: int | None, grace_s: float) -> bool:
+    """SIGTERM the job's launcher (``tiderl launch``) and wait for it; False if it was gone."""
+    if not pid or not is_running(pid) or not _is_launcher(pid):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + LAUNCHER_EXIT_S
+    while is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return True
+
+
+def _is_launcher(pid: int) -> bool:
+    """Guards against a recycled PID: the process must be a ``tiderl launch``."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"launch" in argv and any(b"tiderl" in a for a in argv)
+
+
+def read_log(record: ProcessRecord, nodes: dict[str, NodeSession], offset: int = 0,
+             fallback: Path | None = None) -> bytes | None:
+    """A process's log from ``offset`` on: from its node, or the launcher's fetched copy
+    (``fallback``) when the node no longer has it; None when neither exists."""
+    if record.host in nodes:
+        data = nodes[record.host].read(record.log, offset)
+        if data is not None:
+            return data
+        path = fallback
+    else:
+        path = Path(record.log)
+    if path is None or not path.exists():
+        return None
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        return handle.read()
+
+
+def select(state: JobState, rank: int | None = None,
+           process: str | None = None) -> list[ProcessRecord]:
+    """The job's processes, or the one of ``rank`` / named ``process``."""
+    if rank is None and process is None:
+        return list(state.processes)
+    chosen = [r for r in state.processes
+              if (rank is not None and r.rank == rank) or (process is not None
+                                                           and r.name == process)]
+    if not chosen:
+        names = ", ".join(r.name for r in state.processes) or "none"
+        what = f"rank {rank}" if rank is not None else f"process {process!r}"
+        raise LaunchError(f"job {state.job_id} has no {what} (processes: {names})")
+    return chosen
+

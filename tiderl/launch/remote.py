@@ -1,0 +1,218 @@
+"""Run a job on the nodes of hosts.yaml over SSH (``tiderl launch --nodes hosts.yaml``).
+
+    1. open an SSH session to every node the plan uses; check its python and tiderl against
+       the launcher's (one line naming the node on any failure; nothing has started yet)
+    2. ports: ``ports.base`` of hosts.yaml, or free ports probed on the nodes that bind them
+    3. the plan (pure, :func:`tiderl.launch.plan.plan_nodes`); the local run folder as for a
+       local job (profile, roles, keys, job.json with the nodes, PIDs and log paths)
+    4. push to each node's ``<workdir>/runs/<job>/``: profile.yaml, roles.json and the bus keys
+       (0600 in a 0700 folder; ``server.secret`` to the coordinator's node only)
+    5. start the environment service (wait for its /health), the coordinator and the ranks,
+       detached (:mod:`tiderl.launch.ssh`); follow the coordinator's PUB snapshots
+    6. at the end, or on any failure, Ctrl-C or SIGTERM: stop every process on every node, then
+       fetch metrics.jsonl, events.jsonl, the report and the logs into the local run folder.
+
+:class:`SSHExecutor` has the local executor's interface (``start``, ``exited``, ``stop``), so
+following a job is one piece of code (:func:`tiderl.launch.job.follow_job`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from tiderl.launch.hosts import PORT_NAMES, Hosts
+from tiderl.launch.job import (
+    JobResult,
+    follow_job,
+    job_info,
+    new_job_id,
+    prepare_run_dir,
+    wait_for_env,
+)
+from tiderl.launch.local import JobState, ProcessRecord, records_by_host
+from tiderl.launch.plan import LaunchPlan, ProcessSpec, node_endpoints, node_profile, plan_nodes
+from tiderl.launch.ssh import NodeError, NodeSession, open_sessions, session_for
+from tiderl.profile import Profile
+from tiderl.runtime.bus import Snapshot, load_job_keys
+from tiderl.runtime.bus.keys import CLIENT_PUBLIC, CLIENT_SECRET, SERVER_PUBLIC, SERVER_SECRET
+
+POLL_S = 1.0  # how often the launcher reads the processes' states over SSH
+RESULT_FILES = ("metrics.jsonl", "events.jsonl", "report.md")
+
+
+class SSHExecutor:
+    """Starts, watches and stops a job's processes on its nodes."""
+
+    def __init__(self, state: JobState, sessions: dict[str, NodeSession]):
+        self.state = state
+        self.sessions = sessions
+        self._ended: dict[int, int] = {}  # pid -> exit code as far as we can tell
+        self._polled = 0.0
+
+    def start(self, specs: Sequence[ProcessSpec]) -> None:
+        """Start each process on its node; if one fails, stop everything started and raise."""
+        for spec in specs:
+            log = f"{spec.run_dir}/logs/{spec.name}.log"
+            try:
+                pid = self.sessions[spec.host].start(spec.argv, spec.env, log)
+            except NodeError:
+                self.stop(grace_s=2.0)
+                raise
+            self.state.processes.append(ProcessRecord(
+                name=spec.name, kind=spec.kind, pid=pid, log=log, argv=list(spec.argv),
+                rank=spec.rank, host=spec.host))
+            self.state.save()
+
+    def exited(self) -> list[tuple[ProcessRecord, int]]:
+        """The processes that have ended (states read over SSH at most every POLL_S). A
+        detached process's exit status is not ours to read: the coordinator counts as 0 when
+        its events end with a ``stop`` for "done", any other process as 1."""
+        if time.monotonic() - self._polled >= POLL_S:
+            self._polled = time.monotonic()
+            for host, records in records_by_host(self.state.processes).items():
+                states = self.sessions[host].states([r.pid for r in records])
+                for record in records:
+                    if record.pid not in self._ended and states[record.pid] in (None, "Z", "X"):
+                        self._ended[record.pid] = self._exit_code(record)
+        return [(r, self._ended[r.pid]) for r in self.state.processes if r.pid in self._ended]
+
+    def _exit_code(self, record: ProcessRecord) -> int:
+        if record.kind != "coordinator":
+            return 1
+        data = self.sessions[record.host].read(f"{_run_dir(record)}/events.jsonl") or b""
+        stops = [e for e in map(json.loads, data.decode().splitlines()) if e["kind"] == "stop"]
+        return 0 if stops and stops[-1].get("reason") == "done" else 1
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, str]:
+        """SIGTERM, then SIGKILL after ``grace_s``, every process on every node (each node's
+        last started first); how each ended ("terminated", "killed" or "gone")."""
+        return stop_on_nodes(self.state, self.sessions, grace_s)
+
+
+def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
+                  grace_s: float) -> dict[str, str]:
+    outcome: dict[str, str] = {}
+    for host, records in records_by_host(state.processes).items():
+        ended = sessions[host].stop([r.pid for r in reversed(records)], grace_s)
+        outcome.update({r.name: ended[r.pid] for r in records})
+    return outcome
+
+
+def _run_dir(record: ProcessRecord) -> str:
+    return record.log.rsplit("/logs/", 1)[0]
+
+
+def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
+            job_id: str | None = None, on_snapshot: Callable[[Snapshot], None] | None = None,
+            on_start: Callable[[JobState], None] | None = None,
+            launcher_pid: int | None = None) -> JobResult:
+    """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``."""
+    job_id = job_id or new_job_id(profile)
+    used = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0)).hosts
+    sessions = open_sessions([hosts.node(name) for name in used])
+    state: JobState | None = None
+    executor: SSHExecutor | None = None
+    try:
+        hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
+        for name, session in sessions.items():
+            session.node = hosts.node(name)
+        ports = _ports(hosts, profile, sessions, job_id)
+        plan = plan_nodes(hosts, profile, job_id, ports)
+        run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
+        node_prof = node_profile(profile, hosts)
+        prepare_run_dir(node_prof, plan, run_dir)
+        ep = node_endpoints(hosts, profile, [r.host for r in plan.ranks], ports)
+        nodes = {name: _node_info(hosts, name) for name in used}
+        state = JobState(job_id, str(run_dir), time.time(), info=job_info(
+            profile, ep, launcher_pid=launcher_pid, nodes=nodes,
+            coordinator_node=hosts.coordinator))
+        state.save()
+        _push(plan, hosts, run_dir, sessions)
+        executor = SSHExecutor(state, sessions)
+        env = [p for p in plan.processes if p.kind == "env"]
+        if env:
+            executor.start(env)
+            wait_for_env(ep.env_url, executor)
+        executor.start([p for p in plan.processes if p.kind != "env"])
+        if on_start is not None:
+            on_start(state)
+        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
+    finally:
+        try:
+            if executor is not None:
+                executor.stop(grace_s=5.0)
+            if state is not None:
+                fetch_results(state, sessions)
+        finally:
+            for session in sessions.values():
+                session.close()
+    report = run_dir / "report.md"
+    return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
+
+
+def _with_workdirs(hosts: Hosts, workdirs: dict[str, str]) -> Hosts:
+    nodes = tuple(replace(n, workdir=workdirs.get(n.name, n.workdir)) for n in hosts.nodes)
+    return replace(hosts, nodes=nodes)
+
+
+def _node_info(hosts: Hosts, name: str) -> dict:
+    """What job control needs to reach a node again (see ``session_for``)."""
+    fields = asdict(hosts.node(name))
+    fields.pop("devices")
+    return fields
+
+
+def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
+           job_id: str) -> dict[str, int]:
+    if hosts.port_base is not None:
+        return {name: hosts.port_base + i for i, name in enumerate(PORT_NAMES)}
+    # bind where each is served: bus, pub and metrics on the coordinator's node, the
+    # environment service on its node, the gloo rendezvous on rank 0's
+    ports = dict(zip(("bus", "pub", "metrics"), sessions[hosts.coordinator].free_ports(3),
+                     strict=True))
+    if hosts.env_node is not None and not hosts.env_url:
+        ports["env"] = sessions[hosts.env_node].free_ports(1)[0]
+    else:
+        ports["env"] = 0
+    rank0 = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0)).ranks[0].host
+    ports["dist"] = sessions[rank0].free_ports(1)[0]
+    return ports
+
+
+def _push(plan: LaunchPlan, hosts: Hosts, run_dir: Path,
+          sessions: dict[str, NodeSession]) -> None:
+    """The run folder's files each node's daemons read; the server secret to one node only."""
+    keys = run_dir / "keys"
+    for name in plan.hosts:
+        remote = next(p.run_dir for p in plan.processes if p.host == name)
+        files = {f"{remote}/{f}": ((run_dir / f).read_bytes(), 0o644)
+                 for f in ("profile.yaml", "roles.json")}
+        secrets = [SERVER_PUBLIC, CLIENT_PUBLIC, CLIENT_SECRET]
+        if name == hosts.coordinator:
+            secrets.append(SERVER_SECRET)
+        files.update({f"{remote}/keys/{f}": ((keys / f).read_bytes(), 0o600) for f in secrets})
+        sessions[name].push(files, dirs=[remote, f"{remote}/keys", f"{remote}/logs"])
+
+
+def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
+    """The coordinator's files and every process's log, into the local run folder."""
+    local = Path(state.run_dir)
+    coordinator = next((r for r in state.processes if r.kind == "coordinator"), None)
+    if coordinator is not None:
+        session = sessions[coordinator.host]
+        remote = _run_dir(coordinator)
+        names = [*RESULT_FILES, *(f for f in session.listdir(remote) if f.endswith(".png"))]
+        for name in names:
+            session.fetch(f"{remote}/{name}", local / name)
+    for record in state.processes:
+        session = sessions[record.host]
+        session.fetch(record.log, local / "logs" / Path(record.log).name)
+
+
+def job_sessions(state: JobState) -> dict[str, NodeSession]:
+    """Open sessions to every node of a launched job (for status, logs, stop)."""
+    return open_sessions([session_for(state.info, name).node for name in state.info["nodes"]])

@@ -1,0 +1,241 @@
+"""One SSH session per node (fabric): checks, file pushes, detached starts, process control.
+
+Daemons start detached with all three streams redirected and their own session::
+
+    cd WORKDIR; K=V setsid nohup CMD > LOG 2>&1 < /dev/null & echo $!
+
+so ``$!`` is the daemon itself (not a subshell holding the channel), it leads its own process
+group (``tiderl stop`` signals the group) and it outlives the SSH connection. Liveness and
+stopping run on the node as ``python -m tiderl.launch.nodectl``, the same code the local
+executor uses: a killed process that is not reaped yet is a zombie, which ``kill -0`` would
+still call alive, so the process state is read from ``/proc``.
+
+Every failure is a :class:`NodeError`: one line naming the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import paramiko
+from fabric import Config, Connection
+from invoke.exceptions import CommandTimedOut
+
+from tiderl import __version__
+from tiderl.launch.hosts import Node
+from tiderl.launch.local import LaunchError
+
+CONNECT_TIMEOUT_S = 10
+COMMAND_TIMEOUT_S = 60
+
+# what the node's python reports: its version, tiderl's, and the absolute workdir
+_CHECK = ("import json, os, sys\n"
+          "try:\n    import tiderl; v = tiderl.__version__\n"
+          "except ImportError:\n    v = None\n"
+          "print(json.dumps({'python': list(sys.version_info[:2]), 'tiderl': v, "
+          "'workdir': os.getcwd()}))")
+_FREE_PORTS = ("import json, socket\nsocks = [socket.socket() for _ in range({n})]\n"
+               "for s in socks: s.bind(('{host}', 0))\n"
+               "print(json.dumps([s.getsockname()[1] for s in socks]))")
+
+
+class NodeError(LaunchError):
+    """An SSH or node failure; the message names the node."""
+
+
+class NodeSession:
+    """An open SSH connection to one node of hosts.yaml."""
+
+    def __init__(self, node: Node, connect_timeout_s: float = CONNECT_TIMEOUT_S):
+        self.node = node
+        key = os.path.expanduser(node.key_file) if node.key_file else None
+        kwargs: dict = {"banner_timeout": connect_timeout_s, "auth_timeout": connect_timeout_s}
+        if key is not None:  # that key only: a wrong key must fail, not fall back to others
+            kwargs.update(key_filename=key, look_for_keys=False, allow_agent=False)
+        self.conn = Connection(node.host, user=node.user, port=node.port,
+                               connect_timeout=int(connect_timeout_s), connect_kwargs=kwargs,
+                               config=Config(overrides={"load_ssh_configs": False}))
+
+    def fail(self, why: str) -> NodeError:
+        return NodeError(f"node {self.node.name} ({self.node.target}): {why}")
+
+    def open(self) -> NodeSession:
+        key = self.node.key_file
+        if key is not None and not Path(os.path.expanduser(key)).is_file():
+            raise self.fail(f"key_file {key}: no such file")
+        try:
+            self.conn.open()
+        except paramiko.AuthenticationException:
+            with_key = f"key {key}" if key else "the default keys"
+            raise self.fail(f"SSH login refused with {with_key}") from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self.fail(f"unreachable ({_reason(exc)})") from None
+        return self
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> NodeSession:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- commands
+
+    def run(self, command: str, timeout_s: float = COMMAND_TIMEOUT_S,
+            check: bool = True) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) of a shell command on the node."""
+        try:
+            result = self.conn.run(command, hide=True, warn=True, in_stream=False,
+                                   timeout=timeout_s)
+        except CommandTimedOut:
+            raise self.fail(f"{command.split()[0]} did not finish in {timeout_s:.0f} s") from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self.fail(f"lost the connection ({_reason(exc)})") from None
+        if check and result.exited != 0:
+            last = (result.stderr.strip() or result.stdout.strip()).splitlines()
+            raise self.fail(f"{command.split()[0]} failed (exit {result.exited}): "
+                            f"{last[-1] if last else 'no output'}")
+        return result.exited, result.stdout, result.stderr
+
+    def python(self, args: str, timeout_s: float = COMMAND_TIMEOUT_S) -> str:
+        return self.run(f"{shlex.quote(self.node.python)} {args}", timeout_s)[1]
+
+    def check(self) -> str:
+        """The node's python and tiderl must match the launcher's; returns the absolute
+        workdir (created if missing)."""
+        py, workdir = shlex.quote(self.node.python), shlex.quote(self.node.workdir)
+        code, out, err = self.run(f"mkdir -p {workdir} && cd {workdir} && "
+                                  f"{py} -c {shlex.quote(_CHECK)}", check=False)
+        if code == 127 or "No such file" in err:
+            raise self.fail(f"python {self.node.python}: not found")
+        if code != 0:
+            last = (err.strip() or out.strip()).splitlines()
+            raise self.fail(f"could not run python {self.node.python} in {self.node.workdir}: "
+                            f"{last[-1] if last else f'exit {code}'}")
+        try:
+            info = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise self.fail(f"python {self.node.python} printed {out.strip()[:80]!r}") from None
+        here = list(sys.version_info[:2])
+        if info["tiderl"] is None:
+            raise self.fail(f"tiderl is not installed for {self.node.python} "
+                            f"(the launcher has tiderl {__version__})")
+        if info["python"] != here or info["tiderl"] != __version__:
+            there = f"python {'.'.join(map(str, info['python']))}, tiderl {info['tiderl']}"
+            raise self.fail(f"{there} differ from the launcher's (python "
+                            f"{'.'.join(map(str, here))}, tiderl {__version__})")
+        return info["workdir"]
+
+    def free_ports(self, count: int) -> list[int]:
+        host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"
+        code = _FREE_PORTS.format(n=count, host=host)
+        return json.loads(self.python(f"-c {shlex.quote(code)}").strip().splitlines()[-1])
+
+    def push(self, files: Mapping[str, tuple[bytes, int]], dirs: Sequence[str] = ()) -> None:
+        """Write ``{remote path: (content, mode)}`` (folders in ``dirs`` are made 0700)."""
+        quoted = " ".join(shlex.quote(d) for d in dirs)
+        if dirs:
+            self.run(f"mkdir -p {quoted} && chmod 700 {quoted}")
+        try:
+            sftp = self.conn.sftp()
+            for path, (content, mode) in files.items():
+                with sftp.open(path, "wb") as handle:
+                    handle.chmod(mode)  # before the content: a secret is never world-readable
+                    handle.write(content)
+        except (OSError, paramiko.SSHException) as exc:
+            raise self.fail(f"could not write {path} over SFTP ({_reason(exc)})") from None
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], log: str) -> int:
+        """Start ``argv`` detached (see the module docstring); returns its PID."""
+        assign = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        command = " ".join(shlex.quote(a) for a in argv)
+        line = (f"cd {shlex.quote(self.node.workdir)}; {assign} setsid nohup {command} "
+                f"> {shlex.quote(log)} 2>&1 < /dev/null & echo $!")
+        out = self.run(line)[1].strip()
+        if not out.isdigit():
+            raise self.fail(f"starting {argv[0]} printed {out[:80]!r}, not a PID")
+        return int(out)
+
+    def states(self, pids: Sequence[int]) -> dict[int, str | None]:
+        """Each PID's state letter on the node (None: no such process)."""
+        if not pids:
+            return {}
+        out = self.python(f"-m tiderl.launch.nodectl state {' '.join(map(str, pids))}")
+        return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+
+    def stop(self, pids: Sequence[int], grace_s: float) -> dict[int, str]:
+        """SIGTERM each process group, SIGKILL after ``grace_s``: how each ended."""
+        if not pids:
+            return {}
+        out = self.python(f"-m tiderl.launch.nodectl stop --grace {grace_s:g} "
+                          f"{' '.join(map(str, pids))}", timeout_s=grace_s + COMMAND_TIMEOUT_S)
+        return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+
+    def read(self, path: str, offset: int = 0) -> bytes | None:
+        """The bytes of ``path`` from ``offset`` on (None if it does not exist)."""
+        try:
+            with self.conn.sftp().open(path, "rb") as handle:
+                handle.seek(offset)
+                return handle.read()
+        except FileNotFoundError:
+            return None
+        except (OSError, paramiko.SSHException) as exc:
+            raise self.fail(f"could not read {path} over SFTP ({_reason(exc)})") from None
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(self.conn.sftp().listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def fetch(self, remote: str, local: Path) -> bool:
+        """Copy ``remote`` to ``local``; False when it does not exist."""
+        data = self.read(remote)
+        if data is None:
+            return False
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(data)
+        return True
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return "timed out"
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return " ".join(text.split())[:160]
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)
+    except OSError:
+        return False
+    return True
+
+
+def open_sessions(nodes: Sequence[Node]) -> dict[str, NodeSession]:
+    """An open session to each node; on any failure the open ones are closed and the error
+    (naming its node) raised."""
+    sessions: dict[str, NodeSession] = {}
+    try:
+        for node in nodes:
+            sessions[node.name] = NodeSession(node).open()
+    except NodeError:
+        for session in sessions.values():
+            session.close()
+        raise
+    return sessions
+
+
+def session_for(info: dict, node_name: str) -> NodeSession:
+    """A session to a node of a launched job, from job.json's ``info["nodes"]``."""
+    return NodeSession(Node(**{**info["nodes"][node_name], "devices": (0,)}))
+

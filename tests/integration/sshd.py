@@ -71,7 +71,8 @@ def sshd(folder: Path, key: Path) -> Iterator[SSHNode]:
         f"PidFile {folder / 'sshd.pid'}", f"AuthorizedKeysFile {authorized}",
         "PasswordAuthentication no", "KbdInteractiveAuthentication no",
         "PermitRootLogin prohibit-password", "PubkeyAuthentication yes", "UsePAM no",
-        "StrictModes no", "Subsystem sftp internal-sftp", "MaxStartups 64", "MaxSessions 64", "LogLevel VERBOSE", ""]))
+        "StrictModes no", "Subsystem sftp internal-sftp", "MaxStartups 64", "MaxSessions 64",
+        "LogLevel VERBOSE", ""]))
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # its privilege separation dir
     log = folder / "sshd.log"

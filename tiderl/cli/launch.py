@@ -88,15 +88,18 @@ def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Outp
     def on_snapshot(snap) -> None:
         progress.update(bar, completed=snap.step, line=_progress_line(snap))
 
-    def on_start(state) -> None:
+    def on_start(state) -> None:  # the bar shows once every process is started
         out.note(f"job {state.job_id}: {state.run_dir} (logs in {state.run_dir}/logs)")
+        progress.start()
 
     try:
-        with progress:
-            kwargs = {"run_root": run_root, "on_snapshot": on_snapshot, "on_start": on_start,
-                      "launcher_pid": os.getpid()}
+        kwargs = {"run_root": run_root, "on_snapshot": on_snapshot, "on_start": on_start,
+                  "launcher_pid": os.getpid()}
+        try:
             result = (run_local(profile, **kwargs) if hosts is None
                       else run_ssh(profile, hosts, **kwargs))
+        finally:
+            progress.stop()
     except LaunchError as exc:
         raise CLIError(f"tiderl launch: {exc}") from exc
     except KeyboardInterrupt:

@@ -86,6 +86,8 @@ from tiderl.trainer.worker import ActorWorker, RefWorker
 log = logging.getLogger("tiderl.rank")
 
 FALLBACK_POLL_S = 0.05
+COORDINATOR_LOST_S = 15.0  # at least: a rank exits when its coordinator is gone this long
+EXIT_COORDINATOR_LOST = 3
 IDLE_SAMPLE_S = 0.05  # the bus reader is edge-triggered: a slow poll catches a missed edge
 
 
@@ -243,10 +245,19 @@ class RankDaemon:
         self.bus.send(msg)
 
     async def _heartbeats(self) -> None:
+        rt = self.profile.runtime
+        lost_after = max(COORDINATOR_LOST_S, 2 * rt.heartbeat_s * (rt.heartbeat_misses + 1))
         while True:
             self._send(Heartbeat(rank=self.rank, sent_at=time.time()))
             self._send(self._metrics())
-            await asyncio.sleep(self.profile.runtime.heartbeat_s)
+            assert self.bus is not None
+            down = self.bus.down_for()
+            if down > lost_after:  # the job is over for this rank: do not spin reconnecting
+                log.error("rank %d: no bus connection to the coordinator for %.0f s; exiting",
+                          self.rank, down)
+                logging.shutdown()
+                os._exit(EXIT_COORDINATOR_LOST)  # a worker may be blocked in a collective
+            await asyncio.sleep(rt.heartbeat_s)
 
     def _metrics(self) -> RankMetrics:
         used = budget = running = waiting = queries = hits = 0

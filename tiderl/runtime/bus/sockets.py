@@ -40,6 +40,7 @@ QUEUE_HWM = 100_000  # per peer, commands and reports; a queue this deep means a
 SNAPSHOT_HWM = 100  # snapshots are droppable: a slow `tiderl top` must not grow the coordinator
 ZAP_DOMAIN = b"tiderl"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ's ZAP spec (RFC 27)
+LINK_PING_MS, LINK_TIMEOUT_MS = 1000, 5000  # a client's ZMTP heartbeat to the coordinator
 REJECTION_LOG_S = 60.0  # a rejected plain peer reconnects every ~0.1 s: one warning a minute
 
 
@@ -295,11 +296,37 @@ class _Peer:
 
 
 class BusClient(_Peer):
-    """A rank's (or the CLI's) end: a DEALER connected to the coordinator's ROUTER."""
+    """A rank's (or the CLI's) end: a DEALER connected to the coordinator's ROUTER.
+
+    ZMTP heartbeats (PING every second, the link is down after 5 s without an answer) and a
+    monitor of handshakes and disconnects tell :meth:`down_for` how long the coordinator has
+    been unreachable: a rank whose coordinator is gone exits instead of reconnecting forever.
+    """
 
     def __init__(self, endpoint: str, keys: JobKeys | None, identity: bytes) -> None:
         super().__init__(zmq.DEALER, endpoint, keys, QUEUE_HWM, identity)
+        self._sock.heartbeat_ivl = LINK_PING_MS
+        self._sock.heartbeat_timeout = LINK_TIMEOUT_MS
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._down_since: float | None = time.monotonic()  # not connected yet
         self._sock.connect(endpoint)
+
+    def down_for(self) -> float:
+        """Seconds since the link to the coordinator was last up (since creation before the
+        first handshake); 0.0 while it is up."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down_since = None
+            elif event == zmq.EVENT_DISCONNECTED and self._down_since is None:
+                self._down_since = time.monotonic()
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close()
+        super().close()
 
     def send(self, msg: Message) -> None:
         """Queue ``msg`` for the coordinator; BusSendError if the queue is full."""

@@ -1,0 +1,169 @@
+"""`tiderl launch --nodes hosts.yaml` against real OpenSSH servers on loopback: two sshd on two
+ports are two nodes (node a: env, coordinator, ranks 0 and 1; node b: rank 2), each with its own
+workdir. The launcher logs in with a generated key; every daemon starts detached over SSH."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.running_job import SMALL_JOB
+from tests.integration.serving import free_port, tiderl_command
+from tests.integration.sshd import SSHNode, client_key, sshd
+from tests.integration.test_cli import assert_one_line_error, tiderl
+from tiderl.launch.local import JobState, group_members, is_running
+from tiderl.runtime.bus.keys import SERVER_SECRET
+
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ssh")
+    key = client_key(folder)
+    with sshd(folder / "sshd-a", key) as a, sshd(folder / "sshd-b", key) as b:
+        yield folder, a, b
+
+
+def _hosts_yaml(path: Path, a: SSHNode, b: SSHNode, **node_b) -> Path:
+    b_fields = {"name": "b", "host": b.host, "port": b.port, "devices": 1,
+                "workdir": str(path.parent / "b"), **node_b}
+    path.write_text(json.dumps({  # JSON is YAML
+        "defaults": {"user": a.user, "key_file": str(a.key_file), "python": sys.executable},
+        "nodes": [{"name": "a", "host": a.host, "port": a.port, "devices": 2,
+                   "workdir": str(path.parent / "a")}, b_fields],
+    }))
+    return path
+
+
+def _launch_argv(hosts: Path, run_root: Path, steps: int) -> list[str]:
+    argv = ["launch", "--nodes", str(hosts), "--run-root", str(run_root),
+            "--set", f"runtime.steps={steps}"]
+    for item in SMALL_JOB:
+        argv += ["--set", item]
+    return argv
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _assert_nothing_left(state: JobState) -> None:
+    for record in state.processes:  # both nodes are this machine: check by PID and group
+        assert not is_running(record.pid), f"{record.name} (pid {record.pid}) still runs"
+        assert group_members(record.pid) == [], f"{record.name} left children behind"
+
+
+def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
+    _, a, b = nodes
+    hosts = _hosts_yaml(tmp_path / "hosts.yaml", a, b)
+    proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    state = JobState.load(run_dir)
+    # job.json: every process with its node, PID and log; the nodes to reach them again
+    assert {(p.name, p.host) for p in state.processes} == {
+        ("env", "a"), ("coordinator", "a"), ("rank0", "a"), ("rank1", "a"), ("rank2", "b")}
+    assert set(state.info["nodes"]) == {"a", "b"}
+    assert all(p.log.startswith(str(tmp_path / p.host / "runs")) for p in state.processes)
+    # the keys went out 0600 in a 0700 folder; the server secret to the coordinator's node only
+    keys_a = tmp_path / "a" / "runs" / state.job_id / "keys"
+    keys_b = tmp_path / "b" / "runs" / state.job_id / "keys"
+    assert (keys_a / SERVER_SECRET).exists() and not (keys_b / SERVER_SECRET).exists()
+    assert {f.stat().st_mode & 0o777 for f in [*keys_a.iterdir(), *keys_b.iterdir()]} == {0o600}
+    assert keys_b.stat().st_mode & 0o777 == 0o700
+    # it trained as the local job does (tests/e2e/test_runtime_job.py): the results came back
+    metrics = _read(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert all(4 <= m["trained_samples"] <= 8 and m["trained_samples"] % 4 == 0
+               for m in metrics)
+    assert all(m["loss"] is not None and m["goodput_tok_s"] > 0 for m in metrics)
+    stop = _read(run_dir / "events.jsonl")[-1]
+    assert stop["kind"] == "stop" and stop["reason"] == "done"
+    accounting = stop["groups"]
+    assert accounting["fed"] == sum(accounting[k] for k in ("trained", "dropped", "buffered",
+                                                              "rolling_out"))
+    assert (run_dir / "report.md").exists()
+    assert "rank2" in (run_dir / "logs" / "rank2.log").read_text()  # fetched from node b
+    _assert_nothing_left(state)
+    status = tiderl("status", state.job_id, "--run-root", str(tmp_path / "runs"), "--json")
+    payload = json.loads(status.stdout)
+    assert payload["state"] == "ended" and payload["steps"] == "3/3"
+    assert {p["state"] for p in payload["processes"]} <= {"gone", "zombie (ended)"}
+
+
+def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
+    _, a, b = nodes
+    hosts = _hosts_yaml(tmp_path / "hosts.yaml", a, b)
+    run_root = tmp_path / "runs"
+    log = (tmp_path / "launcher.log").open("w")
+    launcher = subprocess.Popen([*tiderl_command(), *_launch_argv(hosts, run_root, 500)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        job = _wait_for_step(run_root, tmp_path / "a", launcher, step=1)
+        status = tiderl("status", job, "--run-root", str(run_root), "--json")
+        assert status.returncode == 0, status.stderr
+        payload = json.loads(status.stdout)
+        assert payload["state"] == "running" and payload["where"] == "a, b"
+        assert {p["node"] for p in payload["processes"] if p["name"] == "rank2"} == {"b"}
+        assert all(p["state"].startswith("running") for p in payload["processes"])
+        logs = tiderl("logs", job, "--rank", "2", "--run-root", str(run_root))
+        assert logs.returncode == 0 and " rank2 " in logs.stdout  # read from node b over SSH
+        every = tiderl("logs", job, "--run-root", str(run_root))
+        assert "coordinator | " in every.stdout and "      rank2 | " in every.stdout
+        assert_one_line_error(tiderl("logs", job, "--rank", "7", "--run-root", str(run_root)), 1)
+        state = JobState.load(run_root / job)
+        stop = tiderl("stop", job, "--run-root", str(run_root), "--json")
+        assert stop.returncode == 0, stop.stderr
+        assert json.loads(stop.stdout)["launcher_stopped"] is True
+        assert launcher.wait(30) != 0  # it was stopped, and says so
+        _assert_nothing_left(state)
+        assert (run_root / job / "metrics.jsonl").exists()  # fetched when it stopped
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        log.close()
+
+
+def _wait_for_step(run_root: Path, workdir_a: Path, launcher: subprocess.Popen,
+                   step: int) -> str:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, "the launcher ended early"
+        for metrics in workdir_a.glob("runs/*/metrics.jsonl"):
+            if len(metrics.read_text().splitlines()) >= step:
+                return metrics.parent.name
+        time.sleep(0.5)
+    raise AssertionError(f"no step {step} within {TIMEOUT_S} s")
+
+
+@pytest.mark.parametrize("case", ["unreachable", "wrong key", "no python", "no tiderl"])
+def test_a_bad_node_fails_in_one_line_naming_it_and_starts_nothing(nodes, tmp_path, case):
+    _, a, b = nodes
+    node_b = {
+        "unreachable": {"port": free_port()},  # nothing listens there
+        "wrong key": {"key_file": str(client_key(tmp_path / "other"))},
+        "no python": {"python": str(tmp_path / "no" / "python")},
+        "no tiderl": {"python": "/usr/bin/python3"},
+    }[case]
+    hosts = _hosts_yaml(tmp_path / "hosts.yaml", a, b, **node_b)
+    proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    line = assert_one_line_error(proc, 1)
+    assert line.startswith(f"error: tiderl launch: node b ({a.user}@127.0.0.1:"), line
+    expected = {"unreachable": "unreachable", "wrong key": "SSH login refused with key",
+                "no python": "no/python: not found", "no tiderl": "tiderl is not installed"}
+    assert expected[case] in line
+    assert not (tmp_path / "runs").exists()  # checked before anything was made or started
+    assert not list((tmp_path / "a").glob("runs/*"))
+

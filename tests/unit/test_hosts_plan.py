@@ -1,0 +1,114 @@
+"""hosts.yaml validation (one line naming the key) and the pure node planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiderl.core.types import Role
+from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts, parse_hosts
+from tiderl.launch.plan import plan_local, plan_nodes
+from tiderl.profile import load_profile
+
+PORTS = dict(zip(PORT_NAMES, (5001, 5002, 5003, 5004, 5005), strict=True))
+
+
+def _hosts(**extra):
+    return parse_hosts({
+        "defaults": {"user": "tide", "python": "/opt/venv/bin/python", "workdir": "/srv/t"},
+        "nodes": [{"name": "a", "host": "10.0.0.1", "devices": 2},
+                  {"name": "b", "host": "b.example", "address": "10.0.0.2", "port": 2222,
+                   "devices": [1, 3], "python": "/usr/bin/python3.11",
+                   "env": {"GLOO_SOCKET_IFNAME": "eth0"}}],
+        **extra})
+
+
+def test_defaults_apply_and_a_node_overrides_them():
+    hosts = _hosts()
+    a, b = hosts.nodes
+    assert (a.user, a.port, a.python, a.workdir, a.devices) == (
+        "tide", 22, "/opt/venv/bin/python", "/srv/t", (0, 1))
+    assert (b.port, b.python, b.devices, b.reach, b.target) == (
+        2222, "/usr/bin/python3.11", (1, 3), "10.0.0.2", "tide@b.example:2222")
+    assert hosts.coordinator == "a" and hosts.env_node == "a" and hosts.port_base is None
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"nodes": []}, "nodes: expected a non-empty list of nodes"),
+    ({"nodes": [{"devices": 1}]}, "nodes[0].host: expected a host name or address"),
+    ({"nodes": [{"host": "h", "port": "x"}]}, "nodes[0].port: expected a port in 1..65535"),
+    ({"nodes": [{"host": "h", "devices": 0}]}, "nodes[0].devices: expected a count >= 1"),
+    ({"nodes": [{"host": "h", "devices": [0, 0]}]}, "nodes[0].devices: expected a count"),
+    ({"nodes": [{"host": "h", "gpus": 2}]}, "nodes[0].gpus: unknown key"),
+    ({"nodes": [{"host": "h"}], "coordinator": "z"}, "coordinator: no node named 'z'"),
+    ({"nodes": [{"host": "h"}], "env": {"node": "z"}}, "env.node: no node named 'z'"),
+    ({"nodes": [{"host": "h"}], "env": {"url": "ftp://x"}}, "env.url: expected an http(s) URL"),
+    ({"nodes": [{"host": "h"}], "env": {"url": "http://x", "node": "h"}}, "env: give 'node'"),
+    ({"nodes": [{"host": "h"}], "ports": {"base": 80}}, "ports.base: expected a port"),
+    ({"nodes": [{"host": "h", "name": "n"}, {"host": "g", "name": "n"}]},
+     "nodes[1].name: 'n' names two nodes"),
+    ({"defaults": {"devices": 2}, "nodes": [{"host": "h"}]}, "defaults.devices: unknown key"),
+    ({"nodes": [{"host": "h", "env": {"A B": 1}}]}, "nodes[0].env: expected a mapping"),
+    ([1, 2], "expected a mapping with 'nodes'"),
+])
+def test_errors_are_one_line_naming_the_key(data, message):
+    with pytest.raises(HostsError) as err:
+        parse_hosts(data, "hosts.yaml")
+    text = str(err.value)
+    assert text.startswith("hosts.yaml: ") and message in text and "\n" not in text
+
+
+def test_repeated_hosts_get_host_port_names(tmp_path):
+    path = tmp_path / "hosts.yaml"
+    path.write_text("nodes:\n  - {host: 127.0.0.1, port: 2201}\n"
+                    "  - {host: 127.0.0.1, port: 2202}\n")
+    assert [n.name for n in load_hosts(path).nodes] == ["127.0.0.1:2201", "127.0.0.1:2202"]
+    path.write_text("nodes: [\n")
+    with pytest.raises(HostsError, match="not valid YAML"):
+        load_hosts(path)
+    with pytest.raises(HostsError, match="cannot read"):
+        load_hosts(tmp_path / "missing.yaml")
+
+
+def test_ranks_fill_the_nodes_in_order_with_their_commands():
+    profile = load_profile("local", ["runtime.num_ranks=4", "runtime.rollout_ranks=2",
+                                     "runtime.device=cuda"])
+    plan = plan_nodes(_hosts(env={"node": "b"}), profile, "j1", PORTS)
+    by_name = {p.name: p for p in plan.processes}
+    assert [p.name for p in plan.processes] == ["env", "coordinator", "rank0", "rank1", "rank2",
+                                                "rank3"]
+    assert [(p.host, p.device, p.role) for p in plan.ranks] == [
+        ("a", "cuda:0", Role.ROLLOUT), ("a", "cuda:1", Role.ROLLOUT),
+        ("b", "cuda:1", Role.ACTOR), ("b", "cuda:3", Role.ACTOR)]
+    assert by_name["env"].host == "b" and by_name["coordinator"].host == "a"
+    rank2 = by_name["rank2"]
+    assert rank2.argv[:6] == ("/usr/bin/python3.11", "-m", "tiderl.runtime", "rank",
+                              "--run-dir", "/srv/t/runs/j1")
+    argv = " ".join(rank2.argv)
+    assert "--bus tcp://10.0.0.1:5001" in argv and "--dist tcp://10.0.0.1:5005" in argv
+    assert "--env-url http://10.0.0.2:5004" in argv and "--device cuda:1" in argv
+    assert rank2.env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}  # as torchrun
+    env_argv = " ".join(by_name["env"].argv)
+    assert "--host 10.0.0.2 --port 5004" in env_argv
+    assert "--metrics-port 5003" in " ".join(by_name["coordinator"].argv)
+
+
+def test_a_running_environment_service_is_used_not_started():
+    profile = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1"])
+    plan = plan_nodes(_hosts(env={"url": "http://10.0.0.9:8100/"}), profile, "j1", PORTS)
+    assert [p.kind for p in plan.processes][:2] == ["coordinator", "rank"]
+    assert "--env-url http://10.0.0.9:8100 " in " ".join(plan.ranks[0].argv) + " "
+    assert plan.ranks[0].env == {"OMP_NUM_THREADS": "1"}  # CPU ranks: their thread count
+
+
+def test_more_ranks_than_devices_is_refused():
+    profile = load_profile("local", ["runtime.num_ranks=5", "runtime.rollout_ranks=2"])
+    with pytest.raises(HostsError, match=r"4 devices in all, but runtime\.num_ranks is 5"):
+        plan_nodes(_hosts(), profile, "j1", PORTS)
+
+
+def test_the_local_plan_has_the_same_processes():
+    profile = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1"])
+    local = plan_local(profile)
+    nodes = plan_nodes(_hosts(), profile, "j1", PORTS)
+    assert [(p.name, p.role) for p in local.processes] == [(p.name, p.role)
+                                                            for p in nodes.processes]

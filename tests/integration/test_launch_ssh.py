@@ -125,7 +125,7 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
         stop = tiderl("stop", job, "--run-root", str(run_root), "--json")
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout)["launcher_stopped"] is True
-        assert launcher.wait(30) != 0  # it was stopped, and says so
+        assert launcher.wait(30) == 143  # SIGTERM: it stopped the job and said so
         _assert_nothing_left(state)
         assert (run_root / job / "metrics.jsonl").exists()  # fetched when it stopped
     finally:

@@ -105,6 +105,9 @@ def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Outp
     except KeyboardInterrupt:
         raise CLIError("tiderl launch: interrupted; every process of the job was stopped",
                        130) from None
+    except SystemExit as exc:  # SIGTERM (e.g. from `tiderl stop`)
+        raise CLIError("tiderl launch: terminated; every process of the job was stopped",
+                       exc.code if isinstance(exc.code, int) else 143) from None
     payload = {"job": result.job_id, "run_dir": str(result.run_dir),
                "report": str(result.report) if result.report else None,
                "exit_code": result.exit_code,

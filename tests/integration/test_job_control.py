@@ -1,0 +1,71 @@
+"""`tiderl status | logs | stop` on a real local job, and ranks that outlive their coordinator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from tests.integration.running_job import running_job
+from tests.integration.serving import tiderl_command
+from tests.integration.test_cli import assert_one_line_error, tiderl
+from tiderl.launch.local import JobState, group_members, is_running
+
+
+def test_status_logs_and_stop_on_a_local_job(tmp_path):
+    run_root = tmp_path / "runs"
+    with running_job(run_root, wait_steps=1) as (state, launcher):
+        job = state.job_id
+        listing = json.loads(tiderl("status", "--run-root", str(run_root), "--json").stdout)
+        assert [(j["job"], j["where"], j["state"]) for j in listing] == [(job, "local",
+                                                                           "running")]
+        detail = json.loads(tiderl("status", job, "--run-root", str(run_root), "--json").stdout)
+        assert [p["name"] for p in detail["processes"]] == ["env", "coordinator", "rank0",
+                                                            "rank1", "rank2"]
+        assert all(p["state"].startswith("running") for p in detail["processes"])
+        coordinator = tiderl("logs", job, "--process", "coordinator", "--run-root",
+                             str(run_root))
+        assert coordinator.returncode == 0 and "rank 2 up" in coordinator.stdout
+        # -f follows until the job ends: stop it from the side
+        follow = subprocess.Popen([*tiderl_command(), "logs", job, "--rank", "0", "-f",
+                                   "--run-root", str(run_root)], stdout=subprocess.PIPE,
+                                  text=True)
+        stopped = {}
+        stopper = threading.Timer(3.0, lambda: stopped.update(proc=tiderl(
+            "stop", job, "--run-root", str(run_root), "--json")))
+        stopper.start()
+        out, _ = follow.communicate(timeout=120)
+        stopper.join()
+        assert follow.returncode == 0 and " rank0 " in out
+        stop = stopped["proc"]
+        assert stop.returncode == 0, stop.stderr
+        assert json.loads(stop.stdout)["launcher_stopped"] is True
+        assert launcher.wait(30) == 143  # SIGTERM: it stopped the job and said so
+        for record in JobState.load(state.run_dir).processes:
+            assert not is_running(record.pid) and group_members(record.pid) == []
+        ended = json.loads(tiderl("status", job, "--run-root", str(run_root), "--json").stdout)
+        assert ended["state"] == "ended"
+    assert_one_line_error(tiderl("status", "nope", "--run-root", str(run_root)), 1)
+    assert_one_line_error(tiderl("stop", "nope", "--run-root", str(run_root)), 1)
+
+
+def test_ranks_exit_by_themselves_when_their_coordinator_is_gone(tmp_path):
+    """A launcher and coordinator killed without a chance to clean up (SIGKILL) leave the ranks
+    without a bus: they exit after their link has been down for a while."""
+    with running_job(tmp_path / "runs", wait_steps=1) as (state, launcher):
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        coordinator = next(p for p in state.processes if p.kind == "coordinator")
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        ranks = [p for p in state.processes if p.kind == "rank"]
+        deadline = time.monotonic() + 90
+        while any(is_running(r.pid) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [r.name for r in ranks if is_running(r.pid)]
+        for rank in ranks:
+            log = Path(rank.log).read_text()
+            assert "no bus connection to the coordinator" in log, log[-2000:]

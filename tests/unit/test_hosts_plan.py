@@ -29,7 +29,7 @@ def test_defaults_apply_and_a_node_overrides_them():
         "tide", 22, "/opt/venv/bin/python", "/srv/t", (0, 1))
     assert (b.port, b.python, b.devices, b.reach, b.target) == (
         2222, "/usr/bin/python3.11", (1, 3), "10.0.0.2", "tide@b.example:2222")
-    assert hosts.coordinator == "a" and hosts.env_node == "a" and hosts.port_base is None
+    assert hosts.coordinator == "a" and hosts.env_node is None and hosts.port_base is None
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -98,6 +98,17 @@ def test_a_running_environment_service_is_used_not_started():
     assert [p.kind for p in plan.processes][:2] == ["coordinator", "rank"]
     assert "--env-url http://10.0.0.9:8100 " in " ".join(plan.ranks[0].argv) + " "
     assert plan.ranks[0].env == {"OMP_NUM_THREADS": "1"}  # CPU ranks: their thread count
+
+
+def test_without_an_env_section_the_profiles_url_or_the_coordinators_node():
+    profile = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1"])
+    plan = plan_nodes(_hosts(), profile, "j1", PORTS)
+    assert [(p.name, p.host) for p in plan.processes[:2]] == [("env", "a"), ("coordinator", "a")]
+    with_url = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1",
+                                      "env.url=http://10.0.0.8:8100"])
+    plan = plan_nodes(_hosts(), with_url, "j1", PORTS)
+    assert plan.processes[0].kind == "coordinator"
+    assert "--env-url http://10.0.0.8:8100" in " ".join(plan.ranks[0].argv)
 
 
 def test_more_ranks_than_devices_is_refused():

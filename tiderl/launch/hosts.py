@@ -18,8 +18,9 @@
         devices: 2
     coordinator: n0           # the node of the coordinator (default: the first)
     env:                      # the environment service: one of
-      node: n1                #   start one on this node (default: the coordinator's node)
+      node: n1                #   start one on this node
       # url: http://10.0.0.9:8100   # or use a running one
+                              # neither: the profile's env.url, else one on the coordinator's node
     ports:                    # optional; default: free ports probed on each node at launch
       base: 29400             #   bus, pub, metrics, env, dist = base .. base+4
 
@@ -73,7 +74,7 @@ class Node:
 class Hosts:
     nodes: tuple[Node, ...]
     coordinator: str  # node name
-    env_node: str | None  # start the environment service there (None: use env_url)
+    env_node: str | None  # start the environment service there (see plan.env_service)
     env_url: str | None
     port_base: int | None  # None: probe free ports at launch
     source: str = "hosts.yaml"
@@ -139,7 +140,7 @@ def parse_hosts(data: Any, source: str = "hosts.yaml") -> Hosts:
     env_url = env.get("url")
     if env_url is not None and not (isinstance(env_url, str) and env_url.startswith("http")):
         raise fail("env.url", f"expected an http(s) URL, got {env_url!r}")
-    env_node = None if env_url else env.get("node", coordinator)
+    env_node = env.get("node")
     if env_node is not None and env_node not in names:
         raise fail("env.node", f"no node named {env_node!r} (nodes: {', '.join(names)})")
     ports = data.get("ports") or {}

@@ -132,16 +132,26 @@ def node_run_dir(workdir: str, job_id: str) -> str:
     return posixpath.join(workdir, "runs", job_id)
 
 
+def env_service(hosts: Hosts, profile: Profile) -> tuple[str | None, str | None]:
+    """(the node to start the environment service on, or None; the URL of a running one, or
+    None): hosts.yaml's env.url or env.node, else the profile's env.url, else the coordinator's
+    node."""
+    if hosts.env_url:
+        return None, hosts.env_url
+    if hosts.env_node is not None:
+        return hosts.env_node, None
+    if profile.env.url:
+        return None, profile.env.url.rstrip("/")
+    return hosts.coordinator, None
+
+
 def node_endpoints(hosts: Hosts, profile: Profile, plan_ranks: list[str],
                    ports: Mapping[str, int | str]) -> Endpoints:
+    env_node, env_url = env_service(hosts, profile)
+    if env_node is not None:
+        env_url = f"http://{hosts.node(env_node).reach}:{ports['env']}"
     coordinator = hosts.node(hosts.coordinator).reach
-    if hosts.env_url:
-        env_url = hosts.env_url
-    elif hosts.env_node is not None:
-        env_url = f"http://{hosts.node(hosts.env_node).reach}:{ports['env']}"
-    else:
-        env_url = profile.env.url or ""
-    return Endpoints(coordinator, env_url, hosts.node(plan_ranks[0]).reach, ports)
+    return Endpoints(coordinator, env_url or "", hosts.node(plan_ranks[0]).reach, ports)
 
 
 def node_profile(profile: Profile, hosts: Hosts) -> Profile:
@@ -161,8 +171,9 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
     rank_nodes = [node.name for node, _ in slots[:rt.num_ranks]]
     ep = node_endpoints(hosts, profile, rank_nodes, ports)
     specs: list[ProcessSpec] = []
-    if hosts.env_node is not None and not hosts.env_url:
-        specs.append(ProcessSpec(name="env", kind="env", host=hosts.env_node))
+    env_node = env_service(hosts, profile)[0]
+    if env_node is not None:
+        specs.append(ProcessSpec(name="env", kind="env", host=env_node))
     specs.append(ProcessSpec(name="coordinator", kind="coordinator", host=hosts.coordinator))
     for rank, role in enumerate(initial_roles(profile)):
         node, index = slots[rank]

@@ -34,7 +34,14 @@ from tiderl.launch.job import (
     wait_for_env,
 )
 from tiderl.launch.local import JobState, ProcessRecord, records_by_host
-from tiderl.launch.plan import LaunchPlan, ProcessSpec, node_endpoints, node_profile, plan_nodes
+from tiderl.launch.plan import (
+    LaunchPlan,
+    ProcessSpec,
+    env_service,
+    node_endpoints,
+    node_profile,
+    plan_nodes,
+)
 from tiderl.launch.ssh import NodeError, NodeSession, open_sessions, session_for
 from tiderl.profile import Profile
 from tiderl.runtime.bus import Snapshot, load_job_keys
@@ -174,10 +181,8 @@ def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
     # environment service on its node, the gloo rendezvous on rank 0's
     ports = dict(zip(("bus", "pub", "metrics"), sessions[hosts.coordinator].free_ports(3),
                      strict=True))
-    if hosts.env_node is not None and not hosts.env_url:
-        ports["env"] = sessions[hosts.env_node].free_ports(1)[0]
-    else:
-        ports["env"] = 0
+    env_node = env_service(hosts, profile)[0]
+    ports["env"] = sessions[env_node].free_ports(1)[0] if env_node is not None else 0
     rank0 = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0)).ranks[0].host
     ports["dist"] = sessions[rank0].free_ports(1)[0]
     return ports

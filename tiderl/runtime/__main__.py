@@ -1,6 +1,6 @@
 """The job's daemons, as the launcher starts them (not a user command):
 
-    python -m tiderl.runtime env         --run-dir D --port P
+    python -m tiderl.runtime env         --run-dir D [--host H] --port P
     python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q [--metrics-port M]
     python -m tiderl.runtime rank        --run-dir D --rank R --bus tcp://... --dist tcp://...
                                          --env-url http://... [--device cpu] [--threads 1]
@@ -16,9 +16,13 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiderl.core.types import Role
 from tiderl.profile import load_profile
+
+if TYPE_CHECKING:
+    from tiderl.runtime.prom import MetricsExporter
 
 PROFILE_FILE = "profile.yaml"
 ROLES_FILE = "roles.json"
@@ -28,7 +32,7 @@ def _env(args: argparse.Namespace) -> int:
     from tiderl.env.server import serve
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
-    serve(profile.env, "127.0.0.1", args.port)
+    serve(profile.env, args.host, args.port)
     return 0
 
 
@@ -40,8 +44,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
     keys = load_job_keys(args.run_dir / "keys")
+    exporter = _exporter(profile.runtime.bus_host, args.metrics_port)
     with BusServer(keys, profile.runtime.bus_host, args.port, args.pub_port) as server:
         coordinator = Coordinator(profile, args.run_dir, server, roles)
+        coordinator.exporter = exporter
         try:
             coordinator.run()
         except CoordinatorError as exc:
@@ -50,9 +56,22 @@ def _coordinator(args: argparse.Namespace) -> int:
             return 1
         finally:
             coordinator.close()
+            if exporter is not None:
+                exporter.close()
     path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}")
     logging.getLogger("tiderl.coordinator").info("report: %s", path)
     return 0
+
+
+def _exporter(host: str, port: int) -> MetricsExporter | None:
+    """The Prometheus exporter serving ``http://host:port/metrics``, or None for port 0."""
+    if port <= 0:
+        return None
+    from tiderl.runtime.prom import MetricsExporter
+
+    exporter = MetricsExporter()
+    exporter.start(host, port)
+    return exporter
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -74,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = sub.add_parser("rank")
     for p in (env, coord, rank):
         p.add_argument("--run-dir", type=Path, required=True)
+    env.add_argument("--host", default="127.0.0.1", help="address to serve on")
     env.add_argument("--port", type=int, required=True)
     coord.add_argument("--port", type=int, required=True)
     coord.add_argument("--pub-port", type=int, required=True)

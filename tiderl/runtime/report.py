@@ -98,7 +98,7 @@ def write_report(run_dir: Path, *, title: str | None = None) -> Path:
     if metrics:
         _plot_goodput_reward(metrics, run_dir / IMAGES[0])
         _plot_roles(metrics, run_dir / IMAGES[1])
-        _plot_readiness(metrics, run_dir / IMAGES[2])
+        plot_readiness(metrics, run_dir / IMAGES[2])
     lines = [f"# {title or f'Run report: {run_dir.name}'}", ""]
     if (run_dir / "profile.yaml").exists():
         lines += ["Resolved profile: [profile.yaml](profile.yaml)", ""]
@@ -171,7 +171,7 @@ def _events_section(events: list[Row]) -> list[str]:
 
 
 def _plot_goodput_reward(metrics: list[Row], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     t = [m["time_s"] for m in metrics]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     top.plot(t, [m["goodput_tok_s"] for m in metrics], linewidth=1.2)
@@ -185,11 +185,11 @@ def _plot_goodput_reward(metrics: list[Row], path: Path) -> None:
     bottom.set_xlabel("time (s)")
     bottom.set_ylabel("reward")
     bottom.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _plot_roles(metrics: list[Row], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     counts = [Counter(m["roles"]) for m in metrics]
     roles = [r for r in ROLE_LETTERS if any(c[r] for c in counts)]
     roles += sorted({r for c in counts for r in c} - set(ROLE_LETTERS))
@@ -200,11 +200,11 @@ def _plot_roles(metrics: list[Row], path: Path) -> None:
     ax.set_ylabel("ranks")
     ax.set_title("Roles over time")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _plot_readiness(metrics: list[Row], path: Path) -> None:
-    plt = _pyplot()
+def plot_readiness(metrics: list[Row], path: Path) -> Path:
+    plt = pyplot()
     points = [m for m in metrics if m["tprm_s"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for mode in dict.fromkeys(m["mode"] for m in points):
@@ -215,10 +215,12 @@ def _plot_readiness(metrics: list[Row], path: Path) -> None:
     ax.set_xlabel("RAS (ready at start)")
     ax.set_ylabel("TPRM (s)")
     ax.set_title(f"RAS/TPRM per step ({len(metrics) - len(points)} skipped: TPRM null)")
-    _save(fig, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, path)
+    return path
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,7 +229,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Figure, path: Path) -> None:
+def save_figure(fig: Figure, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

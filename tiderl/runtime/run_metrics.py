@@ -1,5 +1,6 @@
 """The coordinator's metrics half: RWT, the per-step record of ``metrics.jsonl``, the group
-accounting and the PUB snapshots ``tiderl top`` reads. A mixin of
+accounting, the PUB snapshots ``tiderl top`` reads and the Prometheus exporter's values
+(:mod:`tiderl.runtime.prom`, when the daemon set ``self.exporter``). A mixin of
 :class:`tiderl.runtime.coordinator.Coordinator`, whose state it reads.
 """
 
@@ -85,6 +86,12 @@ class MetricsMixin:
         }
 
     def _write_record(self, record: dict) -> None:
+        if self.exporter is not None:  # first: once a step is in the file, /metrics has it
+            self.exporter.update_step(
+                trained_tokens_total=record["trained_tokens_total"],
+                twt_s_total=sum(r["twt_s"] for r in self.records),  # record is in self.records
+                kv_hit_rate=record["kv_hit_rate"], staleness=record["staleness_max"],
+                mode=record["mode"])
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         self._publish(record)
@@ -102,6 +109,17 @@ class MetricsMixin:
             roles={r: role.value for r, role in enumerate(self.roles)},
             metrics=metrics, ranks=[self.rank_metrics[r] for r in sorted(self.rank_metrics)],
             mode=str(last.get("mode", "")), note=self.plan_note))
+        if self.exporter is not None:
+            self._export_live()
+
+    def _export_live(self) -> None:
+        signals = self.tracker.signals(self.now())
+        rollout = set(self._rollout_ranks())
+        self.exporter.update_live(
+            rwt_s_total=self.rwt_s, ras=signals.ras, tprm_s=signals.tprm_s,
+            roles=[role.value for role in self.roles],
+            kv_tokens={r: (m.kv_tokens_used, m.kv_tokens_budget)
+                       for r, m in self.rank_metrics.items() if r in rollout})
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:

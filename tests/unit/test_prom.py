@@ -1,0 +1,100 @@
+"""The coordinator's Prometheus exporter, read back through its exposition text."""
+
+import math
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tiderl.runtime.prom import MODES, ROLES, MetricsExporter
+
+NAMES = ("tiderl_goodput_tokens_total", "tiderl_trained_tokens_total", "tiderl_ras",
+         "tiderl_tprm_seconds", "tiderl_rwt_seconds_total", "tiderl_twt_seconds_total",
+         "tiderl_ra2p_mode", "tiderl_ranks", "tiderl_kv_hit_rate", "tiderl_staleness")
+
+
+def exposed(exporter: MetricsExporter) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of the exporter's /metrics text."""
+    text = generate_latest(exporter.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def step(exporter, trained=0, twt=0.0, hit=None, staleness=0, mode="colocated"):
+    exporter.update_step(trained_tokens_total=trained, twt_s_total=twt, kv_hit_rate=hit,
+                         staleness=staleness, mode=mode)
+
+
+def live(exporter, rwt=0.0, ras=0, tprm=None, roles=(), kv=None):
+    exporter.update_live(rwt_s_total=rwt, ras=ras, tprm_s=tprm, roles=list(roles),
+                         kv_tokens=kv or {})
+
+
+def test_a_fresh_exporter_has_every_series_with_unknowns_as_nan():
+    samples = exposed(MetricsExporter())
+    names = {name for name, _ in samples}
+    assert set(NAMES) <= names
+    assert value(samples, "tiderl_trained_tokens_total") == 0
+    assert math.isnan(value(samples, "tiderl_tprm_seconds"))
+    assert math.isnan(value(samples, "tiderl_kv_hit_rate"))
+    assert all(value(samples, "tiderl_ra2p_mode", mode=m) == 0 for m in MODES)
+    assert all(value(samples, "tiderl_ranks", role=r) == 0 for r in ROLES)
+
+
+def test_updates_show_in_the_text():
+    exporter = MetricsExporter()
+    live(exporter, rwt=1.5, ras=3, tprm=0.25, roles=["rollout", "actor", "actor", "ref"],
+         kv={0: (100, 2048)})
+    step(exporter, trained=640, twt=2.0, hit=0.75, staleness=2, mode="decoupled")
+    s = exposed(exporter)
+    assert value(s, "tiderl_trained_tokens_total") == 640
+    assert value(s, "tiderl_goodput_tokens_total") == 640
+    assert value(s, "tiderl_rwt_seconds_total") == 1.5
+    assert value(s, "tiderl_twt_seconds_total") == 2.0
+    assert value(s, "tiderl_ras") == 3
+    assert value(s, "tiderl_tprm_seconds") == 0.25
+    assert value(s, "tiderl_kv_hit_rate") == 0.75
+    assert value(s, "tiderl_staleness") == 2
+    assert {m: value(s, "tiderl_ra2p_mode", mode=m) for m in MODES} == {
+        "colocated": 0, "decoupled": 1, "vso": 0}
+    assert {r: value(s, "tiderl_ranks", role=r) for r in ROLES} == {
+        "rollout": 1, "ref": 1, "actor": 2, "idle": 0}
+    assert value(s, "tiderl_kv_tokens_used", rank="0") == 100
+    assert value(s, "tiderl_kv_tokens_budget", rank="0") == 2048
+
+
+def test_counters_follow_totals_and_never_go_down():
+    exporter = MetricsExporter()
+    seen = []
+    for trained, twt, rwt in ((100, 1.0, 0.5), (250, 1.5, 0.5), (200, 1.0, 0.25), (400, 3.0, 2)):
+        step(exporter, trained=trained, twt=twt)
+        live(exporter, rwt=rwt)
+        s = exposed(exporter)
+        seen.append(tuple(value(s, n) for n in (
+            "tiderl_trained_tokens_total", "tiderl_twt_seconds_total",
+            "tiderl_rwt_seconds_total")))
+    assert seen == [(100, 1.0, 0.5), (250, 1.5, 0.5), (250, 1.5, 0.5), (400, 3.0, 2.0)]
+
+
+def test_mode_switches_and_unknown_hit_rate_is_nan():
+    exporter = MetricsExporter()
+    step(exporter, hit=0.5, mode="decoupled")
+    step(exporter, hit=None, mode="vso")
+    s = exposed(exporter)
+    assert [value(s, "tiderl_ra2p_mode", mode=m) for m in MODES] == [0, 0, 1]
+    assert math.isnan(value(s, "tiderl_kv_hit_rate"))
+
+
+def test_roles_and_kv_ranks_follow_the_layout():
+    exporter = MetricsExporter()
+    live(exporter, roles=["rollout", "rollout", "actor"], kv={0: (10, 100), 1: (20, 100)})
+    live(exporter, roles=["rollout", "ref", "actor"], kv={0: (30, 100)})
+    s = exposed(exporter)
+    assert [value(s, "tiderl_ranks", role=r) for r in ROLES] == [1, 1, 1, 0]
+    assert value(s, "tiderl_kv_tokens_used", rank="0") == 30
+    with pytest.raises(KeyError):  # rank 1 left rollout: its series is gone
+        value(s, "tiderl_kv_tokens_used", rank="1")

@@ -1,0 +1,128 @@
+"""The coordinator's Prometheus ``/metrics`` (what ``tiderl profile kv --job`` and a Prometheus
+server scrape). Its own registry, fed plain values, so it is testable without a coordinator:
+
+    Coordinator._publish      (every 0.5 s) ──update_live()──┐
+    Coordinator._write_record (every step)  ──update_step()──┴─> registry ──> GET /metrics
+
+Counters (``*_total``) only go up: the coordinator hands over its cumulative totals and the
+exporter increments each counter by the difference. ``NaN`` in a gauge means "not known yet".
+See docs/monitoring.md for every series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from tiderl.core.types import Role
+
+MODES = ("colocated", "decoupled", "vso")  # the step modes a metrics.jsonl record names
+ROLES = tuple(role.value for role in Role)
+
+
+class MetricsExporter:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.goodput_tokens = Counter(
+            "tiderl_goodput_tokens", "Goodput tokens: trained tokens of samples that were not "
+            "discarded. In this runtime a sample is discarded (stale, dropped group) before it "
+            "is trained, so this equals tiderl_trained_tokens_total.", registry=reg)
+        self.trained_tokens = Counter(
+            "tiderl_trained_tokens", "Tokens of every sample consumed by an optimizer step.",
+            registry=reg)
+        self.rwt_seconds = Counter(
+            "tiderl_rwt_seconds", "Rollout wait time: rank-seconds rollout ranks sat idle "
+            "while no task waited for admission (held back by the staleness bound).",
+            registry=reg)
+        self.twt_seconds = Counter(
+            "tiderl_twt_seconds", "Training wait time: rank-seconds trainer ranks waited for "
+            "ready micro-batches, summed over finished steps.", registry=reg)
+        self.ras = Gauge(
+            "tiderl_ras", "Ready micro-batches in the global buffer now (the RAS of a step "
+            "that would start now).", registry=reg)
+        self.tprm_seconds = Gauge(
+            "tiderl_tprm_seconds", "Mean interval between micro-batches that became ready "
+            "after the current step started (NaN: fewer than two yet).", registry=reg)
+        self.ra2p_mode = Gauge(
+            "tiderl_ra2p_mode", "1 for the mode of the last step, 0 for the others (all 0 "
+            "before the first step).", ["mode"], registry=reg)
+        self.ranks = Gauge("tiderl_ranks", "Ranks per role now.", ["role"], registry=reg)
+        self.kv_hit_rate = Gauge(
+            "tiderl_kv_hit_rate", "Prefix-cache hit rate of the last step: prompt tokens found "
+            "cached / looked up, over every rollout rank (NaN: no lookups).", registry=reg)
+        self.staleness = Gauge(
+            "tiderl_staleness", "Max staleness (version of the update minus the version that "
+            "generated it) of the samples of the last step.", registry=reg)
+        self.kv_tokens_used = Gauge(
+            "tiderl_kv_tokens_used", "KV tokens in use on a rollout rank.", ["rank"],
+            registry=reg)
+        self.kv_tokens_budget = Gauge(
+            "tiderl_kv_tokens_budget", "KV token budget of a rollout rank.", ["rank"],
+            registry=reg)
+        for mode in MODES:
+            self.ra2p_mode.labels(mode=mode).set(0)
+        for role in ROLES:
+            self.ranks.labels(role=role).set(0)
+        self.tprm_seconds.set(math.nan)
+        self.kv_hit_rate.set(math.nan)
+        self._totals: dict[int, float] = {}  # id(counter) -> total it reached
+        self._kv_ranks: set[str] = set()
+        self._server: Any = None
+
+    # ------------------------------------------------------------------ updates
+
+    def update_step(self, *, trained_tokens_total: float, twt_s_total: float,
+                    kv_hit_rate: float | None, staleness: float, mode: str) -> None:
+        """After each step: cumulative totals, and the last step's hit rate, staleness, mode."""
+        self._advance(self.trained_tokens, trained_tokens_total)
+        self._advance(self.goodput_tokens, trained_tokens_total)
+        self._advance(self.twt_seconds, twt_s_total)
+        self.kv_hit_rate.set(_or_nan(kv_hit_rate))
+        self.staleness.set(staleness)
+        for name in {*MODES, mode}:
+            self.ra2p_mode.labels(mode=name).set(1 if name == mode else 0)
+
+    def update_live(self, *, rwt_s_total: float, ras: int, tprm_s: float | None,
+                    roles: Sequence[str], kv_tokens: Mapping[int, tuple[int, int]]) -> None:
+        """Every snapshot: RWT so far, the buffer's RAS/TPRM now, roles (one entry per rank),
+        and ``kv_tokens`` {rollout rank: (used, budget)}; ranks not in it lose their series."""
+        self._advance(self.rwt_seconds, rwt_s_total)
+        self.ras.set(ras)
+        self.tprm_seconds.set(_or_nan(tprm_s))
+        for role in {*ROLES, *roles}:
+            self.ranks.labels(role=role).set(sum(1 for r in roles if r == role))
+        ranks = {str(r): v for r, v in kv_tokens.items()}
+        for gone in self._kv_ranks - set(ranks):
+            self.kv_tokens_used.remove(gone)
+            self.kv_tokens_budget.remove(gone)
+        for rank, (used, budget) in ranks.items():
+            self.kv_tokens_used.labels(rank=rank).set(used)
+            self.kv_tokens_budget.labels(rank=rank).set(budget)
+        self._kv_ranks = set(ranks)
+
+    def _advance(self, counter: Counter, total: float) -> None:
+        """Increment ``counter`` up to ``total``; a smaller total is ignored (never goes down)."""
+        delta = total - self._totals.get(id(counter), 0.0)
+        if delta > 0:
+            counter.inc(delta)
+            self._totals[id(counter)] = total
+
+    # ------------------------------------------------------------------ serving
+
+    def start(self, host: str, port: int) -> None:
+        """Serve ``GET /metrics`` on ``host:port`` from a daemon thread."""
+        self._server, _thread = start_http_server(port, host, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)

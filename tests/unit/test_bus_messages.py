@@ -19,6 +19,8 @@ from tiderl.runtime.bus import (
     MicroBatchData,
     Pause,
     RankMetrics,
+    Rebalance,
+    RebalanceReply,
     Resume,
     Shutdown,
     Snapshot,
@@ -69,6 +71,9 @@ EXAMPLES = [
     Shutdown(seq=8, reason="job done"),
     Snapshot(step=5, time=12.5, roles={0: "rollout", 3: "actor"},
              metrics={"goodput_tok_s": 812.5}, ranks=[METRICS]),
+    Rebalance(seq=1, rollout=2, trainer=1, mode="colocated"),
+    RebalanceReply(ref=1, status="applied", reason="", step=4, version=5,
+                   roles=["rollout", "actor", "rollout"], mode="colocated"),
 ]
 
 
@@ -99,6 +104,18 @@ def test_defaults_and_frozen() -> None:
         Pause(seq=0, task_id="t").seq = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         Pause(0, "t")  # type: ignore[misc]  # kw_only: positional calls are refused
+
+
+def test_rebalance_defaults_and_kind_ranges() -> None:
+    """The CLI's request carries no rank (it is not a rank's message); kinds stay in the
+    direction ranges (0x01-0x1f to the coordinator, 0x20-0x3f from it)."""
+    auto = Rebalance(seq=3, auto=True)
+    assert (auto.rollout, auto.trainer, auto.mode) == (0, 0, "")
+    assert not hasattr(auto, "rank")
+    assert RebalanceReply(ref=3, status="refused", reason="x").roles == []
+    assert 0x01 <= Rebalance.kind <= 0x1F and 0x20 <= RebalanceReply.kind <= 0x3F
+    assert msgspec.msgpack.decode(encode(auto)[2]) == {
+        "seq": 3, "rollout": 0, "trainer": 0, "mode": "", "auto": True}
 
 
 def _frames(kind: int, payload: object, version: int = SCHEMA_VERSION) -> list[bytes]:

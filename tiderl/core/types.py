@@ -256,6 +256,7 @@ class PlanReason(str, Enum):
     CONSUMPTION_DEFICIT = "consumption_deficit"
     PHASE_END = "phase_end"  # a cold start or evaluation phase ended: its layout is undone
     BALANCED = "balanced"
+    MANUAL = "manual"  # an operator's plan (``tiderl rebalance``), not ERS's signals
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ colocated), ``stream`` (fixed split, request-level, micro-batches streamed, VSO:
 swap per micro-batch), ``tiderl`` (CTB, streamed micro-batches, RA2P's mode choice, ERS).
 
 Split by concern: ranks, layout and the boundary in :mod:`tiderl.runtime.layout`, the metrics
-in :mod:`tiderl.runtime.run_metrics`, the per-group and per-step state in
-:mod:`tiderl.runtime.records`.
+in :mod:`tiderl.runtime.run_metrics`, manual plans (``tiderl rebalance``) in
+:mod:`tiderl.runtime.manual`, the per-group and per-step state in :mod:`tiderl.runtime.records`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.bus import BusSendError, BusServer, HeartbeatMonitor, rank_identity
 from tiderl.runtime.layout import LayoutMixin
+from tiderl.runtime.manual import ManualMixin
 from tiderl.runtime.records import CoordinatorError, GroupRun, StepRun
 from tiderl.runtime.run_metrics import MetricsMixin
 from tiderl.trainer.batch import TrainSample
@@ -62,7 +63,7 @@ SNAPSHOT_S = 0.5
 HELLO_TIMEOUT_S = 600.0
 
 
-class Coordinator(LayoutMixin, MetricsMixin):
+class Coordinator(LayoutMixin, MetricsMixin, ManualMixin):
     def __init__(self, profile: Profile, run_dir: Path, server: BusServer,
                  roles: list[Role]) -> None:
         self.profile, self.run_dir, self.server = profile, run_dir, server
@@ -138,6 +139,7 @@ class Coordinator(LayoutMixin, MetricsMixin):
         self.records: list[dict] = []
         self.exporter = None  # Prometheus /metrics, set by the daemon (tiderl.runtime.prom)
         self.plan_note = ""  # a pending or the last manual plan (tiderl rebalance), for top
+        self._init_manual()
         self._marks = self._counter_marks()
         self._last_snapshot = 0.0
         self.metrics_file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
@@ -311,6 +313,9 @@ class Coordinator(LayoutMixin, MetricsMixin):
     # ---------------------------------------------------------------- messages
 
     def _handle(self, identity: bytes, msg: b.Message) -> None:
+        if isinstance(msg, b.Rebalance):  # a CLI peer: its CURVE key proved it is the job's
+            self._on_rebalance(identity, msg)
+            return
         rank = getattr(msg, "rank", None)
         if rank is None or identity != rank_identity(rank):
             log.warning("bus: dropped a %s from %r (not a rank message)", type(msg).__name__,
@@ -523,10 +528,11 @@ class Coordinator(LayoutMixin, MetricsMixin):
             self._write_record(record)
             self._boundary(checkpoint=True)
             return
-        if self.ers is not None:
-            self._plan_ers()
-        else:
-            self._boundary()
+        if not self._apply_manual():  # else an operator's plan (tiderl rebalance) took it
+            if self.ers is not None and not self.manual_hold:
+                self._plan_ers()
+            else:
+                self._boundary()
         self._write_record(record)
         self._maybe_retire()
         self.trainer_free_at = self.now()

@@ -11,7 +11,7 @@ from msgspec.structs import replace as replace_struct
 
 from tiderl.core.ers import ERSInput
 from tiderl.core.ra2p import choose_mode, synthetic_ready_times
-from tiderl.core.types import Mode, Ra2pTimings, Role
+from tiderl.core.types import Mode, Ra2pTimings, Role, RoleChange
 from tiderl.runtime import bus as b
 from tiderl.runtime.groups import has_group
 from tiderl.runtime.records import CoordinatorError, StepRun
@@ -77,8 +77,9 @@ class LayoutMixin:
             self.ra2p_mode = Mode.COLOCATED
             return "colocated", [], actors
         # ERS plans the layout and the mode together (its break-even is RA2P's cost model);
-        # without ERS, RA2P chooses each step and a colocated step leaves the Ref ranks idle.
-        if self.ers is None:
+        # without ERS, RA2P chooses each step and a colocated step leaves the Ref ranks idle;
+        # a held manual plan (tiderl rebalance) fixed both.
+        if self.ers is None and not self.manual_hold:
             self.ra2p_mode = self._choose_mode(len(actors), len(refs))
         if self.ra2p_mode is Mode.DECOUPLED:
             return "decoupled", refs, actors
@@ -137,16 +138,8 @@ class LayoutMixin:
                        num_micro_batches=max(1, self._last_num_mbs()), rollout_idle_frac=idle)
         plan = self.ers.plan(inp)
         self.last_plan_reason = plan.reason.value
-        roles = list(self.roles)
-        for change in plan.changes:
-            roles[change.rank] = change.dst
-        actors = {r for r, role in enumerate(roles) if role is Role.ACTOR}
-        old_actors = {r for r, role in enumerate(self.roles) if role is Role.ACTOR}
-        refusal = None
-        if plan.changes and not has_group(actors, self.num_ranks):
-            refusal = f"no process group for actor set {sorted(actors)}"
-        elif actors != old_actors and self.profile.trainer.backend != "ddp":
-            refusal = f"trainer.backend {self.profile.trainer.backend} keeps its actor set"
+        roles = self._planned_roles(plan.changes)
+        refusal = self._layout_refusal(roles)
         if refusal is not None:
             self.event("plan_refused", reason=refusal, reason_plan=plan.reason.value)
             roles = list(self.roles)
@@ -154,6 +147,23 @@ class LayoutMixin:
         if not is_launch:
             self.buffer.set_batch_size(self.step, plan.batch_size, self.now())
         self._boundary(roles=roles, reason=plan.reason.value)
+
+    def _planned_roles(self, changes: tuple[RoleChange, ...]) -> list[Role]:
+        roles = list(self.roles)
+        for change in changes:
+            roles[change.rank] = change.dst
+        return roles
+
+    def _layout_refusal(self, roles: list[Role]) -> str | None:
+        """Why the runtime cannot run ``roles`` (an ERS or a manual plan), or None: its actor
+        set has no process group, or the trainer backend cannot change its actor set."""
+        actors = {r for r, role in enumerate(roles) if role is Role.ACTOR}
+        old_actors = {r for r, role in enumerate(self.roles) if role is Role.ACTOR}
+        if roles != self.roles and not has_group(actors, self.num_ranks):
+            return f"no process group for actor set {sorted(actors)}"
+        if actors != old_actors and self.profile.trainer.backend != "ddp":
+            return f"trainer.backend {self.profile.trainer.backend} keeps its actor set"
+        return None
 
     def _boundary(self, roles: list[Role] | None = None, reason: str | None = None,
                   checkpoint: bool = False) -> None:

@@ -8,8 +8,10 @@ receive and consumes it on send; callers of :mod:`sockets` never see it)::
 The kind frame comes first and alone so a SUB socket can filter on it (ZeroMQ matches
 subscriptions against the first frame) and a router can dispatch without decoding. The version
 has its own frame so a peer of another TideRL version is refused with a clear line before the
-payload is looked at. Kinds are grouped by direction: 0x01-0x1f rank → coordinator, 0x20-0x3f
-coordinator → rank, 0x40- coordinator PUB.
+payload is looked at. Kinds are grouped by direction: 0x01-0x1f rank or CLI → coordinator,
+0x20-0x3f coordinator → rank or CLI, 0x40- coordinator PUB. Rank messages carry ``rank`` (the
+coordinator checks it against the sender's identity); CLI messages (``Rebalance``) do not: the
+CURVE key already proves the sender is the job's, and the answer goes to its identity.
 
 Any violation (wrong frame count, unknown kind, other schema version, a payload that does not
 decode into the kind's struct) raises :class:`BusProtocolError` with one line naming the kind,
@@ -151,6 +153,22 @@ class RankMetrics(Message, kw_only=True):
     prefix_hits: int = 0  # of them, found cached
 
 
+# --- tiderl CLI -> coordinator ---------------------------------------------------------------
+
+class Rebalance(Message, kw_only=True):
+    """``tiderl rebalance``: a manual ERS layout of ``rollout`` + ``trainer`` ranks (``mode``
+    decoupled | colocated, "" keeps the current one), applied at the next post-update boundary
+    and then held; ``auto`` hands the layout back to ERS (the counts are ignored). Answered by
+    :class:`RebalanceReply` s with ``ref`` = ``seq``."""
+
+    kind: ClassVar[int] = 0x10
+    seq: int
+    rollout: int = 0
+    trainer: int = 0
+    mode: str = ""
+    auto: bool = False
+
+
 # --- coordinator -> rank (``seq`` is echoed back as Ack.ref) ---------------------------------
 
 class Admit(Message, kw_only=True):
@@ -259,6 +277,23 @@ class Shutdown(Message, kw_only=True):
     reason: str
 
 
+# --- coordinator -> tiderl CLI ---------------------------------------------------------------
+
+class RebalanceReply(Message, kw_only=True):
+    """An answer to :class:`Rebalance` ``ref``: "refused" (``reason`` says why; final),
+    "accepted" (it applies at the boundary after ``step``), then "applied" (at ``version``, with
+    the new ``roles``) or, if the job changed in between, "refused"."""
+
+    kind: ClassVar[int] = 0x30
+    ref: int
+    status: str  # accepted | refused | applied
+    reason: str = ""
+    step: int = 0
+    version: int = 0
+    roles: list[str] = []
+    mode: str = ""  # the RA2P mode the plan runs (applied)
+
+
 # --- coordinator PUB -------------------------------------------------------------------------
 
 class Snapshot(Message, kw_only=True):
@@ -277,7 +312,7 @@ class Snapshot(Message, kw_only=True):
 MESSAGES: tuple[type[Message], ...] = (
     Hello, Heartbeat, TurnReport, TaskFinished, TaskDetached, Ack, StepDone, RankMetrics,
     Admit, Pause, Detach, Resume, SyncWeights, TrainStep, MicroBatchData, Shutdown, StepClosed,
-    Snapshot,
+    Snapshot, Rebalance, RebalanceReply,
 )
 
 

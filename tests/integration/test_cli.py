@@ -73,15 +73,21 @@ def test_bad_usage_is_one_line_with_exit_2():
     assert_one_line_error(tiderl("no-such-command"), 2)
 
 
-@pytest.mark.parametrize("args", [
-    ["top"], ["status"], ["logs", "j1"], ["stop", "j1"],
-    ["rebalance", "j1", "--rollout", "2", "--trainer", "2"],
-    ["profile", "kv", "--engine", "http://127.0.0.1:1"], ["profile", "readiness", "--job", "j1"],
-    ["bench", "ctb"],
-])
-def test_commands_not_built_yet_exit_1_with_one_line(args):
-    line = assert_one_line_error(tiderl(*args), 1)
+def test_commands_not_built_yet_exit_1_with_one_line():
+    line = assert_one_line_error(tiderl("bench", "ctb"), 1)
     assert line.endswith("not built yet")
+
+
+@pytest.mark.parametrize(("args", "text"), [
+    (["top", "j1"], "no job 'j1'"), (["status", "j1"], "no job 'j1'"),
+    (["logs", "j1"], "no job 'j1'"), (["stop", "j1"], "no job 'j1'"),
+    (["rebalance", "j1", "--rollout", "2", "--trainer", "2"], "no job 'j1'"),
+    (["profile", "kv", "--engine", "http://127.0.0.1:1"], "cannot read http://127.0.0.1:1"),
+    (["profile", "readiness", "--job", "j1"], "no job 'j1'"),
+])
+def test_job_commands_on_a_missing_job_or_server_exit_1_with_one_line(args, text, tmp_path):
+    line = assert_one_line_error(tiderl(*args, cwd=tmp_path), 1)
+    assert text in line
 
 
 def test_version():

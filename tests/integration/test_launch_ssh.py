@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.integration.running_job import SMALL_JOB
@@ -122,6 +123,7 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
         assert "coordinator | " in every.stdout and "      rank2 | " in every.stdout
         assert_one_line_error(tiderl("logs", job, "--rank", "7", "--run-root", str(run_root)), 1)
         state = JobState.load(run_root / job)
+        _top_rebalance_and_profile_work_on_it(job, run_root, state)
         stop = tiderl("stop", job, "--run-root", str(run_root), "--json")
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout)["launcher_stopped"] is True
@@ -133,6 +135,31 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
         log.close()
+
+
+def _top_rebalance_and_profile_work_on_it(job: str, run_root: Path, state: JobState) -> None:
+    root = ("--run-root", str(run_root))
+    top = tiderl("top", job, *root, "--once", "--json")
+    assert top.returncode == 0, top.stderr
+    snapshot = json.loads(top.stdout)["snapshot"]
+    assert len(snapshot["roles"]) == 3 and snapshot["metrics"]["steps"] == 500
+    text = httpx.get(state.info["metrics"], timeout=10).text  # the coordinator's /metrics
+    assert "tiderl_goodput_tokens_total" in text and 'tiderl_ranks{role="rollout"}' in text
+    rebalance = tiderl("rebalance", job, "--rollout", "2", "--trainer", "1", *root, "--json")
+    assert rebalance.returncode == 0, rebalance.stderr
+    applied = json.loads(rebalance.stdout)
+    assert applied["status"] == "applied" and sorted(applied["roles"]) == [
+        "actor", "rollout", "rollout"]
+    refused = tiderl("rebalance", job, "--rollout", "3", "--trainer", "1", *root)
+    assert "3 live ranks" in assert_one_line_error(refused, 1)
+    readiness = tiderl("profile", "readiness", "--job", job, *root, "--json")
+    assert readiness.returncode == 0, readiness.stderr
+    steps = json.loads(readiness.stdout)["steps"]  # metrics.jsonl, fetched from node a
+    assert len(steps) >= 1 and Path(json.loads(readiness.stdout)["png"]).exists()
+    kv = tiderl("profile", "kv", "--job", job, *root, "--duration", "1", "--interval", "0.5",
+                "--json")
+    assert kv.returncode == 0, kv.stderr
+    assert json.loads(kv.stdout)["samples"]
 
 
 def _wait_for_step(run_root: Path, workdir_a: Path, launcher: subprocess.Popen,

@@ -84,6 +84,11 @@ def process_state(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
+    return stat_state(stat)
+
+
+def stat_state(stat: str) -> str:
+    """The state letter of a ``/proc/PID/stat`` line."""
     return stat.rsplit(")", 1)[1].split()[0]  # the name field may hold spaces and parentheses
 
 

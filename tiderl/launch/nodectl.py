@@ -1,7 +1,6 @@
-"""Process control on a node, run there over SSH by the launcher and ``tiderl status | stop``
-(the same code the local executor uses)::
+"""Stopping processes on a node, run there over SSH by the launcher and ``tiderl stop`` (the same
+code the local executor uses; states are read with a plain ``cat /proc/PID/stat``)::
 
-    python -m tiderl.launch.nodectl state PID...             {"PID": "S" | "Z" | null, ...}
     python -m tiderl.launch.nodectl stop [--grace S] PID...  {"PID": "terminated" | ...}
 
 One JSON line on stdout.
@@ -13,24 +12,19 @@ import argparse
 import json
 import sys
 
-from tiderl.launch.local import ProcessRecord, process_state, stop_processes
+from tiderl.launch.local import ProcessRecord, stop_processes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tiderl.launch.nodectl")
     sub = parser.add_subparsers(dest="command", required=True)
-    state = sub.add_parser("state")
     stop = sub.add_parser("stop")
     stop.add_argument("--grace", type=float, default=10.0)
-    for p in (state, stop):
-        p.add_argument("pids", type=int, nargs="+")
+    stop.add_argument("pids", type=int, nargs="+")
     args = parser.parse_args(argv)
-    if args.command == "state":
-        result = {pid: process_state(pid) for pid in args.pids}
-    else:
-        records = [ProcessRecord(name=str(pid), kind="", pid=pid, log="", argv=[])
-                   for pid in args.pids]
-        result = {int(name): how for name, how in stop_processes(records, args.grace).items()}
+    records = [ProcessRecord(name=str(pid), kind="", pid=pid, log="", argv=[])
+               for pid in args.pids]
+    result = {int(name): how for name, how in stop_processes(records, args.grace).items()}
     print(json.dumps(result))
     return 0
 

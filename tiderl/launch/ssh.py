@@ -5,10 +5,10 @@ Daemons start detached with all three streams redirected and their own session::
     cd WORKDIR; K=V setsid nohup CMD > LOG 2>&1 < /dev/null & echo $!
 
 so ``$!`` is the daemon itself (not a subshell holding the channel), it leads its own process
-group (``tiderl stop`` signals the group) and it outlives the SSH connection. Liveness and
-stopping run on the node as ``python -m tiderl.launch.nodectl``, the same code the local
-executor uses: a killed process that is not reaped yet is a zombie, which ``kill -0`` would
-still call alive, so the process state is read from ``/proc``.
+group (``tiderl stop`` signals the group) and it outlives the SSH connection. Liveness is the
+process state read from ``/proc/PID/stat`` (a killed process that is not reaped yet is a zombie,
+which ``kill -0`` would still call alive); stopping runs on the node as
+``python -m tiderl.launch.nodectl stop``, the same code the local executor uses.
 
 Every failure is a :class:`NodeError`: one line naming the node.
 """
@@ -29,7 +29,7 @@ from invoke.exceptions import CommandTimedOut
 
 from tiderl import __version__
 from tiderl.launch.hosts import Node
-from tiderl.launch.local import LaunchError
+from tiderl.launch.local import LaunchError, stat_state
 
 CONNECT_TIMEOUT_S = 10
 COMMAND_TIMEOUT_S = 60
@@ -165,11 +165,19 @@ class NodeSession:
         return int(out)
 
     def states(self, pids: Sequence[int]) -> dict[int, str | None]:
-        """Each PID's state letter on the node (None: no such process)."""
+        """Each PID's state letter on the node (None: no such process), read from /proc by
+        the shell: the launcher polls this every second, a Python start-up each time would
+        cost the node more than the read."""
         if not pids:
             return {}
-        out = self.python(f"-m tiderl.launch.nodectl state {' '.join(map(str, pids))}")
-        return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+        out = self.run(f"for p in {' '.join(str(int(p)) for p in pids)}; do "
+                       'echo "$p $(cat /proc/$p/stat 2>/dev/null)"; done')[1]
+        states: dict[int, str | None] = dict.fromkeys(pids)
+        for line in out.splitlines():
+            pid, _, stat = line.partition(" ")
+            if stat.strip():
+                states[int(pid)] = stat_state(stat)
+        return states
 
     def stop(self, pids: Sequence[int], grace_s: float) -> dict[int, str]:
         """SIGTERM each process group, SIGKILL after ``grace_s``: how each ended."""

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.daemon if args.daemon != "rank" else f"rank{args.rank}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per environment request
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks, then exit
     return {"env": _env, "coordinator": _coordinator, "rank": _rank}[args.daemon](args)
 

@@ -28,7 +28,6 @@ from tiderl.launch.local import JobState, LaunchError, LocalExecutor, ProcessCom
 from tiderl.launch.plan import Endpoints, LaunchPlan, plan_local
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
-from tiderl.trainer.spawn import free_port
 
 ENV_START_TIMEOUT_S = 60.0
 RANK_EXIT_GRACE_S = 60.0
@@ -95,6 +94,8 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
     and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate.
     ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher."""
+    from tiderl.trainer.spawn import free_port  # torch: not for the CLI's job commands
+
     job_id = job_id or new_job_id(profile)
     run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
     ports = {name: free_port() for name in PORT_NAMES}

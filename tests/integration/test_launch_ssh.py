@@ -130,6 +130,8 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
         assert launcher.wait(30) == 143  # SIGTERM: it stopped the job and said so
         _assert_nothing_left(state)
         assert (run_root / job / "metrics.jsonl").exists()  # fetched when it stopped
+        ended = tiderl("top", job, "--run-root", str(run_root), "--once", "--timeout", "5")
+        assert "ended" in assert_one_line_error(ended, 1)  # read on its nodes over SSH
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -5,7 +5,7 @@
     coordinator PUB ──Snapshot every 0.5 s and after each step──> Subscriber (CurveZMQ SUB)
                                                                       │ recv(TICK_S), drained
     stdin (cbreak, TTY only) ──q / Q──> quit                          v
-    job.json + /proc, every LIVENESS_S ──> "job ended"       TopState.fold(snap, now)
+    job.json + /proc (SSH job: its nodes) ──> "job ended"    TopState.fold(snap, now)
                                                                       │ every REDRAW_S and
                                                                       v on each snapshot
                                                           rich Live <── render(state, now)
@@ -38,6 +38,7 @@ from rich.live import Live
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output
 from tiderl.cli.top_view import TopState, render
+from tiderl.launch.control import alive, is_remote, process_states, sessions
 from tiderl.launch.local import JobState, LaunchError, is_running
 from tiderl.launch.registry import DEFAULT_RUN_ROOT, list_jobs, resolve_job
 from tiderl.runtime.bus import BusKeyError, JobKeys, Snapshot, Subscriber, load_job_keys
@@ -122,11 +123,15 @@ def _newest_running_job(run_root: Path | None) -> JobState:
 
 
 def is_job_alive(state: JobState) -> bool | None:
-    """Whether any process of the job still runs; None when some run on other hosts (not
-    visible from here)."""
-    if any(p.host not in ("localhost", "127.0.0.1") for p in state.processes):
+    """Whether any process of the job still runs (an SSH job's read on its nodes); None when
+    its nodes do not answer."""
+    if not is_remote(state):
+        return any(is_running(p.pid) for p in state.processes)
+    try:
+        with sessions(state) as nodes:
+            return any(map(alive, process_states(state, nodes).values()))
+    except LaunchError:
         return None
-    return any(is_running(p.pid) for p in state.processes)
 
 
 def _reload(state: JobState) -> JobState:
@@ -172,7 +177,10 @@ def _watch(target: Target) -> None:
             now = time.monotonic()
             for snap in snaps:
                 view.fold(snap, now)
-            if job is not None and now - checked_at >= LIVENESS_S:
+            # an SSH job's nodes are asked only while the bus is silent (a read costs ~0.1 s)
+            remote = job is not None and is_remote(job)
+            if job is not None and now - checked_at >= (RECONNECT_S if remote else LIVENESS_S) \
+                    and (not remote or view.silence_s(now) >= RECONNECT_S):
                 job, checked_at = _reload(job), now
                 view.is_job_ended = is_job_alive(job) is False
             if not view.is_job_ended and view.silence_s(now) >= RECONNECT_S:

@@ -219,6 +219,8 @@ class RankDaemon:
         self._stopping = asyncio.Event()
         self._send(Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
                          role=self.role.value, device=str(self.device)))
+        log.info("rank %d up: %s on %s, bus %s, pid %d", self.rank, self.role.value,
+                 self.device, self.args.bus, os.getpid())
         loop = asyncio.get_running_loop()
         loop.add_reader(self.bus.fileno(), self._drain)
         workers = [asyncio.create_task(self._heartbeats()),
@@ -417,6 +419,8 @@ class RankDaemon:
         if result.step is not None:
             self.version = result.step.version
         means = result.loss.means()
+        log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
+                 result.mode, stream.num_loss_tokens, means.get("loss", 0.0), result.seconds)
         self._send(StepDone(
             rank=self.rank, step=cmd.step, version=self.version, mode=result.mode,
             loss=float(means.get("loss", 0.0)), loss_tokens=int(stream.num_loss_tokens),

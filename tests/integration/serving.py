@@ -36,12 +36,17 @@ def serving(args: list[str], port: int, log_path: Path,
             _wait_healthy(url, proc, log_path, timeout_s)
             yield url, proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:

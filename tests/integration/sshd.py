@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.serving import free_port
+from tests.integration.serving import free_port, stop_process
 
 SSHD = Path("/usr/sbin/sshd")
 
@@ -81,12 +81,7 @@ def sshd(folder: Path, key: Path) -> Iterator[SSHNode]:
         _wait_listening(port, proc, log)
         yield SSHNode("127.0.0.1", port, getpass.getuser(), key)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 20) -> None:

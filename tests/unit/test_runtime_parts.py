@@ -10,9 +10,8 @@ import pytest
 
 from tiderl.core.types import MicroBatch, Sequence
 from tiderl.runtime.groups import MAX_ALL_SUBSETS, has_group, trainer_sets
-from tiderl.runtime.rank import phase_times
 from tiderl.trainer.batch import TrainSample
-from tiderl.trainer.executors import StreamedStep
+from tiderl.trainer.executors import StreamedStep, phase_times
 
 
 def test_small_jobs_get_a_group_for_every_rank_set():

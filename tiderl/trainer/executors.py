@@ -366,3 +366,23 @@ class ColocatedExecutor:
         stats = _reduce_loss(stats, self.group)
         return StepResult(self.name, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
+
+
+def phase_times(events: list[dict]) -> dict[str, float]:
+    """Per-micro-batch pass times (``t_ref``, ``t_act_f``, ``t_act_b``: the RA2P cost model's
+    inputs, measured), the mean swap, and ``wait_s``: this rank's time waiting for data."""
+    spans: dict[str, float] = {}
+    mbs: dict[str, set] = {}
+    for event in events:
+        name = event["name"]
+        spans[name] = spans.get(name, 0.0) + event["end"] - event["start"]
+        mbs.setdefault(name, set()).update(event["mb_ids"])
+    times = {"wait_s": spans.get("wait", 0.0) + spans.get("wait_ref", 0.0)}
+    for key, name in (("t_ref", "ref_forward"), ("t_act_f", "actor_forward"),
+                      ("t_act_b", "actor_backward")):
+        if mbs.get(name):
+            times[key] = spans[name] / len(mbs[name])
+    swaps = [e for e in events if e["name"] == "swap"]
+    if swaps:
+        times["t_swap"] = spans["swap"] / len(swaps)
+    return times

@@ -23,7 +23,7 @@ from tiderl.launch.local import (
     records_by_host,
     stop_processes,
 )
-from tiderl.launch.ssh import NodeSession
+from tiderl.launch.ssh import NodeSession, job_node, open_sessions
 
 LAUNCHER_EXIT_S = 30.0  # a launcher stops its job in order: its own grace periods and more
 
@@ -38,9 +38,7 @@ def sessions(state: JobState) -> Iterator[dict[str, NodeSession]]:
     if not is_remote(state):
         yield {}
         return
-    from tiderl.launch.remote import job_sessions
-
-    opened = job_sessions(state)
+    opened = open_sessions([job_node(state.info, name) for name in state.info["nodes"]])
     try:
         yield opened
     finally:

@@ -42,7 +42,7 @@ from tiderl.launch.plan import (
     node_profile,
     plan_nodes,
 )
-from tiderl.launch.ssh import NodeError, NodeSession, open_sessions, session_for
+from tiderl.launch.ssh import NodeError, NodeSession, open_sessions
 from tiderl.profile import Profile
 from tiderl.runtime.bus import Snapshot, load_job_keys
 from tiderl.runtime.bus.keys import CLIENT_PUBLIC, CLIENT_SECRET, SERVER_PUBLIC, SERVER_SECRET
@@ -167,7 +167,7 @@ def _with_workdirs(hosts: Hosts, workdirs: dict[str, str]) -> Hosts:
 
 
 def _node_info(hosts: Hosts, name: str) -> dict:
-    """What job control needs to reach a node again (see ``session_for``)."""
+    """What job control needs to reach a node again (see ``ssh.job_node``)."""
     fields = asdict(hosts.node(name))
     fields.pop("devices")
     return fields
@@ -216,8 +216,3 @@ def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
     for record in state.processes:
         session = sessions[record.host]
         session.fetch(record.log, local / "logs" / Path(record.log).name)
-
-
-def job_sessions(state: JobState) -> dict[str, NodeSession]:
-    """Open sessions to every node of a launched job (for status, logs, stop)."""
-    return open_sessions([session_for(state.info, name).node for name in state.info["nodes"]])

@@ -243,7 +243,12 @@ def open_sessions(nodes: Sequence[Node]) -> dict[str, NodeSession]:
     return sessions
 
 
+def job_node(info: dict, node_name: str) -> Node:
+    """A node of a launched job, from job.json's ``info["nodes"]``."""
+    return Node(**{**info["nodes"][node_name], "devices": (0,)})
+
+
 def session_for(info: dict, node_name: str) -> NodeSession:
-    """A session to a node of a launched job, from job.json's ``info["nodes"]``."""
-    return NodeSession(Node(**{**info["nodes"][node_name], "devices": (0,)}))
+    """A session (not open yet) to a node of a launched job."""
+    return NodeSession(job_node(info, node_name))
 

@@ -124,7 +124,7 @@ def _progress_line(snap) -> str:
     roles = {}
     for role in snap.roles.values():
         roles[role] = roles.get(role, 0) + 1
-    layout = " ".join(f"{role[0].upper()}{n}" for role, n in sorted(roles.items()))
+    layout = " ".join(f"{role} {n}" for role, n in sorted(roles.items()))  # "actor 2 ref 1 ..."
     parts = [f"roles {layout}"]
     if "reward_mean" in m:
         parts.append(f"reward {m['reward_mean']:.3f}")

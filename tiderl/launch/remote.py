@@ -19,6 +19,8 @@ following a job is one piece of code (:func:`tiderl.launch.job.follow_job`).
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -46,6 +48,8 @@ from tiderl.launch.ssh import NodeError, NodeSession, open_sessions
 from tiderl.profile import Profile
 from tiderl.runtime.bus import Snapshot, load_job_keys
 from tiderl.runtime.bus.keys import CLIENT_PUBLIC, CLIENT_SECRET, SERVER_PUBLIC, SERVER_SECRET
+
+log = logging.getLogger("tiderl.launch")
 
 POLL_S = 1.0  # how often the launcher reads the processes' states over SSH
 RESULT_FILES = ("metrics.jsonl", "events.jsonl", "report.md")
@@ -119,7 +123,8 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             launcher_pid: int | None = None) -> JobResult:
     """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``."""
     job_id = job_id or new_job_id(profile)
-    used = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0)).hosts
+    draft = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0))  # where, not how
+    used = draft.hosts
     sessions = open_sessions([hosts.node(name) for name in used])
     state: JobState | None = None
     executor: SSHExecutor | None = None
@@ -127,7 +132,7 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
         hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
         for name, session in sessions.items():
             session.node = hosts.node(name)
-        ports = _ports(hosts, profile, sessions, job_id)
+        ports = _ports(hosts, profile, sessions, draft.ranks[0].host)
         plan = plan_nodes(hosts, profile, job_id, ports)
         run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
         node_prof = node_profile(profile, hosts)
@@ -149,16 +154,29 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             on_start(state)
         code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
     finally:
-        try:
-            if executor is not None:
-                executor.stop(grace_s=5.0)
-            if state is not None:
-                fetch_results(state, sessions)
-        finally:
-            for session in sessions.values():
-                session.close()
+        _clean_up(executor, state, sessions)
     report = run_dir / "report.md"
     return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
+
+
+def _clean_up(executor: SSHExecutor | None, state: JobState | None,
+              sessions: dict[str, NodeSession]) -> None:
+    """Stop every process and fetch the results, then close the sessions. A node failing here
+    is raised, unless the job is already failing: then it is logged and the first error goes
+    on (the launcher's one line names the cause, not a consequence)."""
+    errors: list[NodeError] = []
+    for step in (lambda: executor.stop(grace_s=5.0) if executor is not None else None,
+                 lambda: fetch_results(state, sessions) if state is not None else None):
+        try:
+            step()
+        except NodeError as exc:
+            errors.append(exc)
+    for session in sessions.values():
+        session.close()
+    if errors and sys.exc_info()[0] is None:
+        raise errors[0]
+    for error in errors:
+        log.warning("while stopping the job: %s", error)
 
 
 def _with_workdirs(hosts: Hosts, workdirs: dict[str, str]) -> Hosts:
@@ -174,7 +192,7 @@ def _node_info(hosts: Hosts, name: str) -> dict:
 
 
 def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
-           job_id: str) -> dict[str, int]:
+           rank0_node: str) -> dict[str, int]:
     if hosts.port_base is not None:
         return {name: hosts.port_base + i for i, name in enumerate(PORT_NAMES)}
     # bind where each is served: bus, pub and metrics on the coordinator's node, the
@@ -183,8 +201,7 @@ def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
                      strict=True))
     env_node = env_service(hosts, profile)[0]
     ports["env"] = sessions[env_node].free_ports(1)[0] if env_node is not None else 0
-    rank0 = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0)).ranks[0].host
-    ports["dist"] = sessions[rank0].free_ports(1)[0]
+    ports["dist"] = sessions[rank0_node].free_ports(1)[0]
     return ports
 
 

@@ -39,33 +39,38 @@ def status(
     out = Output(json_mode)
     try:
         if job is None:
-            rows = [_job_summary(state) for state in list_jobs(run_root)]
+            rows = [_job_summary(state)[0] for state in list_jobs(run_root)]
             out.result(rows, lambda console: console.print(table(
                 "jobs", ("job", "mode", "started", "where", "processes", "steps", "state"),
                 [(r["job"], r["mode"], r["started"], r["where"], r["processes"], r["steps"],
                   r["state"]) for r in rows])))
             return
         state = resolve_job(job, run_root)
-        with sessions(state) as nodes:
-            states = process_states(state, nodes)
+        summary, states = _job_summary(state, strict=True)
     except LaunchError as exc:
         raise CLIError(f"tiderl status: {exc}") from None
     rows = [{"name": r.name, "kind": r.kind, "node": r.host, "pid": r.pid,
              "state": _describe(states[r.name]), "log": r.log} for r in state.processes]
-    payload = {**_job_summary(state, states), "processes": rows}
+    payload = {**summary, "processes": rows}
     out.result(payload, lambda console: console.print(table(
         f"{state.job_id}  {payload['state']}  steps {payload['steps']}",
         ("process", "kind", "node", "pid", "state", "log"),
         [(r["name"], r["kind"], r["node"], r["pid"], r["state"], r["log"]) for r in rows])))
 
 
-def _job_summary(state: JobState, states: dict[str, str | None] | None = None) -> dict:
-    if states is None:
-        try:
-            with sessions(state) as nodes:
-                states = process_states(state, nodes)
-        except LaunchError:
-            states = {}
+def _job_summary(state: JobState, strict: bool = False
+                 ) -> tuple[dict, dict[str, str | None]]:
+    """The job's line and its processes' states, over one set of SSH sessions for an SSH job.
+    Nodes that do not answer: an error when ``strict``, else the state "unreachable" (and the
+    steps of the copy fetched at the job's end)."""
+    try:
+        with sessions(state) as nodes:
+            states = process_states(state, nodes)
+            steps = _steps(state, nodes)
+    except LaunchError:
+        if strict:
+            raise
+        states, steps = {}, _steps(state, None)
     running = sum(alive(letter) for letter in states.values())
     total = len(state.processes)
     if not states and is_remote(state):
@@ -75,13 +80,13 @@ def _job_summary(state: JobState, states: dict[str, str | None] | None = None) -
     return {"job": state.job_id, "mode": state.info.get("mode", ""),
             "started": f"{datetime.fromtimestamp(state.created):%Y-%m-%d %H:%M:%S}",
             "where": ", ".join(state.info["nodes"]) if is_remote(state) else "local",
-            "processes": f"{running}/{total}", "steps": _steps(state), "state": word}
+            "processes": f"{running}/{total}", "steps": steps, "state": word}, states
 
 
-def _steps(state: JobState) -> str:
+def _steps(state: JobState, nodes: dict | None) -> str:
     """Steps done, from the job's metrics.jsonl (fetched from an SSH job's node)."""
     try:
-        done = len(job_file(state, "metrics.jsonl").read_text().splitlines())
+        done = len(job_file(state, "metrics.jsonl", nodes).read_text().splitlines())
     except LaunchError:
         done = 0
     return f"{done}/{state.info.get('steps', '?')}"

@@ -19,18 +19,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import yaml
 
 from tiderl.launch.hosts import PORT_NAMES
-from tiderl.launch.local import JobState, LaunchError, LocalExecutor, ProcessCommand
+from tiderl.launch.local import (
+    JobState,
+    LaunchError,
+    LocalExecutor,
+    ProcessCommand,
+    ProcessRecord,
+)
 from tiderl.launch.plan import Endpoints, LaunchPlan, plan_local
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 
 ENV_START_TIMEOUT_S = 60.0
 RANK_EXIT_GRACE_S = 60.0
+
+
+class Executor(Protocol):
+    """What following a job needs of its executor: the local one, or the SSH one
+    (:class:`tiderl.launch.remote.SSHExecutor`)."""
+
+    state: JobState
+
+    def exited(self) -> list[tuple[ProcessRecord, int]]: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ def local_endpoints(profile: Profile, ports: dict[str, int]) -> Endpoints:
                      dist_host="127.0.0.1", ports=ports)
 
 
-def wait_for_env(url: str, executor: LocalExecutor) -> None:
+def wait_for_env(url: str, executor: Executor) -> None:
     deadline = time.monotonic() + ENV_START_TIMEOUT_S
     while time.monotonic() < deadline:
         for record, code in executor.exited():
@@ -122,7 +138,7 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
 
 
-def follow_job(executor: LocalExecutor, state: JobState, keys,
+def follow_job(executor: Executor, state: JobState, keys,
             on_snapshot: Callable[[Snapshot], None] | None) -> tuple[int, Snapshot | None]:
     """Until the coordinator exits: snapshots to ``on_snapshot``. A rank that dies is the
     coordinator's to handle (it misses heartbeats: a rollout rank is left out, a trainer rank
@@ -145,7 +161,7 @@ def follow_job(executor: LocalExecutor, state: JobState, keys,
                                       f"(see {record.log})")
 
 
-def let_ranks_exit(executor: LocalExecutor) -> None:
+def let_ranks_exit(executor: Executor) -> None:
     """The ranks got their Shutdown (after the last checkpoint): give them time to finish."""
     ranks = {r.pid for r in executor.state.processes if r.kind == "rank"}
     deadline = time.monotonic() + RANK_EXIT_GRACE_S

@@ -49,6 +49,11 @@ class ProcessRecord:
     rank: int | None = None
     host: str = "localhost"
 
+    @property
+    def run_dir(self) -> str:
+        """The run folder on its node: its log sits in ``<run_dir>/logs/``."""
+        return self.log.rsplit("/logs/", 1)[0]
+
 
 @dataclass
 class JobState:

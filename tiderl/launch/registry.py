@@ -46,19 +46,24 @@ def list_jobs(run_root: Path | None = None) -> list[JobState]:
     return sorted(states, key=lambda s: s.created)
 
 
-def job_file(state: JobState, name: str) -> Path:
+def job_file(state: JobState, name: str, nodes: dict | None = None) -> Path:
     """A file the coordinator writes into its run folder (``metrics.jsonl``, ``events.jsonl``,
     ``report.md``), as a local path: an SSH job's is fetched from the coordinator's node first
-    (while that node has it; the launcher fetches it at the job's end too). Raises
-    ``LaunchError`` when it does not exist (yet)."""
+    (over ``nodes[host]`` when the caller has the sessions open; while that node has it; the
+    launcher fetches it at the job's end too). Raises ``LaunchError`` when it does not exist
+    (yet)."""
     path = Path(state.run_dir) / name
     coordinator = next((r for r in state.processes if r.kind == "coordinator"), None)
     if state.info.get("nodes") and coordinator is not None:
         from tiderl.launch.ssh import session_for
 
+        remote = f"{coordinator.run_dir}/{name}"
         try:
-            with session_for(state.info, coordinator.host) as session:
-                session.fetch(f"{coordinator.log.rsplit('/logs/', 1)[0]}/{name}", path)
+            if nodes and coordinator.host in nodes:
+                nodes[coordinator.host].fetch(remote, path)
+            else:
+                with session_for(state.info, coordinator.host) as session:
+                    session.fetch(remote, path)
         except LaunchError:
             if not path.exists():  # else: the copy fetched at the job's end
                 raise

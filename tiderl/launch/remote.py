@@ -94,7 +94,7 @@ class SSHExecutor:
     def _exit_code(self, record: ProcessRecord) -> int:
         if record.kind != "coordinator":
             return 1
-        data = self.sessions[record.host].read(f"{_run_dir(record)}/events.jsonl") or b""
+        data = self.sessions[record.host].read(f"{record.run_dir}/events.jsonl") or b""
         stops = [e for e in map(json.loads, data.decode().splitlines()) if e["kind"] == "stop"]
         return 0 if stops and stops[-1].get("reason") == "done" else 1
 
@@ -111,10 +111,6 @@ def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
         ended = sessions[host].stop([r.pid for r in reversed(records)], grace_s)
         outcome.update({r.name: ended[r.pid] for r in records})
     return outcome
-
-
-def _run_dir(record: ProcessRecord) -> str:
-    return record.log.rsplit("/logs/", 1)[0]
 
 
 def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
@@ -226,7 +222,7 @@ def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
     coordinator = next((r for r in state.processes if r.kind == "coordinator"), None)
     if coordinator is not None:
         session = sessions[coordinator.host]
-        remote = _run_dir(coordinator)
+        remote = coordinator.run_dir
         names = [*RESULT_FILES, *(f for f in session.listdir(remote) if f.endswith(".png"))]
         for name in names:
             session.fetch(f"{remote}/{name}", local / name)

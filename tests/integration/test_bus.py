@@ -16,7 +16,7 @@ import zmq
 
 from tiderl.runtime.bus import (
     Ack,
-    Admit,
+    AdmitTask,
     BusClient,
     BusError,
     BusKeyError,
@@ -132,7 +132,7 @@ def test_hello_ack_and_many_messages_both_ways_with_a_rank_process(
                               device="cpu")
         server.send(identity, Ack(rank=0, ref=0, ok=True))
         for seq in range(NUM_MESSAGES):  # commands go out while reports stream in
-            server.send(identity, Admit(seq=seq, task_id=f"t{seq}", group_id="g0", env="guess",
+            server.send(identity, AdmitTask(seq=seq, task_id=f"t{seq}", group_id="g0", env="guess",
                                         seed=seq))
         reports, acks = [], []
         while len(reports) + len(acks) < 2 * NUM_MESSAGES:

@@ -10,24 +10,24 @@ from tiderl.runtime.bus import (
     MESSAGES,
     SCHEMA_VERSION,
     Ack,
-    Admit,
+    AdmitTask,
     BusProtocolError,
-    Detach,
+    CarryData,
+    DetachTask,
     Heartbeat,
     HeartbeatMonitor,
     Hello,
     MicroBatchData,
-    Pause,
+    PauseTask,
     RankMetrics,
     Rebalance,
     RebalanceReply,
-    Resume,
+    ResumeTask,
     Shutdown,
     Snapshot,
     StepClosed,
     StepDone,
     SyncWeights,
-    TaskCarry,
     TaskDetached,
     TaskFinished,
     TrainSampleData,
@@ -48,18 +48,18 @@ EXAMPLES = [
                  turns=[TurnData(context_ids=[1, 2], output_ids=[3], logprobs=[-0.5], version=3),
                         TurnData(context_ids=[1, 2, 3, 4], output_ids=[5, 6],
                                  logprobs=[-0.25, -1.5], version=4)]),
-    TaskDetached(rank=1, task_id="t-7", carry=TaskCarry(
+    TaskDetached(rank=1, task_id="t-7", carry=CarryData(
         session="s9", next_context=[7, 8],
         turns=[TurnData(context_ids=[1, 2], output_ids=[3], logprobs=[-0.5], version=3)])),
     Ack(rank=1, ref=17, ok=False, error="no such task"),
     StepDone(rank=3, step=5, version=6, mode="decoupled", loss=0.125, loss_tokens=4096,
              grad_norm=0.75, seconds=2.5, stats={"kl": 0.01}),
     METRICS,
-    Admit(seq=1, task_id="t-8", group_id="g-2", env="guess", task="1 16", seed=99, eval=True,
-          pin=True, carry=TaskCarry(session="s9", turns=[], next_context=[4])),
-    Pause(seq=2, task_id="t-8"),
-    Resume(seq=3, task_id="t-8"),
-    Detach(seq=4, task_id="t-8"),
+    AdmitTask(seq=1, task_id="t-8", group_id="g-2", env="guess", task="1 16", seed=99, eval=True,
+          pin=True, carry=CarryData(session="s9", turns=[], next_context=[4])),
+    PauseTask(seq=2, task_id="t-8"),
+    ResumeTask(seq=3, task_id="t-8"),
+    DetachTask(seq=4, task_id="t-8"),
     SyncWeights(seq=5, version=6, src_rank=3, roles=["rollout", "ref", "actor"], members=[0, 1, 2],
                 joiners=[2], checkpoint="runs/j/checkpoints"),
     TrainStep(seq=7, step=5, mode="decoupled", ref_ranks=[2], actor_ranks=[3, 4],
@@ -99,11 +99,11 @@ def test_payload_is_a_plain_msgpack_map_of_the_fields() -> None:
 
 def test_defaults_and_frozen() -> None:
     assert Ack(rank=0, ref=1, ok=True).error == ""
-    assert Admit(seq=0, task_id="t", group_id="g", env="e", seed=0).eval is False
+    assert AdmitTask(seq=0, task_id="t", group_id="g", env="e", seed=0).eval is False
     with pytest.raises(AttributeError):
-        Pause(seq=0, task_id="t").seq = 1  # type: ignore[misc]
+        PauseTask(seq=0, task_id="t").seq = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
-        Pause(0, "t")  # type: ignore[misc]  # kw_only: positional calls are refused
+        PauseTask(0, "t")  # type: ignore[misc]  # kw_only: positional calls are refused
 
 
 def test_rebalance_defaults_and_kind_ranges() -> None:

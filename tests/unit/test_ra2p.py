@@ -19,7 +19,7 @@ from tiderl.core.ra2p import (
     order_smallest_last,
     synthetic_ready_times,
 )
-from tiderl.core.types import Mode, Ra2pTimings, Sequence
+from tiderl.core.types import Mode, Ra2pTimings, SeqRef
 
 FAST = settings(max_examples=200, deadline=None)
 T = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)  # actor busy time 3.0
@@ -208,8 +208,8 @@ def test_config_validation():
 # --------------------------------------------------------------------------- micro-batches
 
 
-def seqs(*sizes: int) -> list[Sequence]:
-    return [Sequence(f"s{i}", n) for i, n in enumerate(sizes)]
+def seqs(*sizes: int) -> list[SeqRef]:
+    return [SeqRef(f"s{i}", n) for i, n in enumerate(sizes)]
 
 
 def ids(mb) -> list[str]:
@@ -312,7 +312,7 @@ def test_zigzag_by_hand():
 
 
 def test_zigzag_breaks_ties_by_seq_id():
-    per_rank = dispatch_zigzag([Sequence("b", 5), Sequence("a", 5), Sequence("c", 5)], 2)
+    per_rank = dispatch_zigzag([SeqRef("b", 5), SeqRef("a", 5), SeqRef("c", 5)], 2)
     assert [[s.seq_id for s in r] for r in per_rank] == [["a"], ["b", "c"]]
 
 

@@ -13,7 +13,7 @@ from tiderl.env.config import EnvConfig
 from tiderl.env.sessions import SessionState
 from tiderl.models.config import ModelConfig
 from tiderl.models.tokenizer import word_tokenizer
-from tiderl.runtime.agent import AgentLoop, AgentTask, TaskDetached, TurnEvent
+from tiderl.runtime.agent import AgentLoop, AgentTask, TaskDetachedError, TurnEvent
 
 SAMPLING = SamplingParams(max_tokens=6, temperature=1.0, seed=0)
 
@@ -105,10 +105,10 @@ def test_a_detached_task_goes_on_from_its_carry_on_another_loop():
         first.detach("d")
         try:
             await running
-        except TaskDetached as exc:
+        except TaskDetachedError as exc:
             carry = exc.carry
         else:
-            raise AssertionError("run returned instead of raising TaskDetached")
+            raise AssertionError("run returned instead of raising TaskDetachedError")
         sessions = {k: v.state for k, v in env.service.table.sessions.items()}
         played = len(carry.turns)
         trajectory = await second.run(task, carry)

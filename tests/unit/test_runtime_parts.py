@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tiderl.core.types import MicroBatch, Sequence
+from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.runtime.groups import MAX_ALL_SUBSETS, has_group, trainer_sets
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.executors import StreamedStep, phase_times
@@ -36,7 +36,7 @@ def _sample(seq_id: str) -> TrainSample:
 
 
 def _mb(mb_id: int, *ids: str) -> tuple[MicroBatch, list[TrainSample]]:
-    return MicroBatch(mb_id, tuple(Sequence(i, 3) for i in ids)), [_sample(i) for i in ids]
+    return MicroBatch(mb_id, tuple(SeqRef(i, 3) for i in ids)), [_sample(i) for i in ids]
 
 
 def test_a_streamed_step_blocks_until_data_or_close_and_knows_its_last_micro_batch():

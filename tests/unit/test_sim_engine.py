@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tiderl.core.ctb import CTBConfig, RequestLevelPolicy
-from tiderl.core.types import MicroBatch, Sequence
+from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.engine import Request, RolloutEngine
 from tiderl.sim.events import EventLoop
@@ -152,7 +152,7 @@ def test_two_tasks_on_one_rank_by_hand():
 
 
 def _mbs(n: int, tokens: int) -> list[MicroBatch]:
-    return [MicroBatch(i, (Sequence(f"{i}", tokens),)) for i in range(n)]
+    return [MicroBatch(i, (SeqRef(f"{i}", tokens),)) for i in range(n)]
 
 
 @pytest.mark.parametrize("kind", ["colocated", "vso", "batch", "decoupled"])

@@ -23,7 +23,7 @@ from typing import Generic, Protocol, TypeVar
 
 from tiderl.core.ra2p import next_micro_batch
 from tiderl.core.readiness import ReadinessTracker
-from tiderl.core.types import MicroBatch, Sequence
+from tiderl.core.types import MicroBatch, SeqRef
 
 
 class ReadyGroup(Protocol):
@@ -33,7 +33,7 @@ class ReadyGroup(Protocol):
     def oldest_version(self) -> int: ...
 
     @property
-    def sequences(self) -> tuple[Sequence, ...]: ...
+    def sequences(self) -> tuple[SeqRef, ...]: ...
 
 
 G = TypeVar("G", bound=ReadyGroup)
@@ -62,7 +62,7 @@ class ReadyBuffer(Generic[G]):
         self.open_batch = 0
         self.need = batch_ideal  # samples still to assign to the open batch
         self.assigned_samples = 0
-        self._assigned: list[Sequence] = []  # assigned to the open batch, not in a micro-batch
+        self._assigned: list[SeqRef] = []  # assigned to the open batch, not in a micro-batch
         self._num_mbs = 0
         self.group_of_seq: dict[str, G] = {}
         self.tokens_of_seq: dict[str, int] = {}

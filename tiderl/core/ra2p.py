@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from tiderl.core.config import require, require_choice, require_positive
-from tiderl.core.types import MicroBatch, Mode, Ra2pTimings, Sequence
+from tiderl.core.types import MicroBatch, Mode, Ra2pTimings, SeqRef
 
 MODE_CHOICES = ("auto", "decoupled", "colocated")
 DEFAULT_DECOUPLED_MARGIN = 0.1
@@ -168,15 +168,15 @@ def break_even_ras(
 # --------------------------------------------------------------------------- micro-batches
 
 
-def _smallest_first_key(seq: Sequence) -> tuple[int, str]:
+def _smallest_first_key(seq: SeqRef) -> tuple[int, str]:
     return (seq.num_tokens, seq.seq_id)
 
 
-def _longest_first(sequences: Iterable[Sequence]) -> list[Sequence]:
+def _longest_first(sequences: Iterable[SeqRef]) -> list[SeqRef]:
     return sorted(sequences, key=lambda s: (-s.num_tokens, s.seq_id))
 
 
-def _tail_indices(sequences: list[Sequence], num_dp_ranks: int, target: int) -> set[int]:
+def _tail_indices(sequences: list[SeqRef], num_dp_ranks: int, target: int) -> set[int]:
     """Indices of the last micro-batch: the smallest sequences, at most one per DP rank, while
     their tokens stay <= the target and <= the tokens left for the early micro-batches."""
     order = sorted(range(len(sequences)), key=lambda i: _smallest_first_key(sequences[i]))
@@ -191,10 +191,10 @@ def _tail_indices(sequences: list[Sequence], num_dp_ranks: int, target: int) -> 
     return set(chosen)
 
 
-def _fill_to_target(sequences: list[Sequence], target: int) -> list[list[Sequence]]:
+def _fill_to_target(sequences: list[SeqRef], target: int) -> list[list[SeqRef]]:
     """Greedy chunks of ``target`` tokens or more; a short remainder joins the chunk before it."""
-    chunks: list[list[Sequence]] = []
-    current: list[Sequence] = []
+    chunks: list[list[SeqRef]] = []
+    current: list[SeqRef] = []
     tokens = 0
     for seq in sequences:
         current.append(seq)
@@ -210,14 +210,14 @@ def _fill_to_target(sequences: list[Sequence], target: int) -> list[list[Sequenc
 
 
 def _micro_batch(
-    mb_id: int, sequences: list[Sequence], ready_times: Mapping[str, float] | None
+    mb_id: int, sequences: list[SeqRef], ready_times: Mapping[str, float] | None
 ) -> MicroBatch:
     ready_time = max(ready_times[s.seq_id] for s in sequences) if ready_times else 0.0
     return MicroBatch(mb_id=mb_id, sequences=tuple(sequences), ready_time=ready_time)
 
 
 def form_micro_batches(
-    sequences: list[Sequence],
+    sequences: list[SeqRef],
     num_dp_ranks: int,
     tokens_per_rank: int,
     *,
@@ -249,7 +249,7 @@ def form_micro_batches(
 
 
 def next_micro_batch(
-    ready: list[Sequence],
+    ready: list[SeqRef],
     num_dp_ranks: int,
     tokens_per_rank: int,
     *,
@@ -282,7 +282,7 @@ def next_micro_batch(
 # --------------------------------------------------------------------------- dispatch
 
 
-def dispatch_zigzag(sequences: Iterable[Sequence], num_ranks: int) -> list[list[Sequence]]:
+def dispatch_zigzag(sequences: Iterable[SeqRef], num_ranks: int) -> list[list[SeqRef]]:
     """Colocated dispatch: longest first, dealt in zig-zag order 0..R-1, R-1..0, 0..R-1, ...
 
     Rank loads (tokens) then differ by at most the largest sequence: within each forward sweep a
@@ -291,7 +291,7 @@ def dispatch_zigzag(sequences: Iterable[Sequence], num_ranks: int) -> list[list[
     hypothesis test, so plain zig-zag is kept and no LPT fallback is needed).
     """
     _require_at_least_one(num_ranks, "num_ranks")
-    per_rank: list[list[Sequence]] = [[] for _ in range(num_ranks)]
+    per_rank: list[list[SeqRef]] = [[] for _ in range(num_ranks)]
     for i, seq in enumerate(_longest_first(sequences)):
         sweep, position = divmod(i, num_ranks)
         rank = position if sweep % 2 == 0 else num_ranks - 1 - position
@@ -299,7 +299,7 @@ def dispatch_zigzag(sequences: Iterable[Sequence], num_ranks: int) -> list[list[
     return per_rank
 
 
-def order_smallest_last(sequences: Iterable[Sequence], num_ranks: int) -> list[list[Sequence]]:
+def order_smallest_last(sequences: Iterable[SeqRef], num_ranks: int) -> list[list[SeqRef]]:
     """Decoupled dispatch: longest first, dealt round-robin 0..R-1, 0..R-1, ...
 
     Each rank's list is longest-first, so it ends with its smallest; fed position by position
@@ -307,13 +307,13 @@ def order_smallest_last(sequences: Iterable[Sequence], num_ranks: int) -> list[l
     last one is the absolute smallest. Loads differ by at most the largest sequence.
     """
     _require_at_least_one(num_ranks, "num_ranks")
-    per_rank: list[list[Sequence]] = [[] for _ in range(num_ranks)]
+    per_rank: list[list[SeqRef]] = [[] for _ in range(num_ranks)]
     for i, seq in enumerate(_longest_first(sequences)):
         per_rank[i % num_ranks].append(seq)
     return per_rank
 
 
-def feed_order(per_rank: list[list[Sequence]]) -> list[Sequence]:
+def feed_order(per_rank: list[list[SeqRef]]) -> list[SeqRef]:
     """Pipeline feed order of a dispatch: position 0 of ranks 0..R-1, then position 1, ..."""
     depth = max((len(seqs) for seqs in per_rank), default=0)
     return [seqs[p] for p in range(depth) for seqs in per_rank if p < len(seqs)]

@@ -169,7 +169,7 @@ class Trajectory:
 
 
 @dataclass(frozen=True, slots=True)
-class Sequence:
+class SeqRef:
     """One trajectory as a trainer work item: its id and its token count."""
 
     seq_id: str
@@ -181,7 +181,7 @@ class MicroBatch:
     """The unit the trainer consumes; ``ready_time`` is when its last sequence became ready."""
 
     mb_id: int
-    sequences: tuple[Sequence, ...]
+    sequences: tuple[SeqRef, ...]
     ready_time: float = 0.0
 
     @property

@@ -10,7 +10,7 @@ loop unpins the task's KV (when it pins), pauses the environment session (so its
 stops), waits for ``resume``, resumes the session and goes on with the same context.
 
 A task can also leave the rank (ERS moved the rank to the trainer): ``detach`` stops it at its
-next turn boundary and ``run`` raises :class:`TaskDetached` with a :class:`TaskCarry` (the open
+next turn boundary and ``run`` raises :class:`TaskDetachedError` with a :class:`TaskCarry` (the open
 environment session, the turns so far, the next context), from which another rank's loop goes on.
 """
 
@@ -62,7 +62,7 @@ class TaskCarry:
     next_context: list[int]
 
 
-class TaskDetached(Exception):
+class TaskDetachedError(Exception):
     """``run`` stopped at a turn boundary because the task was detached."""
 
     def __init__(self, task_id: str, carry: TaskCarry):
@@ -147,7 +147,7 @@ class AgentLoop:
                     if self.pin:
                         await self.engine.unpin(task.task_id)
                     await self.env.pause(session)
-                    raise TaskDetached(task.task_id, TaskCarry(session, trajectory.turns,
+                    raise TaskDetachedError(task.task_id, TaskCarry(session, trajectory.turns,
                                                                new_context))
                 prompt = context + new_context
                 if len(prompt) + self.sampling.max_tokens > self.max_context_tokens:

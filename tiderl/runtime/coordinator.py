@@ -98,7 +98,7 @@ class Coordinator(LayoutMixin, MetricsMixin, ManualMixin):
         self.pending_rollout: dict[int, int] = {}  # boundary seq -> rank joining rollout
         self.groups: dict[str, GroupRun] = {}
         self.task_rank: dict[str, int] = {}
-        self.carries: dict[str, b.TaskCarry | None] = {}  # moved tasks: carry (None: restart)
+        self.carries: dict[str, b.CarryData | None] = {}  # moved tasks: carry (None: restart)
         self.moves: dict[str, int] = {}  # task -> rank it goes to once its carry arrives
         self.num_fed = 0
         self.num_retired = 0
@@ -283,19 +283,19 @@ class Coordinator(LayoutMixin, MetricsMixin, ManualMixin):
             if isinstance(d, AdmitDecision):
                 self._admit(d.task_id, d.rank)
             elif isinstance(d, PauseDecision):
-                self._send(self.task_rank[d.task_id], b.Pause(seq=self._next_seq(),
+                self._send(self.task_rank[d.task_id], b.PauseTask(seq=self._next_seq(),
                                                               task_id=d.task_id))
             elif isinstance(d, ResumeDecision):
                 if self.task_rank.get(d.task_id) == d.rank and d.task_id not in self.carries:
-                    self._send(d.rank, b.Resume(seq=self._next_seq(), task_id=d.task_id))
+                    self._send(d.rank, b.ResumeTask(seq=self._next_seq(), task_id=d.task_id))
                 else:
                     self._move(d.task_id, d.rank)
 
-    def _admit(self, task_id: str, rank: int, carry: b.TaskCarry | None = None) -> None:
+    def _admit(self, task_id: str, rank: int, carry: b.CarryData | None = None) -> None:
         group = self.groups[self.book.tasks[task_id].group_id]
         spec = group.tasks[task_id]
         self.task_rank[task_id] = rank
-        self._send(rank, b.Admit(seq=self._next_seq(), task_id=task_id, group_id=group.group_id,
+        self._send(rank, b.AdmitTask(seq=self._next_seq(), task_id=task_id, group_id=group.group_id,
                                  env=spec.env, task=group.task_text, seed=spec.seed,
                                  eval=spec.is_eval, pin=self.policy.pins_tasks, carry=carry))
 
@@ -308,7 +308,7 @@ class Coordinator(LayoutMixin, MetricsMixin, ManualMixin):
         old = self.task_rank.get(task_id)
         self.moves[task_id] = rank
         if old is not None and old not in self.dead:
-            self._send(old, b.Detach(seq=self._next_seq(), task_id=task_id))
+            self._send(old, b.DetachTask(seq=self._next_seq(), task_id=task_id))
 
     # ---------------------------------------------------------------- messages
 

@@ -1,6 +1,6 @@
 """The rank daemon: one process per rank (device), in any role the coordinator gives it.
 
-    bus (DEALER) ──Admit / Pause / Resume──> agent loops on the rollout engine ──TurnReport,
+    bus (DEALER) ──AdmitTask / PauseTask / ResumeTask──> agent loops on the engine ──TurnReport,
                                                                                  TaskFinished──> bus
                  ──SyncWeights, TrainStep──> one command at a time, in a worker thread:
                                              role switch + weight broadcast, RA2P step
@@ -10,7 +10,7 @@ All ranks form one ``torch.distributed`` world (gloo on CPU, NCCL on GPU) and cr
 process groups of :mod:`tiderl.runtime.groups` at start-up. Roles:
 
 - ``rollout``: the embedded engine plus one agent loop per admitted task against the environment
-  service; pins each task's KV between turns when CTB asks (``Admit.pin``).
+  service; pins each task's KV between turns when CTB asks (``AdmitTask.pin``).
 - ``actor``: the policy (DDP over the actor set) with AdamW, and a frozen Ref copy for the
   colocated modes (swapped on a GPU).
 - ``ref``: the frozen Ref model only (the decoupled mode's dedicated rank).
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiderl.core.types import MicroBatch, Mode, Role, Sequence, Trajectory, Turn
+from tiderl.core.types import MicroBatch, Mode, Role, SeqRef, Trajectory, Turn
 from tiderl.engine.clients import EmbeddedClient
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
@@ -47,32 +47,30 @@ from tiderl.env.client import HTTPEnvClient
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
-from tiderl.runtime.agent import AgentLoop, AgentTask, TaskCarry, TaskDetached, TurnEvent
+from tiderl.runtime.agent import AgentLoop, AgentTask, TaskCarry, TaskDetachedError, TurnEvent
 from tiderl.runtime.bus import (
     Ack,
-    Admit,
+    AdmitTask,
     BusClient,
-    Detach,
+    CarryData,
+    DetachTask,
     Heartbeat,
     Hello,
     MicroBatchData,
-    Pause,
+    PauseTask,
     RankMetrics,
-    Resume,
+    ResumeTask,
     Shutdown,
     StepClosed,
     StepDone,
     SyncWeights,
+    TaskDetached,
     TaskFinished,
     TrainStep,
     TurnData,
     TurnReport,
     load_job_keys,
     rank_identity,
-)
-from tiderl.runtime.bus import TaskCarry as CarryMsg
-from tiderl.runtime.bus import (
-    TaskDetached as TaskDetachedMsg,
 )
 from tiderl.runtime.groups import trainer_sets
 from tiderl.trainer.batch import TrainSample
@@ -292,16 +290,16 @@ class RankDaemon:
             self._handle(msg)
 
     def _handle(self, msg) -> None:
-        if isinstance(msg, Admit) and msg.eval:  # after any weight sync before it: anchored
+        if isinstance(msg, AdmitTask) and msg.eval:  # after any weight sync before it: anchored
             self.commands.put_nowait(msg)
-        elif isinstance(msg, Admit):
+        elif isinstance(msg, AdmitTask):
             self._admit(msg)
-        elif isinstance(msg, Detach):
+        elif isinstance(msg, DetachTask):
             if self.agent is not None and msg.task_id in self.tasks:
                 self.agent.detach(msg.task_id)
-        elif isinstance(msg, Pause | Resume):
+        elif isinstance(msg, PauseTask | ResumeTask):
             if self.agent is not None and msg.task_id in self.tasks:
-                (self.agent.pause if isinstance(msg, Pause) else self.agent.resume)(msg.task_id)
+                (self.agent.pause if isinstance(msg, PauseTask) else self.agent.resume)(msg.task_id)
         elif isinstance(msg, TrainStep):
             self.streams[msg.step] = StreamedStep()
             self.commands.put_nowait(msg)
@@ -316,7 +314,7 @@ class RankDaemon:
 
     # -- rollout ---------------------------------------------------------------------------------
 
-    def _admit(self, msg: Admit) -> None:
+    def _admit(self, msg: AdmitTask) -> None:
         if self.agent is None:
             self._send(Ack(rank=self.rank, ref=msg.seq, ok=False,
                            error=f"rank {self.rank} is not a rollout rank"))
@@ -334,9 +332,9 @@ class RankDaemon:
         assert self.agent is not None
         try:
             trajectory = await self.agent.run(task, carry)
-        except TaskDetached as exc:
+        except TaskDetachedError as exc:
             turns = [_turn_data(t) for t in exc.carry.turns]
-            self._send(TaskDetachedMsg(rank=self.rank, task_id=task.task_id, carry=CarryMsg(
+            self._send(TaskDetached(rank=self.rank, task_id=task.task_id, carry=CarryData(
                 session=exc.carry.session, turns=turns, next_context=exc.carry.next_context)))
         except asyncio.CancelledError:
             raise
@@ -387,7 +385,7 @@ class RankDaemon:
     def _feed(self, msg: MicroBatchData) -> None:
         samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
                                tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
-        mb = MicroBatch(msg.mb_id, tuple(Sequence(s.seq_id, s.num_tokens) for s in samples))
+        mb = MicroBatch(msg.mb_id, tuple(SeqRef(s.seq_id, s.num_tokens) for s in samples))
         self.streams.setdefault(msg.step, StreamedStep()).add(mb, samples)
 
     async def _run_commands(self) -> None:
@@ -396,7 +394,7 @@ class RankDaemon:
             try:
                 if isinstance(cmd, TrainStep):
                     await self._train(cmd)
-                elif isinstance(cmd, Admit):
+                elif isinstance(cmd, AdmitTask):
                     self._admit(cmd)
                 elif isinstance(cmd, Shutdown):
                     log.info("rank %d: shutdown (%s)", self.rank, cmd.reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiderl.core.types import Sequence, Task, Trajectory
+from tiderl.core.types import SeqRef, Task, Trajectory
 from tiderl.runtime import bus as b
 from tiderl.trainer.batch import TrainSample
 
@@ -35,7 +35,7 @@ class GroupRun:
         return min(s.version for s in self.samples)
 
     @property
-    def sequences(self) -> tuple[Sequence, ...]:
+    def sequences(self) -> tuple[SeqRef, ...]:
         return tuple(s.as_sequence() for s in self.samples)
 
 

@@ -26,7 +26,7 @@ from tiderl.core.ctb import SchedulingPolicy, make_policy
 from tiderl.core.ers import ERSInput, ERSPolicy
 from tiderl.core.ra2p import choose_mode, synthetic_ready_times
 from tiderl.core.readiness import ReadinessTracker
-from tiderl.core.types import MicroBatch, Mode, Role, Sequence
+from tiderl.core.types import MicroBatch, Mode, Role, SeqRef
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS
@@ -246,7 +246,7 @@ class Cluster:
         seq = max(1, int(self.mean_seq_tokens))
         target = self.scenario.ra2p.tokens_per_rank * max(1, num_dp)
         count = max(1, min(self.scenario.batch_ideal, target // seq))
-        return MicroBatch(0, tuple(Sequence(f"t{i}", seq) for i in range(count)))
+        return MicroBatch(0, tuple(SeqRef(f"t{i}", seq) for i in range(count)))
 
     def _last_rollout_idle_frac(self) -> float:
         """RWT of the last step over its rollout GPU-seconds (0 before the first step)."""

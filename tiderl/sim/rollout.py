@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiderl.core.ctb import SchedulingPolicy, TaskBook
-from tiderl.core.types import Admit, Group, Pause, Resume, Sequence, Task
+from tiderl.core.types import Admit, Group, Pause, Resume, SeqRef, Task
 from tiderl.sim.engine import Request, RolloutEngine
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import CostModel
@@ -61,9 +61,9 @@ class SimGroup:
         return min(t.version for t in self.tasks if t.version is not None)
 
     @property
-    def sequences(self) -> tuple[Sequence, ...]:
+    def sequences(self) -> tuple[SeqRef, ...]:
         """One training sequence per task, as the global buffer takes them."""
-        return tuple(Sequence(p.task_id, trajectory_tokens(p)) for p in self.plans)
+        return tuple(SeqRef(p.task_id, trajectory_tokens(p)) for p in self.plans)
 
 
 def trajectory_tokens(plan: TaskPlan) -> int:

@@ -29,14 +29,14 @@ from collections import deque
 from collections.abc import Callable
 
 from tiderl.core.ra2p import dispatch_zigzag, order_smallest_last
-from tiderl.core.types import MicroBatch, Ra2pTimings, Sequence
+from tiderl.core.types import MicroBatch, Ra2pTimings, SeqRef
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import CostModel
 
 CONTEXT_SWITCH_S = 1e-3  # "vs": Ref<->Actor on the GPU without offload; simcal §5: 0 or < 1 ms
 
 
-def _slowest(per_rank: list[list[Sequence]], cost: Callable[[int, int], float]) -> float:
+def _slowest(per_rank: list[list[SeqRef]], cost: Callable[[int, int], float]) -> float:
     return max((sum(cost(s.num_tokens, s.num_tokens) for s in seqs) for seqs in per_rank),
                default=0.0)
 
@@ -215,7 +215,7 @@ def run_trainer_step(model: CostModel, kind: str, ready_times: list[float], mb_t
         num_seqs = max(1, mb_tokens // seq_tokens)
         sizes = [mb_tokens // num_seqs] * num_seqs
         sizes[-1] += mb_tokens - sum(sizes)
-        seqs = tuple(Sequence(f"{i}/{j}", n) for j, n in enumerate(sizes))
+        seqs = tuple(SeqRef(f"{i}/{j}", n) for j, n in enumerate(sizes))
         loop.at(ready, executor.add, MicroBatch(i, seqs, ready))
     loop.at(times[-1] if times else 0.0, lambda _: executor.close())
     loop.run()

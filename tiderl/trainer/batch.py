@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiderl.core.types import Sequence, Trajectory
+from tiderl.core.types import SeqRef, Trajectory
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ class TrainSample:
     def num_loss_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    def as_sequence(self) -> Sequence:
+    def as_sequence(self) -> SeqRef:
         """The core's view of it, for micro-batch formation and dispatch."""
-        return Sequence(self.seq_id, self.num_tokens)
+        return SeqRef(self.seq_id, self.num_tokens)
 
     @classmethod
     def from_trajectory(cls, trajectory: Trajectory, advantage: float) -> TrainSample:

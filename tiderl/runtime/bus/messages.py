@@ -94,7 +94,7 @@ class TaskFinished(Message, kw_only=True):
     num_tokens: int
 
 
-class TaskCarry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class CarryData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A task in flight moving between ranks: its open environment session, the turns played and
     the context its next turn starts from (nested, not a message)."""
 
@@ -105,12 +105,12 @@ class TaskCarry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 class TaskDetached(Message, kw_only=True):
     """The rank stopped a task at a turn boundary to leave the rollout role; ``carry`` lets
-    another rank go on with it (an Admit with the carry)."""
+    another rank go on with it (an AdmitTask with the carry)."""
 
     kind: ClassVar[int] = 0x05
     rank: int
     task_id: str
-    carry: TaskCarry
+    carry: CarryData
 
 
 class Ack(Message, kw_only=True):
@@ -171,7 +171,7 @@ class Rebalance(Message, kw_only=True):
 
 # --- coordinator -> rank (``seq`` is echoed back as Ack.ref) ---------------------------------
 
-class Admit(Message, kw_only=True):
+class AdmitTask(Message, kw_only=True):
     """Start a task on this rank (a CTB decision); with ``carry``, go on with a task that ran on
     another rank (CTB resumed it here)."""
 
@@ -184,10 +184,10 @@ class Admit(Message, kw_only=True):
     seed: int
     eval: bool = False
     pin: bool = False  # keep its KV pinned between turns (CTB pins, the request level does not)
-    carry: TaskCarry | None = None
+    carry: CarryData | None = None
 
 
-class Pause(Message, kw_only=True):
+class PauseTask(Message, kw_only=True):
     """Pause a task at its next turn boundary (a CTB decision)."""
 
     kind: ClassVar[int] = 0x21
@@ -195,7 +195,7 @@ class Pause(Message, kw_only=True):
     task_id: str
 
 
-class Detach(Message, kw_only=True):
+class DetachTask(Message, kw_only=True):
     """Stop a task at its next turn boundary and send it back as :class:`TaskDetached` (it goes on
     on another rank)."""
 
@@ -204,7 +204,7 @@ class Detach(Message, kw_only=True):
     task_id: str
 
 
-class Resume(Message, kw_only=True):
+class ResumeTask(Message, kw_only=True):
     """Resume a paused task on this rank (a CTB decision)."""
 
     kind: ClassVar[int] = 0x22
@@ -311,8 +311,8 @@ class Snapshot(Message, kw_only=True):
 
 MESSAGES: tuple[type[Message], ...] = (
     Hello, Heartbeat, TurnReport, TaskFinished, TaskDetached, Ack, StepDone, RankMetrics,
-    Admit, Pause, Detach, Resume, SyncWeights, TrainStep, MicroBatchData, Shutdown, StepClosed,
-    Snapshot, Rebalance, RebalanceReply,
+    AdmitTask, PauseTask, DetachTask, ResumeTask, SyncWeights, TrainStep, MicroBatchData,
+    Shutdown, StepClosed, Snapshot, Rebalance, RebalanceReply,
 )
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from tiderl.core.rank_sets import MAX_ALL_SUBSETS, has_group, trainer_sets
 from tiderl.core.types import MicroBatch, SeqRef
-from tiderl.runtime.groups import MAX_ALL_SUBSETS, has_group, trainer_sets
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.executors import StreamedStep, phase_times
 

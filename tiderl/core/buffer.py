@@ -30,6 +30,9 @@ class ReadyGroup(Protocol):
     """A finished GRPO group as the buffer sees it: one training sequence per task."""
 
     @property
+    def group_id(self) -> str: ...
+
+    @property
     def oldest_version(self) -> int: ...
 
     @property

@@ -142,6 +142,7 @@ class RankRecord:
     rank: int
     budget: int  # B_r, in KV tokens
     usage: int = 0  # sum of the footprints of its active tasks
+    num_running: int = 0  # active tasks with a generation in flight
     active: dict[TaskId, TaskRecord] = field(default_factory=dict)
     num_env: dict[str, int] = field(default_factory=dict)  # env -> active tasks there
     heap: list[HeapEntry] = field(default_factory=list, compare=False, repr=False)
@@ -202,6 +203,7 @@ class TaskBook:
     paused: dict[TaskId, TaskRecord] = field(default_factory=dict)
     num_active: int = 0
     num_new: int = 0
+    num_idle_ranks: int = 0  # rollout ranks with no generation in flight
 
     # ------------------------------------------------------------------ queries
 
@@ -278,6 +280,7 @@ class TaskBook:
         _check_tokens(budget, "budget")
         self.ranks[rank] = RankRecord(rank, budget)
         self.ranks = dict(sorted(self.ranks.items()))
+        self.num_idle_ranks += 1
 
     def set_budget(self, rank: int, budget: int) -> None:
         _check_tokens(budget, "budget")
@@ -296,6 +299,7 @@ class TaskBook:
             self.paused[task.task_id] = task
             self._reindex(task)
         del self.ranks[rank]
+        self.num_idle_ranks -= 1
         return [task.task_id for task in moved]
 
     # ------------------------------------------------------------------ task events
@@ -334,7 +338,7 @@ class TaskBook:
         if task.state is TaskState.ACTIVE:
             self.ranks[task.rank].usage += footprint - task.footprint
         task.footprint, task.context_len = footprint, context_len
-        task.is_running = is_running and task.state is TaskState.ACTIVE  # paused: never running
+        self._set_running(task, is_running)
         task.num_turns += 1
         self._reindex(task)
         group = self.groups[task.group_id]
@@ -346,7 +350,7 @@ class TaskBook:
     def set_running(self, task_id: TaskId, is_running: bool) -> None:
         """A generation request of an active task started or returned (I_active)."""
         task = self.task(task_id)
-        task.is_running = is_running and task.state is TaskState.ACTIVE
+        self._set_running(task, is_running)
         self._reindex(task)
 
     def finish_task(self, task_id: TaskId) -> None:
@@ -438,8 +442,19 @@ class TaskBook:
         record.usage -= task.footprint
         _bump(record.num_env, task.env, -1)
         _bump(self.groups[task.group_id].num_active_on, task.rank, -1)
-        task.is_running = False
+        self._set_running(task, False)
         self.num_active -= 1
+
+    def _set_running(self, task: TaskRecord, is_running: bool) -> None:
+        """I_active, and its rank's count of tasks generating: only an active task runs."""
+        is_running = is_running and task.state is TaskState.ACTIVE
+        if is_running == task.is_running:
+            return
+        task.is_running = is_running
+        record = self.ranks[task.rank]
+        record.num_running += 1 if is_running else -1
+        if record.num_running == (1 if is_running else 0):  # it just left or entered idleness
+            self.num_idle_ranks += -1 if is_running else 1
 
     def _reindex(self, task: TaskRecord) -> None:
         """An input of its priority, or its footprint, changed: recompute P(t) and, if it is

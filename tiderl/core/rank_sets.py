@@ -1,4 +1,4 @@
-"""The trainer process groups a job creates at start-up, so that no group is built at run time.
+"""The trainer rank sets a job makes process groups for at start-up (none is built at run time).
 
 Every rank calls ``torch.distributed.new_group`` for the same sets in the same order. The sets are
 every non-empty subset of the ranks for small jobs; beyond ``MAX_ALL_SUBSETS`` ranks, every

@@ -1,0 +1,378 @@
+"""The step controller on scripted event sequences: exact commands out (no substrate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tiderl.core.commands import (
+    Abort,
+    Boundary,
+    CloseStep,
+    Dispatch,
+    FeedGroups,
+    Finish,
+    GroupDropped,
+    GroupSpec,
+    JoinRollout,
+    LeaveRollout,
+    ManualReply,
+    ManualRequest,
+    RankReport,
+    RecordStep,
+    Retire,
+    StartStep,
+    StepOutcome,
+)
+from tiderl.core.ctb import CTBConfig
+from tiderl.core.ers import ERSConfig
+from tiderl.core.ra2p import RA2PConfig
+from tiderl.core.step_control import (
+    LayoutLimits,
+    Phase,
+    StepControlConfig,
+    StepControlError,
+    StepController,
+    task_id,
+)
+from tiderl.core.step_control.inputs import MeasuredPasses, layout_timings
+from tiderl.core.system import StepMode, System, SystemSpec
+from tiderl.core.types import Admit, Group, Mode, PlanReason, Ra2pTimings, Role, SeqRef, Task
+
+R, A, F, IDLE = Role.ROLLOUT, Role.ACTOR, Role.REF, Role.IDLE
+G = 2  # group size
+BUDGET = 1000
+
+
+@dataclass
+class Ready:
+    """A finished group as the buffer takes it."""
+
+    group_id: str
+    oldest_version: int
+    tokens: int = 100
+
+    @property
+    def sequences(self) -> tuple[SeqRef, ...]:
+        return tuple(SeqRef(task_id(self.group_id, i), self.tokens) for i in range(G))
+
+
+def source(spec: GroupSpec) -> Group:
+    tasks = tuple(Task(task_id(spec.group_id, i), spec.group_id, "guess", spec.is_eval)
+                  for i in range(G))
+    return Group(spec.group_id, tasks)
+
+
+def make(system: System = System.TIDERL, roles=(R, A), *, steps: int = 5, staleness: int = 1,
+         batch: int = 4, ers: ERSConfig | None = None, limits: LayoutLimits | None = None,
+         ra2p: RA2PConfig | None = None, **extra) -> StepController:
+    ers = ers or ERSConfig(batch_min=G, batch_ideal=batch, cold_start_steps=0)
+    config = StepControlConfig(
+        system=SystemSpec(system), num_steps=steps, group_size=G, max_staleness=staleness,
+        ctb=CTBConfig(), ra2p=ra2p or RA2PConfig(tokens_per_rank=1000), ers=ers,
+        rank_budget=BUDGET,
+        max_new_tokens=8, limits=limits or LayoutLimits(), **extra)
+    return StepController(config, list(roles), source, now=0.0)
+
+
+def feed(*ids: str, is_eval: bool = False, step: int = 0) -> FeedGroups:
+    def index(group_id: str) -> int:
+        return int(group_id.rsplit(".", 1)[-1]) if is_eval else int(group_id[1:])
+
+    return FeedGroups(tuple(GroupSpec(g, index(g), is_eval, step) for g in ids), is_eval)
+
+
+def outcome(step: int, *ranks: int, t: float = 1.0, loss: float = 0.5) -> StepOutcome:
+    reports = tuple(RankReport(r, wait_s=0.25, t_ref=t, t_act_f=t, t_act_b=2 * t, t_swap=0.0,
+                               loss=loss, grad_norm=1.5) for r in ranks)
+    return StepOutcome(step, reports, kv_queries=10 * (step + 1), kv_hits=5 * (step + 1),
+                       reward_mean=0.5)
+
+
+def kinds(commands) -> list[str]:
+    return [type(c).__name__ for c in commands]
+
+
+def only(commands, kind):
+    return [c for c in commands if isinstance(c, kind)]
+
+
+def record_of(commands):
+    (cmd,) = only(commands, RecordStep)
+    return cmd.record
+
+
+# --------------------------------------------------------------------------- a sync step
+
+
+def test_a_sync_step_waits_for_its_whole_batch_then_every_rank_trains_it():
+    c = make(System.SYNC, (R, R))
+    assert c.launch(0.0) == [JoinRollout(0, BUDGET), JoinRollout(1, BUDGET), feed("g0", "g1")]
+    assert c.phase is Phase.WAITING  # staleness 0: one batch, and the step waits for it all
+    assert c.group_ready("g0", Ready("g0", 0), 1.0) == []
+    out = c.group_ready("g1", Ready("g1", 0), 2.0)
+    (mb,) = [d.mb for d in only(out, Dispatch)]  # 400 tokens <= 1000 x 2 ranks: one batch
+    assert out == [StartStep(0, StepMode.BATCH, (), (0, 1), 0), Dispatch(0, 0, mb),
+                   CloseStep(0)]
+    assert len(mb.sequences) == 4
+    out = c.step_done(outcome(0, 0, 1), 5.0)
+    record = record_of(out)
+    assert (record.trained_samples, record.trained_tokens, record.mode) == (4, 400,
+                                                                          StepMode.BATCH)
+    assert record.twt_s == 0.5  # the in-step waits; the ranks were rolling out before
+    assert record.kv_hit_rate == 0.5 and record.loss == 0.5 and record.grad_norm == 1.5
+    (boundary,) = only(out, Boundary)
+    assert (boundary.version, boundary.members, boundary.src_rank, boundary.joiners) == (
+        1, (0, 1), 0, ())
+    assert not only(out, Retire)  # the window moves once every rank has version 1
+    assert c.boundary_acked(0, 1, 6.0) == []
+    assert c.boundary_acked(1, 1, 6.5) == [Retire(4, 8), feed("g2", "g3", step=1)]
+    assert c.phase is Phase.WAITING and c.step == 1
+
+
+# --------------------------------------------------------------------------- async, stale
+
+
+def test_an_async_step_retires_a_stale_group_with_its_batch():
+    c = make(System.ASYNC, (R, A), staleness=0)
+    assert kinds(c.launch(0.0)) == ["JoinRollout", "FeedGroups"]
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    out = c.group_ready("g1", Ready("g1", 0), 2.0)
+    assert only(out, StartStep) == [StartStep(0, StepMode.BATCH, (), (1,), 0)]
+    out = c.step_done(outcome(0, 1), 4.0)
+    assert record_of(out).twt_s == pytest.approx(0.25 + 2.0)  # waited 2 s for the batch
+    assert only(out, Retire) == []
+    assert c.boundary_acked(1, 1, 4.5) == []  # the actor: the rollout rank still syncs
+    assert c.boundary_acked(0, 1, 5.0) == [Retire(4, 8), feed("g2", "g3", step=1)]
+    assert c.phase is Phase.WAITING
+    # g2 ran on version 0: one version too old for batch 1 at staleness 0
+    out = c.group_ready("g2", Ready("g2", 0), 6.0)
+    assert out == [GroupDropped("g2", "stale", 0, 1)]
+    c.group_ready("g3", Ready("g3", 1), 7.0)
+    out = c.group_ready("g4", Ready("g4", 1), 8.0)  # not fed yet: any ready group counts here
+    assert kinds(out) == ["StartStep", "Dispatch", "CloseStep"]
+    out = c.step_done(outcome(1, 1), 9.0)
+    assert record_of(out).discarded_tokens_total == 200
+    c.boundary_acked(1, 2, 9.5)
+    out = c.boundary_acked(0, 2, 9.5)
+    assert out[0] == Retire(6, 14)  # 4 trained + the 2 discarded samples leave the window
+
+
+# --------------------------------------------------------------------------- ERS phases
+
+
+def test_a_cold_start_lends_the_trainer_to_rollout_and_the_next_boundary_restores_it():
+    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1))
+    out = c.launch(0.0)
+    (boundary,) = only(out, Boundary)
+    assert boundary.roles == (R, A, R) and boundary.reason is PlanReason.COLD_START
+    assert (boundary.version, boundary.joiners, boundary.src_rank) == (0, (), 1)
+    assert only(out, JoinRollout) == [JoinRollout(0, BUDGET)]  # rank 2 once its engine is up
+    assert c.phase is Phase.BOUNDARY
+    assert c.boundary_acked(0, 0, 0.1) == c.boundary_acked(1, 0, 0.1) == []
+    out = c.boundary_acked(2, 0, 0.2)
+    assert out == [JoinRollout(2, BUDGET), StartStep(0, StepMode.COLOCATED, (), (1,), 8)]
+    decisions = c.schedule(0.3)
+    probes = [task_id(f"g{i}", 0) for i in range(2)]  # first-turn probing: a probe per group,
+    # at the default footprint (512 tokens): one per rank fits
+    assert [d.task_id for d in decisions] == probes and all(type(d) is Admit for d in decisions)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    out = c.group_ready("g1", Ready("g1", 0), 2.0)
+    assert kinds(out) == ["Dispatch", "CloseStep"]
+    out = c.step_done(outcome(0, 1), 3.0)
+    assert record_of(out).ers_reason == "cold_start"
+    assert record_of(out).roles == ("rollout", "actor", "rollout")
+    leave, boundary = only(out, LeaveRollout), only(out, Boundary)[0]
+    assert leave == [LeaveRollout(2, (task_id("g1", 0),))]  # its probe resumes elsewhere
+    assert c.book.tasks[task_id("g1", 0)].rank is None
+    assert boundary.roles == (R, A, A) and boundary.reason is PlanReason.PHASE_END
+    assert boundary.joiners == (2,) and boundary.old_roles == (R, A, R)
+    assert 2 not in c.book.ranks
+
+
+def test_an_evaluation_phase_lends_ranks_until_its_groups_are_back():
+    c = make(roles=(R, A, A), eval_every=2, eval_groups=1)
+    out = c.launch(0.0)
+    assert only(out, Boundary)[0].reason is PlanReason.EVALUATION
+    assert only(out, FeedGroups)[-1] == feed("e0.0", is_eval=True)
+    for rank in range(3):
+        c.boundary_acked(rank, 0, 0.1)
+    c.group_ready("e0.0", None, 0.5)  # the evaluation is back: it is never trained
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.5)
+    out = c.step_done(outcome(0, 1), 2.0)
+    assert only(out, Boundary)[0].reason is PlanReason.PHASE_END
+    for rank in range(3):
+        c.boundary_acked(rank, 1, 2.5)
+    # rank 2 left rollout with less than B_ideal ready: ERS retains, step 1 trains one group
+    out = c.group_ready("g2", Ready("g2", 1), 3.0)
+    assert kinds(out) == ["Dispatch", "CloseStep"]
+    out = c.step_done(outcome(1, 1, 2), 4.0)  # step 2 is due for an evaluation
+    assert record_of(out).batch_size == G
+    assert only(out, Boundary)[0].reason is PlanReason.EVALUATION
+    acks = [c.boundary_acked(rank, 2, 4.5) for rank in range(3)]
+    assert kinds(acks[-1]) == ["JoinRollout", "Retire", "FeedGroups", "FeedGroups", "StartStep"]
+    assert acks[-1][3] == feed("e2.0", is_eval=True, step=2)
+    assert c.groups.as_dict() == {"fed": 7, "trained": 3, "dropped": 0, "buffered": 0,
+                                  "rolling_out": 4}  # evaluation groups are not counted
+
+
+# --------------------------------------------------------------------------- dead ranks
+
+
+def test_a_dead_rollout_rank_leaves_the_boundary_and_its_tasks_go_back_to_ctb():
+    c = make(System.STREAM, (R, R, A))
+    c.launch(0.0)
+    admitted = c.schedule(0.1)
+    on_one = tuple(d.task_id for d in admitted if d.rank == 1)
+    assert on_one  # two probes, one per rank
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.5)
+    out = c.step_done(outcome(0, 2), 2.0)
+    assert only(out, Boundary)[0].members == (0, 1, 2)
+    c.boundary_acked(0, 1, 2.5)
+    c.boundary_acked(2, 1, 2.5)
+    out = c.rank_dead(1, "missed heartbeats", 3.0)
+    assert out[0] == LeaveRollout(1, on_one, is_dead=True)
+    assert kinds(out) == ["LeaveRollout", "Retire", "FeedGroups", "StartStep"]
+    assert c.roles == [R, IDLE, A] and 1 not in c.book.ranks
+    assert c.book.tasks[on_one[0]].rank is None  # paused with no rank: resumed elsewhere
+    assert c.rank_dead(1, "again", 3.5) == []
+    assert c.rank_dead(2, "its bus connection is gone", 4.0) == [
+        Abort("trainer rank 2 is gone (its bus connection is gone)")]
+
+
+# --------------------------------------------------------------------------- manual plans
+
+
+def test_a_manual_plan_applies_at_the_next_boundary_and_holds_until_released():
+    c = make(roles=(R, A, A), steps=6)
+    c.launch(0.0)
+    c.boundary_acked(0, 0, 0.0), c.boundary_acked(1, 0, 0.0), c.boundary_acked(2, 0, 0.0)
+    refused = c.submit_manual(ManualRequest("a", 2, 2), 0.5)
+    assert refused == [ManualReply(ManualRequest("a", 2, 2), "a", "refused", 0,
+                                   reason="--rollout 2 + --trainer 2 = 4, but the job has 3 "
+                                          "live ranks")]
+    request = ManualRequest("b", 2, 1)
+    assert c.submit_manual(request, 0.6) == [
+        ManualReply(request, "b", "accepted", 0, roles=(R, A, R), mode=Mode.COLOCATED)]
+    newer = ManualRequest("c", 1, 2, Mode.DECOUPLED)
+    out = c.submit_manual(newer, 0.7)
+    assert out[0] == ManualReply(request, "b", "refused", 0,
+                                 reason="replaced by a newer manual plan (R1/T2 decoupled)")
+    assert out[1].status == "accepted" and out[1].roles == (R, A, F)
+    for step in range(2):
+        c.group_ready(f"g{2 * step}", Ready(f"g{2 * step}", step), step + 1.0)
+        c.group_ready(f"g{2 * step + 1}", Ready(f"g{2 * step + 1}", step), step + 1.5)
+        out = c.step_done(outcome(step, *c.current.start.ranks), step + 1.8)
+        (boundary,) = only(out, Boundary)
+        if step == 0:
+            assert boundary.reason is PlanReason.MANUAL and boundary.roles == (R, A, F)
+            assert only(out, ManualReply)[0].status == "applied"
+        else:  # held: no ERS plan, the same roles
+            assert boundary.reason is None and boundary.roles == (R, A, F)
+        for rank in range(3):
+            out = c.boundary_acked(rank, step + 1, step + 1.9)
+        assert only(out, StartStep)[0] == StartStep(step + 1, StepMode.DECOUPLED, (2,), (1,), 1)
+    (reply,) = c.release_manual("d", 3.0)
+    assert (reply.status, reply.was_held, reply.reason) == (
+        "released", True, "ERS plans again from the next boundary")
+    assert not c.is_manual_held and c.manual_pending is None
+
+
+def test_sync_systems_and_the_last_step_refuse_manual_plans():
+    sync = make(System.SYNC, (R, R))
+    (reply,) = sync.release_manual("a", 0.0)
+    assert reply.reason == "mode sync: every rank rolls out and trains"
+    last = make(roles=(R, A, A), steps=1)
+    (reply,) = last.submit_manual(ManualRequest("a", 2, 1), 0.0)
+    assert reply.reason.startswith("the job is finishing: step 0 is its last")
+
+
+def test_the_layout_limits_refuse_a_plan_and_keep_the_roles():
+    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
+             limits=LayoutLimits(fixed_actor_backend="fsdp2"))
+    out = c.launch(0.0)
+    assert kinds(out)[0] == "PlanRefused"
+    assert only(out, Boundary)[0].roles == (R, A, A)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def test_footprints_are_the_context_plus_a_whole_generation():
+    c = make(System.TIDERL, (R, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+    c.launch(0.0)
+    probe = c.schedule(0.0)[0]
+    c.rollout.turn_done(probe.task_id, 40, 5, 1.0)
+    task = c.book.tasks[probe.task_id]
+    assert (task.footprint, task.context_len, task.is_running) == (48, 40, False)
+    assert c.rollout.generated_tokens == 5
+    assert c.book.tasks[task_id("g0", 1)].footprint == 48  # the probe's siblings follow it
+    c.rollout.turn_started(probe.task_id, 2.0)
+    assert c.book.tasks[probe.task_id].is_running
+
+
+def test_rwt_counts_idle_rollout_only_while_the_throttle_holds_tasks_back():
+    c = make(System.STREAM, (R, A), batch=2, staleness=0)  # one group fits the window
+    c.launch(0.0)
+    c.schedule(0.0)  # the probe goes out; its sibling waits for the probe's footprint
+    c.rollout.turn_done(task_id("g0", 0), 10, 2, 1.0)
+    c.schedule(1.0)
+    assert c.book.num_new == 0
+    assert c.rollout.rwt.total == 0.0  # a task waited for admission until now
+    c.rollout.turn_done(task_id("g0", 1), 10, 2, 2.0)
+    c.rollout.task_finished(task_id("g0", 0), 3.0)
+    c.rollout.task_finished(task_id("g0", 1), 3.0)
+    assert c.rollout.rwt.total == pytest.approx(1.0)  # idle from 2.0, nothing left to admit
+    c.rollout.stalled(3.0, 4.0, 1)
+    c.rollout.advance(4.0)
+    assert c.rollout.rwt.total == pytest.approx(2.0)  # the stall, not counted twice
+
+
+def test_a_step_that_is_not_open_is_refused():
+    c = make(System.STREAM, (R, A))
+    c.launch(0.0)
+    with pytest.raises(StepControlError, match="step 3 is not the open step"):
+        c.step_done(outcome(3, 1), 1.0)
+
+
+def test_the_last_step_ends_with_a_final_boundary():
+    c = make(System.STREAM, (R, A), steps=1)
+    c.launch(0.0)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 2.0)
+    out = c.step_done(outcome(0, 1), 3.0)
+    assert kinds(out) == ["RecordStep", "Boundary", "Finish"]
+    assert only(out, Boundary)[0].is_final and only(out, Boundary)[0].checkpoint
+    assert out[-1] == Finish(1) and c.phase is Phase.FINISHED
+    assert c.groups.as_dict() == {"fed": 4, "trained": 2, "dropped": 0, "buffered": 0,
+                                  "rolling_out": 2}
+
+
+def test_without_ers_ra2p_chooses_each_step_from_the_measured_pass_times():
+    """Nothing measured: colocated, on the actor ranks (the Ref rank waits). Measured swaps of
+    5 s against 0.4 s of compute per micro-batch, and four micro-batches ready: decoupled."""
+    c = make(roles=(R, F, A, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4),
+             ra2p=RA2PConfig(tokens_per_rank=50))
+    c.launch(0.0)
+    assert c.current.start == StartStep(0, StepMode.COLOCATED, (), (2, 3), 8)
+    for i in range(4):  # batch 0, then batch 1 ready before step 0 ends
+        c.group_ready(f"g{i}", Ready(f"g{i}", 0), 1.0 + i)
+    reports = tuple(RankReport(r, t_ref=0.1, t_act_f=0.1, t_act_b=0.2, t_swap=5.0)
+                    for r in (2, 3))
+    c.step_done(StepOutcome(0, reports), 6.0)
+    out = [c.boundary_acked(rank, 1, 6.5) for rank in range(4)][-1]
+    assert only(out, StartStep) == [StartStep(1, StepMode.DECOUPLED, (1,), (2, 3), 1)]
+    assert c.current.ras == 4
+
+
+def test_a_layout_not_measured_is_costed_from_the_other_with_the_ref_share_scaled():
+    colocated = {Mode.COLOCATED: MeasuredPasses(Ra2pTimings(1.0, 2.0, 4.0, 0.5), 4, 4)}
+    # one Ref rank for three actors computes three actors' worth of each micro-batch
+    assert layout_timings(colocated, Mode.DECOUPLED, 1, 3) == Ra2pTimings(3.0, 2.0, 4.0, 0.5)
+    assert layout_timings(colocated, Mode.COLOCATED, 0, 2) == Ra2pTimings(1.0, 2.0, 4.0, 0.5)
+    decoupled = {Mode.DECOUPLED: MeasuredPasses(Ra2pTimings(3.0, 2.0, 4.0, 0.0), 1, 3)}
+    assert layout_timings(decoupled, Mode.COLOCATED, 1, 3) == Ra2pTimings(1.0, 2.0, 4.0, 0.0)
+    assert layout_timings({}, Mode.DECOUPLED, 1, 3) is None

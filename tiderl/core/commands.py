@@ -1,0 +1,221 @@
+"""What the step controller tells its adapter to do, and what the adapter reports back: plain data.
+
+Commands (out of :class:`tiderl.core.step_control.StepController`), in the order an adapter must
+apply them; each adapter turns them into its substrate's actions (bus messages, or events on the
+simulator's heap)::
+
+    FeedGroups     groups the adapter now runs (their tasks are in CTB's book already)
+    JoinRollout    a rank's engine is up: CTB places tasks on it from now on
+    LeaveRollout   a rank left rollout (a plan moved it, or it died): its tasks resume elsewhere
+    StartStep      open optimizer step ``step`` on these ranks in this mode
+    Dispatch       a micro-batch of the open step, to its ranks
+    CloseStep      the open step's batch is complete
+    RecordStep     the step's record (metrics.jsonl, report, /metrics, top, sim results)
+    Boundary       the post-update boundary: roles, the weight broadcast of ``version``
+    Retire         the staleness window moved (every rollout rank has the new version)
+    GroupDropped   a group left the buffer untrained (too stale, or a task produced no turn)
+    PlanRefused    a plan the layout limits forbid; the roles stay as they are
+    ManualReply    an answer to an operator's plan (``tiderl rebalance``)
+    Finish         the last step is done
+    Abort          the job cannot go on
+
+CTB's decisions (:class:`tiderl.core.types.Admit`, ``Pause``, ``Resume``) come out of
+``schedule``. Reports in: :class:`RankReport` per trainer rank in a :class:`StepOutcome`, and a
+:class:`ManualRequest`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiderl.core.records import StepRecord
+from tiderl.core.system import StepMode
+from tiderl.core.types import MicroBatch, Mode, PlanReason, Role
+
+# --------------------------------------------------------------------------- reports in
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """A group the controller feeds: ``index`` counts training (or this phase's evaluation)
+    groups from 0; ``step`` is the step it was fed for."""
+
+    group_id: str
+    index: int
+    is_eval: bool
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One trainer rank's account of a step: its wait for data and its measured per-micro-batch
+    pass times (None: this rank did not run that pass), its loss when it is an actor."""
+
+    rank: int
+    wait_s: float = 0.0
+    t_ref: float | None = None
+    t_act_f: float | None = None
+    t_act_b: float | None = None
+    t_swap: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """A finished step: every trainer rank's report, and what only the substrate knows
+    (cumulative prefix-cache counters over all rollout ranks, the trained samples' rewards)."""
+
+    step: int
+    reports: tuple[RankReport, ...]
+    kv_queries: int = 0
+    kv_hits: int = 0
+    reward_mean: float | None = None
+    solved_frac: float | None = None
+    eval_reward: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ManualRequest:
+    """An operator's layout: ``rollout`` + ``trainer`` ranks, the RA2P mode (None: keep).
+    ``key`` identifies the requester for the replies."""
+
+    key: object
+    rollout: int
+    trainer: int
+    mode: Mode | None = None
+
+    def describe(self, mode: Mode | None = None) -> str:
+        """"R2/T1 colocated": the counts and mode, for events and notes."""
+        shown = mode or self.mode
+        return f"R{self.rollout}/T{self.trainer}" + (f" {shown.value}" if shown else "")
+
+
+# --------------------------------------------------------------------------- commands out
+
+
+@dataclass(frozen=True, slots=True)
+class FeedGroups:
+    groups: tuple[GroupSpec, ...]
+    is_eval: bool
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRollout:
+    rank: int
+    budget: int  # CTB's token budget B_r on it
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRollout:
+    """``task_ids`` were active or paused there; CTB resumes them on other ranks (from their
+    carry after a move; from scratch when the rank died)."""
+
+    rank: int
+    task_ids: tuple[str, ...]
+    is_dead: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StartStep:
+    step: int
+    mode: StepMode
+    ref_ranks: tuple[int, ...]
+    actor_ranks: tuple[int, ...]
+    max_aggregate: int  # colocated: micro-batches per swap pair; 0: the whole batch; else 1
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (*self.ref_ranks, *self.actor_ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    step: int
+    index: int  # the step's micro-batches in the order they are sent, from 0
+    mb: MicroBatch
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStep:
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordStep:
+    record: StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """Every live rank (``members``) takes ``roles`` and joins the broadcast of ``version`` from
+    ``src_rank`` (an actor that stays one); ``joiners`` (new actors) also get the optimizer state.
+    Version 0 is the launch plan: roles only, no weights move."""
+
+    version: int
+    roles: tuple[Role, ...]
+    old_roles: tuple[Role, ...]
+    members: tuple[int, ...]
+    src_rank: int
+    joiners: tuple[int, ...]
+    reason: PlanReason | None
+    batch_size: int  # the next step's (elastic) batch
+    checkpoint: bool = False
+    is_final: bool = False  # after the last step: weights and checkpoint only
+
+    def changes(self) -> list[tuple[int, Role, Role]]:
+        return [(rank, old, new) for rank, (old, new) in
+                enumerate(zip(self.old_roles, self.roles, strict=True)) if old is not new]
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    num_tasks: int
+    admission_limit: int | None  # training tasks that may now have been admitted in all
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDropped:
+    group_id: str
+    reason: str  # "stale" or "no turn"
+    oldest_version: int | None
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRefused:
+    reason: str
+    plan_reason: PlanReason
+
+
+@dataclass(frozen=True, slots=True)
+class ManualReply:
+    """``status``: "accepted" (applies at the boundary after ``step``), "refused" (``reason``),
+    "applied" (at ``version``, with ``roles`` and ``mode``), "released" (``--auto``; ``reason``
+    says what happens next, ``was_held`` whether a layout was held)."""
+
+    request: ManualRequest | None  # None for a release
+    key: object
+    status: str
+    step: int
+    reason: str = ""
+    version: int = 0
+    roles: tuple[Role, ...] = ()
+    mode: Mode | None = None
+    was_held: bool = False
+    is_at_boundary: bool = False  # decided at the post-update boundary, not on request
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    num_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    reason: str
+
+
+Command = (FeedGroups | JoinRollout | LeaveRollout | StartStep | Dispatch | CloseStep
+           | RecordStep | Boundary | Retire | GroupDropped | PlanRefused | ManualReply | Finish
+           | Abort)

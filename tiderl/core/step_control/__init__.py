@@ -1,0 +1,42 @@
+"""The step cycle: one pure object that feeds CTB, RA2P and ERS and runs the boundary, driven by
+both the simulator (an event heap) and the runtime coordinator (a bus).
+
+    adapter ──events (time is an argument)──> StepController ──commands (tiderl.core.commands)──>
+                                                 │
+          RolloutControl: TaskBook + CTB or request-level policy, the footprint rule, RWT
+          ReadyBuffer + ReadinessTracker: ready groups -> micro-batches of batch s
+          ERSPolicy, choose_mode, manual plans
+
+    launch ─(ERS: launch plan, Boundary v0)─┐
+                                            v
+      ┌─> BOUNDARY ──every member acked──> WAITING ──batch s complete──┐   whole-batch systems
+      │    rollout members acked: Retire, Feed └──────streaming──────┴──> TRAINING (step s)
+      │                                                                      │ StepOutcome
+      └── Boundary v = s+1 (manual plan | ERS plan | same roles) <── RecordStep ─┘
+                      after the last step: Boundary (final), Finish ──> FINISHED
+
+Invariant: step s opens only once every live rank acknowledged the boundary before it, and the
+staleness window moves only once every rollout rank has the new version (a task admitted earlier
+would start on the old weights and be too stale by the time its batch trains).
+
+Every policy input is built in this package and nowhere else: the task footprints CTB packs
+(:mod:`.rollout`), the ERS input and RA2P's cost-model inputs, with the pass times learned from
+the trainer ranks' reports (:mod:`.inputs`), the step mode, the elastic batch, evaluation
+phases and the order of the boundary (:mod:`.controller`), operator plans (:mod:`.manual`) and
+the layout limits every plan goes through (:mod:`.config`).
+"""
+
+
+from tiderl.core.step_control.config import (
+    LayoutLimits,
+    StepControlConfig,
+    StepControlError,
+    initial_roles,
+    task_id,
+)
+from tiderl.core.step_control.controller import StepController
+from tiderl.core.step_control.rollout import RolloutControl, RolloutWait
+from tiderl.core.step_control.state import Phase
+
+__all__ = ["LayoutLimits", "Phase", "RolloutControl", "RolloutWait", "StepControlConfig",
+           "StepControlError", "StepController", "initial_roles", "task_id"]

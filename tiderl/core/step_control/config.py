@@ -1,0 +1,77 @@
+"""What the step cycle needs of a job, the launch layout and the layouts a substrate refuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiderl.core.ctb import CTBConfig
+from tiderl.core.ers import ERSConfig
+from tiderl.core.ra2p import RA2PConfig
+from tiderl.core.rank_sets import has_group
+from tiderl.core.system import SystemSpec
+from tiderl.core.types import Mode, Role
+
+
+class StepControlError(RuntimeError):
+    """An event the step cycle cannot take (a bug in its adapter, or a plan with no actor)."""
+
+
+def task_id(group_id: str, index: int) -> str:
+    """The id of task ``index`` of a group, the same on both substrates."""
+    return f"{group_id}.{index}"
+
+
+def initial_roles(system: SystemSpec, num_ranks: int, num_rollout: int,
+                  ra2p_mode: str) -> list[Role]:
+    """The launch layout: rollout ranks first, then the trainer (a Ref rank first when RA2P is
+    fixed to decoupled); every rank rolls out under a synchronous system."""
+    if system.is_sync:
+        return [Role.ROLLOUT] * num_ranks
+    trainer = [Role.ACTOR] * (num_ranks - num_rollout)
+    if ra2p_mode == Mode.DECOUPLED.value and len(trainer) >= 2:
+        trainer[0] = Role.REF
+    return [Role.ROLLOUT] * num_rollout + trainer
+
+
+@dataclass(frozen=True)
+class LayoutLimits:
+    """Layouts a substrate cannot run: actor sets without a process group (``grouped_ranks``:
+    the world the runtime made its groups for, see :mod:`tiderl.core.rank_sets`; None: any set
+    runs) and, with ``fixed_actor_backend`` (a trainer backend that wraps its ranks once), any
+    change of the actor set."""
+
+    grouped_ranks: int | None = None
+    fixed_actor_backend: str = ""
+
+    def refusal(self, old: list[Role], new: list[Role]) -> str | None:
+        """Why ``new`` cannot follow ``old`` here, in one line; None if it can."""
+        actors = {r for r, role in enumerate(new) if role is Role.ACTOR}
+        old_actors = {r for r, role in enumerate(old) if role is Role.ACTOR}
+        if new != old and self.grouped_ranks is not None \
+                and not has_group(actors, self.grouped_ranks):
+            return f"no process group for actor set {sorted(actors)}"
+        if actors != old_actors and self.fixed_actor_backend:
+            return f"trainer.backend {self.fixed_actor_backend} keeps its actor set"
+        return None
+
+
+@dataclass(frozen=True)
+class StepControlConfig:
+    """``ctb`` is used as given under TideRL with CTB, else as the request-level baseline;
+    ``ers`` gives every system its batch bounds and plans only under TideRL with ERS;
+    ``rank_budget`` is CTB's B_r; ``max_new_tokens`` the generation cap of one turn (the
+    footprint rule); ``checkpoint_every`` asks the actors for a checkpoint at those versions."""
+
+    system: SystemSpec
+    num_steps: int
+    group_size: int
+    max_staleness: int
+    ctb: CTBConfig
+    ra2p: RA2PConfig
+    ers: ERSConfig
+    rank_budget: int
+    max_new_tokens: int
+    eval_every: int = 0
+    eval_groups: int = 0
+    checkpoint_every: int = 0
+    limits: LayoutLimits = field(default_factory=LayoutLimits)

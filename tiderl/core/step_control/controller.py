@@ -1,0 +1,551 @@
+"""The step controller: the step cycle of :mod:`tiderl.core.step_control` as one object.
+
+Events in are its public methods (time is an argument); each returns the commands the adapter
+applies, in order (:mod:`tiderl.core.commands`). Its phases are :class:`Phase`; the diagram and
+the invariant are in the package docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from tiderl.core.buffer import ReadyBuffer, ReadyGroup
+from tiderl.core.commands import (
+    Abort,
+    Boundary,
+    CloseStep,
+    Command,
+    Dispatch,
+    FeedGroups,
+    Finish,
+    GroupDropped,
+    GroupSpec,
+    JoinRollout,
+    LeaveRollout,
+    ManualReply,
+    ManualRequest,
+    PlanRefused,
+    RecordStep,
+    Retire,
+    StartStep,
+    StepOutcome,
+)
+from tiderl.core.ctb import TaskBook, make_policy
+from tiderl.core.ers import ERSPolicy
+from tiderl.core.readiness import ReadinessTracker
+from tiderl.core.records import StepRecord
+from tiderl.core.step_control.config import StepControlConfig, StepControlError
+from tiderl.core.step_control.inputs import (
+    MeasuredPasses,
+    choose_step_mode,
+    ers_input,
+    learn_passes,
+)
+from tiderl.core.step_control.manual import (
+    SYNC_REFUSAL,
+    WITHDRAWN,
+    after_release,
+    check_manual,
+    planned_roles,
+)
+from tiderl.core.step_control.rollout import RolloutControl
+from tiderl.core.step_control.state import GroupCount, OpenStep, PendingBoundary, Phase
+from tiderl.core.system import StepMode, SystemSpec
+from tiderl.core.types import (
+    Decision,
+    Group,
+    MicroBatch,
+    Mode,
+    PlanReason,
+    ReadinessSignals,
+    Role,
+    RoleChange,
+    ScalingPlan,
+)
+
+TRAINER_ROLES = (Role.ACTOR, Role.REF)
+
+
+class StepController:
+    """See the module docstring. ``source`` turns a :class:`GroupSpec` into the group's tasks
+    (the adapter's dataset: environment and seed of each task)."""
+
+    def __init__(self, config: StepControlConfig, roles: list[Role],
+                 source: Callable[[GroupSpec], Group], now: float = 0.0) -> None:
+        self.config, self.source = config, source
+        system = config.system
+        self.roles = list(roles)
+        self.dead: set[int] = set()
+        self.max_staleness = system.max_staleness(config.max_staleness)
+        self.batch_ideal = config.ers.batch_ideal
+        ctb = config.ctb if system.uses_ctb else replace(config.ctb, policy="request")
+        self.policy = make_policy(ctb)
+        book = ctb.new_book(max_staleness=self.max_staleness, tasks_per_step=self.batch_ideal)
+        self.rollout = RolloutControl(self.policy, book, budget=config.rank_budget,
+                                      max_new_tokens=config.max_new_tokens, now=now)
+        self.tracker = ReadinessTracker(now)
+        self.buffer: ReadyBuffer = ReadyBuffer(
+            self.tracker, group_size=config.group_size, batch_ideal=self.batch_ideal,
+            max_staleness=self.max_staleness, tokens_per_rank=config.ra2p.tokens_per_rank,
+            on_micro_batch=self._on_micro_batch, on_batch_closed=self._on_batch_closed,
+            on_group_dropped=self._on_group_dropped)
+        # without RA2P, ERS moves ranks but never provisions a Ref rank
+        ers_ra2p = config.ra2p if system.uses_ra2p else replace(config.ra2p, mode="colocated")
+        self.ers = ERSPolicy(config.ers, ers_ra2p) if system.uses_ers and config.ers.enabled \
+            else None
+        self.phase = Phase.LAUNCHING
+        self.step = self.version = 0
+        self.t0 = self.trainer_free_at = self._now = now
+        self.current: OpenStep | None = None
+        self.boundary: PendingBoundary | None = None
+        self.waiting: dict[int, list[MicroBatch]] = {}
+        self.closed: set[int] = set()
+        self.ra2p_mode = Mode.COLOCATED
+        self.passes: dict[Mode, MeasuredPasses] = {}  # the last measurement of each layout
+        self.plan_reason: PlanReason | None = None
+        self.manual_pending: tuple[ManualRequest, ScalingPlan] | None = None
+        self.is_manual_held = False  # an operator's layout runs; ERS waits for a release
+        self.records: list[StepRecord] = []
+        self.trained_tokens = self.trained_samples = 0
+        self.num_fed = self.num_retired = self.failed_samples = 0
+        self.is_retire_pending = False
+        self.eval_in_flight: set[str] = set()
+        self.groups = GroupCount()
+        self._kv_mark = (0, 0)
+        self._rwt_mark = 0.0
+        self._out: list[Command] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def book(self) -> TaskBook:
+        return self.rollout.book
+
+    @property
+    def system(self) -> SystemSpec:
+        return self.config.system
+
+    def signals(self, now: float) -> ReadinessSignals:
+        return self.tracker.signals(now)
+
+    def budgets(self) -> dict[int, int]:
+        """CTB's token budget B_r of every rank it places tasks on."""
+        return {rank: record.budget for rank, record in self.book.ranks.items()}
+
+    def rollout_ranks(self) -> list[int]:
+        return [r for r, role in enumerate(self.roles)
+                if (role is Role.ROLLOUT or self.system.is_sync) and r not in self.dead]
+
+    # ------------------------------------------------------------------ events
+
+    def launch(self, now: float) -> list[Command]:
+        """The job starts: the ERS launch plan (a cold start lends trainer ranks to rollout),
+        CTB's ranks, the first groups and, without a launch boundary, step 0."""
+        self._at(now)
+        self.t0 = self.trainer_free_at = now
+        self.rollout.restart_clock(now)
+        self.tracker.start_step(now)
+        self.buffer.num_dp_ranks = max(1, len(self._actors(tuple(self.roles))))
+        self.phase = Phase.BOUNDARY
+        if self.ers is not None:
+            self._plan(now, is_launch=True)
+        joining = self.boundary.joining if self.boundary is not None else set()
+        for rank in self.rollout_ranks():
+            if rank not in joining:  # a rank the launch plan moved joins once its engine is up
+                self._join(rank, now)
+        self._feed(now)
+        self._feed_eval(now)
+        if self.boundary is None:
+            self._want_step(now)
+        return self._flush()
+
+    def schedule(self, now: float) -> list[Decision]:
+        """One CTB round (see :meth:`RolloutControl.schedule`)."""
+        self._at(now)
+        return self.rollout.schedule(now)
+
+    def group_ready(self, group_id: str, group: ReadyGroup | None, now: float) -> list[Command]:
+        """Every task of a group finished. ``group`` holds its training sequences; None when a
+        task produced no turn (the group cannot be trained). Evaluation groups are never
+        trained: their end only ends the evaluation phase."""
+        self._at(now)
+        if group_id in self.eval_in_flight:
+            self.eval_in_flight.discard(group_id)
+        elif group is None:
+            self.groups.failed += 1
+            self.failed_samples += self.config.group_size  # out of the staleness window too
+            self._out.append(GroupDropped(group_id, "a task produced no turn", None,
+                                          self.buffer.open_batch))
+        else:
+            self.groups.ready += 1
+            self.buffer.add_group(group, now)
+        return self._flush()
+
+    def step_done(self, outcome: StepOutcome, now: float) -> list[Command]:
+        """Every trainer rank of the open step reported: its record, then the boundary."""
+        self._at(now)
+        current = self.current
+        if self.phase is not Phase.TRAINING or current is None \
+                or outcome.step != current.start.step:
+            raise StepControlError(f"step {outcome.step} is not the open step "
+                                   f"({'none' if current is None else current.start.step})")
+        self.phase = Phase.BOUNDARY
+        layout = Mode.DECOUPLED if current.start.mode is StepMode.DECOUPLED else Mode.COLOCATED
+        self.passes[layout] = learn_passes(outcome.reports, current.start)
+        self.rollout.park(now, False)
+        record = self._record(current, outcome, now)
+        self.records.append(record)
+        self._out.append(RecordStep(record))
+        self.current = None
+        self.step += 1
+        self.version += 1
+        self.trainer_free_at = now
+        self.is_retire_pending = True
+        if self.step >= self.config.num_steps:
+            self._boundary(now, self.roles, None, self.batch_ideal, is_final=True)
+            self.phase = Phase.FINISHED
+            self._out.append(Finish(self.step))
+            return self._flush()
+        if not self._apply_manual(now):
+            if self.ers is not None and not self.is_manual_held:
+                self._plan(now)
+            else:
+                self._boundary(now, self.roles, None, self.batch_ideal)
+        self._maybe_retire(now)
+        return self._flush()
+
+    def boundary_acked(self, rank: int, version: int, now: float) -> list[Command]:
+        """``rank`` took the boundary of ``version`` (its role and, after an update, the new
+        weights); answers for another boundary, or from a rank not awaited, change nothing."""
+        self._at(now)
+        pending = self.boundary
+        if pending is None or version != pending.version or rank not in pending.awaiting:
+            return []
+        pending.awaiting.discard(rank)
+        if rank in pending.joining:
+            pending.joining.discard(rank)
+            if self.roles[rank] is Role.ROLLOUT and rank not in self.dead:
+                self._join(rank, now)
+        if rank in pending.syncing:
+            pending.syncing.discard(rank)
+            self._maybe_retire(now)
+        self._maybe_complete(now)
+        return self._flush()
+
+    def rank_dead(self, rank: int, why: str, now: float) -> list[Command]:
+        """A rank is gone. A rollout rank's tasks go back to CTB (from scratch: their state died
+        with it) and it leaves the boundaries; a trainer rank's death ends the job."""
+        self._at(now)
+        if rank in self.dead or not 0 <= rank < len(self.roles):
+            return []
+        self.dead.add(rank)
+        if self.roles[rank] in TRAINER_ROLES or self.system.is_sync:
+            self._out.append(Abort(f"trainer rank {rank} is gone ({why})"))
+            return self._flush()
+        if rank in self.book.ranks:
+            self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now), True))
+        self.roles[rank] = Role.IDLE
+        if self.boundary is not None:
+            self.boundary.forget(rank)
+        self._maybe_retire(now)
+        self._maybe_complete(now)
+        return self._flush()
+
+    def submit_manual(self, request: ManualRequest, now: float) -> list[Command]:
+        """An operator's layout: refused, or pending until the next post-update boundary (a
+        newer request replaces it)."""
+        self._at(now)
+        result = self._check_manual(request, is_request=True)
+        if isinstance(result, str):
+            self._out.append(ManualReply(request, request.key, "refused", self.step,
+                                         reason=result))
+            return self._flush()
+        if self.manual_pending is not None:
+            old = self.manual_pending[0]
+            why = f"replaced by a newer manual plan ({request.describe()})"
+            self._out.append(ManualReply(old, old.key, "refused", self.step, reason=why))
+        self.manual_pending = (request, result)
+        self._out.append(ManualReply(request, request.key, "accepted", self.step,
+                                     roles=tuple(self._planned(result.changes)),
+                                     mode=result.mode))
+        return self._flush()
+
+    def release_manual(self, key: object, now: float) -> list[Command]:
+        """``--auto``: drop a pending plan and end the hold."""
+        self._at(now)
+        if self.system.is_sync:
+            self._out.append(ManualReply(None, key, "refused", self.step,
+                                         reason=SYNC_REFUSAL))
+            return self._flush()
+        dropped, self.manual_pending = self.manual_pending, None
+        if dropped is not None:
+            self._out.append(ManualReply(dropped[0], dropped[0].key, "refused", self.step,
+                                         reason=WITHDRAWN))
+        was_held, self.is_manual_held = self.is_manual_held, False
+        then = after_release(self.system, self.ers is not None)
+        self._out.append(ManualReply(dropped[0] if dropped else None, key, "released",
+                                     self.step, reason=then, version=self.version,
+                                     roles=tuple(self.roles), mode=self.ra2p_mode,
+                                     was_held=was_held))
+        return self._flush()
+
+    # ------------------------------------------------------------------ the boundary
+
+    def _plan(self, now: float, is_launch: bool = False) -> None:
+        """ERS plans the next step's layout, RA2P mode and batch; the layout limits may refuse
+        its roles (the mode and batch still apply)."""
+        assert self.ers is not None
+        plan = self.ers.plan(ers_input(
+            step=self.step, is_eval_step=self._is_eval_phase(), signals=self.signals(now),
+            records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes))
+        self.plan_reason = plan.reason
+        roles = self._planned(plan.changes)
+        refusal = self.config.limits.refusal(self.roles, roles)
+        if refusal is not None:
+            self._out.append(PlanRefused(refusal, plan.reason))
+            roles = list(self.roles)
+        self.ra2p_mode = plan.mode
+        batch = self.batch_ideal
+        if not is_launch:  # step 0 trains B_ideal: nothing is ready yet to size it from
+            self.buffer.set_batch_size(self.step, plan.batch_size, now)
+            batch = plan.batch_size
+        self._boundary(now, roles, plan.reason, batch)
+
+    def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None,
+                  batch_size: int, is_final: bool = False) -> None:
+        old, new = tuple(self.roles), tuple(roles)
+        old_actors = self._actors(old)
+        new_actors = self._actors(new)
+        keep = sorted(old_actors & new_actors)
+        if not keep:
+            raise StepControlError(f"a plan left no actor in place ({old} -> {new})")
+        for rank, (src, dst) in enumerate(zip(old, new, strict=True)):
+            if src is Role.ROLLOUT and dst is not Role.ROLLOUT and rank in self.book.ranks:
+                self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now)))
+        self.roles = list(new)
+        self.buffer.num_dp_ranks = max(1, len(self._actors(new)))  # what comes next is cut for it
+        every = self.config.checkpoint_every
+        members = tuple(r for r in range(len(new)) if r not in self.dead)
+        self._out.append(Boundary(
+            self.version, new, old, members, keep[0], tuple(sorted(new_actors - old_actors)),
+            reason, batch_size, checkpoint=is_final or bool(every and self.version % every == 0),
+            is_final=is_final))
+        if is_final:
+            return
+        rollout = {r for r in members if new[r] is Role.ROLLOUT or self.system.is_sync}
+        joining = {r for r in members if new[r] is Role.ROLLOUT and old[r] is not Role.ROLLOUT}
+        self.boundary = PendingBoundary(self.version, set(members),
+                                        rollout if self.version > 0 else set(), joining)
+
+    def _actors(self, roles: tuple[Role, ...]) -> set[int]:
+        return {r for r, role in enumerate(roles) if role is Role.ACTOR or self.system.is_sync}
+
+    def _planned(self, changes: tuple[RoleChange, ...]) -> list[Role]:
+        return planned_roles(self.roles, changes)
+
+    def _maybe_retire(self, now: float) -> None:
+        """Move the staleness window once every rollout rank has the new version."""
+        if not self.is_retire_pending or (self.boundary is not None and self.boundary.syncing):
+            return
+        self.is_retire_pending = False
+        retired = self.trained_samples + self.buffer.discarded_samples + self.failed_samples
+        self.book.retire(retired - self.num_retired)
+        self._out.append(Retire(retired - self.num_retired, self.book.train_admission_limit))
+        self.num_retired = retired
+        self._feed(now)
+
+    def _maybe_complete(self, now: float) -> None:
+        if self.boundary is None or self.boundary.awaiting:
+            return
+        self.boundary = None
+        if self.phase is Phase.BOUNDARY:
+            if self.step > 0:
+                self._feed_eval(now)
+            self._want_step(now)
+
+    def _join(self, rank: int, now: float) -> None:
+        self.rollout.add_rank(rank, now)
+        self._out.append(JoinRollout(rank, self.rollout.budget))
+
+    # ------------------------------------------------------------------ feeding
+
+    def _feed(self, now: float) -> None:
+        """Training groups up to the book's staleness throttle: retired tasks plus
+        (max_staleness + 1) batches."""
+        limit = self.book.train_admission_limit
+        horizon = -(-limit // self.config.group_size) if limit is not None else 0
+        specs = []
+        while self.num_fed < horizon:
+            specs.append(GroupSpec(f"g{self.num_fed}", self.num_fed, False, self.step))
+            self.rollout.add_group(self.source(specs[-1]), now)
+            self.num_fed += 1
+        if specs:
+            self.groups.fed += len(specs)
+            self._out.append(FeedGroups(tuple(specs), is_eval=False))
+
+    def _feed_eval(self, now: float) -> None:
+        """An evaluation phase every ``eval_every`` steps (step 0 included): ``eval_groups``
+        groups outside the staleness throttle, never trained."""
+        every, count = self.config.eval_every, self.config.eval_groups
+        if not (every and count and self.step % every == 0):
+            return
+        specs = tuple(GroupSpec(f"e{self.step}.{i}", i, True, self.step) for i in range(count))
+        for spec in specs:
+            self.rollout.add_group(self.source(spec), now)
+            self.eval_in_flight.add(spec.group_id)
+        self._out.append(FeedGroups(specs, is_eval=True))
+
+    def _is_eval_phase(self) -> bool:
+        every = self.config.eval_every
+        is_due = bool(every and self.config.eval_groups and self.step % every == 0)
+        return is_due or bool(self.eval_in_flight)
+
+    # ------------------------------------------------------------------ steps
+
+    def _want_step(self, now: float) -> None:
+        """Open step ``self.step`` now, or (whole-batch systems) once its batch is complete."""
+        if self.system.streams or self.step in self.closed:
+            self._open_step(now)
+        else:
+            self.phase = Phase.WAITING
+
+    def _open_step(self, now: float) -> None:
+        self.phase = Phase.TRAINING
+        self.tracker.start_step(now)
+        start = self._layout_step(now)
+        self.buffer.num_dp_ranks = len(start.actor_ranks)
+        ready_at = now if self.system.is_sync else self.trainer_free_at  # sync: rolling out
+        self.current = OpenStep(start, now, ready_at, self.tracker.step_ras)
+        self.rollout.park(now, self.system.is_sync)
+        self._out.append(start)
+        for mb in self.waiting.pop(self.step, []):
+            self._dispatch(mb)
+        if self.step in self.closed:
+            self.closed.discard(self.step)
+            self._out.append(CloseStep(self.step))
+
+    def _layout_step(self, now: float) -> StartStep:
+        """The step's mode and ranks. ERS plans the mode with the layout (its break-even is
+        RA2P's cost model); without ERS, and outside a held manual plan, RA2P chooses each step.
+        A colocated step runs on the actor ranks only (a Ref rank then waits)."""
+        if self.system.is_sync:
+            return StartStep(self.step, StepMode.BATCH, (), tuple(range(len(self.roles))), 0)
+        actors = tuple(r for r, role in enumerate(self.roles) if role is Role.ACTOR)
+        refs = tuple(r for r, role in enumerate(self.roles) if role is Role.REF)
+        fixed = self.system.fixed_step_mode
+        if fixed is not None:
+            return StartStep(self.step, fixed, (), actors, 0 if fixed is StepMode.BATCH else 1)
+        if not refs:
+            self.ra2p_mode = Mode.COLOCATED
+        elif self.ers is None and not self.is_manual_held:
+            self.ra2p_mode = choose_step_mode(self.config.ra2p, self.signals(now), self.passes,
+                                              len(refs), len(actors), self.records)
+        if self.ra2p_mode is Mode.DECOUPLED:
+            return StartStep(self.step, StepMode.DECOUPLED, refs, actors, 1)
+        return StartStep(self.step, StepMode.COLOCATED, (), actors, self.config.ra2p.max_aggregate)
+
+    def _dispatch(self, mb: MicroBatch) -> None:
+        current = self.current
+        assert current is not None
+        for seq in mb.sequences:
+            current.group_ids.add(self.buffer.group_of_seq[seq.seq_id].group_id)
+        current.tokens += self.buffer.consume(current.start.step, mb)
+        current.samples += len(mb.sequences)
+        self._out.append(Dispatch(current.start.step, current.num_mbs, mb))
+        current.num_mbs += 1
+
+    def _on_micro_batch(self, batch: int, mb: MicroBatch) -> None:
+        current = self.current
+        if current is not None and batch == current.start.step and self.system.streams:
+            self._dispatch(mb)
+        else:
+            self.waiting.setdefault(batch, []).append(mb)
+
+    def _on_batch_closed(self, batch: int) -> None:
+        if self.current is not None and batch == self.current.start.step:
+            self._out.append(CloseStep(batch))
+            return
+        self.closed.add(batch)
+        if self.phase is Phase.WAITING and batch == self.step:
+            self._open_step(self._now)
+
+    def _on_group_dropped(self, group: ReadyGroup) -> None:
+        self.groups.stale += 1
+        self._out.append(GroupDropped(group.group_id, "stale", group.oldest_version,
+                                      self.buffer.open_batch))
+
+    # ------------------------------------------------------------------ manual plans
+
+    def _check_manual(self, request: ManualRequest, is_request: bool = False
+                      ) -> ScalingPlan | str:
+        return check_manual(request, system=self.system, step=self.step,
+                            num_steps=self.config.num_steps, roles=self.roles,
+                            ra2p_mode=self.ra2p_mode, batch_ideal=self.batch_ideal,
+                            limits=self.config.limits, is_request=is_request)
+
+    def _apply_manual(self, now: float) -> bool:
+        """At a post-update boundary: the pending plan, checked again, is its boundary (and then
+        held). True if it sent the boundary."""
+        pending, self.manual_pending = self.manual_pending, None
+        if pending is None:
+            return False
+        request = pending[0]
+        result = self._check_manual(request)
+        if isinstance(result, str):  # the job changed since (a rank died)
+            reason = f"at the boundary of version {self.version}: {result}"
+            self._out.append(ManualReply(request, request.key, "refused", self.step,
+                                         reason=reason, is_at_boundary=True))
+            return False
+        roles = self._planned(result.changes)
+        self.ra2p_mode, self.plan_reason = result.mode, result.reason
+        self.is_manual_held = True
+        if self.ers is not None:
+            self.ers.reset()  # its hysteresis and phase memory were about the old layout
+        self._boundary(now, roles, result.reason, self.batch_ideal)
+        self._out.append(ManualReply(request, request.key, "applied", self.step,
+                                     version=self.version, roles=tuple(roles),
+                                     mode=result.mode, is_at_boundary=True))
+        return True
+
+    # ------------------------------------------------------------------ the record
+
+    def _record(self, current: OpenStep, outcome: StepOutcome, now: float) -> StepRecord:
+        self.trained_tokens += current.tokens
+        self.trained_samples += current.samples
+        self.groups.trained |= current.group_ids
+        start = current.start
+        actors = sorted((r for r in outcome.reports if r.rank in start.actor_ranks),
+                        key=lambda r: r.rank)
+        losses = [r.loss for r in actors if r.loss is not None]
+        twt = sum(r.wait_s for r in outcome.reports)
+        twt += (current.opened_at - current.ready_at) * len(start.ranks)
+        rwt, self._rwt_mark = self.rollout.rwt.total - self._rwt_mark, self.rollout.rwt.total
+        queries, hits = outcome.kv_queries - self._kv_mark[0], outcome.kv_hits - self._kv_mark[1]
+        self._kv_mark = (outcome.kv_queries, outcome.kv_hits)
+        return StepRecord(
+            step=start.step, start_s=current.opened_at - self.t0, end_s=now - self.t0,
+            trained_tokens=current.tokens, trained_tokens_total=self.trained_tokens,
+            trained_samples=current.samples,
+            generated_tokens_total=self.rollout.generated_tokens,
+            discarded_tokens_total=self.buffer.discarded_tokens, ras=current.ras,
+            tprm_s=self.tracker.signals(now).tprm_s, rwt_s=rwt, twt_s=twt, mode=start.mode,
+            roles=tuple(role.value for role in self.roles),
+            num_rollout=len(self.rollout_ranks()), num_trainer=len(start.ranks),
+            num_micro_batches=current.num_mbs,
+            kv_hit_rate=hits / queries if queries > 0 else None,
+            staleness_max=self.buffer.max_staleness_seen.get(start.step, 0),
+            reward_mean=outcome.reward_mean, solved_frac=outcome.solved_frac,
+            eval_reward=outcome.eval_reward,
+            loss=sum(losses) / len(losses) if losses else None,
+            grad_norm=actors[0].grad_norm if actors else None, batch_size=current.samples,
+            ers_reason=self.plan_reason.value if self.plan_reason is not None else None)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _at(self, now: float) -> None:
+        self._now = now
+
+    def _flush(self) -> list[Command]:
+        out, self._out = self._out, []
+        return out

@@ -1,0 +1,125 @@
+"""The inputs the step cycle builds for ERS and RA2P, from what it has seen (pure functions).
+
+    trainer ranks' RankReports ──learn_passes──> per-micro-batch pass times, per layout, with the
+                                                 GPUs each pass ran on
+    StepRecords ──mean step time, micro-batches per step, rollout idle share──┐
+    ReadinessTracker.signals(now) ────────────────────────────────────────────┼──> ERSInput
+    layout_timings: the pass times of a layout about to run ─────────────────┴──> choose_mode
+
+Micro-batches are cut for the step's actor ranks (``tokens_per_rank`` each), so an actor's share
+of one is the same in any layout; the Ref pass's share is the micro-batch over the GPUs that run
+Ref: all actor ranks colocated, the Ref ranks alone decoupled. A layout is costed with its own
+last measurement, or the other layout's, the Ref time scaled by that ratio (a decoupled Ref rank
+serving 24 actors takes 24 times a colocated Ref pass). With nothing measured RA2P stays
+colocated and ERS sees zero pass times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiderl.core.commands import RankReport, StartStep
+from tiderl.core.ers import ERSInput
+from tiderl.core.ra2p import RA2PConfig, choose_mode, synthetic_ready_times
+from tiderl.core.records import StepRecord
+from tiderl.core.system import StepMode
+from tiderl.core.types import Mode, Ra2pTimings, ReadinessSignals, Role
+
+NO_TIMINGS = Ra2pTimings(0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredPasses:
+    """One step's per-micro-batch pass times and the GPUs its Ref and Actor passes ran on."""
+
+    timings: Ra2pTimings
+    num_ref_gpus: int
+    num_actor_gpus: int
+
+    @property
+    def ref_share(self) -> float:
+        """Actor GPUs per Ref GPU: how much of a micro-batch one Ref GPU computes, relative."""
+        return self.num_actor_gpus / self.num_ref_gpus
+
+
+def learn_passes(reports: Sequence[RankReport], start: StartStep) -> MeasuredPasses:
+    """A step's pass times, each the mean over the ranks that ran that pass."""
+
+    def mean(name: str) -> float:
+        values = [v for report in reports if (v := getattr(report, name)) is not None]
+        return sum(values) / len(values) if values else 0.0
+
+    timings = Ra2pTimings(mean("t_ref"), mean("t_act_f"), mean("t_act_b"), mean("t_swap"))
+    num_actors = max(1, len(start.actor_ranks))
+    is_decoupled = start.mode is StepMode.DECOUPLED
+    return MeasuredPasses(timings, max(1, len(start.ref_ranks)) if is_decoupled else num_actors,
+                          num_actors)
+
+
+def layout_timings(measured: dict[Mode, MeasuredPasses], mode: Mode, num_refs: int,
+                   num_actors: int) -> Ra2pTimings | None:
+    """The pass times of ``mode`` with ``num_refs`` Ref and ``num_actors`` actor ranks (a
+    colocated layout runs Ref on the actors), from its own last measurement or the other
+    layout's; None when nothing was measured."""
+    other = Mode.COLOCATED if mode is Mode.DECOUPLED else Mode.DECOUPLED
+    last = measured.get(mode) or measured.get(other)
+    if last is None:
+        return None
+    num_actors = max(1, num_actors)
+    ref_gpus = max(1, num_refs) if mode is Mode.DECOUPLED else num_actors
+    t = last.timings
+    scale = (num_actors / ref_gpus) / last.ref_share
+    swap = t.t_swap if mode is Mode.COLOCATED or Mode.COLOCATED not in measured \
+        else measured[Mode.COLOCATED].timings.t_swap
+    return Ra2pTimings(t.t_ref * scale, t.t_act_f, t.t_act_b, swap)
+
+
+def mean_step_s(records: Sequence[StepRecord]) -> float:
+    """T_step: the mean step duration so far (0 before the first step)."""
+    return sum(r.step_s for r in records) / len(records) if records else 0.0
+
+
+def last_num_mbs(records: Sequence[StepRecord]) -> int:
+    return records[-1].num_micro_batches if records else 1
+
+
+def rollout_idle_frac(records: Sequence[StepRecord]) -> float:
+    """RWT of the last step over its rollout rank-seconds (0 before the first step)."""
+    last = records[-1] if records else None
+    if last is None or not last.num_rollout or last.step_s <= 0:
+        return 0.0
+    return min(1.0, last.rwt_s / (last.num_rollout * last.step_s))
+
+
+def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
+              records: Sequence[StepRecord], roles: Sequence[Role], mode: Mode,
+              measured: dict[Mode, MeasuredPasses]) -> ERSInput:
+    """What ERS plans step ``step`` from (at launch, or at the boundary after step - 1): the
+    pass times of the decoupled layout these roles have or would have (one Ref rank at least)."""
+    timings = layout_timings(measured, Mode.DECOUPLED, roles.count(Role.REF),
+                             roles.count(Role.ACTOR))
+    return ERSInput(step=step, is_eval_step=is_eval_step, signals=signals,
+                    step_duration_s=mean_step_s(records), roles=tuple(roles), mode=mode,
+                    timings=timings or NO_TIMINGS,
+                    num_micro_batches=max(1, last_num_mbs(records)),
+                    rollout_idle_frac=rollout_idle_frac(records))
+
+
+def choose_step_mode(config: RA2PConfig, signals: ReadinessSignals,
+                     measured: dict[Mode, MeasuredPasses], num_refs: int, num_actors: int,
+                     records: Sequence[StepRecord]) -> Mode:
+    """RA2P's choice for a step opening now: the core cost models on the expected ready times
+    (RAS now, the rest TPRM apart; T_step / micro-batches while TPRM is unknown), each layout
+    with its own pass times."""
+    if config.mode != "auto":
+        return Mode(config.mode)
+    dec = layout_timings(measured, Mode.DECOUPLED, num_refs, num_actors)
+    col = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)
+    if dec is None or col is None:
+        return Mode.COLOCATED
+    num_mbs = max(1, signals.ras, last_num_mbs(records))
+    tprm = signals.tprm_s if signals.tprm_s is not None else mean_step_s(records) / num_mbs
+    times = synthetic_ready_times(num_mbs, min(signals.ras, num_mbs), tprm)
+    return choose_mode(times, dec, max(1, num_actors), config.max_aggregate, config,
+                       colocated_timings=col)

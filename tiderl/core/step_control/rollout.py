@@ -1,0 +1,129 @@
+"""CTB's half of the step cycle: the task book, its policy, the footprint rule and RWT.
+
+    adapter ──turn_started / turn_done / task_finished──> TaskBook (footprints, I_active)
+            ──schedule(now)──> policy.schedule(book) ──> book.apply ──> Admit / Pause / Resume
+
+Every event first brings RWT up to ``now``, so both substrates integrate it at the same instants:
+the book's counts (idle ranks, tasks waiting for admission) only change through these events.
+"""
+
+from __future__ import annotations
+
+from tiderl.core.ctb import SchedulingPolicy, TaskBook
+from tiderl.core.types import Admit, Decision, Group, Resume, TaskState
+
+
+class RolloutWait:
+    """RWT in rank-seconds: rollout ranks with no generation in flight while no task waits for
+    admission (the staleness throttle holds rollout back), plus stalls a substrate reports whole
+    (a weight sync pausing its engines), without counting a stalled stretch twice."""
+
+    def __init__(self, now: float) -> None:
+        self.total = 0.0
+        self._at = now
+        self._stall = (now, now)
+
+    def advance(self, now: float, num_idle: int, is_counting: bool) -> None:
+        since, self._at = self._at, now
+        if now <= since or not is_counting:
+            return
+        lo, hi = self._stall
+        overlap = max(0.0, min(now, hi) - max(since, lo))
+        self.total += (now - since - overlap) * num_idle
+
+    def stall(self, now: float, until: float, num_ranks: int) -> None:
+        self.total += (until - now) * num_ranks
+        self._stall = (now, until)
+
+
+class RolloutControl:
+    """The book and its policy, fed by turn events; used alone by the simulator's single-GPU
+    rollout experiment, and inside :class:`~tiderl.core.step_control.StepController`."""
+
+    def __init__(self, policy: SchedulingPolicy, book: TaskBook, *, budget: int,
+                 max_new_tokens: int, now: float = 0.0) -> None:
+        self.policy, self.book = policy, book
+        self.budget = budget
+        self.max_new_tokens = max_new_tokens
+        self.generated_tokens = 0  # model output tokens of every reported turn
+        self.rwt = RolloutWait(now)
+        self.is_parked = False  # a synchronous system's ranks are training, not rolling out
+
+    def footprint(self, context_tokens: int) -> int:
+        """The KV tokens a task needs for its next turn: its context so far plus a whole
+        generation (the next output's length is not known before it is generated)."""
+        return context_tokens + self.max_new_tokens
+
+    def advance(self, now: float) -> None:
+        is_counting = not self.is_parked and self.book.num_new == 0
+        self.rwt.advance(now, self.book.num_idle_ranks, is_counting)
+
+    def restart_clock(self, now: float) -> None:
+        self.rwt = RolloutWait(now)
+
+    def is_known(self, task: str) -> bool:
+        return task in self.book.tasks
+
+    def is_admitted(self, task: str) -> bool:
+        """In the book and placed (active or paused): a rank may report on it."""
+        record = self.book.tasks.get(task)
+        return record is not None and record.state is not TaskState.NEW
+
+    def add_rank(self, rank: int, now: float) -> None:
+        self.advance(now)
+        self.book.add_rank(rank, self.budget)
+
+    def remove_rank(self, rank: int, now: float) -> tuple[str, ...]:
+        """``rank`` leaves: the tasks active or paused there, now paused with no rank."""
+        self.advance(now)
+        return tuple(self.book.remove_rank(rank))
+
+    def add_group(self, group: Group, now: float) -> None:
+        self.advance(now)
+        self.book.add_group(group)
+
+    def schedule(self, now: float) -> list[Decision]:
+        """One CTB round: the policy's plan, applied to the book; an admitted or resumed task's
+        next generation starts now."""
+        self.advance(now)
+        decisions = self.policy.schedule(self.book)
+        if decisions:
+            self.book.apply(decisions)
+            for decision in decisions:
+                if isinstance(decision, Admit | Resume):
+                    self.book.set_running(decision.task_id, True)
+        return decisions
+
+    def turn_started(self, task: str, now: float) -> None:
+        """A task's observation came back: its next generation starts."""
+        self.advance(now)
+        if self.is_known(task):
+            self.book.set_running(task, True)
+
+    def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float) -> None:
+        """A generation ended with the task's whole context at ``context_tokens``; the task now
+        waits for its environment."""
+        self.advance(now)
+        if not self.is_admitted(task):
+            return
+        self.generated_tokens += output_tokens
+        self.book.report_turn(task, self.footprint(context_tokens), context_tokens,
+                              is_running=False)
+
+    def task_finished(self, task: str, now: float) -> bool:
+        """False for a task the book does not hold as placed (one moved off a rank that died, or
+        one never admitted)."""
+        self.advance(now)
+        if not self.is_admitted(task):
+            return False
+        self.book.finish_task(task)
+        return True
+
+    def stalled(self, now: float, until: float, num_ranks: int) -> None:
+        """``num_ranks`` rollout engines cannot run from ``now`` to ``until``."""
+        self.advance(now)
+        self.rwt.stall(now, until, num_ranks)
+
+    def park(self, now: float, is_parked: bool) -> None:
+        self.advance(now)
+        self.is_parked = is_parked

@@ -1,8 +1,8 @@
-"""Speed of the simulator: 100 steps on 32 simulated GPUs, WebShop + ALFWorld, all four policies.
+"""Speed of the simulator: 100 steps on 32 simulated GPUs, WebShop + ALFWorld, all four systems.
 
     python bench/sim_speed.py [--steps 100] [--gpus 32] [--out bench/results/sim_speed.json]
 
-Target: all four policies together in <= 30 s of wall time on the 2-core development machine.
+Target: all four systems together in <= 30 s of wall time on the 2-core development machine.
 """
 
 from __future__ import annotations
@@ -31,22 +31,22 @@ def main() -> int:
     args = parser.parse_args()
     profile = load_profile("sim/cluster32", [f"sim.steps={args.steps}", f"sim.gpus={args.gpus}"])
     scenario = scenario_from_profile(profile)
-    per_policy = {}
-    for name in ("verl", "areal", "streamrl", "tiderl"):
+    per_system = {}
+    for name in ("sync", "async", "stream", "tiderl"):
         t0 = time.perf_counter()
         result = simulate(SYSTEMS[name], scenario)
         elapsed = time.perf_counter() - t0
-        per_policy[name] = {"wall_s": round(elapsed, 2), "simulated_s": round(result.wall_s, 1),
+        per_system[name] = {"wall_s": round(elapsed, 2), "simulated_s": round(result.wall_s, 1),
                             "steps": len(result.steps),
                             "goodput_tok_s": round(result.goodput_tok_s, 1)}
-    total = sum(p["wall_s"] for p in per_policy.values())
+    total = sum(p["wall_s"] for p in per_system.values())
     out = {
         "total_wall_s": round(total, 2),
         "target_s": TARGET_S,
         "meets_target": total <= TARGET_S,
         "scenario": {"workload": scenario.workload, "model": scenario.model,
                      "gpus": scenario.gpus, "steps": scenario.steps},
-        "per_policy": per_policy,
+        "per_system": per_system,
         "machine": machine_info(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

@@ -11,13 +11,14 @@ from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
 from tiderl.core.ctb_state import TaskBook
 from tiderl.core.ers import ERSPolicy
 from tiderl.core.readiness import ReadinessTracker
+from tiderl.core.system import StepMode, System, SystemSpec
 from tiderl.sim.cluster import Cluster, simulate, simulate_rollout_step, simulate_trainer_step
-from tiderl.sim.scenario import SYSTEMS, SimScenario, SystemSpec
+from tiderl.sim.scenario import SYSTEMS, SimScenario
 
 SMALL = SimScenario(workload="webshop+alfworld", gpus=4, steps=4, group_size=4,
                     batch_groups=4, batch_min_groups=2, rollout_ratio=0.5, seed=3)
-ALL = [*SYSTEMS.values(), SystemSpec("tiderl", ctb=False), SystemSpec("tiderl", ra2p=False),
-       SystemSpec("tiderl", ers=False)]
+ALL = [*SYSTEMS.values(), SystemSpec(System.TIDERL, ctb=False),
+       SystemSpec(System.TIDERL, ra2p=False), SystemSpec(System.TIDERL, ers=False)]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,8 @@ def test_tokens_are_conserved_exactly(results):
 
 def test_trained_data_is_never_staler_than_the_bound(results):
     for label, r in results.items():
-        bound = 0 if label == "verl" else SMALL.max_staleness
-        assert max(s.max_staleness_seen for s in r.steps) <= bound, label
+        bound = 0 if label == "sync" else SMALL.max_staleness
+        assert max(s.staleness_max for s in r.steps) <= bound, label
 
 
 def test_same_seed_same_result():
@@ -54,8 +55,8 @@ def test_same_seed_same_result():
 
 
 def test_different_seed_different_stream():
-    a = Cluster(SYSTEMS["areal"], SMALL)
-    b = Cluster(SYSTEMS["areal"], replace(SMALL, seed=4))
+    a = Cluster(SYSTEMS["async"], SMALL)
+    b = Cluster(SYSTEMS["async"], replace(SMALL, seed=4))
     a.run(), b.run()
     assert a.fed_groups[0] != b.fed_groups[0]
 
@@ -77,20 +78,23 @@ def test_policies_are_the_core_objects(results):
     assert type(tiderl["ers"]) is ERSPolicy
     assert type(tiderl["book"]) is TaskBook
     assert type(tiderl["tracker"]) is ReadinessTracker
-    for label in ("verl", "areal", "streamrl", "tiderl-no_ctb"):
+    for label in ("sync", "async", "stream", "tiderl-no_ctb"):
         assert type(results[label].policies["request"]) is RequestLevelPolicy, label
     assert "ers" not in results["tiderl-no_ers"].policies
 
 
 def test_systems_use_their_trainers(results):
-    assert {s.mode for s in results["areal"].steps} == {"batch"}
-    assert {s.mode for s in results["streamrl"].steps} == {"vso"}
-    assert {s.mode for s in results["tiderl-no_ra2p"].steps} == {"vso"}
-    assert {s.mode for s in results["tiderl"].steps} <= {"colocated", "decoupled"}
-    verl = results["verl"]
-    assert all(s.num_rollout == s.num_trainer == SMALL.gpus for s in verl.steps)
+    assert {s.mode for s in results["sync"].steps} == {StepMode.BATCH}
+    assert {s.mode for s in results["async"].steps} == {StepMode.BATCH}
+    assert {s.mode for s in results["stream"].steps} == {StepMode.VSO}
+    assert {s.mode for s in results["tiderl-no_ra2p"].steps} == {StepMode.VSO}
+    assert {s.mode for s in results["tiderl"].steps} <= {StepMode.COLOCATED, StepMode.DECOUPLED}
+    sync = results["sync"]
+    assert all(s.num_rollout == s.num_trainer == SMALL.gpus for s in sync.steps)
     fixed = results["tiderl-no_ers"]
     assert all(s.num_rollout == 2 for s in fixed.steps)
+    # without ERS nothing makes a Ref rank: RA2P has no decoupled layout to choose
+    assert {s.mode for s in fixed.steps} == {StepMode.COLOCATED}
 
 
 def test_rollout_step_ctb_and_request_level():

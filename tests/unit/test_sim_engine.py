@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 
 from tiderl.core.ctb import CTBConfig, RequestLevelPolicy
+from tiderl.core.step_control import RolloutControl
+from tiderl.core.system import StepMode
 from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.engine import Request, RolloutEngine
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.kvcache import SimKVCache
-from tiderl.sim.rollout import RolloutPool
+from tiderl.sim.rollout import RolloutPool, group_of
 from tiderl.sim.trainer import build_executor
 from tiderl.sim.workload import TaskPlan, TurnPlan
 
@@ -136,11 +138,14 @@ def test_two_tasks_on_one_rank_by_hand():
     and its env (0.5) finishes the group at 1.820. Hits: 0 + 32 + 48 of 48 + 48 + 64 queried."""
     loop, ready = EventLoop(), []
     policy = RequestLevelPolicy(CTBConfig(policy="request", request_concurrency=8))
-    pool = RolloutPool(loop, FakeCostModel(), policy.config.new_book(), policy,
-                       round_interval_s=0.5, block_size=16, max_running=None,
-                       on_group_ready=ready.append)
-    pool.add_rank(0, available_at=0.0)
-    pool.add_group([_plan("a", [(16, 10, 1.0), (6, 4, 0.5)]), _plan("b", [(16, 20, 0.2)])])
+    rollout = RolloutControl(policy, policy.config.new_book(), budget=1 << 20, max_new_tokens=32)
+    pool = RolloutPool(loop, FakeCostModel(), rollout, round_interval_s=0.5, block_size=16,
+                       max_running=None, on_group_ready=ready.append)
+    rollout.add_rank(0, 0.0)
+    pool.add_rank(0)
+    plans = [_plan("a", [(16, 10, 1.0), (6, 4, 0.5)]), _plan("b", [(16, 20, 0.2)])]
+    rollout.add_group(group_of(plans), 0.0)
+    pool.add_group(plans)
     loop.run()
     assert len(ready) == 1 and ready[0].ready_time == pytest.approx(1.820)
     kv = pool.engines[0].kv
@@ -155,7 +160,8 @@ def _mbs(n: int, tokens: int) -> list[MicroBatch]:
     return [MicroBatch(i, (SeqRef(f"{i}", tokens),)) for i in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["colocated", "vso", "batch", "decoupled"])
+@pytest.mark.parametrize("kind", [StepMode.COLOCATED, StepMode.VSO, StepMode.BATCH,
+                                  StepMode.DECOUPLED])
 def test_executors_finish_after_their_work(kind):
     cost = CachedCostModel(MODELS["qwen2.5-7b"], GPUS["h100-sxm"])
     loop, ends = EventLoop(), []
@@ -172,7 +178,7 @@ def test_executors_finish_after_their_work(kind):
 def test_vanilla_streaming_pays_a_swap_pair_per_micro_batch():
     cost = CachedCostModel(MODELS["qwen2.5-7b"], GPUS["h100-sxm"])
     times = {}
-    for kind in ("colocated", "vso"):
+    for kind in (StepMode.COLOCATED, StepMode.VSO):
         loop, ends = EventLoop(), []
         executor = build_executor(kind, loop, cost, num_gpus=4, num_ref=0, max_aggregate=8,
                                   on_done=ends.append)

@@ -11,6 +11,7 @@ from rich.console import Console
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.launch import SetOpt
 from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.profile import load_profile
 from tiderl.sim.config import EXPERIMENTS, POLICIES
 
@@ -21,14 +22,16 @@ def sim(
     experiment: str | None = typer.Option(
         None, "--experiment", "-e", help=f"One of {', '.join(EXPERIMENTS[1:])}, or 'all'."),
     policies: str | None = typer.Option(
-        None, "--policies", help="Comma-separated policies to compare (no experiment)."),
+        None, "--policies", help="Comma-separated systems to compare (no experiment): sync, "
+                                 "async, stream, tiderl (verl, areal, streamrl mean the first "
+                                 "three)."),
     overrides: list[str] | None = SetOpt,
     out: Path = typer.Option(Path("runs/sim"), "--out", help="Folder for PNG plots."),
     results: Path | None = typer.Option(
         None, "--results", help="Also write the headline numbers to this JSON file."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Simulate a cluster run of each policy (or a paper experiment) and compare goodput."""
+    """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
     from tiderl.sim.runner import run_profile  # imported late: `tiderl --help` stays fast
 
     names = _experiments(experiment, profile)
@@ -70,11 +73,12 @@ def _policies(text: str | None) -> list[str] | None:
     if text is None:
         return None
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    unknown = [n for n in names if n not in SYSTEM_CHOICES]
     if unknown or not names:
+        aliases = ", ".join(f"{a} = {s}" for a, s in ALIASES.items())
         raise CLIError(f"tiderl sim --policies: unknown {', '.join(unknown) or 'empty list'} "
-                       f"(known: {', '.join(POLICIES)})", EXIT_USAGE)
-    return names
+                       f"(known: {', '.join(POLICIES)}; {aliases})", EXIT_USAGE)
+    return [ALIASES.get(n, n) for n in names]
 
 
 def _plots(result, out: Path) -> list[Path]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+from tiderl.core.system import SYSTEM_CHOICES, System
 
-POLICIES = ("verl", "areal", "streamrl", "tiderl")
+POLICIES = tuple(s.value for s in System)  # the systems compared; SYSTEM_CHOICES adds aliases
 EXPERIMENTS = ("", "fig4", "fig8", "table2", "fig12", "fig14", "fig15")
 
 
@@ -42,4 +43,6 @@ class SimConfig:
         require(0.0 < self.rollout_ratio < 1.0, "rollout_ratio",
                 f"expected a number in (0, 1), got {self.rollout_ratio!r}")
         for i, name in enumerate(self.policies):
-            require_choice(name, POLICIES, f"policies[{i}]")
+            require_choice(name, SYSTEM_CHOICES, f"policies[{i}]")
+        # the paper's framework names are accepted and mean the system they stand for
+        object.__setattr__(self, "policies", [System.parse(n).value for n in self.policies])

@@ -64,15 +64,13 @@ class RolloutEngine:
     """A rank: ``submit`` requests; ``on_done(request)`` is called when one finishes decoding."""
 
     def __init__(self, rank: int, loop: EventLoop, cost: CostModel, kv: SimKVCache,
-                 on_done: Callable[[Request], None], max_running: int | None = None,
-                 on_idle: Callable[[RolloutEngine, bool], None] | None = None) -> None:
+                 on_done: Callable[[Request], None], max_running: int | None = None) -> None:
         self.rank = rank
         self.loop = loop
         self.cost = cost
         self.kv = kv
         self.max_running = max_running
         self._on_done = on_done
-        self._on_idle = on_idle
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # by admission seq, oldest first
         self._heap: list[tuple[float, int, Request]] = []
@@ -242,7 +240,4 @@ class RolloutEngine:
         heapq.heappush(self._heap, (request.v_target, request.seq, request))
 
     def _set_idle(self, is_idle: bool) -> None:
-        if is_idle != self.is_idle:
-            self.is_idle = is_idle
-            if self._on_idle is not None:
-                self._on_idle(self, is_idle)
+        self.is_idle = is_idle

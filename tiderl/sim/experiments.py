@@ -2,14 +2,17 @@
 
     fig4    RWT and TWT per step vs static rollout ratio (8 GPUs, WebShop)          paper Fig. 4
     fig8    training throughput per system, 7B and 14B (32 GPUs, WebShop+ALFWorld)  paper Fig. 8
-    table2  ablation on OSWorld, 4B: streamrl, +RA2P, +ERS, +CTB                     paper Table 2
+    table2  ablation on OSWorld, 4B: stream, +RA2P, +ERS, +CTB                       paper Table 2
     fig12   one GPU rolls out one step: CTB vs fixed concurrency 1024 / 512         paper Fig. 12/13
     fig14   8 ready micro-batches x 8192 tokens on 4 GPUs: CM, DM, VS, VSO          paper Fig. 14
     fig15   total RWT + TWT over 100 steps: ERS vs fixed ratios (8 GPUs)            paper Fig. 15
 
 An experiment returns an :class:`ExperimentResult`: headline numbers (``bench/results/sim.json``
-keeps them, each beside ``paper``), table rows, and per-step series for plots. Nothing here is
-tuned to the paper: where the simulator disagrees, the gap is reported (see docs/simulator.md).
+keeps them, each beside ``paper``), table rows, and per-step series for plots. Systems are named
+as everywhere in TideRL (sync, async, stream, tiderl; :mod:`tiderl.core.system`): the paper's
+VeRL, AReaL and StreamRL are sync, async and stream, and its figures are keyed the same way here.
+Nothing here is tuned to the paper: where the simulator disagrees, the gap is reported (see
+docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tiderl.core.system import StepMode, System, SystemSpec
 from tiderl.sim.cluster import SimResult, simulate, simulate_rollout_step, simulate_trainer_step
-from tiderl.sim.scenario import SYSTEMS, SimScenario, SystemSpec
+from tiderl.sim.scenario import SYSTEMS, SimScenario
 
 RATIOS = (0.125, 0.25, 0.5)
 
@@ -54,7 +58,7 @@ def _row(label: str, result: SimResult) -> dict[str, Any]:
 
 
 def _fixed_split(scenario: SimScenario, ratio: float) -> SimResult:
-    return simulate(SYSTEMS["areal"], replace(scenario, rollout_ratio=ratio))
+    return simulate(SYSTEMS["async"], replace(scenario, rollout_ratio=ratio))
 
 
 def fig4(scenario: SimScenario) -> ExperimentResult:
@@ -68,7 +72,7 @@ def fig4(scenario: SimScenario) -> ExperimentResult:
     }
     paper = {"shape": "0.125 starves the trainer (high TWT); 0.5 throttles rollout (high RWT); "
                       "0.25 is best but RWT and TWT cross from step to step"}
-    rows = [_row(f"areal ratio {r}", res) for r, res in runs.items()]
+    rows = [_row(f"async ratio {r}", res) for r, res in runs.items()]
     return ExperimentResult("fig4", headline, paper, rows, series)
 
 
@@ -95,23 +99,20 @@ def fig15(scenario: SimScenario) -> ExperimentResult:
 
 
 def _throughput_ratios(scenario: SimScenario) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    verl = simulate(SYSTEMS["verl"], scenario)
-    areal_runs = {r: _fixed_split(scenario, r) for r in RATIOS}
-    best_ratio = max(areal_runs, key=lambda r: areal_runs[r].goodput_tok_s)
-    areal = areal_runs[best_ratio]
-    streamrl = simulate(SYSTEMS["streamrl"], scenario)
+    sync = simulate(SYSTEMS["sync"], scenario)
+    async_runs = {r: _fixed_split(scenario, r) for r in RATIOS}
+    best_ratio = max(async_runs, key=lambda r: async_runs[r].goodput_tok_s)
+    best_async = async_runs[best_ratio]
+    stream = simulate(SYSTEMS["stream"], scenario)
     tiderl = simulate(SYSTEMS["tiderl"], scenario)
-    headline = {
-        "goodput_tok_s": {name: round(res.goodput_tok_s, 1) for name, res in
-                          (("verl", verl), ("areal", areal), ("streamrl", streamrl),
-                           ("tiderl", tiderl))},
-        "areal_best_ratio": best_ratio,
-        "tiderl_over_verl": _ratio(tiderl.goodput_tok_s, verl.goodput_tok_s),
-        "tiderl_over_areal": _ratio(tiderl.goodput_tok_s, areal.goodput_tok_s),
-        "tiderl_over_streamrl": _ratio(tiderl.goodput_tok_s, streamrl.goodput_tok_s),
-    }
-    rows = [_row("verl", verl)] + [_row(f"areal {r}", res) for r, res in areal_runs.items()]
-    rows += [_row("streamrl", streamrl), _row("tiderl", tiderl)]
+    runs = (("sync", sync), ("async", best_async), ("stream", stream), ("tiderl", tiderl))
+    headline: dict[str, Any] = {
+        "goodput_tok_s": {name: round(res.goodput_tok_s, 1) for name, res in runs},
+        "async_best_ratio": best_ratio}
+    for name, res in runs[:3]:
+        headline[f"tiderl_over_{name}"] = _ratio(tiderl.goodput_tok_s, res.goodput_tok_s)
+    rows = [_row("sync", sync)] + [_row(f"async {r}", res) for r, res in async_runs.items()]
+    rows += [_row("stream", stream), _row("tiderl", tiderl)]
     return headline, rows
 
 
@@ -121,18 +122,19 @@ def fig8(scenario: SimScenario) -> ExperimentResult:
         part, part_rows = _throughput_ratios(replace(scenario, model=model))
         headline[key] = part
         rows += [{"model": key, **row} for row in part_rows]
-    paper = {"tiderl_over_verl": 5.6, "tiderl_over_areal": 1.8, "tiderl_over_streamrl": 7.0,
-             "note": "abstract: 1.8-7.0x on text-only tasks; StreamRL's 14B run did not finish"}
+    paper = {"tiderl_over_sync": 5.6, "tiderl_over_async": 1.8, "tiderl_over_stream": 7.0,
+             "note": "over VeRL (sync), AReaL (async), StreamRL (stream); abstract: 1.8-7.0x "
+                     "on text-only tasks; StreamRL's 14B run did not finish"}
     for key in ("7b", "14b"):
         headline[key]["paper"] = paper
     return ExperimentResult("fig8", headline, paper, rows)
 
 
 TABLE2_STEPS: tuple[tuple[str, SystemSpec], ...] = (
-    ("streamrl", SYSTEMS["streamrl"]),
-    ("+RA2P", SystemSpec("tiderl", ctb=False, ra2p=True, ers=False)),
-    ("+ERS", SystemSpec("tiderl", ctb=False, ra2p=True, ers=True)),
-    ("+CTB", SystemSpec("tiderl", ctb=True, ra2p=True, ers=True)),
+    ("stream", SYSTEMS["stream"]),
+    ("+RA2P", SystemSpec(System.TIDERL, ctb=False, ra2p=True, ers=False)),
+    ("+ERS", SystemSpec(System.TIDERL, ctb=False, ra2p=True, ers=True)),
+    ("+CTB", SystemSpec(System.TIDERL, ctb=True, ra2p=True, ers=True)),
 )
 
 
@@ -145,7 +147,7 @@ def table2(scenario: SimScenario) -> ExperimentResult:
         if previous is not None:
             headline["improvement"][label] = round(res.goodput_tok_s / previous - 1, 3)
         previous = res.goodput_tok_s
-    paper = {"goodput_k_tok_s": {"streamrl": 20.2, "+RA2P": 23.1, "+ERS": 31.8, "+CTB": 33.3},
+    paper = {"goodput_k_tok_s": {"stream": 20.2, "+RA2P": 23.1, "+ERS": 31.8, "+CTB": 33.3},
              "improvement": {"+RA2P": 0.104, "+ERS": 0.357, "+CTB": 0.048}}
     rows = [_row(label, res) for label, res in results]
     return ExperimentResult("table2", headline, paper, rows)
@@ -184,8 +186,9 @@ FIG14_MICRO_BATCHES, FIG14_TOKENS, FIG14_GPUS = 8, 8192, 4
 
 def fig14(scenario: SimScenario) -> ExperimentResult:
     ready = [0.0] * FIG14_MICRO_BATCHES
-    times = {mode: simulate_trainer_step(scenario, mode, ready, FIG14_TOKENS, FIG14_GPUS)
-             for mode in ("colocated", "decoupled", "vs", "vso")}
+    modes = (StepMode.COLOCATED, StepMode.DECOUPLED, StepMode.VS, StepMode.VSO)
+    times = {mode.value: simulate_trainer_step(scenario, mode, ready, FIG14_TOKENS, FIG14_GPUS)
+             for mode in modes}
     best = min(times["colocated"], times["decoupled"])
     headline = {
         "step_s": {k: round(v, 3) for k, v in times.items()},

@@ -1,7 +1,8 @@
 """Micro-experiments: one GPU rolling out one step (paper Fig. 12/13), one trainer step (Fig. 14).
 
-Both reuse the cluster's parts (RolloutPool with the core CTB or request-level policy; the
-trainer executors) on a private event loop, without training, weight syncs or staleness.
+Both reuse the cluster's parts (RolloutPool under the core's RolloutControl with the CTB or
+request-level policy; the trainer executors) on a private event loop, without training, weight
+syncs or staleness.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import math
 from dataclasses import replace
 
 from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
+from tiderl.core.step_control import RolloutControl
+from tiderl.core.system import StepMode
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.results import RolloutResult
-from tiderl.sim.rollout import RolloutPool, SimGroup
+from tiderl.sim.rollout import RolloutPool, SimGroup, group_of
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.trainer import run_trainer_step
 from tiderl.sim.workload import WorkloadSampler
 
-TRAINER_MODES = ("colocated", "decoupled", "vs", "vso")
+TRAINER_MODES = (StepMode.COLOCATED, StepMode.DECOUPLED, StepMode.VS, StepMode.VSO)
 
 
 def cost_model(scenario: SimScenario) -> CostModel:
@@ -43,15 +46,20 @@ def simulate_rollout_step(scenario: SimScenario, num_tasks: int, *, ctb: bool,
         policy = RequestLevelPolicy(replace(scenario.ctb, policy="request",
                                             request_concurrency=max(1, num_tasks)))
     ready: list[SimGroup] = []
-    pool = RolloutPool(loop, cost, policy.config.new_book(), policy,
-                       round_interval_s=scenario.ctb_round_interval_s,
+    rollout = RolloutControl(policy, policy.config.new_book(),
+                             budget=policy.config.rank_budget(cost.kv_capacity_tokens()),
+                             max_new_tokens=sampler.max_new_tokens())
+    pool = RolloutPool(loop, cost, rollout, round_interval_s=scenario.ctb_round_interval_s,
                        block_size=scenario.kv_block_size, max_running=concurrency,
                        on_group_ready=ready.append)
-    pool.add_rank(0, available_at=0.0)
+    rollout.add_rank(0, 0.0)
+    pool.add_rank(0)
     num_groups = math.ceil(num_tasks / scenario.group_size)
     for i in range(num_groups):
         size = min(scenario.group_size, num_tasks - i * scenario.group_size)
-        pool.add_group(sampler.sample_group(f"g{i}", size, 0))
+        plans = sampler.sample_group(f"g{i}", size, 0)
+        rollout.add_group(group_of(plans), 0.0)
+        pool.add_group(plans)
     while len(ready) < num_groups and len(loop):
         loop.run(until=loop.now + 3600.0)
     engine = pool.engines[0]
@@ -62,7 +70,7 @@ def simulate_rollout_step(scenario: SimScenario, num_tasks: int, *, ctb: bool,
                          recomputed_tokens=engine.recomputed_tokens)
 
 
-def simulate_trainer_step(scenario: SimScenario, mode: str, ready_times: list[float],
+def simulate_trainer_step(scenario: SimScenario, mode: str | StepMode, ready_times: list[float],
                           mb_tokens: int, num_gpus: int) -> float:
     """Seconds for ``num_gpus`` trainer GPUs to process micro-batches of ``mb_tokens`` tokens
     ready at ``ready_times`` (relative to the step start). ``mode``: "colocated" (RA2P CM),
@@ -71,8 +79,10 @@ def simulate_trainer_step(scenario: SimScenario, mode: str, ready_times: list[fl
     ``mb_tokens`` is a micro-batch's total: it holds ``num_gpus`` equal sequences (one per DP
     rank; at most ``ra2p.tokens_per_rank`` tokens each, more sequences if needed)."""
     if mode not in TRAINER_MODES:
-        raise ValueError(f"mode must be one of {', '.join(TRAINER_MODES)}, got {mode!r}")
-    num_ref = scenario.ra2p.num_ref_ranks if mode == "decoupled" else 0
+        names = ", ".join(m.value for m in TRAINER_MODES)
+        raise ValueError(f"mode must be one of {names}, got {mode!r}")
+    mode = StepMode(mode)
+    num_ref = scenario.ra2p.num_ref_ranks if mode is StepMode.DECOUPLED else 0
     if num_ref >= num_gpus:
         raise ValueError(f"decoupled needs more than {num_ref} GPUs, got {num_gpus}")
     seq_tokens = max(1, min(mb_tokens // num_gpus, scenario.ra2p.tokens_per_rank))

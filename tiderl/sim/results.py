@@ -1,32 +1,12 @@
-"""What a simulation reports: per-step records, run totals, and the micro-experiments' results."""
+"""What a simulation reports: per-step records (the core's :class:`StepRecord`, as a real job
+writes them to metrics.jsonl), run totals, and the micro-experiments' results."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tiderl.core.records import StepRecord
 from tiderl.sim.scenario import SimScenario
-
-
-@dataclass
-class StepRecord:
-    """One training step. Times are simulated seconds; ``rwt_s``/``twt_s`` are GPU-seconds of
-    this step (rollout GPUs blocked by the throttle or the sync; trainer GPUs without data)."""
-
-    step: int
-    start_s: float
-    end_s: float
-    trained_samples: int
-    trained_tokens: int
-    ras: int
-    tprm_s: float | None
-    rwt_s: float
-    twt_s: float
-    mode: str | None  # RA2P mode (tiderl), else the system's executor kind
-    num_rollout: int
-    num_trainer: int
-    kv_hit_rate: float  # prefix-cache hit rate of the turns started during the step
-    max_staleness_seen: int
-    discarded_tokens: int
 
 
 @dataclass

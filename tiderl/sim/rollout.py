@@ -1,18 +1,20 @@
-"""The rollout side: tasks, environments and the CTB (or request-level) policy on a TaskBook.
+"""The rollout side: tasks, environments and engines, scheduled by the core's RolloutControl.
 
-    add_groups ──> TaskBook (pending) ──round: policy.schedule(book); book.apply(plan)──┐
-                                                                                         v
-      Admit(t, r) ──> env reset ──> turn: report_turn, Request ──> RolloutEngine r ──> done
+    add_group ──> SimTasks (their group is in the controller's book already)
+    round: rollout.schedule(now) (CTB or request level; the book applies it) ──┐
+                                                                               v
+      Admit(t, r) ──> env reset ──> turn: turn_started, Request ──> RolloutEngine r ──> done
                           ^                                                              │
-                          └──────────── env step (env_latency_s) <── more turns ─────────┤
+                          └── env step (env_latency_s) <── turn_done(context) ───────────┤
       Pause(t): unpin; the task stops at its next turn boundary (held until Resume)      │
       Resume(t, r): continue on r (another rank: its KV is released there, fresh prefill) │
-                                                         last turn + env: finish_task ───┘
-                                                         group complete ──> on_group_ready
+                                                      last turn + env: task_finished ────┘
+                                                      group complete ──> on_group_ready
 
 Rounds run every ``ctb_round_interval_s`` while the book changed since the last one. A task
 waiting for its environment holds no request: its blocks are cached (evictable) unless CTB pins
-it. The policy object is the one from ``tiderl.core.ctb``; this module is only its adapter.
+it. Every book event goes through :class:`tiderl.core.step_control.RolloutControl`, the same
+object the runtime coordinator feeds; this module only simulates what it decides.
 Invariant: a task has at most one request in flight, on the rank its KV lives on.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tiderl.core.ctb import SchedulingPolicy, TaskBook
+from tiderl.core.step_control import RolloutControl
 from tiderl.core.types import Admit, Group, Pause, Resume, SeqRef, Task
 from tiderl.sim.engine import Request, RolloutEngine
 from tiderl.sim.events import EventLoop
@@ -61,9 +63,20 @@ class SimGroup:
         return min(t.version for t in self.tasks if t.version is not None)
 
     @property
+    def rewards(self) -> dict[str, float]:
+        return {p.task_id: p.reward for p in self.plans}
+
+    @property
     def sequences(self) -> tuple[SeqRef, ...]:
         """One training sequence per task, as the global buffer takes them."""
         return tuple(SeqRef(p.task_id, trajectory_tokens(p)) for p in self.plans)
+
+
+def group_of(plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> Group:
+    """The tasks of a group of plans, as CTB's book holds them (no footprint hint: a task's
+    first footprint is probed, as on a real rollout rank)."""
+    return Group(plans[0].group_id, tuple(Task(p.task_id, p.group_id, p.env, p.is_eval)
+                                          for p in plans))
 
 
 def trajectory_tokens(plan: TaskPlan) -> int:
@@ -75,13 +88,14 @@ def trajectory_tokens(plan: TaskPlan) -> int:
 class RolloutPool:
     """Rollout ranks driven by a scheduling policy; groups come out complete."""
 
-    def __init__(self, loop: EventLoop, cost: CostModel, book: TaskBook,
-                 policy: SchedulingPolicy, *, round_interval_s: float, block_size: int,
-                 max_running: int | None, on_group_ready: Callable[[SimGroup], None]) -> None:
+    def __init__(self, loop: EventLoop, cost: CostModel, rollout: RolloutControl, *,
+                 round_interval_s: float, block_size: int, max_running: int | None,
+                 on_group_ready: Callable[[SimGroup], None]) -> None:
         self.loop = loop
         self.cost = cost
-        self.book = book
-        self.policy = policy
+        self.rollout = rollout
+        self.book = rollout.book  # read only: every change goes through ``rollout``
+        self.pins_tasks = rollout.policy.pins_tasks
         self.round_interval_s = round_interval_s
         self.block_size = block_size
         self.max_running = max_running
@@ -95,38 +109,27 @@ class RolloutPool:
         self.generated_tokens = 0  # trajectory tokens of finished training tasks
         self.eval_tokens = 0
         self.num_rounds = 0
-        self.num_idle = 0  # open ranks with no request
         self._is_dirty = False
         self._round_pending = False
-        self.on_idle_change: Callable[[], None] | None = None  # before num_idle changes
 
     # ---- ranks ----
 
-    def add_rank(self, rank: int, available_at: float) -> None:
+    def add_rank(self, rank: int) -> None:
+        """An engine on ``rank`` (CTB placed the rank in its book)."""
         kv = SimKVCache(self.kv_capacity, self.block_size)
-        engine = RolloutEngine(rank, self.loop, self.cost, kv, self._on_turn_done,
-                               self.max_running, self._on_engine_idle)
-        engine.stall_until = max(self.loop.now, available_at)
-        self._note_idle(+1)
-        self.engines[rank] = engine
-        self.book.add_rank(rank, self.policy_budget())
+        self.engines[rank] = RolloutEngine(rank, self.loop, self.cost, kv, self._on_turn_done,
+                                           self.max_running)
         self.mark_dirty()
 
-    def policy_budget(self) -> int:
-        config = getattr(self.policy, "config", None)
-        return config.rank_budget(self.kv_capacity) if config else self.kv_capacity
-
     def remove_rank(self, rank: int) -> None:
-        """ERS closes ``rank``: its tasks are paused rank-less in the book and here; a turn in
-        flight is abandoned (it restarts, with a fresh prefill, where the task resumes)."""
+        """``rank`` left rollout: its tasks are paused rank-less (CTB's book says so already);
+        a turn in flight is abandoned (it restarts, with a fresh prefill, where the task
+        resumes)."""
         engine = self.engines.pop(rank)
-        if engine.is_idle:
-            self._note_idle(-1)
         for request in engine.close():
             task = request.payload
             task.request = None
             task.context = _context_before(task)  # the turn restarts from its start
-        self.book.remove_rank(rank)
         for task in self.tasks.values():
             if task.rank_next == rank:
                 task.rank_next = None
@@ -143,16 +146,14 @@ class RolloutPool:
 
     # ---- tasks ----
 
-    def add_group(self, plans: list[TaskPlan]) -> SimGroup:
+    def add_group(self, plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> SimGroup:
+        """Run a group whose tasks CTB's book holds (see :func:`group_of`)."""
         tasks = [SimTask(plan) for plan in plans]
-        group = SimGroup(plans[0].group_id, tasks, plans[0].is_eval, len(tasks), plans=plans)
+        group = SimGroup(plans[0].group_id, tasks, plans[0].is_eval, len(tasks),
+                         plans=list(plans))
         self.groups[group.group_id] = group
         for task in tasks:
             self.tasks[task.task_id] = task
-        specs = tuple(Task(p.task_id, p.group_id, p.env, p.is_eval,
-                           footprint_hint=p.prompt_tokens + p.turns[0].context_add)
-                      for p in plans)
-        self.book.add_group(Group(group.group_id, specs))
         self.mark_dirty()
         return group
 
@@ -174,14 +175,10 @@ class RolloutPool:
             self.run_round()
 
     def run_round(self) -> None:
-        """One scheduling round: the core policy decides, the book and this pool apply it."""
+        """One scheduling round: the core decides and updates its book, this pool applies it."""
         self._is_dirty = False
         self.num_rounds += 1
-        if self.on_idle_change is not None:
-            self.on_idle_change()  # admissions may end a throttled stretch
-        plan = self.policy.schedule(self.book)
-        self.book.apply(plan)
-        for decision in plan:
+        for decision in self.rollout.schedule(self.loop.now):
             task = self.tasks[decision.task_id]
             if isinstance(decision, Pause):
                 self._pause(task)
@@ -208,7 +205,7 @@ class RolloutPool:
                 self._start_turn(task)
         elif task.rank != rank:
             task.rank_next = rank  # it moves when this turn ends
-        elif self.policy.pins_tasks:
+        elif self.pins_tasks:
             self.engines[rank].kv.pin(task.task_id)
 
     def _move(self, task: SimTask, rank: int) -> None:
@@ -235,11 +232,11 @@ class RolloutPool:
         base = plan.prompt_tokens if k == 0 else task.context
         context = base + turn.context_add - turn.pruned_tokens
         task.context = context
-        self.book.report_turn(task.task_id, context + turn.action_tokens, context)
+        self.rollout.turn_started(task.task_id, self.loop.now)
         engine = self.engines[task.rank]
         request = Request(task.task_id, plan.group_id, plan.prompt_tokens, context,
                           turn.action_tokens, context if k == 0 else turn.context_add,
-                          turn.kept_prefix, pin=self.policy.pins_tasks and not task.is_paused,
+                          turn.kept_prefix, pin=self.pins_tasks and not task.is_paused,
                           payload=task)
         task.request = request
         engine.submit(request)
@@ -254,15 +251,14 @@ class RolloutPool:
         if task.rank_next is not None:
             self._move(task, task.rank_next)
             task.rank_next = None
-        if task.task_id in self.book.tasks:
-            self.book.set_running(task.task_id, False)
+        self.rollout.turn_done(task.task_id, task.context, turn.action_tokens, self.loop.now)
         task.is_waiting_env = True
         self.loop.after(turn.env_latency_s, self._on_env_done, task)
 
     def _finish(self, task: SimTask) -> None:
         if task.rank in self.engines:
             self.engines[task.rank].kv.release(task.task_id)
-        self.book.finish_task(task.task_id)
+        self.rollout.task_finished(task.task_id, self.loop.now)
         del self.tasks[task.task_id]
         group = self.groups[task.plan.group_id]
         tokens = trajectory_tokens(task.plan)
@@ -278,14 +274,6 @@ class RolloutPool:
         self.mark_dirty()
 
     # ---- metrics ----
-
-    def _on_engine_idle(self, engine: RolloutEngine, is_idle: bool) -> None:
-        self._note_idle(1 if is_idle else -1)
-
-    def _note_idle(self, delta: int) -> None:
-        if self.on_idle_change is not None:
-            self.on_idle_change()
-        self.num_idle += delta
 
     def finished_in_open_groups(self) -> int:
         """Trajectory tokens of finished training tasks whose group is still open."""

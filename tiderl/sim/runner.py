@@ -6,10 +6,11 @@ import dataclasses
 from dataclasses import replace
 from typing import Any
 
+from tiderl.core.system import SystemSpec
 from tiderl.profile import Profile
 from tiderl.sim.cluster import simulate
 from tiderl.sim.experiments import ExperimentResult, run_experiment
-from tiderl.sim.scenario import SYSTEMS, SimScenario
+from tiderl.sim.scenario import SimScenario
 
 
 def scenario_from_profile(profile: Profile) -> SimScenario:
@@ -23,7 +24,8 @@ def scenario_from_profile(profile: Profile) -> SimScenario:
 
 def compare_policies(scenario: SimScenario, policies: list[str]) -> ExperimentResult:
     """Each policy on the same scenario and task stream; goodput ratios against tiderl."""
-    results = {name: simulate(SYSTEMS[name], scenario) for name in policies}
+    specs = [SystemSpec.named(name) for name in policies]
+    results = {spec.label: simulate(spec, scenario) for spec in specs}
     headline: dict[str, Any] = {
         "goodput_tok_s": {k: round(v.goodput_tok_s, 1) for k, v in results.items()}}
     if "tiderl" in results:

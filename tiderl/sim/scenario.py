@@ -1,30 +1,30 @@
-"""What to simulate: a scenario (cluster, model, workload, RL batch) and a system (the policies).
+"""What to simulate: a scenario (cluster, model, workload, RL batch) and the systems compared on it.
 
 A scenario is shared by every system compared on it: same GPUs, same seed (hence the same task
-stream), same batch and staleness bound. A system is one of the paper's frameworks (§6):
+stream), same batch and staleness bound. The systems are the core's (:mod:`tiderl.core.system`),
+the same four the runtime runs, each standing for one of the paper's frameworks (§6):
 
-    verl      synchronous: all GPUs roll out the step's batch, then all train it (colocated)
-    areal     asynchronous, fixed rollout/trainer split, request-level rollout, the trainer waits
-              for a full batch and runs Ref then Actor (one swap pair per step)
-    streamrl  asynchronous, fixed split, request-level rollout, the trainer streams micro-batches
-              with a Ref/Actor swap per micro-batch. "StreamRL always utilizes the maximum-allowed
+    sync      verl: all GPUs roll out the step's batch, then all train it (one swap pair)
+    async     AReaL: fixed rollout/trainer split, request-level rollout, the trainer waits for a
+              full batch and runs Ref then Actor (one swap pair per step)
+    stream    StreamRL: fixed split, request-level rollout, the trainer streams micro-batches with
+              a Ref/Actor swap per micro-batch. "StreamRL always utilizes the maximum-allowed
               GPUs" (§6) is read as: it uses the whole GPU budget, split at the same ratio as the
               others (its dynamic rollout scaling is not modelled; the paper finds it too slow)
-    tiderl    CTB + RA2P + ERS; ``SystemSpec("tiderl", ctb=False, ...)`` switches one off:
-              no CTB: request-level rollout; no RA2P: streamrl's trainer; no ERS: fixed split
+    tiderl    CTB + RA2P + ERS; ``SystemSpec(System.TIDERL, ctb=False, ...)`` switches one off:
+              no CTB: request-level rollout; no RA2P: stream's trainer; no ERS: fixed split
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tiderl.core.config import require_choice, require_int
+from tiderl.core.config import require_int
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
 from tiderl.core.ra2p import RA2PConfig
+from tiderl.core.system import System, SystemSpec
 from tiderl.sim.config import SimConfig
-
-SYSTEM_NAMES = ("verl", "areal", "streamrl", "tiderl")
 
 
 @dataclass(frozen=True)
@@ -63,49 +63,4 @@ class SimScenario(SimConfig):
         return min(self.gpus - 1, max(1, round(self.gpus * self.rollout_ratio)))
 
 
-@dataclass(frozen=True)
-class SystemSpec:
-    """A framework to simulate; ``ctb``, ``ra2p`` and ``ers`` switch TideRL's parts (ablations)
-    and are ignored by the baselines."""
-
-    name: str
-    ctb: bool = True
-    ra2p: bool = True
-    ers: bool = True
-
-    def __post_init__(self) -> None:
-        require_choice(self.name, SYSTEM_NAMES, "name")
-
-    @property
-    def is_sync(self) -> bool:
-        return self.name == "verl"
-
-    @property
-    def uses_ctb(self) -> bool:
-        return self.name == "tiderl" and self.ctb
-
-    @property
-    def uses_ers(self) -> bool:
-        return self.name == "tiderl" and self.ers
-
-    @property
-    def trainer_kind(self) -> str:
-        """How the trainer consumes a step: "sync" (verl), "batch" (areal: whole batch, one swap
-        pair), "vso" (streamrl: a swap per micro-batch) or "ra2p" (tiderl)."""
-        if self.name == "verl":
-            return "sync"
-        if self.name == "areal":
-            return "batch"
-        if self.name == "streamrl" or not self.ra2p:
-            return "vso"
-        return "ra2p"
-
-    @property
-    def label(self) -> str:
-        off = [part for part in ("ctb", "ra2p", "ers") if not getattr(self, part)]
-        if self.name != "tiderl" or not off:
-            return self.name
-        return "tiderl-" + "-".join(f"no_{part}" for part in off)
-
-
-SYSTEMS: dict[str, SystemSpec] = {name: SystemSpec(name) for name in SYSTEM_NAMES}
+SYSTEMS: dict[str, SystemSpec] = {s.value: SystemSpec(s) for s in System}

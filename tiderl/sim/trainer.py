@@ -20,7 +20,9 @@ Executors (paper §5.1, App. A), all timed with ``CostModel`` on the actual toke
 A micro-batch's time on G data-parallel GPUs is its slowest GPU's: the sequences are dealt with
 the core dispatch (``dispatch_zigzag`` colocated, ``order_smallest_last`` decoupled) and each
 sequence costs ``CostModel.*_s(n, n)`` (attention at its own length). TWT accumulates the
-trainer's GPU-seconds with nothing to compute while its step is open.
+trainer's GPU-seconds with nothing to compute while its step is open. At the end an executor
+reports per rank what a real rank reports (``reports``): its share of the wait and the mean
+per-micro-batch pass times of the passes it ran, which RA2P and ERS then learn from.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ra2p import dispatch_zigzag, order_smallest_last
-from tiderl.core.types import MicroBatch, Ra2pTimings, SeqRef
+from tiderl.core.system import StepMode
+from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import CostModel
 
@@ -53,13 +57,6 @@ def actor_times(model: CostModel, mb: MicroBatch, num_gpus: int,
     return _slowest(per_rank, model.actor_fwd_s), _slowest(per_rank, model.actor_bwd_s)
 
 
-def typical_timings(model: CostModel, mb: MicroBatch, num_ref: int, num_actor: int,
-                    t_swap: float) -> Ra2pTimings:
-    """RA2P's per-micro-batch costs for a micro-batch like ``mb`` on this layout."""
-    fwd, bwd = actor_times(model, mb, num_actor)
-    return Ra2pTimings(ref_time(model, mb, num_ref), fwd, bwd, t_swap)
-
-
 class StepExecutor:
     """Common bookkeeping: the step's micro-batches, its end, the trainer's wait for data."""
 
@@ -77,11 +74,30 @@ class StepExecutor:
         self.samples = 0
         self.twt_s = 0.0
         self.busy_s = 0.0  # compute + swap seconds on the critical path
+        self.pass_s = {"t_ref": 0.0, "t_act_f": 0.0, "t_act_b": 0.0}  # summed over micro-batches
+        self.t_swap: float | None = None  # one swap, when the step swaps
 
     def add(self, mb: MicroBatch) -> None:
         self.num_micro_batches += 1
         self.tokens += mb.num_tokens
         self.samples += len(mb.sequences)
+
+    def _count(self, t_ref: float, t_act_f: float, t_act_b: float) -> None:
+        for key, seconds in (("t_ref", t_ref), ("t_act_f", t_act_f), ("t_act_b", t_act_b)):
+            self.pass_s[key] += seconds
+
+    def reports(self, start: StartStep) -> tuple[RankReport, ...]:
+        """Each rank's report: an equal share of the wait, the mean pass times of its passes
+        (a decoupled step's Ref ranks ran only Ref, its actors only the Actor)."""
+        n = max(1, self.num_micro_batches)
+        t_ref, t_act_f, t_act_b = (self.pass_s[k] / n for k in ("t_ref", "t_act_f", "t_act_b"))
+        wait = self.twt_s / max(1, len(start.ranks))
+        if start.mode is StepMode.DECOUPLED:
+            refs = tuple(RankReport(r, wait, t_ref=t_ref) for r in start.ref_ranks)
+            return refs + tuple(RankReport(r, wait, t_act_f=t_act_f, t_act_b=t_act_b)
+                                for r in start.actor_ranks)
+        return tuple(RankReport(r, wait, t_ref, t_act_f, t_act_b, self.t_swap)
+                     for r in start.ranks)
 
     def close(self) -> None:
         self.is_closed = True
@@ -140,8 +156,10 @@ class AggregatingExecutor(StepExecutor):
         limit = len(self._ready) if self.wait_for_batch else self.max_aggregate
         taken = [self._ready.popleft() for _ in range(min(limit, len(self._ready)))]
         ref = sum(ref_time(self.model, mb, self.num_gpus) for mb in taken)
-        act = sum(sum(actor_times(self.model, mb, self.num_gpus)) for mb in taken)
-        duration = 2 * self.t_swap + ref + act
+        fwd, bwd = (sum(times) for times in zip(*(actor_times(self.model, mb, self.num_gpus)
+                                                   for mb in taken), strict=True))
+        self._count(ref, fwd, bwd)
+        duration = 2 * self.t_swap + ref + fwd + bwd
         self.num_swaps += 2
         self.busy_s += duration
         self._is_busy = True
@@ -169,6 +187,7 @@ class PipelineExecutor(StepExecutor):
         now = self.loop.now
         t_ref = ref_time(self.model, mb, self.num_ref)
         t_fwd, t_bwd = actor_times(self.model, mb, self.num_actor, decoupled=True)
+        self._count(t_ref, t_fwd, t_bwd)
         ref_done = max(now, self._ref_free) + t_ref
         if self.count_wait and now > self._act_free:
             self.twt_s += (now - self._act_free) * self.num_gpus
@@ -185,30 +204,29 @@ class PipelineExecutor(StepExecutor):
         self._finish(self.loop.now)
 
 
-def build_executor(kind: str, loop: EventLoop, model: CostModel, *, num_gpus: int,
+def build_executor(mode: StepMode, loop: EventLoop, model: CostModel, *, num_gpus: int,
                    num_ref: int, max_aggregate: int, on_done: Callable[[float], None],
                    count_wait: bool = True) -> StepExecutor:
-    """``kind``: "colocated", "decoupled" (``num_ref`` of the GPUs run Ref), "vs", "vso",
-    "batch" (whole batch, one swap pair)."""
+    """An executor for ``mode``: decoupled (``num_ref`` of the GPUs run Ref), colocated (up to
+    ``max_aggregate`` micro-batches per swap pair), vs, vso, or batch (the whole batch, one swap
+    pair)."""
     swap = model.model_swap_s()
-    if kind == "decoupled":
+    if mode is StepMode.DECOUPLED:
         return PipelineExecutor(loop, model, num_ref, num_gpus - num_ref, on_done, count_wait)
-    settings = {"colocated": (max_aggregate, swap, False), "vs": (1, CONTEXT_SWITCH_S, False),
-                "vso": (1, swap, False), "batch": (1, swap, True)}
-    if kind not in settings:
-        raise ValueError(f"unknown trainer mode {kind!r}")
-    aggregate, t_swap, wait = settings[kind]
+    aggregate, t_swap, wait = {
+        StepMode.COLOCATED: (max_aggregate, swap, False), StepMode.VS: (1, CONTEXT_SWITCH_S, False),
+        StepMode.VSO: (1, swap, False), StepMode.BATCH: (1, swap, True)}[mode]
     return AggregatingExecutor(loop, model, num_gpus, on_done, max_aggregate=aggregate,
                                t_swap=t_swap, wait_for_batch=wait, count_wait=count_wait)
 
 
-def run_trainer_step(model: CostModel, kind: str, ready_times: list[float], mb_tokens: int,
+def run_trainer_step(model: CostModel, mode: StepMode, ready_times: list[float], mb_tokens: int,
                      num_gpus: int, *, num_ref: int, max_aggregate: int, seq_tokens: int) -> float:
     """Seconds one step takes for micro-batches of ``mb_tokens`` tokens (sequences of
     ``seq_tokens``) arriving at ``ready_times`` (relative to the step start, which is 0)."""
     loop = EventLoop()
     end: list[float] = []
-    executor = build_executor(kind, loop, model, num_gpus=num_gpus, num_ref=num_ref,
+    executor = build_executor(mode, loop, model, num_gpus=num_gpus, num_ref=num_ref,
                               max_aggregate=max_aggregate, on_done=end.append)
     times = sorted(max(0.0, t) for t in ready_times)
     for i, ready in enumerate(times):

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 
 from tiderl.core.config import ConfigError, require, require_int, require_positive
+from tiderl.core.step_control import task_id
 
 MIN_OBS_TOKENS = 8.0  # floor for the solved mean observation size (a bare "OK" plus chat markup)
 
@@ -64,9 +65,11 @@ class WorkloadSpec:
     action_sigma: float = 0.4  # lognormal sigma of per-turn generated tokens
     reset_timeout_s: float = 300.0  # a reset draw is clipped here (OSWorld polls 300 s)
     reset_retry_p: float = 0.0  # chance that a reset fails once and is redone
+    max_new_tokens: int = 256  # the engine's generation cap of one turn (an action is cut there)
 
     def __post_init__(self) -> None:
-        for key in ("prompt_tokens", "action_tokens", "turn_sigma", "reset_timeout_s"):
+        for key in ("prompt_tokens", "action_tokens", "turn_sigma", "reset_timeout_s",
+                    "max_new_tokens"):
             require_positive(getattr(self, key), key)
         for key in ("tokens", "env_step_s", "env_reset_s"):
             require(min(getattr(self, key)) > 0, key, f"expected positive numbers, got "
@@ -111,12 +114,12 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                      action_tokens=100, max_turns=50, context_cap=32768,
                      env_step_s=(3.0, 0.5), env_reset_s=(45.0, 0.7),
                      image_tokens=SCREENSHOT_TOKENS, image_window=(10, 5), turn_sigma=0.6,
-                     reset_retry_p=0.02),
+                     reset_retry_p=0.02, max_new_tokens=512),
         WorkloadSpec("scienceboard", rounds=(39, 29), tokens=(24000, 23000), prompt_tokens=1500,
                      action_tokens=100, max_turns=50, context_cap=32768,
                      env_step_s=(3.0, 0.6), env_reset_s=(60.0, 0.7),
                      image_tokens=SCREENSHOT_TOKENS, image_window=(16, 8), turn_sigma=0.6,
-                     reset_retry_p=0.02),
+                     reset_retry_p=0.02, max_new_tokens=512),
     )
 }
 
@@ -320,6 +323,7 @@ def _draw_turns(spec: WorkloadSpec, shape: WorkloadShape, rng: random.Random,
         obs = round(shape.obs_tokens * _mean_one(rng, spec.obs_sigma)) if has_text else 0
         add, pruned, kept, new_starts = _observe(spec, context, starts, obs)
         action = max(1, round(spec.action_tokens * _mean_one(rng, spec.action_sigma)))
+        action = min(action, spec.max_new_tokens)
         if context + add - pruned + action > spec.context_cap:
             if k > 0:
                 return tuple(turns), False
@@ -365,8 +369,12 @@ class WorkloadSampler:
         sigma_group = spec.turn_sigma * math.sqrt(spec.group_share)
         sigma_task = spec.turn_sigma * math.sqrt(1.0 - spec.group_share)
         median = shape.turn_median * math.exp(sigma_group * rng.gauss(0.0, 1.0))
-        return [self._sample_task(spec, shape, rng, median, sigma_task, f"{group_id}-{i}",
+        return [self._sample_task(spec, shape, rng, median, sigma_task, task_id(group_id, i),
                                   group_id, is_eval) for i in range(size)]
+
+    def max_new_tokens(self) -> int:
+        """The largest generation cap among the workload's environments."""
+        return max(WORKLOADS[env].max_new_tokens for env in self.envs)
 
     def _sample_task(self, spec: WorkloadSpec, shape: WorkloadShape, rng: random.Random,
                      median: float, sigma: float, task_id: str, group_id: str,

@@ -154,10 +154,11 @@ def test_hello_ack_and_many_messages_both_ways_with_a_rank_process(
 
 def test_snapshot_reaches_a_subscriber_process(server: BusServer,
                                                job: tuple[Path, JobKeys]) -> None:
-    metrics = RankMetrics(rank=1, role="rollout", kv_tokens_used=10, kv_tokens_budget=100,
+    metrics = RankMetrics(rank=1, role="rollout", kv_tokens_used=10, kv_tokens_capacity=100,
                           prefix_hit_rate=0.5, running=2, waiting=0)
     snapshot = Snapshot(step=4, time=1.5, roles={0: "actor", 1: "rollout"},
-                        metrics={"goodput_tok_s": 99.5}, ranks=[metrics])
+                        metrics={"goodput_tok_s": 99.5}, ranks=[metrics],
+                        ctb_budgets={1: 90})
     proc = _peer("subscribe", server.pub_endpoint, job[0])
     deadline = time.monotonic() + 10
     while proc.poll() is None and time.monotonic() < deadline:  # PUB drops until SUB joins

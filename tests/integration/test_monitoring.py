@@ -111,7 +111,7 @@ def test_profile_kv_reads_sglang_gauges():
     assert data["source"] == "sglang"
     sample, = data["samples"]
     assert (sample["usage"], sample["hit_rate"], sample["hit_rate_kind"]) == (0.5, 0.125, "gauge")
-    assert (sample["used_tokens"], sample["budget_tokens"]) == (5000, 10000)
+    assert (sample["used_tokens"], sample["capacity_tokens"]) == (5000, 10000)
 
 
 def test_profile_kv_errors_are_one_line():
@@ -192,7 +192,7 @@ def test_the_coordinator_serves_its_metrics(job):
     assert set(ranks) == {"rollout", "ref", "actor", "idle"}
     assert sum(ranks.values()) == 3
     modes = [v for (name, _), v in samples.items() if name == "tiderl_ra2p_mode"]
-    assert sorted(modes) == [0, 0, 1]
+    assert sorted(modes) == [0, 0, 0, 0, 1]  # one series per step mode, the last step's 1
 
 
 def test_profile_kv_of_the_job(job):
@@ -202,7 +202,7 @@ def test_profile_kv_of_the_job(job):
     assert data["source"] == "tiderl coordinator"
     assert data["url"] == state.info["metrics"]
     assert len(data["samples"]) == 4
-    assert all(0.0 <= s["usage"] <= 1.0 and s["budget_tokens"] > 0 for s in data["samples"])
+    assert all(0.0 <= s["usage"] <= 1.0 and s["capacity_tokens"] > 0 for s in data["samples"])
     assert {s["hit_rate_kind"] for s in data["samples"]} == {"gauge"}
 
 

@@ -1,6 +1,6 @@
 """The trainer across real rank processes (gloo): data parallel equals one process, and both RA2P
-modes (and the VS / VSO baselines) train the same update while each rank sees exactly its
-dispatched sequences."""
+modes (and the VS / VSO baselines and the whole-batch mode) train the same update while each rank
+sees exactly its dispatched sequences."""
 
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def test_two_rank_step_equals_one_process_step(backend):
 
 def _modes_rank(ctx: RankContext, _arg) -> dict:
     """Rank 0 is Ref and ranks 1-3 Actors (decoupled); then all four run Ref and Actor
-    (colocated with aggregation, VSO, VS). Each layout trains one step from the same weights."""
+    (colocated with aggregation, VSO, VS, the whole batch). Each layout trains one step from the
+    same weights."""
     samples = _samples()
     step3 = StepInput(tuple(form_micro_batches([s.as_sequence() for s in samples], 3, 128)),
                       {s.seq_id: s for s in samples})
@@ -106,7 +107,8 @@ def _modes_rank(ctx: RankContext, _arg) -> dict:
     out["decoupled"] = (result.seq_ids, result.events,
                         None if ctx.rank == 0 else executor.actor.backend.full_state_dict())
     out["micro_batches_3"] = [[s.seq_id for s in mb.sequences] for mb in step3.micro_batches]
-    for name, aggregate, swap in (("colocated", 8, True), ("vso", 1, True), ("vs", 1, False)):
+    for name, aggregate, swap in (("colocated", 8, True), ("vso", 1, True), ("vs", 1, False),
+                                  ("batch", 0, True)):
         ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
         actor = _actor("ddp")
         executor = ColocatedExecutor(ref, actor, max_aggregate=aggregate, swap=swap)
@@ -145,9 +147,10 @@ def test_ra2p_modes_train_the_same_update_on_four_ranks():
     assert len(ref_events) == 3 * len(mbs3)
     assert overlap_seconds(ref_events, actor_events) > 0
 
-    # colocated, VSO, VS: zig-zag shares, same update, swaps only where asked (no-ops on CPU)
+    # colocated, VSO, VS, batch: zig-zag shares, same update, swaps only where asked (no-ops on
+    # CPU)
     mbs4 = ranks[0]["micro_batches_4"]
-    for name in ("colocated", "vso", "vs"):
+    for name in ("colocated", "vso", "vs", "batch"):
         seen = []
         for r in range(4):
             seq_ids, events_r, params, loss_tokens = ranks[r][name]
@@ -165,7 +168,7 @@ def test_ra2p_modes_train_the_same_update_on_four_ranks():
                 assert not swaps
             else:
                 assert swaps and all("noop" in e["note"] for e in swaps)
-            if name == "colocated":  # all ready at the start: one aggregate per max_aggregate
+            if name in ("colocated", "batch"):  # all ready at the start: one aggregate
                 assert len(ref_passes) == 1 and len(swaps) == 2
             else:
                 assert len(ref_passes) == len(mbs4)

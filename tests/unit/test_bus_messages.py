@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from tiderl.core.config import ConfigError
+from tiderl.core.system import StepMode
 from tiderl.runtime.bus import (
     MESSAGES,
     SCHEMA_VERSION,
@@ -38,7 +39,7 @@ from tiderl.runtime.bus import (
     encode,
 )
 
-METRICS = RankMetrics(rank=2, role="rollout", kv_tokens_used=900, kv_tokens_budget=4096,
+METRICS = RankMetrics(rank=2, role="rollout", kv_tokens_used=900, kv_tokens_capacity=4096,
                       prefix_hit_rate=0.75, running=3, waiting=1)
 EXAMPLES = [
     Hello(rank=1, pid=4242, host="node-a", role="rollout", device="cuda:1"),
@@ -62,7 +63,7 @@ EXAMPLES = [
     DetachTask(seq=4, task_id="t-8"),
     SyncWeights(seq=5, version=6, src_rank=3, roles=["rollout", "ref", "actor"], members=[0, 1, 2],
                 joiners=[2], checkpoint="runs/j/checkpoints"),
-    TrainStep(seq=7, step=5, mode="decoupled", ref_ranks=[2], actor_ranks=[3, 4],
+    TrainStep(seq=7, step=5, mode=StepMode.DECOUPLED, ref_ranks=[2], actor_ranks=[3, 4],
               max_aggregate=4),
     MicroBatchData(seq=8, step=5, mb_id=0,
                    samples=[TrainSampleData(seq_id="s0", input_ids=[1, 2, 3], loss_mask=[0, 1, 1],
@@ -70,7 +71,7 @@ EXAMPLES = [
     StepClosed(seq=9, step=5),
     Shutdown(seq=8, reason="job done"),
     Snapshot(step=5, time=12.5, roles={0: "rollout", 3: "actor"},
-             metrics={"goodput_tok_s": 812.5}, ranks=[METRICS]),
+             metrics={"goodput_tok_s": 812.5}, ranks=[METRICS], ctb_budgets={2: 3686}),
     Rebalance(seq=1, rollout=2, trainer=1, mode="colocated"),
     RebalanceReply(ref=1, status="applied", reason="", step=4, version=5,
                    roles=["rollout", "actor", "rollout"], mode="colocated"),
@@ -116,6 +117,25 @@ def test_rebalance_defaults_and_kind_ranges() -> None:
     assert 0x01 <= Rebalance.kind <= 0x1F and 0x20 <= RebalanceReply.kind <= 0x3F
     assert msgspec.msgpack.decode(encode(auto)[2]) == {
         "seq": 3, "rollout": 0, "trainer": 0, "mode": "", "auto": True}
+
+
+@pytest.mark.parametrize("mode", list(StepMode), ids=lambda m: m.value)
+def test_a_train_step_carries_its_step_mode_by_value(mode: StepMode) -> None:
+    msg = TrainStep(seq=1, step=0, mode=mode, ref_ranks=[], actor_ranks=[0, 1], max_aggregate=0)
+    assert msgspec.msgpack.decode(encode(msg)[2])["mode"] == mode.value
+    got = decode(encode(msg))
+    assert got.mode is mode
+
+
+def test_an_unknown_step_mode_is_a_bad_payload() -> None:
+    payload = {"seq": 1, "step": 0, "mode": "sideways", "ref_ranks": [], "actor_ranks": [0],
+               "max_aggregate": 1}
+    with pytest.raises(BusProtocolError, match=r"TrainStep \(kind 0x25\): bad payload: .*\$\.mode"):
+        decode(_frames(TrainStep.kind, payload))
+
+
+def test_a_snapshot_without_ctb_budgets_has_none() -> None:
+    assert Snapshot(step=0, time=0.0, roles={}, metrics={}, ranks=[]).ctb_budgets == {}
 
 
 def _frames(kind: int, payload: object, version: int = SCHEMA_VERSION) -> list[bytes]:

@@ -89,7 +89,8 @@ def tiderl_engine_text(queries: float, hits: float, usage: float) -> str:
 def coordinator_text(hit_rate: float | None, kv: dict[int, tuple[int, int]]) -> str:
     exporter = MetricsExporter()
     exporter.update_live(rwt_s_total=0.0, ras=0, tprm_s=None, roles=["rollout"] * len(kv),
-                         kv_tokens=kv)
+                         kv_tokens=kv, ctb_budgets={r: capacity * 9 // 10
+                                                    for r, (_, capacity) in kv.items()})
     exporter.update_step(trained_tokens_total=10, twt_s_total=0.0, kv_hit_rate=hit_rate,
                          staleness=0, mode="colocated")
     return generate_latest(exporter.registry).decode()
@@ -122,7 +123,7 @@ def test_sglang_gauges():
     reading = read_kv(sglang_text(usage=0.28, hit_rate=0.0075, used=2800, total=10000))
     assert reading.source == "sglang"
     assert (reading.usage, reading.hit_rate) == (0.28, 0.0075)
-    assert (reading.used_tokens, reading.budget_tokens) == (2800, 10000)
+    assert (reading.used_tokens, reading.capacity_tokens) == (2800, 10000)
     assert read_kv(sglang_text(0.5, 0.1)).used_tokens is None  # older SGLang
 
 
@@ -135,7 +136,7 @@ def test_tiderl_engine_counters():
 def test_tiderl_coordinator_sums_rollout_ranks():
     reading = read_kv(coordinator_text(0.75, {0: (100, 1000), 2: (300, 1000)}))
     assert reading.source == "tiderl coordinator"
-    assert (reading.used_tokens, reading.budget_tokens, reading.hit_rate) == (400, 2000, 0.75)
+    assert (reading.used_tokens, reading.capacity_tokens, reading.hit_rate) == (400, 2000, 0.75)
     sample = kv_sample(1.0, reading, reading)
     assert (sample.usage, sample.hit_rate, sample.hit_rate_kind) == (0.2, 0.75, "gauge")
     assert read_kv(coordinator_text(None, {0: (0, 10)})).hit_rate is None  # NaN: unknown

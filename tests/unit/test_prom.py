@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tiderl.core.system import StepMode
 from tiderl.runtime.prom import MODES, ROLES, MetricsExporter
 
 NAMES = ("tiderl_goodput_tokens_total", "tiderl_trained_tokens_total", "tiderl_ras",
@@ -29,9 +30,13 @@ def step(exporter, trained=0, twt=0.0, hit=None, staleness=0, mode="colocated"):
                          staleness=staleness, mode=mode)
 
 
-def live(exporter, rwt=0.0, ras=0, tprm=None, roles=(), kv=None):
+def live(exporter, rwt=0.0, ras=0, tprm=None, roles=(), kv=None, budgets=None):
     exporter.update_live(rwt_s_total=rwt, ras=ras, tprm_s=tprm, roles=list(roles),
-                         kv_tokens=kv or {})
+                         kv_tokens=kv or {}, ctb_budgets=budgets or {})
+
+
+def test_the_modes_are_the_step_modes():
+    assert tuple(mode.value for mode in StepMode) == MODES
 
 
 def test_a_fresh_exporter_has_every_series_with_unknowns_as_nan():
@@ -48,7 +53,7 @@ def test_a_fresh_exporter_has_every_series_with_unknowns_as_nan():
 def test_updates_show_in_the_text():
     exporter = MetricsExporter()
     live(exporter, rwt=1.5, ras=3, tprm=0.25, roles=["rollout", "actor", "actor", "ref"],
-         kv={0: (100, 2048)})
+         kv={0: (100, 2048)}, budgets={0: 1843})
     step(exporter, trained=640, twt=2.0, hit=0.75, staleness=2, mode="decoupled")
     s = exposed(exporter)
     assert value(s, "tiderl_trained_tokens_total") == 640
@@ -60,11 +65,12 @@ def test_updates_show_in_the_text():
     assert value(s, "tiderl_kv_hit_rate") == 0.75
     assert value(s, "tiderl_staleness") == 2
     assert {m: value(s, "tiderl_ra2p_mode", mode=m) for m in MODES} == {
-        "colocated": 0, "decoupled": 1, "vso": 0}
+        "colocated": 0, "decoupled": 1, "vs": 0, "vso": 0, "batch": 0}
     assert {r: value(s, "tiderl_ranks", role=r) for r in ROLES} == {
         "rollout": 1, "ref": 1, "actor": 2, "idle": 0}
     assert value(s, "tiderl_kv_tokens_used", rank="0") == 100
-    assert value(s, "tiderl_kv_tokens_budget", rank="0") == 2048
+    assert value(s, "tiderl_kv_tokens_capacity", rank="0") == 2048
+    assert value(s, "tiderl_ctb_budget_tokens", rank="0") == 1843
 
 
 def test_counters_follow_totals_and_never_go_down():
@@ -85,16 +91,30 @@ def test_mode_switches_and_unknown_hit_rate_is_nan():
     step(exporter, hit=0.5, mode="decoupled")
     step(exporter, hit=None, mode="vso")
     s = exposed(exporter)
-    assert [value(s, "tiderl_ra2p_mode", mode=m) for m in MODES] == [0, 0, 1]
+    assert {m for m in MODES if value(s, "tiderl_ra2p_mode", mode=m) == 1} == {"vso"}
     assert math.isnan(value(s, "tiderl_kv_hit_rate"))
 
 
 def test_roles_and_kv_ranks_follow_the_layout():
     exporter = MetricsExporter()
-    live(exporter, roles=["rollout", "rollout", "actor"], kv={0: (10, 100), 1: (20, 100)})
-    live(exporter, roles=["rollout", "ref", "actor"], kv={0: (30, 100)})
+    live(exporter, roles=["rollout", "rollout", "actor"], kv={0: (10, 100), 1: (20, 100)},
+         budgets={0: 90, 1: 90})
+    live(exporter, roles=["rollout", "ref", "actor"], kv={0: (30, 100)}, budgets={0: 80})
     s = exposed(exporter)
     assert [value(s, "tiderl_ranks", role=r) for r in ROLES] == [1, 1, 1, 0]
     assert value(s, "tiderl_kv_tokens_used", rank="0") == 30
-    with pytest.raises(KeyError):  # rank 1 left rollout: its series is gone
-        value(s, "tiderl_kv_tokens_used", rank="1")
+    assert value(s, "tiderl_ctb_budget_tokens", rank="0") == 80
+    for name in ("tiderl_kv_tokens_used", "tiderl_kv_tokens_capacity",
+                 "tiderl_ctb_budget_tokens"):
+        with pytest.raises(KeyError):  # rank 1 left rollout: its series are gone
+            value(s, name, rank="1")
+
+
+def test_a_rank_without_a_ctb_budget_keeps_its_kv_series():
+    exporter = MetricsExporter()
+    live(exporter, roles=["rollout"], kv={0: (10, 100)}, budgets={0: 90})
+    live(exporter, roles=["rollout"], kv={0: (20, 100)})  # not in the book yet, or any more
+    s = exposed(exporter)
+    assert value(s, "tiderl_kv_tokens_used", rank="0") == 20
+    with pytest.raises(KeyError):
+        value(s, "tiderl_ctb_budget_tokens", rank="0")

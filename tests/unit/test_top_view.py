@@ -26,14 +26,14 @@ def snapshot(step: int, record_step: int | None = None, **metrics: float) -> Sna
         values["step"] = float(record_step)
     return Snapshot(
         step=step, time=12.5, roles={0: "rollout", 1: "rollout", 2: "actor", 3: "ref"},
-        metrics=values, mode="decoupled", ranks=[
-            RankMetrics(rank=0, role="rollout", kv_tokens_used=1536, kv_tokens_budget=2048,
+        metrics=values, mode="decoupled", ctb_budgets={0: 1843, 1: 3686}, ranks=[
+            RankMetrics(rank=0, role="rollout", kv_tokens_used=1536, kv_tokens_capacity=2048,
                         prefix_hit_rate=0.625, running=5, waiting=1, prefix_queries=800,
                         prefix_hits=500),
-            RankMetrics(rank=1, role="rollout", kv_tokens_used=100, kv_tokens_budget=4096,
+            RankMetrics(rank=1, role="rollout", kv_tokens_used=100, kv_tokens_capacity=4096,
                         prefix_hit_rate=0.5, running=2, waiting=0, prefix_queries=200,
                         prefix_hits=100),
-            RankMetrics(rank=2, role="actor", kv_tokens_used=0, kv_tokens_budget=0,
+            RankMetrics(rank=2, role="actor", kv_tokens_used=0, kv_tokens_capacity=0,
                         prefix_hit_rate=0.0, running=0, waiting=0),
         ])
 
@@ -69,7 +69,7 @@ def test_usage_bar():
     assert usage_bar(0, 0) == ""
 
 
-def test_render_shows_the_ranks_with_roles_budgets_and_gauges():
+def test_render_shows_the_ranks_with_roles_kv_capacity_budgets_and_gauges():
     state = TopState(job="job-1", endpoint="tcp://127.0.0.1:5555", started_at=0.0)
     state.fold(snapshot(7, record_step=6, goodput_tok_s=1234.5, reward_mean=0.25, ras=3.0,
                         tprm_s=0.125, rwt_s=1.5, twt_s=0.25, kv_hit_rate=0.5,
@@ -84,11 +84,24 @@ def test_render_shows_the_ranks_with_roles_budgets_and_gauges():
     assert "RAS 3   TPRM 0.125 s   RWT 1.50 s   TWT 0.25 s" in out
     assert "active 6   paused 2   new 3" in out
     assert "KV hit rate 50.0% (last step), 60.0% (all)" in out
-    assert row(out, 0) == ["0", "rollout", "1536/2048", "(75%)", "█████████░░░", "62.5%", "5",
-                           "1"]
-    assert row(out, 1)[:5] == ["1", "rollout", "100/4096", "(2%)", "░░░░░░░░░░░░"]
-    assert row(out, 2) == ["2", "actor", "—", "—", "0", "0"]
-    assert row(out, 3) == ["3", "ref", "—", "—", "—", "—"]  # no gauges from it yet
+    assert row(out, 0) == ["0", "rollout", "1536/2048", "(75%)", "█████████░░░", "1843",
+                           "62.5%", "5", "1"]
+    assert row(out, 1)[:6] == ["1", "rollout", "100/4096", "(2%)", "░░░░░░░░░░░░", "3686"]
+    assert row(out, 2) == ["2", "actor", "—", "—", "—", "0", "0"]  # no KV, no CTB budget
+    assert row(out, 3) == ["3", "ref", "—", "—", "—", "—", "—"]  # no gauges from it yet
+
+
+def test_the_ranks_table_fits_80_columns_with_a_full_bar():
+    state = TopState(job="j", endpoint="e", started_at=0.0)
+    snap = snapshot(1)
+    full = RankMetrics(rank=0, role="rollout", kv_tokens_used=32768, kv_tokens_capacity=32768,
+                       prefix_hit_rate=0.5, running=128, waiting=64, prefix_queries=10)
+    state.fold(Snapshot(step=1, time=1.0, roles=snap.roles, metrics=snap.metrics,
+                        ranks=[full], ctb_budgets={0: 29491}), now=1.0)
+    console = Console(record=True, width=80)
+    console.print(render(state, now=1.0))
+    assert ["0", "rollout", "32768/32768", "(100%)", "█" * 12, "29491", "50.0%", "128",
+            "64"] in [line.split() for line in console.export_text().splitlines()]
 
 
 def test_the_snapshot_roles_win_over_a_rank_gauge_that_lags():

@@ -15,6 +15,7 @@ from tiderl.cli.errors import CLIError
 from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.launch.control import (
     alive,
+    is_job_alive,
     is_remote,
     process_states,
     read_log,
@@ -130,7 +131,7 @@ def logs(
                     return
                 if time.monotonic() - checked >= ENDED_CHECK_S:
                     checked = time.monotonic()
-                    if not any(map(alive, process_states(state, nodes).values())):
+                    if not is_job_alive(state, nodes):
                         return
                 time.sleep(FOLLOW_POLL_S)
     except LaunchError as exc:

@@ -65,11 +65,11 @@ def readiness(
     from tiderl.launch import profiling
     from tiderl.launch.local import LaunchError
     from tiderl.launch.registry import job_file
-    from tiderl.runtime.report import ReportError, plot_readiness, read_jsonl
+    from tiderl.runtime.report import ReportError, plot_readiness, read_records
 
     state = _job("readiness", job, run_root)
     try:
-        metrics = read_jsonl(job_file(state, "metrics.jsonl"))
+        metrics = read_records(job_file(state, "metrics.jsonl"))
     except (LaunchError, ReportError) as exc:
         raise CLIError(f"tiderl profile readiness: {exc}") from None
     if not metrics:
@@ -92,9 +92,8 @@ def _job(command: str, job: str, run_root: Path | None):
 def _render_kv(console: Console, payload: dict) -> None:
     rows = [(s["t_s"], _pct(s["usage"]), _tokens(s), _pct(s["hit_rate"]), s["hit_rate_kind"])
             for s in payload["samples"]]
-    console.print(table(f"KV cache: {payload['source']} ({payload['url']})",
-                        ("t (s)", "KV usage", "KV tokens used/budget", "hit rate", "hit rate kind"),
-                        rows))
+    columns = ("t (s)", "KV usage", "KV tokens used/capacity", "hit rate", "hit rate kind")
+    console.print(table(f"KV cache: {payload['source']} ({payload['url']})", columns, rows))
     if payload["png"]:
         console.print(f"plot: {payload['png']}", markup=False)
 
@@ -116,5 +115,5 @@ def _num(value: float | None, digits: int) -> str:
 
 
 def _tokens(sample: dict) -> str:
-    used, budget = sample["used_tokens"], sample["budget_tokens"]
-    return "" if used is None or budget is None else f"{used:.0f}/{budget:.0f}"
+    used, capacity = sample["used_tokens"], sample["capacity_tokens"]
+    return "" if used is None or capacity is None else f"{used:.0f}/{capacity:.0f}"

@@ -29,8 +29,8 @@ def rebalance(
     json_mode: bool = JsonFlag,
 ) -> None:
     """Move ranks between rollout and training by hand; the layout then holds until --auto."""
+    from tiderl.launch.rebalance import request_rebalance
     from tiderl.runtime import bus as b
-    from tiderl.runtime.manual import request_rebalance
 
     if auto and (rollout is not None or trainer is not None or mode is not None):
         raise CLIError("tiderl rebalance: --auto takes no --rollout, --trainer or --mode",

@@ -38,8 +38,8 @@ from rich.live import Live
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output
 from tiderl.cli.top_view import TopState, render
-from tiderl.launch.control import alive, is_remote, process_states, sessions
-from tiderl.launch.local import JobState, LaunchError, is_running
+from tiderl.launch.control import is_job_alive, is_remote
+from tiderl.launch.local import JobState, LaunchError
 from tiderl.launch.registry import DEFAULT_RUN_ROOT, list_jobs, resolve_job
 from tiderl.runtime.bus import BusKeyError, JobKeys, Snapshot, Subscriber, load_job_keys
 
@@ -74,7 +74,7 @@ def top(
                                                             "a snapshot."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Live view: ranks and roles, token budgets, RA2P mode, RAS/TPRM, goodput. q quits."""
+    """Live view: ranks and roles, KV use and CTB budgets, RA2P mode, RAS/TPRM, goodput. q quits."""
     if json_mode and not once:
         raise CLIError("tiderl top: --json needs --once", EXIT_USAGE)
     target = find_target(job, run_root, bus, keys)
@@ -120,18 +120,6 @@ def _newest_running_job(run_root: Path | None) -> JobState:
         raise CLIError(f"tiderl top: no running job in {run_root or DEFAULT_RUN_ROOT}/ "
                        "(give a job id, or --bus and --keys)")
     return running[-1]
-
-
-def is_job_alive(state: JobState) -> bool | None:
-    """Whether any process of the job still runs (an SSH job's read on its nodes); None when
-    its nodes do not answer."""
-    if not is_remote(state):
-        return any(is_running(p.pid) for p in state.processes)
-    try:
-        with sessions(state) as nodes:
-            return any(map(alive, process_states(state, nodes).values()))
-    except LaunchError:
-        return None
 
 
 def _reload(state: JobState) -> JobState:

@@ -46,11 +46,11 @@ def sparkline(values: Iterable[float], width: int = HISTORY_LEN) -> str:
     return "".join(SPARK_CHARS[round((v - low) / (high - low) * top)] for v in points)
 
 
-def usage_bar(used: int, budget: int, width: int = BAR_WIDTH) -> str:
-    """``used`` of ``budget`` as a bar of ``width`` cells (full cells █, empty ░)."""
-    if budget <= 0:
+def usage_bar(used: int, capacity: int, width: int = BAR_WIDTH) -> str:
+    """``used`` of ``capacity`` as a bar of ``width`` cells (full cells █, empty ░)."""
+    if capacity <= 0:
         return ""
-    filled = min(width, round(width * used / budget))
+    filled = min(width, round(width * used / capacity))
     return "█" * filled + "░" * (width - filled)
 
 
@@ -174,31 +174,40 @@ def _role_counts(roles: dict[int, str]) -> str:
 
 
 def _ranks_table(snap: Snapshot) -> Table:
-    # a light box: the table fits 80 columns with a full bar
-    table = Table(title="ranks", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    # a light box, two-space gaps and two-line headers of the narrow columns: the table fits 80
+    # columns with a full bar and capacities of up to five digits
+    table = Table(title="ranks", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  padding=(0, 1, 0, 0))
     for name, justify in (("rank", "right"), ("role", "left"), ("KV tokens", "left"),
-                          ("used", "left"), ("hit rate", "right"), ("running", "right"),
-                          ("waiting", "right")):
+                          ("used", "left"), ("CTB\nbudget", "right"), ("hit\nrate", "right"),
+                          ("running", "right"), ("waiting", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
     gauges = {m.rank: m for m in snap.ranks}
     for rank in sorted(set(snap.roles) | set(gauges)):
-        table.add_row(*map(_plain, _rank_cells(rank, snap.roles.get(rank), gauges.get(rank))))
+        cells = _rank_cells(rank, snap.roles.get(rank), gauges.get(rank),
+                            snap.ctb_budgets.get(rank))
+        table.add_row(*map(_plain, cells))
     return table
 
 
-def _rank_cells(rank: int, role: str | None, gauge: RankMetrics | None) -> list[str | Text]:
+def _rank_cells(rank: int, role: str | None, gauge: RankMetrics | None,
+                ctb_budget: int | None) -> list[str | Text]:
     role = role or (gauge.role if gauge else "?")  # the snapshot's roles are the current ones
+    budget = "—" if ctb_budget is None else str(ctb_budget)
     if gauge is None:
-        return [str(rank), role, "—", "", "—", "—", "—"]
-    if gauge.kv_tokens_budget > 0:
-        share = gauge.kv_tokens_used / gauge.kv_tokens_budget
-        tokens = f"{gauge.kv_tokens_used}/{gauge.kv_tokens_budget} ({share:.0%})"
-        style = "red" if share >= 0.9 else "yellow" if share >= 0.7 else "green"
-        bar = Text(usage_bar(gauge.kv_tokens_used, gauge.kv_tokens_budget), style=style)
-    else:
-        tokens, bar = "—", Text("")
+        return [str(rank), role, "—", "", budget, "—", "—", "—"]
+    tokens, bar = _kv_cells(gauge.kv_tokens_used, gauge.kv_tokens_capacity)
     hit = f"{gauge.prefix_hit_rate:.1%}" if gauge.prefix_queries > 0 else "—"
-    return [str(rank), role, tokens, bar, hit, str(gauge.running), str(gauge.waiting)]
+    return [str(rank), role, tokens, bar, budget, hit, str(gauge.running), str(gauge.waiting)]
+
+
+def _kv_cells(used: int, capacity: int) -> tuple[str, Text]:
+    """"used/capacity (share)" and its bar, coloured by the share; dashes without an engine."""
+    if capacity <= 0:
+        return "—", Text("")
+    share = used / capacity
+    style = "red" if share >= 0.9 else "yellow" if share >= 0.7 else "green"
+    return f"{used}/{capacity} ({share:.0%})", Text(usage_bar(used, capacity), style=style)
 
 
 def _history_table(state: TopState) -> Table:

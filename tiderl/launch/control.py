@@ -1,8 +1,9 @@
 """Job control on a launched job, local or over SSH: process states, stopping, logs.
 
-What ``tiderl status | logs | stop`` do, from ``runs/<job>/job.json``: each process record names
-its node (``localhost`` for a local job; a node of ``info["nodes"]`` for an SSH job) and its PID;
-the PID leads the process's own group. States come from ``/proc`` (a zombie is not alive).
+What ``tiderl status | logs | stop | top`` do, from ``runs/<job>/job.json``: each process record
+names its node (``localhost`` for a local job; a node of ``info["nodes"]`` for an SSH job) and its
+PID; the PID leads the process's own group. States come from ``/proc`` (a zombie is not alive); a
+job is alive while any of its processes is (:func:`is_job_alive`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ def process_states(state: JobState, nodes: dict[str, NodeSession]) -> dict[str, 
 
 def alive(letter: str | None) -> bool:
     return letter is not None and letter not in ("Z", "X")
+
+
+def is_job_alive(state: JobState, nodes: dict[str, NodeSession] | None = None) -> bool | None:
+    """Whether any process of the job still runs: from ``/proc`` for a local job, on its nodes
+    for an SSH job (over ``nodes`` when the sessions are open, else over new ones). None when
+    the nodes of an SSH job do not answer new sessions: nobody can tell."""
+    if nodes is None:
+        try:
+            with sessions(state) as opened:
+                return is_job_alive(state, opened)
+        except LaunchError:
+            return None
+    return any(map(alive, process_states(state, nodes).values()))
 
 
 def stop_job(state: JobState, grace_s: float = 10.0) -> tuple[bool, dict[str, str]]:

@@ -17,9 +17,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from tiderl.core.system import StepMode
 from tiderl.core.types import Role
 
-MODES = ("colocated", "decoupled", "vso")  # the step modes a metrics.jsonl record names
+MODES = tuple(mode.value for mode in StepMode)  # the step modes a metrics.jsonl record names
 ROLES = tuple(role.value for role in Role)
 
 
@@ -60,9 +61,12 @@ class MetricsExporter:
         self.kv_tokens_used = Gauge(
             "tiderl_kv_tokens_used", "KV tokens in use on a rollout rank.", ["rank"],
             registry=reg)
-        self.kv_tokens_budget = Gauge(
-            "tiderl_kv_tokens_budget", "KV token budget of a rollout rank.", ["rank"],
-            registry=reg)
+        self.kv_tokens_capacity = Gauge(
+            "tiderl_kv_tokens_capacity", "KV tokens the engine cache of a rollout rank holds.",
+            ["rank"], registry=reg)
+        self.ctb_budget_tokens = Gauge(
+            "tiderl_ctb_budget_tokens", "CTB's token budget B_r of a rollout rank: the KV "
+            "tokens its admitted tasks may take.", ["rank"], registry=reg)
         for mode in MODES:
             self.ra2p_mode.labels(mode=mode).set(0)
         for role in ROLES:
@@ -70,7 +74,7 @@ class MetricsExporter:
         self.tprm_seconds.set(math.nan)
         self.kv_hit_rate.set(math.nan)
         self._totals: dict[int, float] = {}  # id(counter) -> total it reached
-        self._kv_ranks: set[str] = set()
+        self._rank_series: dict[int, set[str]] = {}  # id(gauge) -> its rank labels now
         self._server: Any = None
 
     # ------------------------------------------------------------------ updates
@@ -87,22 +91,29 @@ class MetricsExporter:
             self.ra2p_mode.labels(mode=name).set(1 if name == mode else 0)
 
     def update_live(self, *, rwt_s_total: float, ras: int, tprm_s: float | None,
-                    roles: Sequence[str], kv_tokens: Mapping[int, tuple[int, int]]) -> None:
+                    roles: Sequence[str], kv_tokens: Mapping[int, tuple[int, int]],
+                    ctb_budgets: Mapping[int, int]) -> None:
         """Every snapshot: RWT so far, the buffer's RAS/TPRM now, roles (one entry per rank),
-        and ``kv_tokens`` {rollout rank: (used, budget)}; ranks not in it lose their series."""
+        ``kv_tokens`` {rollout rank: (used, capacity)} and ``ctb_budgets`` {rollout rank: B_r};
+        a rank missing from one loses that one's series."""
         self._advance(self.rwt_seconds, rwt_s_total)
         self.ras.set(ras)
         self.tprm_seconds.set(_or_nan(tprm_s))
         for role in {*ROLES, *roles}:
             self.ranks.labels(role=role).set(sum(1 for r in roles if r == role))
-        ranks = {str(r): v for r, v in kv_tokens.items()}
-        for gone in self._kv_ranks - set(ranks):
-            self.kv_tokens_used.remove(gone)
-            self.kv_tokens_budget.remove(gone)
-        for rank, (used, budget) in ranks.items():
-            self.kv_tokens_used.labels(rank=rank).set(used)
-            self.kv_tokens_budget.labels(rank=rank).set(budget)
-        self._kv_ranks = set(ranks)
+        self._set_per_rank(self.kv_tokens_used, {r: used for r, (used, _) in kv_tokens.items()})
+        self._set_per_rank(self.kv_tokens_capacity,
+                           {r: capacity for r, (_, capacity) in kv_tokens.items()})
+        self._set_per_rank(self.ctb_budget_tokens, ctb_budgets)
+
+    def _set_per_rank(self, gauge: Gauge, values: Mapping[int, float]) -> None:
+        """One series per rank in ``values``; the series of ranks no longer in it are removed."""
+        ranks = {str(r): v for r, v in values.items()}
+        for gone in self._rank_series.get(id(gauge), set()) - set(ranks):
+            gauge.remove(gone)
+        for rank, value in ranks.items():
+            gauge.labels(rank=rank).set(value)
+        self._rank_series[id(gauge)] = set(ranks)
 
     def _advance(self, counter: Counter, total: float) -> None:
         """Increment ``counter`` up to ``total``; a smaller total is ignored (never goes down)."""

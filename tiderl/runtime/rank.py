@@ -7,7 +7,7 @@
                  ──MicroBatchData / StepClosed──> the open step's StreamedStep (fed while it runs)
 
 All ranks form one ``torch.distributed`` world (gloo on CPU, NCCL on GPU) and create the trainer
-process groups of :mod:`tiderl.runtime.groups` at start-up. Roles:
+process groups of :mod:`tiderl.core.rank_sets` at start-up. Roles:
 
 - ``rollout``: the embedded engine plus one agent loop per admitted task against the environment
   service; pins each task's KV between turns when CTB asks (``AdmitTask.pin``).
@@ -39,7 +39,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiderl.core.types import MicroBatch, Mode, Role, SeqRef, Trajectory, Turn
+from tiderl.core.rank_sets import trainer_sets
+from tiderl.core.system import StepMode
+from tiderl.core.types import MicroBatch, Role, SeqRef, Trajectory, Turn
 from tiderl.engine.clients import EmbeddedClient
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
@@ -72,7 +74,6 @@ from tiderl.runtime.bus import (
     load_job_keys,
     rank_identity,
 )
-from tiderl.runtime.groups import trainer_sets
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.checkpoint import save_checkpoint
 from tiderl.trainer.executors import (
@@ -83,8 +84,8 @@ from tiderl.trainer.executors import (
 )
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import init_rank
-from tiderl.trainer.sync import param_layout, state_layout, sync_params
-from tiderl.trainer.worker import ActorWorker, RefWorker
+from tiderl.trainer.sync import load_weights, param_layout, sync_params
+from tiderl.trainer.worker import ActorWorker, RefWorker, optimizer_layout
 
 log = logging.getLogger("tiderl.rank")
 
@@ -117,6 +118,7 @@ class RankDaemon:
         self.device = torch.device(args.device)
         self.tokenizer = None
         self.layout = None  # weight-sync layout (every rank builds the same model)
+        self.optimizer_layout = None  # optimizer-state sync layout, from the same model
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.actor_set: tuple[int, ...] = ()
         self.actor: ActorWorker | None = None
@@ -150,6 +152,7 @@ class RankDaemon:
                 self.groups[ranks] = group
         model, self.tokenizer = self._initial_model()
         self.layout = param_layout(model)
+        self.optimizer_layout = optimizer_layout(model)
         self.actor_set = _ranks_with(initial_roles, Role.ACTOR, self.is_sync)
         if self.is_sync or self.role is Role.ROLLOUT:
             self._start_engine(model, 0)
@@ -183,7 +186,7 @@ class RankDaemon:
         if model is None:
             model, _ = self._initial_model()
         if state is not None:
-            _load_weights(model, state)
+            load_weights(model, state)
         backend = make_backend(self.profile.trainer.backend, model, self._group(self.actor_set))
         self.actor = ActorWorker(backend, self.profile.trainer, self.version)
 
@@ -201,10 +204,10 @@ class RankDaemon:
                                "is not run by the rank daemon; use engine.backend: embedded")
         if model is None:
             model, _ = self._initial_model()
-        if state is not None:
-            _load_weights(model, state)
         model.eval()
         self.engine = LLMEngine(model, self.profile.engine, model.config.eos_token_id, version)
+        if state is not None:
+            self.engine.update_weights(state, version)
         engine_cfg, env_cfg = self.profile.engine, self.profile.env
         sampling = SamplingParams(max_tokens=engine_cfg.max_new_tokens,
                                   temperature=engine_cfg.temperature, top_p=engine_cfg.top_p)
@@ -265,17 +268,17 @@ class RankDaemon:
             await asyncio.sleep(rt.heartbeat_s)
 
     def _metrics(self) -> RankMetrics:
-        used = budget = running = waiting = queries = hits = 0
+        used = capacity = running = waiting = queries = hits = 0
         hit = 0.0
         if self.engine is not None:
             usage = self.engine.token_usage()
             m = self.engine.metrics()
-            used, budget = usage.num_used_tokens, usage.num_total_tokens
+            used, capacity = usage.num_used_tokens, usage.num_total_tokens
             running, waiting = int(m.num_requests_running), int(m.num_requests_waiting)
             queries, hits = int(m.prefix_cache_queries), int(m.prefix_cache_hits)
             hit = hits / queries if queries else 0.0
         return RankMetrics(rank=self.rank, role=self.role.value, kv_tokens_used=used,
-                           kv_tokens_budget=budget, prefix_hit_rate=hit, running=running,
+                           kv_tokens_capacity=capacity, prefix_hit_rate=hit, running=running,
                            waiting=waiting, prefix_queries=self.queries_before + queries,
                            prefix_hits=self.hits_before + hits)
 
@@ -423,31 +426,37 @@ class RankDaemon:
             self.version = result.step.version
         means = result.loss.means()
         log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
-                 result.mode, stream.num_loss_tokens, means.get("loss", 0.0), result.seconds)
+                 result.mode.value, stream.num_loss_tokens, means.get("loss", 0.0),
+                 result.seconds)
         self._send(StepDone(
-            rank=self.rank, step=cmd.step, version=self.version, mode=result.mode,
+            rank=self.rank, step=cmd.step, version=self.version, mode=result.mode.value,
             loss=float(means.get("loss", 0.0)), loss_tokens=int(stream.num_loss_tokens),
             grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
             stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)}))
 
-    def _executor(self, cmd: TrainStep):
-        if cmd.mode == Mode.DECOUPLED.value:
-            if self.rank not in cmd.ref_ranks and self.rank not in cmd.actor_ranks:
-                return None
-            is_ref = self.rank in cmd.ref_ranks
-            if is_ref:
-                self._make_ref()
-            group = self._group(tuple(cmd.actor_ranks)) if not is_ref else None
-            return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
-                                     ref=self.ref if is_ref else None,
-                                     actor=None if is_ref else self.actor,
-                                     actor_group=group, device=self.device)
+    def _executor(self, cmd: TrainStep) -> DecoupledExecutor | ColocatedExecutor | None:
+        """This rank's executor of the step's mode; None when it is not in the step's ranks."""
+        if cmd.mode is StepMode.DECOUPLED:
+            return self._decoupled_executor(cmd)
         if self.rank not in cmd.actor_ranks:
             return None
         assert self.actor is not None, f"rank {self.rank} has no actor for step {cmd.step}"
-        return ColocatedExecutor(self.ref, self.actor, max_aggregate=cmd.max_aggregate,
-                                 swap=cmd.mode != "vs", group=self._group(tuple(cmd.actor_ranks)),
-                                 device=self.device)
+        return ColocatedExecutor.for_mode(cmd.mode, self.ref, self.actor,
+                                          max_aggregate=cmd.max_aggregate,
+                                          group=self._group(tuple(cmd.actor_ranks)),
+                                          device=self.device)
+
+    def _decoupled_executor(self, cmd: TrainStep) -> DecoupledExecutor | None:
+        if self.rank not in cmd.ref_ranks and self.rank not in cmd.actor_ranks:
+            return None
+        is_ref = self.rank in cmd.ref_ranks
+        if is_ref:
+            self._make_ref()
+        group = self._group(tuple(cmd.actor_ranks)) if not is_ref else None
+        return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
+                                 ref=self.ref if is_ref else None,
+                                 actor=None if is_ref else self.actor,
+                                 actor_group=group, device=self.device)
 
     # -- the boundary ----------------------------------------------------------------------------
 
@@ -494,9 +503,8 @@ class RankDaemon:
         if new is Role.ACTOR:
             if self.actor is None:
                 self._make_actor(None, state)
-                self.actor.version = self.version
                 if self.rank in cmd.joiners and self._joined_optimizer is not None:
-                    _load_optimizer(self.actor, self._joined_optimizer)
+                    self.actor.load_optimizer_state(self._joined_optimizer)
             elif changed:
                 self._rewrap_actor()
         else:
@@ -518,24 +526,14 @@ class RankDaemon:
 
     def _sync_optimizer(self, cmd: SyncWeights, group: dist.ProcessGroup) -> None:
         """The source actor's AdamW state to the new actors (a broadcast over the members)."""
-        layout = self._optimizer_layout()
         source = None
         if self.rank == cmd.src_rank:
             assert self.actor is not None
-            source = _optimizer_state(self.actor)
-        result = sync_params(source, layout, cmd.version if source is not None else None,
+            source = self.actor.optimizer_state()
+        result = sync_params(source, self.optimizer_layout,
+                             cmd.version if source is not None else None,
                              src=cmd.src_rank, group=group, device=self.device)
         self._joined_optimizer = result.state if self.rank in cmd.joiners else None
-
-    def _optimizer_layout(self):
-        model, _ = (self.actor.backend.model, None) if self.actor else self._initial_model()
-        state = {}
-        for name, param in model.named_parameters():
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[f"{name}.{key}"] = torch.empty(param.shape, dtype=torch.float32,
-                                                     device="meta")
-            state[f"{name}.step"] = torch.empty((), dtype=torch.float32, device="meta")
-        return state_layout(state)
 
     def _ack(self, cmd) -> None:
         self._send(Ack(rank=self.rank, ref=cmd.seq, ok=True))
@@ -552,34 +550,6 @@ def _ranks_with(roles: list[Role], role: Role, is_sync: bool) -> tuple[int, ...]
 def _turn_data(turn: Turn) -> TurnData:
     return TurnData(context_ids=list(turn.context_ids), output_ids=list(turn.output_ids),
                     logprobs=list(turn.logprobs), version=turn.version)
-
-
-def _load_weights(model: Qwen2ForCausalLM, state: dict[str, torch.Tensor]) -> None:
-    params = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
-
-
-def _optimizer_state(actor: ActorWorker) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for name, param in actor.backend.model.named_parameters():
-        slot = actor.optimizer.state.get(param, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[f"{name}.{key}"] = slot[key].float() if key in slot else torch.zeros(
-                param.shape, dtype=torch.float32, device=param.device)
-        step = slot.get("step", torch.tensor(0.0))
-        state[f"{name}.step"] = torch.as_tensor(step, dtype=torch.float32).reshape(())
-    return state
-
-
-def _load_optimizer(actor: ActorWorker, state: dict[str, torch.Tensor]) -> None:
-    for name, param in actor.backend.model.named_parameters():
-        actor.optimizer.state[param] = {
-            "step": state[f"{name}.step"].clone().cpu(),
-            "exp_avg": state[f"{name}.exp_avg"].to(param.device, param.dtype).clone(),
-            "exp_avg_sq": state[f"{name}.exp_avg_sq"].to(param.device, param.dtype).clone(),
-        }
 
 
 def main(args: RankArgs, profile: Profile, roles: list[Role]) -> None:

@@ -9,11 +9,13 @@
   (up to ``max_aggregate``): Ref over all of them, one swap, Actor over all of them. Inputs and ref
   logprobs are handed from one model to the other as the same tensors (no copy, no serialisation).
   ``max_aggregate=1`` gives the vanilla streaming baselines: VSO (a swap per model change) and,
-  with ``swap=False``, VS (both models resident).
+  with ``swap=False``, VS (both models resident). ``max_aggregate=0`` (no bound) is the batch
+  mode: one round over the whole batch.
 
-Every executor returns the same ``StepResult``. The step's global batch (its micro-batches in
-order and their samples) is known to every trainer rank; each rank computes the dispatch with the
-same ``tiderl.core.ra2p`` function and trains exactly its share.
+Every executor returns the same ``StepResult``, which names the :class:`StepMode` it ran. The
+step's global batch (its micro-batches in order and their samples) is known to every trainer rank;
+each rank computes the dispatch with the same ``tiderl.core.ra2p`` function and trains exactly its
+share.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ import torch
 import torch.distributed as dist
 
 from tiderl.core.ra2p import dispatch_zigzag, order_smallest_last
-from tiderl.core.types import MicroBatch, Mode
+from tiderl.core.system import StepMode
+from tiderl.core.types import MicroBatch
 from tiderl.trainer.batch import PackedBatch, TrainSample, pack
 from tiderl.trainer.loss import LossStats
 from tiderl.trainer.timeline import Timeline
 from tiderl.trainer.worker import ActorWorker, RefWorker, StepStats
+
+WHOLE_BATCH = 0  # max_aggregate without a bound: one round takes every micro-batch of the step
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ StepData = StepInput | StreamedStep
 
 @dataclass
 class StepResult:
-    mode: str
+    mode: StepMode
     seconds: float  # step start to the end of the last backward on this rank
     loss: LossStats  # summed over the step's actor ranks
     step: StepStats | None  # None on a rank without an actor
@@ -225,7 +230,7 @@ class DecoupledExecutor:
     ranks in ``actor_ranks`` (global ranks; ``actor_group`` is the actor ranks' process group).
     Actor rank ``actor_ranks[i]`` gets its ref logprobs from ``ref_ranks[i % len(ref_ranks)]``."""
 
-    mode = Mode.DECOUPLED
+    mode = StepMode.DECOUPLED
 
     def __init__(self, rank: int, ref_ranks: list[int], actor_ranks: list[int], *,
                  ref: RefWorker | None = None, actor: ActorWorker | None = None,
@@ -271,7 +276,7 @@ class DecoupledExecutor:
         seconds = self.timeline.now()
         for work in sends:
             work.wait()
-        return StepResult(self.mode.value, seconds, LossStats(), None, seq_ids,
+        return StepResult(self.mode, seconds, LossStats(), None, seq_ids,
                           self.timeline.as_dicts())
 
     def _run_actor(self, step: StepData, arrivals: Arrivals) -> StepResult:
@@ -294,21 +299,20 @@ class DecoupledExecutor:
         with self.timeline.span("optimizer_step"):
             step_stats = self.actor.optimizer_step(step.num_loss_tokens)
         stats = _reduce_loss(stats, self.actor_group)
-        return StepResult(self.mode.value, seconds, stats, step_stats, seq_ids,
+        return StepResult(self.mode, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
 
 
 class ColocatedExecutor:
     """One rank of the colocated layout: Ref and Actor on every rank of ``group``, each
-    micro-batch dispatched zig-zag over them."""
-
-    mode = Mode.COLOCATED
+    micro-batch dispatched zig-zag over them. ``max_aggregate`` bounds the micro-batches of one
+    Ref/Actor round (``WHOLE_BATCH``: no bound, the round waits for the step's last one)."""
 
     def __init__(self, ref: RefWorker | None, actor: ActorWorker, *, max_aggregate: int,
                  swap: bool = True, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu"):
-        if max_aggregate < 1:
-            raise ValueError(f"max_aggregate must be >= 1, got {max_aggregate}")
+        if max_aggregate < 0:
+            raise ValueError(f"max_aggregate must be >= 0 (0: no bound), got {max_aggregate}")
         self.ref, self.actor = ref, actor
         self.max_aggregate = max_aggregate
         self.group = group
@@ -321,11 +325,26 @@ class ColocatedExecutor:
             models["ref"] = ref.backend.module
         self.swapper = ModelSwap(models, self.device) if swap else None
 
+    @classmethod
+    def for_mode(cls, mode: StepMode, ref: RefWorker | None, actor: ActorWorker, *,
+                 max_aggregate: int, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu") -> ColocatedExecutor:
+        """The executor of a step mode other than decoupled; ``max_aggregate`` bounds the
+        colocated mode's rounds (BATCH has no bound, VSO and VS take one micro-batch)."""
+        if mode is StepMode.DECOUPLED:
+            raise ValueError("the decoupled mode runs on a DecoupledExecutor")
+        bounds = {StepMode.BATCH: WHOLE_BATCH, StepMode.VSO: 1, StepMode.VS: 1}
+        return cls(ref, actor, max_aggregate=bounds.get(mode, max_aggregate),
+                   swap=mode.has_swaps, group=group, device=device)
+
     @property
-    def name(self) -> str:
+    def mode(self) -> StepMode:
+        """The mode this executor runs, as its bound and swap make it."""
+        if self.max_aggregate == WHOLE_BATCH:
+            return StepMode.BATCH
         if self.max_aggregate > 1:
-            return "colocated"
-        return "vso" if self.swapper is not None else "vs"
+            return StepMode.COLOCATED
+        return StepMode.VSO if self.swapper is not None else StepMode.VS
 
     def _swap_to(self, name: str) -> None:
         if self.swapper is not None:
@@ -338,34 +357,54 @@ class ColocatedExecutor:
         index = 0
         while True:
             with self.timeline.span("wait", (index,)):
-                if not arrivals.wait(index):
-                    break
-            count = max(1, min(arrivals.num_ready() - index, self.max_aggregate))
-            group = step.micro_batches[index:index + count]
-            ids = tuple(mb.mb_id for mb in group)
-            batches: list[PackedBatch] = [
-                pack(_shares(step, dispatch_zigzag(mb.sequences, self.dp_size))[self.dp_rank],
-                     self.device) for mb in group]
-            ref_logprobs: list[torch.Tensor | None] = [None] * count
-            if self.ref is not None:
-                self._swap_to("ref")
-                with self.timeline.span("ref_forward", ids):
-                    ref_logprobs = [self.ref.ref_logprobs(b) for b in batches]
-            self._swap_to("actor")
-            for offset, (mb, batch) in enumerate(zip(group, batches, strict=True)):
-                sync = arrivals.is_last(index + offset)
-                with self.timeline.span("actor_forward", (mb.mb_id,)):
-                    pending = self.actor.forward(batch, sync=sync)
-                with self.timeline.span("actor_backward", (mb.mb_id,)):
-                    stats += self.actor.backward(pending, ref_logprobs[offset])
-                seq_ids += batch.seq_ids
+                count = self._round_size(arrivals, index)
+            if count == 0:
+                break
+            seq_ids += self._run_round(step, arrivals, index, count, stats)
             index += count
         seconds = self.timeline.now()
         with self.timeline.span("optimizer_step"):
             step_stats = self.actor.optimizer_step(step.num_loss_tokens)
         stats = _reduce_loss(stats, self.group)
-        return StepResult(self.name, seconds, stats, step_stats, seq_ids,
+        return StepResult(self.mode, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
+
+    def _run_round(self, step: StepData, arrivals: Arrivals, index: int, count: int,
+                   stats: LossStats) -> list[str]:
+        """Ref over micro-batches ``index`` to ``index + count - 1``, one swap, Actor over them;
+        their loss stats are added to ``stats``, the sequences trained returned."""
+        group = step.micro_batches[index:index + count]
+        batches: list[PackedBatch] = [
+            pack(_shares(step, dispatch_zigzag(mb.sequences, self.dp_size))[self.dp_rank],
+                 self.device) for mb in group]
+        ref_logprobs: list[torch.Tensor | None] = [None] * count
+        if self.ref is not None:
+            self._swap_to("ref")
+            with self.timeline.span("ref_forward", tuple(mb.mb_id for mb in group)):
+                ref_logprobs = [self.ref.ref_logprobs(b) for b in batches]
+        self._swap_to("actor")
+        seq_ids: list[str] = []
+        for offset, (mb, batch) in enumerate(zip(group, batches, strict=True)):
+            sync = arrivals.is_last(index + offset)
+            with self.timeline.span("actor_forward", (mb.mb_id,)):
+                pending = self.actor.forward(batch, sync=sync)
+            with self.timeline.span("actor_backward", (mb.mb_id,)):
+                stats += self.actor.backward(pending, ref_logprobs[offset])
+            seq_ids += batch.seq_ids
+        return seq_ids
+
+    def _round_size(self, arrivals: Arrivals, index: int) -> int:
+        """How many micro-batches from ``index`` on the next round takes, once they are there
+        (0: the step has no more): the ready ones up to the bound, or without a bound every one
+        up to the step's last."""
+        if not arrivals.wait(index):
+            return 0
+        if self.max_aggregate != WHOLE_BATCH:
+            return max(1, min(arrivals.num_ready() - index, self.max_aggregate))
+        count = 1
+        while not arrivals.is_last(index + count - 1) and arrivals.wait(index + count):
+            count += 1
+        return count
 
 
 def phase_times(events: list[dict]) -> dict[str, float]:

@@ -72,6 +72,15 @@ def state_layout(state: dict[str, torch.Tensor]) -> Layout:
     return [(name, tuple(t.shape), t.dtype) for name, t in sorted(state.items())]
 
 
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy synced weights into ``model`` in place, cast to its dtypes. ``state`` may hold any
+    subset of its state dict: a sync leaves out a tied ``lm_head.weight`` (the embedding)."""
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
 def plan_buckets(layout: Layout, bucket_bytes: int) -> list[Bucket]:
     """Group the layout by dtype (first-appearance order, layout order within a dtype) and fill
     buckets of at most ``bucket_bytes``; a larger tensor, or every tensor when ``bucket_bytes``

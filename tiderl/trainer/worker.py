@@ -6,6 +6,11 @@ those logprobs and the ref logprobs (which may arrive later, from another rank) 
 it. ``train`` is the ordinary order (ref logprobs first), used by the colocated executor. Gradients
 of a step accumulate unnormalised; ``optimizer_step`` scales them by 1/N (N = the step's loss
 tokens over all ranks), clips, steps and bumps the version.
+
+A new actor rank joins with the source actor's AdamW state: ``optimizer_state`` packs it as plain
+tensors named ``{param}.exp_avg``, ``{param}.exp_avg_sq`` and ``{param}.step`` (the entries of
+:func:`optimizer_layout`, which every rank of the broadcast builds from its own model), and
+``load_optimizer_state`` installs what was received.
 """
 
 from __future__ import annotations
@@ -13,11 +18,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tiderl.trainer.batch import PackedBatch
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.loss import LossStats, grpo_loss_sum
 from tiderl.trainer.parallel import TrainBackend, group_size
+from tiderl.trainer.sync import Layout, state_layout
+
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_layout(model: nn.Module) -> Layout:
+    """What a sync of an actor's AdamW state carries, from the model's parameters alone (a rank
+    without an actor takes part in the broadcast too): both moments in float32 and the step."""
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        for key in ADAMW_MOMENTS:
+            state[f"{name}.{key}"] = torch.empty(param.shape, dtype=torch.float32, device="meta")
+        state[f"{name}.step"] = torch.empty((), dtype=torch.float32, device="meta")
+    return state_layout(state)
 
 
 class RefWorker:
@@ -95,3 +115,25 @@ class ActorWorker:
             grad_norm = grad_norm.full_tensor()
         return StepStats(self.version, global_loss_tokens, float(grad_norm))
 
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The AdamW state under :func:`optimizer_layout`'s names; a parameter not stepped yet
+        has zero moments and step 0."""
+        state: dict[str, torch.Tensor] = {}
+        for name, param in self.backend.model.named_parameters():
+            slot = self.optimizer.state.get(param, {})
+            for key in ADAMW_MOMENTS:
+                state[f"{name}.{key}"] = slot[key].float() if key in slot else torch.zeros(
+                    param.shape, dtype=torch.float32, device=param.device)
+            step = slot.get("step", torch.tensor(0.0))
+            state[f"{name}.step"] = torch.as_tensor(step, dtype=torch.float32).reshape(())
+        return state
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Install an :meth:`optimizer_state` (as received from another actor) in place."""
+        for name, param in self.backend.model.named_parameters():
+            self.optimizer.state[param] = {
+                "step": state[f"{name}.step"].clone().cpu(),
+                **{key: state[f"{name}.{key}"].to(param.device, param.dtype).clone()
+                   for key in ADAMW_MOMENTS},
+            }

@@ -24,6 +24,8 @@ from typing import ClassVar
 
 import msgspec
 
+from tiderl.core.system import StepMode
+
 SCHEMA_VERSION = 1
 
 
@@ -145,7 +147,7 @@ class RankMetrics(Message, kw_only=True):
     rank: int
     role: str
     kv_tokens_used: int
-    kv_tokens_budget: int
+    kv_tokens_capacity: int  # the KV tokens its engine's cache holds (0: no engine)
     prefix_hit_rate: float
     running: int
     waiting: int
@@ -245,10 +247,10 @@ class TrainStep(Message, kw_only=True):
     kind: ClassVar[int] = 0x25
     seq: int
     step: int
-    mode: str  # decoupled | colocated | vso | vs
+    mode: StepMode
     ref_ranks: list[int]
     actor_ranks: list[int]
-    max_aggregate: int
+    max_aggregate: int  # micro-batches per colocated Ref/Actor round (0: no bound)
 
 
 class MicroBatchData(Message, kw_only=True):
@@ -307,6 +309,7 @@ class Snapshot(Message, kw_only=True):
     ranks: list[RankMetrics]
     mode: str = ""  # the RA2P mode of the last step
     note: str = ""  # for operators: a pending or the last manual plan (tiderl rebalance)
+    ctb_budgets: dict[int, int] = {}  # rollout rank -> CTB's token budget B_r there
 
 
 MESSAGES: tuple[type[Message], ...] = (

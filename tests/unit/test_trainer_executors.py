@@ -1,0 +1,95 @@
+"""The colocated executor of each step mode, in one process: the StepMode it reports, and the
+batch mode's single Ref/Actor round over a batch that streams in while the step waits."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from tiderl.core.ra2p import form_micro_batches
+from tiderl.core.system import StepMode
+from tiderl.models.init import init_model
+from tiderl.trainer.config import TrainerConfig
+from tiderl.trainer.executors import (
+    AllReady,
+    ColocatedExecutor,
+    ScheduledArrivals,
+    StepInput,
+    StreamedStep,
+)
+from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.synthetic import synthetic_samples
+from tiderl.trainer.worker import ActorWorker, RefWorker
+
+CONFIG = TrainerConfig(lr=1e-3, kl_beta=0.05)
+VOCAB = 1568
+
+
+def _step() -> StepInput:
+    samples = synthetic_samples(8, vocab_size=VOCAB, min_tokens=16, max_tokens=40, seed=3)
+    mbs = form_micro_batches([s.as_sequence() for s in samples], 1, 48)
+    return StepInput(tuple(mbs), {s.seq_id: s for s in samples})
+
+
+def _executor(mode: StepMode, max_aggregate: int = 8) -> ColocatedExecutor:
+    ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
+    actor = ActorWorker(make_backend("ddp", init_model("tiny", seed=0)), CONFIG)
+    return ColocatedExecutor.for_mode(mode, ref, actor, max_aggregate=max_aggregate)
+
+
+def _passes(events: list[dict], name: str) -> list[tuple[int, ...]]:
+    return [tuple(e["mb_ids"]) for e in events if e["name"] == name]
+
+
+@pytest.mark.parametrize(("mode", "max_aggregate", "bound", "swaps"), [
+    (StepMode.COLOCATED, 4, 4, True), (StepMode.BATCH, 0, 0, True), (StepMode.BATCH, 3, 0, True),
+    (StepMode.VSO, 4, 1, True), (StepMode.VS, 4, 1, False)])
+def test_each_mode_gets_its_bound_and_swap_and_reports_itself(mode, max_aggregate, bound, swaps):
+    executor = _executor(mode, max_aggregate)
+    assert (executor.max_aggregate, executor.swapper is not None) == (bound, swaps)
+    step = _step()
+    assert executor.run_step(step, AllReady(len(step.micro_batches)), time.time()).mode is mode
+
+
+def test_the_decoupled_mode_and_a_negative_bound_are_refused():
+    with pytest.raises(ValueError, match="DecoupledExecutor"):
+        _executor(StepMode.DECOUPLED)
+    with pytest.raises(ValueError, match="max_aggregate must be >= 0"):
+        _executor(StepMode.COLOCATED, -1)
+
+
+def test_a_batch_step_runs_one_round_over_a_batch_that_streams_in():
+    step, streamed = _step(), StreamedStep()
+    assert len(step.micro_batches) > 2
+
+    def feed() -> None:
+        for mb in step.micro_batches:
+            time.sleep(0.05)
+            streamed.add(mb, [step.samples[s.seq_id] for s in mb.sequences])
+        streamed.close()
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    result = _executor(StepMode.BATCH).run_step(streamed, streamed, time.time())
+    feeder.join()
+    everything = tuple(mb.mb_id for mb in step.micro_batches)
+    assert _passes(result.events, "ref_forward") == [everything]
+    assert len(_passes(result.events, "swap")) == 2  # to Ref, then to Actor: once each
+    assert sorted(result.seq_ids) == sorted(step.samples)
+    assert result.loss.loss_tokens == step.num_loss_tokens
+
+
+def test_a_batch_step_waits_for_a_scheduled_batch_and_counts_it_as_waiting():
+    step = _step()
+    last = len(step.micro_batches) - 1
+    step = StepInput(tuple(dataclasses.replace(mb, ready_time=0.04 * i)
+                           for i, mb in enumerate(step.micro_batches)), step.samples)
+    executor = _executor(StepMode.BATCH)
+    origin = time.time()
+    result = executor.run_step(step, ScheduledArrivals(step.micro_batches, origin), origin)
+    assert len(_passes(result.events, "ref_forward")) == 1
+    wait = sum(e["end"] - e["start"] for e in result.events if e["name"] == "wait")
+    assert wait >= 0.04 * last - 0.01

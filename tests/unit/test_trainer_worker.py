@@ -1,0 +1,99 @@
+"""A new actor joins with the source actor's weights and AdamW state: packing, the layout every
+rank builds alone, loading, and the broadcast between two real rank processes (gloo)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from tiderl.models.init import init_model
+from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.trainer.batch import pack
+from tiderl.trainer.config import TrainerConfig
+from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.spawn import RankContext, run_ranks
+from tiderl.trainer.sync import load_weights, param_layout, state_layout, sync_params
+from tiderl.trainer.synthetic import synthetic_samples
+from tiderl.trainer.worker import ActorWorker, optimizer_layout
+
+CONFIG = TrainerConfig(lr=1e-2, kl_beta=0.0)
+VOCAB = 1568
+
+
+def _actor(model: Qwen2ForCausalLM, group: dist.ProcessGroup | None = None) -> ActorWorker:
+    return ActorWorker(make_backend("ddp", model, group), CONFIG)
+
+
+def _step(actor: ActorWorker, seed: int) -> None:
+    batch = pack(synthetic_samples(4, vocab_size=VOCAB, min_tokens=8, max_tokens=24, seed=seed))
+    actor.train(batch, None, sync=True)
+    actor.optimizer_step(batch.num_loss_tokens)
+
+
+def _weights(actor: ActorWorker) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in actor.backend.full_state_dict().items()}
+
+
+def test_a_fresh_actor_packs_zero_moments_under_the_layout() -> None:
+    actor = _actor(init_model("tiny", seed=0))
+    state = actor.optimizer_state()
+    assert state_layout(state) == optimizer_layout(init_model("tiny", seed=1))
+    assert all(not t.any() for t in state.values())
+    assert state["model.norm.weight.step"].shape == ()
+
+
+def test_an_actor_with_the_sources_weights_and_state_takes_the_same_next_step() -> None:
+    source = _actor(init_model("tiny", seed=0))
+    _step(source, seed=1)
+    joiner_model = init_model("tiny", seed=5)
+    load_weights(joiner_model, _weights(source))
+    joiner = _actor(joiner_model)
+    joiner.load_optimizer_state(source.optimizer_state())
+    assert joiner.optimizer_state().keys() == source.optimizer_state().keys()
+    assert all(torch.equal(joiner.optimizer_state()[k], v)
+               for k, v in source.optimizer_state().items())
+    _step(source, seed=2)
+    _step(joiner, seed=2)
+    want = source.backend.full_state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in joiner.backend.full_state_dict().items())
+
+
+def test_load_weights_takes_a_sync_without_the_tied_lm_head() -> None:
+    config = dataclasses.replace(init_model("tiny").config, tie_word_embeddings=True)
+    source, target = Qwen2ForCausalLM(config), Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        source.model.embed_tokens.weight.add_(1.0)
+    names = {name for name, _, _ in param_layout(source)}
+    load_weights(target, {k: v for k, v in source.state_dict().items() if k in names})
+    assert torch.equal(target.lm_head.weight, source.model.embed_tokens.weight)
+    assert all(torch.equal(t, source.state_dict()[k]) for k, t in target.state_dict().items())
+
+
+def _join_rank(ctx: RankContext, _arg: None) -> dict[str, torch.Tensor]:
+    """Rank 0 is the source actor after one step; rank 1 has only its own initial model (as a
+    rank taking the actor role has), receives weights and AdamW state, builds its actor from
+    them. Both then take the same step."""
+    alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]  # no DDP across
+    model = init_model("tiny", seed=ctx.rank)
+    layout, moments = param_layout(model), optimizer_layout(model)
+    actor = _actor(model, alone) if ctx.rank == 0 else None
+    if actor is not None:
+        _step(actor, seed=1)
+    weights = sync_params(_weights(actor) if actor else None, layout, 1 if actor else None,
+                          src=0).state
+    state = sync_params(actor.optimizer_state() if actor else None, moments,
+                        1 if actor else None, src=0).state
+    if actor is None:
+        load_weights(model, weights)
+        actor = _actor(model, alone)
+        actor.load_optimizer_state(state)
+    _step(actor, seed=2)
+    return actor.backend.full_state_dict()
+
+
+def test_a_joining_rank_gets_the_sources_optimizer_state_over_the_broadcast() -> None:
+    source, joiner = run_ranks(_join_rank, 2, timeout_s=120)
+    assert source.keys() == joiner.keys()
+    assert all(torch.equal(joiner[k], source[k]) for k in source)

@@ -30,9 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info, write_result
 
+from tiderl.core.records import StepRecord
 from tiderl.launch.job import run_local
 from tiderl.profile import load_profile
-from tiderl.runtime.report import read_jsonl, summarize
+from tiderl.runtime.report import read_records, summarize
 
 WORKLOAD = [
     "env.envs=[guess,shop]", "env.max_turns=8", "env.step_latency.kind=lognormal",
@@ -52,21 +53,21 @@ def _runs(num_ranks: int) -> list[tuple[str, list[str]]]:
     return runs
 
 
-def _reward_at(metrics: list[dict], lo: int, hi: int) -> float:
+def _reward_at(metrics: list[StepRecord], lo: int, hi: int) -> float:
     """Sample-weighted training reward of the steps whose cumulative samples end in (lo, hi]."""
     total = weight = 0.0
     seen = 0
     for m in metrics:
-        seen += m["trained_samples"]
+        seen += m.trained_samples
         if lo < seen <= hi:
-            total += m["reward_mean"] * m["trained_samples"]
-            weight += m["trained_samples"]
+            total += m.reward_mean * m.trained_samples
+            weight += m.trained_samples
     return total / weight if weight else 0.0
 
 
 def run_bench(steps: int, root: Path, note) -> dict:
     results: dict[str, dict] = {}
-    series: dict[str, list[dict]] = {}
+    series: dict[str, list[StepRecord]] = {}
     for name, overrides in _runs(4):
         profile = load_profile("local", [*WORKLOAD, *overrides, f"runtime.steps={steps}"])
         note(f"{name}: {steps} steps ...")
@@ -74,7 +75,7 @@ def run_bench(steps: int, root: Path, note) -> dict:
         job = run_local(profile, run_root=root, job_id=name)
         if job.exit_code != 0:
             raise SystemExit(f"{name}: the job failed (see {job.run_dir}/logs)")
-        metrics = read_jsonl(job.run_dir / "metrics.jsonl")
+        metrics = read_records(job.run_dir / "metrics.jsonl")
         summary = summarize(metrics)
         series[name] = metrics
         results[name] = {
@@ -82,7 +83,7 @@ def run_bench(steps: int, root: Path, note) -> dict:
             "rwt_s": round(summary["rwt_total_s"], 2), "twt_s": round(summary["twt_total_s"], 2),
             "kv_hit_rate": summary["kv_hit_rate_mean"],
             "staleness_max": summary["staleness_max"],
-            "trained_samples": sum(m["trained_samples"] for m in metrics),
+            "trained_samples": sum(m.trained_samples for m in metrics),
             "trained_tokens": summary["trained_tokens_total"],
             "wall_s": summary["wall_time_s"], "job_s": round(time.monotonic() - start, 1),
             "modes_used": summary["modes"],
@@ -108,8 +109,8 @@ def run_bench(steps: int, root: Path, note) -> dict:
         "reward_gap_vs_sync": round(results["tiderl"]["reward_at_equal_samples"] - sync_reward,
                                     4),
         "equal_samples": common, "steps": steps, "workload": WORKLOAD,
-        "series": {k: [{key: m[key] for key in ("step", "time_s", "goodput_tok_s",
-                                                "reward_mean", "mode", "num_rollout")}
+        "series": {k: [{key: m.to_dict()[key] for key in ("step", "time_s", "goodput_tok_s",
+                                                          "reward_mean", "mode", "num_rollout")}
                        for m in v] for k, v in series.items()},
         "machine": machine_info(),
     }

@@ -37,7 +37,7 @@ from tiderl.launch.job import run_local
 from tiderl.launch.remote import run_ssh
 from tiderl.launch.ssh import NodeSession
 from tiderl.profile import load_profile
-from tiderl.runtime.report import read_jsonl
+from tiderl.runtime.report import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -68,14 +68,14 @@ def _one_job(kind: str, hosts_path: Path, run_root: Path) -> dict:
     else:
         result = run_ssh(profile, load_hosts(hosts_path), run_root=run_root, on_start=on_start)
     wall = time.monotonic() - t0
-    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    metrics = read_records(result.run_dir / "metrics.jsonl")
     assert result.exit_code == 0 and len(metrics) == STEPS, (kind, result)
     return {"launcher": kind, "started_s": round(started["t"] - t0, 2),
             "wall_s": round(wall, 2),
-            "step_s_mean": round(statistics.mean(m["step_s"] for m in metrics), 3),
+            "step_s_mean": round(statistics.mean(m.step_s for m in metrics), 3),
             "goodput_tok_s": metrics[-1]["goodput_tok_s"],
-            "reward_mean": round(statistics.mean(m["reward_mean"] for m in metrics), 4),
-            "trained_samples": sum(m["trained_samples"] for m in metrics)}
+            "reward_mean": round(statistics.mean(m.reward_mean for m in metrics), 4),
+            "trained_samples": sum(m.trained_samples for m in metrics)}
 
 
 def _timed(*args: str) -> tuple[float, subprocess.CompletedProcess]:

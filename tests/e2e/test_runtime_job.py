@@ -138,7 +138,7 @@ def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
     assert result.exit_code == 0
     metrics = _read(result.run_dir / "metrics.jsonl")
     assert len(metrics) == 2
-    expected = "colocated" if mode == "sync" else "vso"
+    expected = "batch" if mode == "sync" else "vso"  # sync: the whole batch, one swap pair
     assert {m["mode"] for m in metrics} == {expected}
     if mode == "sync":  # verl: staleness 0, every rank trains
         assert all(m["staleness_max"] == 0 and m["num_trainer"] == 3 for m in metrics)

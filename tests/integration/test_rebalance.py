@@ -155,12 +155,13 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
     from tiderl.profile import load_profile
     from tiderl.runtime.bus import BusClient, BusServer, Rebalance, RebalanceReply
     from tiderl.runtime.coordinator import Coordinator
+    from tiderl.runtime.run_log import RunLog
 
     def ask(coordinator, server, client, msg) -> list[RebalanceReply]:
         client.send(msg)
         got = server.recv(5.0)
         assert got is not None
-        coordinator._handle(*got)
+        coordinator.handle(*got)
         replies = []
         while (reply := client.recv(0.5)) is not None:
             replies.append(reply)
@@ -177,20 +178,20 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
     with BusServer(None) as server, BusClient(server.endpoint, None, b"ctl-a") as a, \
             BusClient(server.endpoint, None, b"ctl-b") as b:
         profile, roles = coordinator_for("sync", 5, tmp_path / "sync")
-        sync = Coordinator(profile, tmp_path / "sync", server, roles)
+        sync = Coordinator(profile, server, roles, RunLog(tmp_path / "sync", time.monotonic))
         (reply,) = ask(sync, server, a, Rebalance(seq=1, rollout=2, trainer=1))
         assert (reply.ref, reply.status) == (1, "refused")
         assert reply.reason == "mode sync: every rank rolls out and trains"
         (reply,) = ask(sync, server, a, Rebalance(seq=2, auto=True))
         assert reply.status == "refused" and reply.reason.startswith("mode sync")
-        sync.close()
+        sync.log.close()
 
         profile, roles = coordinator_for("tiderl", 5, tmp_path / "tiderl")
-        job = Coordinator(profile, tmp_path / "tiderl", server, roles)
+        job = Coordinator(profile, server, roles, RunLog(tmp_path / "tiderl", time.monotonic))
         (reply,) = ask(job, server, a, Rebalance(seq=1, rollout=2, trainer=1))
         assert (reply.status, reply.step, reply.roles) == (
             "accepted", 0, ["rollout", "actor", "rollout"])
-        assert job.plan_note == "manual plan R2/T1 colocated: pending (next boundary, after " \
+        assert job.desk.note == "manual plan R2/T1 colocated: pending (next boundary, after " \
                                 "step 0)"
         (reply,) = ask(job, server, b, Rebalance(seq=7, rollout=1, trainer=2, mode="decoupled"))
         assert (reply.ref, reply.status, reply.roles) == (7, "accepted",
@@ -203,11 +204,11 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
         (dropped,) = [r for r in [b.recv(1.0)] if r is not None]
         assert (dropped.ref, dropped.status, dropped.reason) == (7, "refused",
                                                                  "withdrawn by --auto")
-        assert job.manual_pending is None and not job.manual_hold
-        job.step = 4  # the last step runs: no boundary is left for a plan
+        assert job.controller.manual_pending is None and not job.controller.is_manual_held
+        job.controller.step = 4  # the last step runs: no boundary is left for a plan
         (reply,) = ask(job, server, a, Rebalance(seq=3, rollout=2, trainer=1))
         assert reply.status == "refused" and reply.reason.startswith("the job is finishing")
-        job.close()
+        job.log.close()
         events = [json.loads(line) for line in
                   (tmp_path / "tiderl" / "events.jsonl").read_text().splitlines()]
         assert [e["kind"] for e in events] == [

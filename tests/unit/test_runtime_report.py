@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.runtime.report import ReportError, read_jsonl, summarize, write_report
+from tiderl.core.records import StepRecord
+from tiderl.core.system import StepMode
+from tiderl.runtime.report import ReportError, read_jsonl, read_records, summarize, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENS = [100, 120, 140, 160, 180, 200]
@@ -23,21 +25,20 @@ ROLES = [["rollout", "rollout", "actor", "actor"]] * 3 + [
     ["rollout", "actor", "actor", "actor"]] * 2 + [["ref", "actor", "actor", "actor"]]
 
 
-def _metrics() -> list[dict]:
+def _metrics() -> list[StepRecord]:
     rows, total = [], 0
     for i in range(6):
         total += TOKENS[i]
-        rows.append({
-            "step": i, "time_s": TIMES[i], "step_s": 10.0, "goodput_tok_s": total / TIMES[i],
-            "trained_tokens": TOKENS[i], "trained_tokens_total": total, "trained_samples": 4,
-            "generated_tokens_total": 250 * (i + 1), "discarded_tokens_total": 10 * i,
-            "ras": i % 3, "tprm_s": TPRM[i], "rwt_s": 1.0, "twt_s": 0.5, "mode": MODES[i],
-            "roles": ROLES[i], "num_rollout": ROLES[i].count("rollout"),
-            "num_trainer": ROLES[i].count("actor"), "kv_hit_rate": KV[i],
-            "staleness_max": STALENESS[i], "reward_mean": REWARDS[i],
-            "eval_reward": EVALS.get(i), "loss": 1.0 / (i + 1), "grad_norm": 0.3, "version": i + 1,
-            "batch_size": 4, "ers_reason": None,
-        })
+        rows.append(StepRecord(
+            step=i, start_s=TIMES[i] - 10.0, end_s=TIMES[i], trained_tokens=TOKENS[i],
+            trained_tokens_total=total, trained_samples=4,
+            generated_tokens_total=250 * (i + 1), discarded_tokens_total=10 * i, ras=i % 3,
+            tprm_s=TPRM[i], rwt_s=1.0, twt_s=0.5, mode=StepMode(MODES[i]),
+            roles=tuple(ROLES[i]), num_rollout=ROLES[i].count("rollout"),
+            num_trainer=ROLES[i].count("actor"), num_micro_batches=2, kv_hit_rate=KV[i],
+            staleness_max=STALENESS[i], reward_mean=REWARDS[i], solved_frac=0.0,
+            eval_reward=EVALS.get(i), loss=1.0 / (i + 1), grad_norm=0.3, batch_size=4,
+            ers_reason=None))
     return rows
 
 
@@ -56,7 +57,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    _write_jsonl(tmp_path / "metrics.jsonl", _metrics())
+    _write_jsonl(tmp_path / "metrics.jsonl", [m.to_dict() for m in _metrics()])
     _write_jsonl(tmp_path / "events.jsonl", EVENTS)
     return tmp_path
 
@@ -134,3 +135,21 @@ def test_malformed_line_names_file_and_line(run_dir: Path, name: str, bad: str):
         write_report(run_dir)
     assert "\n" not in str(info.value)
     assert not (run_dir / "report.md").exists()
+
+
+def test_a_line_that_is_not_a_step_record_is_one_line(run_dir: Path):
+    path = run_dir / "metrics.jsonl"
+    row = json.loads(path.read_text().splitlines()[0])
+    del row["ras"]
+    path.write_text(path.read_text() + json.dumps(row) + "\n")
+    with pytest.raises(ReportError, match=r"metrics.jsonl: record 7: a step record needs 'ras'"):
+        read_records(path)
+    assert [r.step for r in read_records(path.with_name("nothing.jsonl"))] == []
+
+
+def test_a_line_reads_back_as_the_same_line():
+    for record in _metrics():
+        row = json.loads(json.dumps(record.to_dict()))  # floats rounded to 4 digits
+        assert StepRecord.from_dict(row).to_dict() == row
+        assert (row["version"], row["step_s"], row["mode"]) == (record.step + 1, 10.0,
+                                                               record.mode.value)

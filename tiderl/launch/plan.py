@@ -20,7 +20,9 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from tiderl.core.types import Mode, Role
+from tiderl.core.step_control import initial_roles as launch_roles
+from tiderl.core.system import SystemSpec
+from tiderl.core.types import Role
 from tiderl.launch.hosts import Hosts, HostsError
 from tiderl.profile import Profile
 
@@ -78,14 +80,10 @@ class Endpoints:
 
 
 def initial_roles(profile: Profile) -> list[Role]:
+    """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
     rt = profile.runtime
-    if rt.mode == "sync":
-        return [Role.ROLLOUT] * rt.num_ranks
-    num_trainer = rt.num_ranks - rt.rollout_ranks
-    trainer = [Role.ACTOR] * num_trainer
-    if profile.ra2p.mode == Mode.DECOUPLED.value and num_trainer >= 2:
-        trainer[0] = Role.REF
-    return [Role.ROLLOUT] * rt.rollout_ranks + trainer
+    return launch_roles(SystemSpec.named(rt.mode), rt.num_ranks, rt.rollout_ranks,
+                        profile.ra2p.mode)
 
 
 def daemon_command(spec: ProcessSpec, python: str, run_dir: str,

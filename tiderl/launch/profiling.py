@@ -17,11 +17,10 @@ from typing import Any
 
 import httpx
 
+from tiderl.core.records import StepRecord
 from tiderl.launch.kv_sources import KVSample, KVSourceError, kv_sample, read_kv
 from tiderl.launch.local import JobState
-from tiderl.runtime.report import Row, pyplot, save_figure
-
-READINESS_KEYS = ("step", "ras", "tprm_s", "mode", "num_micro_batches", "step_s")
+from tiderl.runtime.report import pyplot, save_figure
 
 
 class ProfilingError(RuntimeError):
@@ -115,10 +114,12 @@ def plot_kv(profile: KVProfile, path: Path) -> Path:
     return path
 
 
-def readiness_rows(metrics: list[Row]) -> list[dict[str, Any]]:
+def readiness_rows(metrics: list[StepRecord]) -> list[dict[str, Any]]:
     """Per step: RAS, TPRM (None when the step saw fewer than two ready micro-batches), the
     mode, micro-batches and duration, from metrics.jsonl records."""
-    return [{key: m.get(key) for key in READINESS_KEYS} for m in metrics]
+    return [{"step": m.step, "ras": m.ras, "tprm_s": m.tprm_s, "mode": m.mode.value,
+             "num_micro_batches": m.num_micro_batches, "step_s": round(m.step_s, 3)}
+            for m in metrics]
 
 
 def _nan(value: float | None) -> float:

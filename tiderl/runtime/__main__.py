@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,22 +41,23 @@ def _coordinator(args: argparse.Namespace) -> int:
     from tiderl.runtime.bus import BusServer, load_job_keys
     from tiderl.runtime.coordinator import Coordinator, CoordinatorError
     from tiderl.runtime.report import write_report
+    from tiderl.runtime.run_log import RunLog
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
     keys = load_job_keys(args.run_dir / "keys")
     exporter = _exporter(profile.runtime.bus_host, args.metrics_port)
+    run_log = RunLog(args.run_dir, time.monotonic, exporter)
     with BusServer(keys, profile.runtime.bus_host, args.port, args.pub_port) as server:
-        coordinator = Coordinator(profile, args.run_dir, server, roles)
-        coordinator.exporter = exporter
+        coordinator = Coordinator(profile, server, roles, run_log, time.monotonic)
         try:
             coordinator.run()
         except CoordinatorError as exc:
-            coordinator.event("stop", reason=str(exc))
+            run_log.event("stop", reason=str(exc))
             logging.getLogger("tiderl.coordinator").error("%s", exc)
             return 1
         finally:
-            coordinator.close()
+            run_log.close()
             if exporter is not None:
                 exporter.close()
     path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}")

@@ -1,18 +1,24 @@
-"""Runtime section of a profile: the job's shape (ranks, steps, groups, staleness)."""
+"""Runtime section of a profile: the job's shape (ranks, steps, groups, staleness), and the
+step cycle a whole profile asks the coordinator for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+from tiderl.core.step_control import LayoutLimits, StepControlConfig
+from tiderl.core.system import SYSTEM_CHOICES, System, SystemSpec
 
-MODES = ("sync", "async", "stream", "tiderl")
+if TYPE_CHECKING:
+    from tiderl.profile import Profile
+
 DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    mode: str = "tiderl"  # sync | async | stream | tiderl (see docs)
+    mode: str = "tiderl"  # the system: sync | async | stream | tiderl (verl, areal, streamrl)
     num_ranks: int = 4
     rollout_ranks: int = 2  # initial split; ERS moves ranks in mode tiderl
     device: str = "cpu"
@@ -30,7 +36,8 @@ class RuntimeConfig:
     collective_timeout_s: float = 120.0  # a broadcast a rank died in fails after this
 
     def __post_init__(self) -> None:
-        require_choice(self.mode, MODES, "mode")
+        require_choice(self.mode, SYSTEM_CHOICES, "mode")
+        object.__setattr__(self, "mode", System.parse(self.mode).value)
         require_choice(self.device, DEVICES, "device")
         for name in ("num_ranks", "threads_per_rank", "steps", "group_size", "heartbeat_s",
                      "heartbeat_misses", "eval_groups", "collective_timeout_s"):
@@ -44,3 +51,17 @@ class RuntimeConfig:
             require(1 <= self.rollout_ranks < self.num_ranks, "rollout_ranks",
                     f"expected 1..{self.num_ranks - 1} (at least one trainer rank), "
                     f"got {self.rollout_ranks}")
+
+
+def control_config(profile: Profile) -> StepControlConfig:
+    """The step cycle a profile asks for (``runtime.mode`` names the system)."""
+    rt, trainer = profile.runtime, profile.trainer
+    return StepControlConfig(
+        system=SystemSpec(System.parse(rt.mode)), num_steps=rt.steps, group_size=rt.group_size,
+        max_staleness=rt.max_staleness, ctb=profile.ctb, ra2p=profile.ra2p, ers=profile.ers,
+        rank_budget=profile.ctb.rank_budget(profile.engine.kv_cache_tokens),
+        max_new_tokens=profile.engine.max_new_tokens, eval_every=rt.eval_every,
+        eval_groups=rt.eval_groups, checkpoint_every=trainer.checkpoint_every,
+        limits=LayoutLimits(grouped_ranks=rt.num_ranks,
+                            fixed_actor_backend="" if trainer.backend == "ddp" else
+                            trainer.backend))

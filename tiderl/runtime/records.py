@@ -1,11 +1,18 @@
-"""What the coordinator keeps per GRPO group and per optimizer step (plain state, no policy)."""
+"""What the coordinator keeps per GRPO group in flight, and its dataset (plain state, no policy).
+
+Group ``i`` draws environment ``env.envs[i % len]`` with a seed derived from ``runtime.seed`` and
+``i``; its G tasks share the seed (GRPO's shared prompt). Evaluation groups are numbered within
+their phase and draw from another seed range.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiderl.core.types import SeqRef, Task, Trajectory
-from tiderl.runtime import bus as b
+from tiderl.core.commands import GroupSpec
+from tiderl.core.step_control import task_id
+from tiderl.core.types import Group, SeqRef, Task, Trajectory
+from tiderl.profile import Profile
 from tiderl.trainer.batch import TrainSample
 
 
@@ -21,7 +28,7 @@ class GroupRun:
     tasks: dict[str, Task]
     task_text: str
     is_eval: bool
-    step: int  # the step whose phase it belongs to (eval) or its feeding batch (train)
+    step: int  # the step it was fed for (an evaluation phase's step)
     finished: dict[str, Trajectory] = field(default_factory=dict)
     samples: list[TrainSample] = field(default_factory=list)
 
@@ -39,19 +46,23 @@ class GroupRun:
         return tuple(s.as_sequence() for s in self.samples)
 
 
-@dataclass
-class StepRun:
-    step: int
-    mode: str
-    ref_ranks: list[int]
-    actor_ranks: list[int]
-    start: float
-    ready_at: float  # when its trainer ranks were free (the previous boundary)
-    ras: int
-    done: dict[int, b.StepDone] = field(default_factory=dict)
-    samples: list[TrainSample] = field(default_factory=list)
-    num_mbs: int = 0
+class Dataset:
+    """The job's task stream, as the step controller asks for it (``group``)."""
 
-    @property
-    def ranks(self) -> list[int]:
-        return self.ref_ranks + self.actor_ranks
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def group(self, spec: GroupSpec) -> Group:
+        envs = self.profile.env.envs
+        env = envs[spec.index % len(envs)]
+        seed = (self.profile.runtime.seed * 1_000_003 + spec.index * 7919
+                + (500_009 if spec.is_eval else 0))
+        tasks = tuple(Task(task_id(spec.group_id, i), spec.group_id, env, spec.is_eval, None, seed)
+                      for i in range(self.profile.runtime.group_size))
+        return Group(spec.group_id, tasks)
+
+    def run(self, spec: GroupSpec) -> GroupRun:
+        group = self.group(spec)
+        env = group.tasks[0].env
+        return GroupRun(spec.group_id, {t.task_id: t for t in group.tasks},
+                        self.profile.env.tasks.get(env, ""), spec.is_eval, spec.step)

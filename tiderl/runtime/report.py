@@ -1,15 +1,17 @@
 """Run report: three PNGs and a Markdown summary of a training run folder.
 
-A job writes `runs/<job>/metrics.jsonl` (one object per optimizer step) and `events.jsonl`
-(one object per event). `write_report` reads both and writes, beside them:
+A job writes `runs/<job>/metrics.jsonl` (one :class:`~tiderl.core.records.StepRecord` per
+optimizer step) and `events.jsonl` (one object per event). `write_report` reads both and writes,
+beside them:
 
     goodput_reward.png   goodput and reward vs time
     roles.png            ranks per role vs time (stacked)
     readiness.png        RAS/TPRM plane, one colour per mode
     report.md            summary table, per-step table, role changes, the three images
 
-`summarize` gives the summary numbers alone (the benchmark and CLI reuse it). Plots use
-matplotlib's Agg backend: no display needed.
+`read_records` reads metrics.jsonl back into records; `summarize` gives the summary numbers
+alone (the benchmarks and the CLI reuse both). Plots use matplotlib's Agg backend: no display
+needed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tiderl.core.records import StepRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -54,7 +58,18 @@ def read_jsonl(path: Path) -> list[Row]:
     return rows
 
 
-def summarize(metrics: list[Row]) -> Row:
+def read_records(path: Path) -> list[StepRecord]:
+    """The step records of a metrics.jsonl; [] when the file is missing."""
+    records = []
+    for lineno, row in enumerate(read_jsonl(path), start=1):
+        try:
+            records.append(StepRecord.from_dict(row))
+        except (TypeError, ValueError) as exc:
+            raise ReportError(f"{path}: record {lineno}: {exc}") from None
+    return records
+
+
+def summarize(metrics: list[StepRecord]) -> Row:
     """The summary table's numbers. Values are None where the run has nothing to say.
 
     Goodput "last half" averages `metrics[n // 2:]`; `num_role_changes` counts, between
@@ -64,28 +79,28 @@ def summarize(metrics: list[Row]) -> Row:
         return {"num_steps": 0}
     last = metrics[-1]
     half = metrics[len(metrics) // 2 :]
-    evals = [m["eval_reward"] for m in metrics if m["eval_reward"] is not None]
-    kv = [m["kv_hit_rate"] for m in metrics if m["kv_hit_rate"] is not None]
+    evals = [m.eval_reward for m in metrics if m.eval_reward is not None]
+    kv = [m.kv_hit_rate for m in metrics if m.kv_hit_rate is not None]
     tail = metrics[-3:]
     return {
         "num_steps": len(metrics),
-        "wall_time_s": last["time_s"],
-        "trained_tokens_total": last["trained_tokens_total"],
-        "goodput_end_tok_s": last["goodput_tok_s"],
-        "goodput_last_half_mean_tok_s": _mean([m["goodput_tok_s"] for m in half]),
-        "generated_tokens_total": last["generated_tokens_total"],
-        "discarded_tokens_total": last["discarded_tokens_total"],
-        "reward_first": metrics[0]["reward_mean"],
-        "reward_last3_mean": _mean([m["reward_mean"] for m in tail]),
+        "wall_time_s": last.time_s,
+        "trained_tokens_total": last.trained_tokens_total,
+        "goodput_end_tok_s": last.goodput_tok_s,
+        "goodput_last_half_mean_tok_s": _mean([m.goodput_tok_s for m in half]),
+        "generated_tokens_total": last.generated_tokens_total,
+        "discarded_tokens_total": last.discarded_tokens_total,
+        "reward_first": metrics[0].reward_mean,
+        "reward_last3_mean": _mean([m.reward_mean for m in tail if m.reward_mean is not None]),
         "eval_reward_first": evals[0] if evals else None,
         "eval_reward_last": evals[-1] if evals else None,
-        "staleness_max": max(m["staleness_max"] for m in metrics),
-        "kv_hit_rate_mean": _mean(kv) if kv else None,
-        "rwt_total_s": sum(m["rwt_s"] for m in metrics),
-        "twt_total_s": sum(m["twt_s"] for m in metrics),
-        "modes": dict(Counter(m["mode"] for m in metrics)),
+        "staleness_max": max(m.staleness_max for m in metrics),
+        "kv_hit_rate_mean": _mean(kv),
+        "rwt_total_s": sum(m.rwt_s for m in metrics),
+        "twt_total_s": sum(m.twt_s for m in metrics),
+        "modes": dict(Counter(m.mode.value for m in metrics)),
         "num_role_changes": sum(
-            _num_changed(prev["roles"], cur["roles"]) for prev, cur in pairwise(metrics)
+            _num_changed(list(prev.roles), list(cur.roles)) for prev, cur in pairwise(metrics)
         ),
     }
 
@@ -93,7 +108,7 @@ def summarize(metrics: list[Row]) -> Row:
 def write_report(run_dir: Path, *, title: str | None = None) -> Path:
     """Write the three PNGs (when there are steps) and `report.md` into `run_dir`."""
     run_dir = Path(run_dir)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_records(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     if metrics:
         _plot_goodput_reward(metrics, run_dir / IMAGES[0])
@@ -146,15 +161,15 @@ def _summary_section(s: Row) -> list[str]:
             *(f"| {k} | {v} |" for k, v in rows), ""]
 
 
-def _steps_section(metrics: list[Row]) -> list[str]:
+def _steps_section(metrics: list[StepRecord]) -> list[str]:
     if not metrics:
         return []
     lines = ["## Steps", "", "Roles: R rollout, F ref, A actor, I idle.", "",
              "| " + " | ".join(STEP_COLUMNS) + " |", "|" + "---|" * len(STEP_COLUMNS)]
     for m in metrics:
-        cells = [m["step"], _fmt(m["time_s"], 1), m["mode"], compact_roles(m["roles"]), m["ras"],
-                 _fmt(m["tprm_s"], 2), _fmt(m["goodput_tok_s"], 1), _fmt(m["reward_mean"]),
-                 _fmt(m["loss"], 4), m["staleness_max"]]
+        cells = [m.step, _fmt(m.time_s, 1), m.mode.value, compact_roles(list(m.roles)), m.ras,
+                 _fmt(m.tprm_s, 2), _fmt(m.goodput_tok_s, 1), _fmt(m.reward_mean),
+                 _fmt(m.loss, 4), m.staleness_max]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return [*lines, ""]
 
@@ -170,15 +185,15 @@ def _events_section(events: list[Row]) -> list[str]:
     return [*lines, ""]
 
 
-def _plot_goodput_reward(metrics: list[Row], path: Path) -> None:
+def _plot_goodput_reward(metrics: list[StepRecord], path: Path) -> None:
     plt = pyplot()
-    t = [m["time_s"] for m in metrics]
+    t = [m.time_s for m in metrics]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    top.plot(t, [m["goodput_tok_s"] for m in metrics], linewidth=1.2)
+    top.plot(t, [m.goodput_tok_s for m in metrics], linewidth=1.2)
     top.set_ylabel("goodput (tok/s)")
     top.set_title("Goodput and reward")
-    bottom.plot(t, [m["reward_mean"] for m in metrics], linewidth=1.2, label="train reward")
-    evals = [(m["time_s"], m["eval_reward"]) for m in metrics if m["eval_reward"] is not None]
+    bottom.plot(t, [m.reward_mean for m in metrics], linewidth=1.2, label="train reward")
+    evals = [(m.time_s, m.eval_reward) for m in metrics if m.eval_reward is not None]
     if evals:
         xs, ys = zip(*evals, strict=True)
         bottom.scatter(xs, ys, color="tab:red", zorder=3, label="eval reward")
@@ -188,13 +203,13 @@ def _plot_goodput_reward(metrics: list[Row], path: Path) -> None:
     save_figure(fig, path)
 
 
-def _plot_roles(metrics: list[Row], path: Path) -> None:
+def _plot_roles(metrics: list[StepRecord], path: Path) -> None:
     plt = pyplot()
-    counts = [Counter(m["roles"]) for m in metrics]
+    counts = [Counter(m.roles) for m in metrics]
     roles = [r for r in ROLE_LETTERS if any(c[r] for c in counts)]
     roles += sorted({r for c in counts for r in c} - set(ROLE_LETTERS))
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.stackplot([m["time_s"] for m in metrics], [[c[r] for c in counts] for r in roles],
+    ax.stackplot([m.time_s for m in metrics], [[c[r] for c in counts] for r in roles],
                  labels=roles, step="pre")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("ranks")
@@ -203,13 +218,13 @@ def _plot_roles(metrics: list[Row], path: Path) -> None:
     save_figure(fig, path)
 
 
-def plot_readiness(metrics: list[Row], path: Path) -> Path:
+def plot_readiness(metrics: list[StepRecord], path: Path) -> Path:
     plt = pyplot()
-    points = [m for m in metrics if m["tprm_s"] is not None]
+    points = [m for m in metrics if m.tprm_s is not None]
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for mode in dict.fromkeys(m["mode"] for m in points):
-        chosen = [m for m in points if m["mode"] == mode]
-        ax.scatter([m["ras"] for m in chosen], [m["tprm_s"] for m in chosen], label=mode)
+    for mode in dict.fromkeys(m.mode.value for m in points):
+        chosen = [m for m in points if m.mode.value == mode]
+        ax.scatter([m.ras for m in chosen], [m.tprm_s for m in chosen], label=mode)
     if points:
         ax.legend(fontsize=8)
     ax.set_xlabel("RAS (ready at start)")
@@ -242,8 +257,8 @@ def _num_changed(prev: list[str], cur: list[str]) -> int:
     return sum(a != b for a, b in zip(prev, cur, strict=False)) + abs(len(prev) - len(cur))
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

@@ -1,0 +1,172 @@
+"""The coordinator in process, on a real loopback bus with one real socket per rank and a clock
+the test sets: what it sends for the controller's commands, how it takes the ranks' answers, and
+that messages which are not the job's change nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.bus_ranks import Clock, Ranks
+from tiderl.launch.plan import initial_roles
+from tiderl.profile import load_profile
+from tiderl.runtime.bus import (
+    Ack,
+    AdmitTask,
+    BusClient,
+    BusServer,
+    Heartbeat,
+    Hello,
+    MicroBatchData,
+    StepClosed,
+    StepDone,
+    SyncWeights,
+    TaskFinished,
+    TrainStep,
+    TurnData,
+    TurnReport,
+    rank_identity,
+)
+from tiderl.runtime.coordinator import Coordinator
+from tiderl.runtime.records import CoordinatorError
+from tiderl.runtime.run_log import RunLog
+
+JOB = ["runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=2",
+       "ers.batch_min=2", "ers.batch_ideal=2", "runtime.steps=3", "runtime.max_staleness=1",
+       "runtime.heartbeat_s=1", "runtime.heartbeat_misses=2", "engine.max_new_tokens=8"]
+
+
+@contextlib.contextmanager
+def coordinator(tmp_path: Path, *overrides: str) -> Iterator[tuple[Coordinator, Ranks, Clock]]:
+    profile = load_profile("local", [*JOB, *overrides])
+    clock = Clock()
+    with BusServer(None) as server:
+        job = Coordinator(profile, server, initial_roles(profile), RunLog(tmp_path, clock),
+                          clock)
+        ranks = Ranks(server, job, profile.runtime.num_ranks)
+        try:
+            ranks.hello()
+            yield job, ranks, clock
+        finally:
+            ranks.close()
+            job.log.close()
+
+
+def of(kind, messages):
+    return [m for m in messages if isinstance(m, kind)]
+
+
+def turn(rank: int, task: str, context: int, running: bool = False) -> TurnReport:
+    return TurnReport(rank=rank, task_id=task, tokens=2, context_tokens=context, done=False,
+                      version=0, running=running)
+
+
+def finished(rank: int, task: str, reward: float, version: int = 0) -> TaskFinished:
+    return TaskFinished(rank=rank, task_id=task, group_id=task.rsplit(".", 1)[0], reward=reward,
+                        turns=[TurnData(context_ids=[5] * 10, output_ids=[6, 7], logprobs=[0.0] * 2,
+                                        version=version)], num_tokens=12)
+
+
+def play_group(ranks: Ranks, job: Coordinator, group: str, rank: int = 0) -> None:
+    """The probe's first turn, its sibling's admission, both tasks to the end."""
+    probe, sibling = f"{group}.0", f"{group}.1"
+    ranks.send(rank, turn(rank, probe, 10))
+    job.schedule_round()  # the probe's footprint admits its sibling
+    assert job.router.task_rank[sibling] in job.controller.book.ranks
+    ranks.send(rank, finished(rank, probe, 1.0))
+    ranks.send(job.router.task_rank[sibling], finished(job.router.task_rank[sibling], sibling,
+                                                        0.0))
+
+
+def events(tmp_path: Path, *kinds: str) -> list[dict]:
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if not kinds or e["kind"] in kinds]
+
+
+def test_a_cold_start_a_step_and_its_boundary_on_the_bus(tmp_path):
+    with coordinator(tmp_path) as (job, ranks, clock):
+        job.launch()
+        (launch,) = of(SyncWeights, ranks.drain(1))
+        assert (launch.version, launch.roles, launch.members) == (
+            0, ["rollout", "actor", "rollout"], [0, 1, 2])  # ERS lends rank 2 to rollout
+        job.schedule_round()
+        admitted = of(AdmitTask, ranks.drain(0))
+        assert [a.task_id for a in admitted] == ["g0.0", "g1.0"]  # one probe per group
+        assert admitted[0].pin and admitted[0].env == "guess"
+        for rank in range(3):
+            ranks.ack(rank, 0)
+        (step,) = of(TrainStep, ranks.drain(1))
+        assert (step.step, step.mode.value, step.actor_ranks) == (0, "colocated", [1])
+        clock.now = 1.0
+        play_group(ranks, job, "g0")
+        got = ranks.drain(1)
+        (batch,) = of(MicroBatchData, got)
+        assert [s.seq_id for s in batch.samples] == ["g0.0", "g0.1"]
+        assert [s.advantage for s in batch.samples] == pytest.approx([1.0, -1.0], abs=1e-5)
+        assert of(StepClosed, got) == [StepClosed(seq=batch.seq + 1, step=0)]
+        clock.now = 2.0
+        ranks.send(1, StepDone(rank=1, step=0, version=1, mode="colocated", loss=0.25,
+                               loss_tokens=4, grad_norm=0.5, seconds=1.0,
+                               stats={"wait_s": 0.4, "t_ref": 0.1, "t_act_f": 0.1,
+                                      "t_act_b": 0.2, "t_swap": 0.0}))
+        (boundary,) = [m for m in of(SyncWeights, ranks.drain(2)) if m.version == 1]
+        assert (boundary.roles, boundary.joiners) == (["rollout", "actor", "actor"], [2])
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
+                 .splitlines()]
+    assert (record["step"], record["trained_samples"], record["reward_mean"]) == (0, 2, 0.5)
+    assert (record["loss"], record["twt_s"], record["ers_reason"]) == (0.25, 0.4, "cold_start")
+    moves = [(e["rank"], e["src"], e["dst"]) for e in events(tmp_path, "role_change")]
+    assert moves == [(2, "actor", "rollout"), (2, "rollout", "actor")]
+
+
+def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
+    with coordinator(tmp_path, "runtime.mode=async", "runtime.rollout_ranks=2") as (
+            job, ranks, clock):
+        job.launch()
+        job.schedule_round()
+        play_group(ranks, job, "g0", rank=job.router.task_rank["g0.0"])
+        (step,) = of(TrainStep, ranks.drain(2))
+        assert step.mode.value == "batch" and step.max_aggregate == 0
+        ranks.send(2, StepDone(rank=2, step=0, version=1, mode="batch", loss=0.1,
+                               loss_tokens=4, grad_norm=0.5, seconds=1.0, stats={}))
+        for rank in range(3):  # rank 1 died in the broadcast: it failed for every member
+            ranks.ack(rank, 1, ok=False, error="gloo: connection closed by peer")
+        seen = {m.seq for m in of(SyncWeights, ranks.drain(0))}
+        assert ranks.drain(0) == [] and job.controller.step == 1
+        clock.now = 3.5  # past the heartbeat window (2 x 1 s): ranks 0 and 2 beat, rank 1 not
+        for rank in (0, 2):
+            ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
+        job.check_liveness()
+        (again,) = [m for m in of(SyncWeights, ranks.drain(0)) if m.seq not in seen]
+        assert (again.version, again.members) == (1, [0, 2])
+        ranks.ack(0, 1)
+        ranks.ack(2, 1)
+        assert job.controller.roles[1].value == "idle"
+        assert of(AdmitTask, ranks.drain(0)) == []  # the next batch is fed once rank 0 synced
+        job.schedule_round()
+        assert of(AdmitTask, ranks.drain(0))
+    assert [e["kind"] for e in events(tmp_path, "rank_dead", "boundary_resent")] == [
+        "rank_dead", "boundary_resent"]
+
+
+def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):
+    with coordinator(tmp_path) as (job, ranks, _):
+        job.launch()
+        job.schedule_round()
+        before = (dict(job.controller.book.tasks), job.controller.phase)
+        with BusClient(ranks.server.endpoint, None, rank_identity(7)) as stranger:
+            stranger.send(Hello(rank=7, pid=1, host="h", role="rollout", device="cpu"))
+            job.handle(*ranks.server.recv(5.0))  # rank 7 is no rank of this job
+        ranks.send(0, finished(0, "g9.0", 1.0))  # a group the job never fed
+        ranks.send(0, finished(0, "g0.1", 1.0))  # a task CTB has not admitted yet
+        ranks.send(0, turn(0, "g0.1", 50))
+        ranks.send(0, turn(0, "nope", 50, running=True))
+        assert (dict(job.controller.book.tasks), job.controller.phase) == before
+        assert job.controller.book.tasks["g0.1"].footprint == 512  # still the default estimate
+        job.schedule_round()  # and the job goes on
+        with pytest.raises(CoordinatorError, match="rank 1 failed: out of memory"):
+            ranks.send(1, Ack(rank=1, ref=12345, ok=False, error="out of memory"))

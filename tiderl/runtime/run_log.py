@@ -1,0 +1,103 @@
+"""What a job tells the outside: metrics.jsonl, events.jsonl, the PUB snapshots ``tiderl top``
+reads and the Prometheus exporter's values (:mod:`tiderl.runtime.prom`).
+
+    StepRecord (from the step controller) ──> metrics.jsonl line, exporter.update_step, Snapshot
+    every SNAPSHOT_S ──> Snapshot (the last record, CTB's counts and budgets, rank gauges), and
+                         exporter.update_live
+    events ──> events.jsonl (launch, role changes, evaluations, dropped groups, dead ranks, ...)
+
+Every number comes from the controller's :class:`StepRecord` or its queries; the run folder and
+the clock are given (the coordinator's daemon passes the job's folder and ``time.monotonic``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tiderl.core.records import StepRecord
+from tiderl.core.step_control import StepController
+from tiderl.runtime import bus as b
+
+if TYPE_CHECKING:
+    from tiderl.runtime.prom import MetricsExporter
+
+log = logging.getLogger("tiderl.coordinator")
+
+SNAPSHOT_S = 0.5
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, clock: Callable[[], float],
+                 exporter: MetricsExporter | None = None) -> None:
+        self.run_dir, self.clock, self.exporter = Path(run_dir), clock, exporter
+        self.t0 = clock()
+        self.rank_metrics: dict[int, b.RankMetrics] = {}
+        self.last_snapshot = float("-inf")
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        self.events_file = open(self.run_dir / "events.jsonl", "a")  # noqa: SIM115
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def event(self, kind: str, **fields: object) -> None:
+        line = {"time_s": round(self.elapsed(), 3), "kind": kind, **fields}
+        self.events_file.write(json.dumps(line) + "\n")
+        self.events_file.flush()
+        log.info("event %s", line)
+
+    def kv_counters(self) -> tuple[int, int]:
+        """Prompt tokens looked up in, and found in, every rollout rank's prefix cache."""
+        metrics = self.rank_metrics.values()
+        return sum(m.prefix_queries for m in metrics), sum(m.prefix_hits for m in metrics)
+
+    def record(self, record: StepRecord, controller: StepController, note: str) -> b.Snapshot:
+        """A step's line; the exporter first (once a step is in the file, /metrics has it)."""
+        if self.exporter is not None:
+            self.exporter.update_step(
+                trained_tokens_total=record.trained_tokens_total,
+                twt_s_total=sum(r.twt_s for r in controller.records),
+                kv_hit_rate=record.kv_hit_rate, staleness=record.staleness_max,
+                mode=record.mode.value)
+        self.metrics_file.write(json.dumps(record.to_dict()) + "\n")
+        self.metrics_file.flush()
+        return self.snapshot(controller, note)
+
+    def snapshot(self, controller: StepController, note: str) -> b.Snapshot:
+        self.last_snapshot = self.clock()
+        last = controller.records[-1] if controller.records else None
+        row = last.to_dict() if last is not None else {}
+        metrics = {k: float(v) for k, v in row.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        book = controller.book
+        metrics.update(steps=float(controller.config.num_steps), elapsed_s=self.elapsed(),
+                       active=float(book.num_active), paused=float(book.num_paused),
+                       new=float(book.num_new))
+        if self.exporter is not None:
+            self._export_live(controller)
+        return b.Snapshot(
+            step=controller.step, time=self.elapsed(),
+            roles={r: role.value for r, role in enumerate(controller.roles)}, metrics=metrics,
+            ranks=[self.rank_metrics[r] for r in sorted(self.rank_metrics)],
+            mode=last.mode.value if last is not None else "", note=note,
+            ctb_budgets=controller.budgets())
+
+    def is_snapshot_due(self) -> bool:
+        return self.clock() - self.last_snapshot >= SNAPSHOT_S
+
+    def _export_live(self, controller: StepController) -> None:
+        assert self.exporter is not None
+        signals = controller.signals(self.clock())
+        rollout = set(controller.rollout_ranks())
+        self.exporter.update_live(
+            rwt_s_total=controller.rollout.rwt.total, ras=signals.ras, tprm_s=signals.tprm_s,
+            roles=[role.value for role in controller.roles], ctb_budgets=controller.budgets(),
+            kv_tokens={r: (m.kv_tokens_used, m.kv_tokens_capacity)
+                       for r, m in self.rank_metrics.items() if r in rollout})
+
+    def close(self) -> None:
+        self.metrics_file.close()
+        self.events_file.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
 from tiderl.core.step_control import RolloutControl
 from tiderl.core.system import StepMode
 from tiderl.sim.costcache import CachedCostModel
@@ -40,15 +39,11 @@ def simulate_rollout_step(scenario: SimScenario, num_tasks: int, *, ctb: bool,
     loop = EventLoop()
     cost = cost or cost_model(scenario)
     sampler = sampler or WorkloadSampler(scenario.workload, scenario.seed, scenario.steps)
-    if ctb:
-        policy = CTBPolicy(replace(scenario.ctb, policy="ctb"))
-    else:
-        policy = RequestLevelPolicy(replace(scenario.ctb, policy="request",
-                                            request_concurrency=max(1, num_tasks)))
+    config = replace(scenario.ctb, policy="ctb") if ctb else replace(
+        scenario.ctb, policy="request", request_concurrency=max(1, num_tasks))
     ready: list[SimGroup] = []
-    rollout = RolloutControl(policy, policy.config.new_book(),
-                             budget=policy.config.rank_budget(cost.kv_capacity_tokens()),
-                             max_new_tokens=sampler.max_new_tokens())
+    rollout = RolloutControl.of(config, budget=config.rank_budget(cost.kv_capacity_tokens()),
+                                max_new_tokens=sampler.max_new_tokens())
     pool = RolloutPool(loop, cost, rollout, round_interval_s=scenario.ctb_round_interval_s,
                        block_size=scenario.kv_block_size, max_running=concurrency,
                        on_group_ready=ready.append)

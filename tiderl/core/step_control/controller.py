@@ -31,7 +31,7 @@ from tiderl.core.commands import (
     StartStep,
     StepOutcome,
 )
-from tiderl.core.ctb import TaskBook, make_policy
+from tiderl.core.ctb import TaskBook
 from tiderl.core.ers import ERSPolicy
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.records import StepRecord
@@ -80,10 +80,11 @@ class StepController:
         self.max_staleness = system.max_staleness(config.max_staleness)
         self.batch_ideal = config.ers.batch_ideal
         ctb = config.ctb if system.uses_ctb else replace(config.ctb, policy="request")
-        self.policy = make_policy(ctb)
-        book = ctb.new_book(max_staleness=self.max_staleness, tasks_per_step=self.batch_ideal)
-        self.rollout = RolloutControl(self.policy, book, budget=config.rank_budget,
-                                      max_new_tokens=config.max_new_tokens, now=now)
+        self.rollout = RolloutControl.of(ctb, budget=config.rank_budget,
+                                         max_new_tokens=config.max_new_tokens,
+                                         max_staleness=self.max_staleness,
+                                         tasks_per_step=self.batch_ideal, now=now)
+        self.policy = self.rollout.policy
         self.tracker = ReadinessTracker(now)
         self.buffer: ReadyBuffer = ReadyBuffer(
             self.tracker, group_size=config.group_size, batch_ideal=self.batch_ideal,

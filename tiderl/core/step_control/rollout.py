@@ -9,7 +9,7 @@ the book's counts (idle ranks, tasks waiting for admission) only change through 
 
 from __future__ import annotations
 
-from tiderl.core.ctb import SchedulingPolicy, TaskBook
+from tiderl.core.ctb import CTBConfig, SchedulingPolicy, TaskBook, make_policy
 from tiderl.core.types import Admit, Decision, Group, Resume, TaskState
 
 
@@ -48,6 +48,15 @@ class RolloutControl:
         self.generated_tokens = 0  # model output tokens of every reported turn
         self.rwt = RolloutWait(now)
         self.is_parked = False  # a synchronous system's ranks are training, not rolling out
+
+    @classmethod
+    def of(cls, ctb: CTBConfig, *, budget: int, max_new_tokens: int, max_staleness: int = 0,
+           tasks_per_step: int = 0, now: float = 0.0) -> RolloutControl:
+        """The policy ``ctb.policy`` names over a book with its weights and this staleness
+        window (``tasks_per_step`` 0: none)."""
+        book = ctb.new_book(max_staleness=max_staleness, tasks_per_step=tasks_per_step)
+        return cls(make_policy(ctb), book, budget=budget, max_new_tokens=max_new_tokens,
+                   now=now)
 
     def footprint(self, context_tokens: int) -> int:
         """The KV tokens a task needs for its next turn: its context so far plus a whole

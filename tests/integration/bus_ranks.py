@@ -47,13 +47,13 @@ class Ranks:
         assert got is not None, f"the coordinator did not get {type(msg).__name__}"
         self.coordinator.handle(*got)
 
-    def drain(self, rank: int, wait_s: float = 0.2) -> list[Message]:
-        """What rank ``rank`` received since the last drain."""
-        while (msg := self.clients[rank].recv(wait_s)) is not None:
+    def drain(self, rank: int, quiet_s: float = 0.1) -> list[Message]:
+        """What rank ``rank`` received since the last drain, once ``quiet_s`` passed with none
+        arriving (messages still in flight on loopback come in)."""
+        while (msg := self.clients[rank].recv(quiet_s)) is not None:
             self.inbox[rank].append(msg)
             if isinstance(msg, SyncWeights):
                 self.sync_seqs[(rank, msg.version)] = msg.seq
-            wait_s = 0.0
         got, self.inbox[rank] = self.inbox[rank], []
         return got
 
@@ -61,7 +61,11 @@ class Ranks:
         deadline = time.monotonic() + 5.0
         while (rank, version) not in self.sync_seqs:
             assert time.monotonic() < deadline, f"no SyncWeights v{version} for rank {rank}"
-            self.inbox[rank] += [m for m in self.drain(rank, 0.1)]
+            msg = self.clients[rank].recv(0.1)
+            if msg is not None:
+                self.inbox[rank].append(msg)
+                if isinstance(msg, SyncWeights):
+                    self.sync_seqs[(rank, msg.version)] = msg.seq
         self.send(rank, Ack(rank=rank, ref=self.sync_seqs.pop((rank, version)), ok=ok,
                             error=error))
 

@@ -34,6 +34,7 @@ from tiderl.core.step_control import (
     StepControlConfig,
     StepControlError,
     StepController,
+    initial_roles,
     task_id,
 )
 from tiderl.core.step_control.inputs import MeasuredPasses, layout_timings
@@ -376,3 +377,45 @@ def test_a_layout_not_measured_is_costed_from_the_other_with_the_ref_share_scale
     decoupled = {Mode.DECOUPLED: MeasuredPasses(Ra2pTimings(3.0, 2.0, 4.0, 0.0), 1, 3)}
     assert layout_timings(decoupled, Mode.COLOCATED, 1, 3) == Ra2pTimings(1.0, 2.0, 4.0, 0.0)
     assert layout_timings({}, Mode.DECOUPLED, 1, 3) is None
+
+
+def test_a_refused_plan_leaves_ers_as_it_was():
+    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
+             limits=LayoutLimits(fixed_actor_backend="fsdp2"))
+    c.launch(0.0)  # the cold start's move is refused: no phase layout to restore later
+    assert c.ers.state.saved_roles is None
+
+
+def test_checkpoints_are_asked_at_their_versions_not_at_launch():
+    c = make(System.STREAM, (R, A), steps=4, checkpoint_every=1)
+    assert not only(c.launch(0.0), Boundary)  # no launch plan without ERS
+    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
+             checkpoint_every=1)
+    (launch,) = only(c.launch(0.0), Boundary)
+    assert (launch.version, launch.checkpoint) == (0, False)
+    for rank in range(3):
+        c.boundary_acked(rank, 0, 0.0)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.0)
+    (boundary,) = only(c.step_done(outcome(0, 1), 2.0), Boundary)
+    assert (boundary.version, boundary.checkpoint) == (1, True)
+
+
+def test_the_launch_layout_has_a_ref_rank_only_where_ra2p_runs():
+    tiderl, no_ra2p = SystemSpec(System.TIDERL), SystemSpec(System.TIDERL, ra2p=False)
+    assert initial_roles(tiderl, 4, 2, "decoupled") == [R, R, F, A]
+    assert initial_roles(no_ra2p, 4, 2, "decoupled") == [R, R, A, A]
+    assert initial_roles(SystemSpec(System.ASYNC), 4, 2, "decoupled") == [R, R, A, A]
+    assert initial_roles(SystemSpec(System.SYNC), 4, 2, "auto") == [R, R, R, R]
+
+
+def test_after_a_release_without_ers_no_plan_reason_is_reported():
+    c = make(roles=(R, A, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+    c.launch(0.0)
+    c.submit_manual(ManualRequest("a", 2, 1), 0.1)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.0)
+    c.step_done(outcome(0, 1, 2), 2.0)
+    assert c.plan_reason is PlanReason.MANUAL and c.is_manual_held
+    c.release_manual("b", 2.5)
+    assert c.plan_reason is None

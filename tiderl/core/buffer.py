@@ -9,10 +9,11 @@
 Batch b is consumed by training step b with policy version b, so a group's staleness is known
 when it is assigned: b minus the version of its oldest tokens. A group above the bound is dropped
 there and its tokens count as discarded. Batch sizes are whole groups: B_ideal unless the
-coordinator sets the open batch's size (ERS's elastic batch). Micro-batches are formed with
-``tiderl.core.ra2p.next_micro_batch`` as data arrives; the last ones of a batch with
-``is_last=True`` (the smallest sequences at the end). The simulator and the runtime's coordinator
-use this one buffer; each hands it its own group type (:class:`ReadyGroup`).
+step controller sets the open batch's size (ERS's elastic batch). Micro-batches are formed with
+``tiderl.core.ra2p.next_micro_batch`` as data arrives, for ``num_dp_ranks`` (the step controller
+sets it to the coming step's actor ranks); the last ones of a batch with ``is_last=True`` (the
+smallest sequences at the end). The step controller owns the one buffer; each substrate hands it
+its own group type (:class:`ReadyGroup`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ CTB's decisions (:class:`tiderl.core.types.Admit`, ``Pause``, ``Resume``) come o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
@@ -108,8 +109,8 @@ class JoinRollout:
 
 @dataclass(frozen=True, slots=True)
 class LeaveRollout:
-    """``task_ids`` were active or paused there; CTB resumes them on other ranks (from their
-    carry after a move; from scratch when the rank died)."""
+    """``task_ids`` were active there; CTB resumes them on other ranks (from their carry after a
+    move; from scratch when the rank died). Tasks paused there keep it as their last rank."""
 
     rank: int
     task_ids: tuple[str, ...]
@@ -159,7 +160,6 @@ class Boundary:
     src_rank: int
     joiners: tuple[int, ...]
     reason: PlanReason | None
-    batch_size: int  # the next step's (elastic) batch
     checkpoint: bool = False
     is_final: bool = False  # after the last step: weights and checkpoint only
 
@@ -174,11 +174,16 @@ class Retire:
     admission_limit: int | None  # training tasks that may now have been admitted in all
 
 
+class DropReason(str, Enum):
+    STALE = "stale"  # older than the staleness bound allows for its batch
+    NO_TURN = "a task produced no turn"  # nothing to train on
+
+
 @dataclass(frozen=True, slots=True)
 class GroupDropped:
     group_id: str
-    reason: str  # "stale" or "no turn"
-    oldest_version: int | None
+    reason: DropReason
+    oldest_version: int | None  # of a stale group
     batch: int
 
 

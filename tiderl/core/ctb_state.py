@@ -1,9 +1,9 @@
 """The CTB state book: rollout ranks, tasks and groups, kept up to date by events.
 
-The runtime and the simulator feed the same events into a :class:`TaskBook` (turn reports,
-finishes, rank changes), ask a policy for a plan (``policy.schedule(book)``) and apply it with
-``book.apply(decisions)``. The book keeps per-rank indexes so a scheduling round only looks at the
-tasks it may move::
+The step controller's :class:`~tiderl.core.step_control.RolloutControl` feeds a
+:class:`TaskBook` the events of both substrates (turn reports, finishes, rank changes), asks a
+policy for a plan (``policy.schedule(book)``) and applies it with ``book.apply(decisions)``.
+The book keeps per-rank indexes so a scheduling round only looks at the tasks it may move::
 
     add_group ──> pending (FIFO, per group) ──Admit──> rank.active ──Pause──> paused
                                                   ^                               |
@@ -287,7 +287,8 @@ class TaskBook:
         self._rank(rank).budget = budget
 
     def remove_rank(self, rank: int) -> list[TaskId]:
-        """ERS closed ``rank``: its active tasks become PAUSED with no rank (no KV moves).
+        """``rank`` left rollout (a plan moved it, or it died): its active tasks become PAUSED with
+        no rank (no KV moves); tasks paused there keep it as their last rank.
 
         Returns the tasks paused; they resume elsewhere later, with a fresh prefill.
         """
@@ -329,8 +330,9 @@ class TaskBook:
     def report_turn(
         self, task_id: TaskId, footprint: int, context_len: int, is_running: bool = True
     ) -> None:
-        """A turn of an admitted task starts: its footprint and context now. The probe's first
-        report sets its group's probed footprint, the estimate its NEW siblings are admitted at."""
+        """An admitted task's footprint and context now (reported when a generation ends). The
+        probe's first report sets its group's probed footprint, the estimate its NEW siblings are
+        admitted at."""
         task = self.task(task_id)
         if task.state is TaskState.NEW:
             raise ValueError(f"task {task_id!r} reported a turn before it was admitted")

@@ -1,4 +1,4 @@
-"""ERS: the coordinator's elastic resource scaling policy (paper §5.2).
+"""ERS: the elastic resource scaling policy the step controller plans with (paper §5.2).
 
 Called once per step at the post-update boundary, before ``sync_params``:
 
@@ -17,7 +17,8 @@ Called once per step at the post-update boundary, before ``sync_params``:
                          moves ranks; RAS alone only provisions a missing Ref rank)
     BALANCED             otherwise                                     none              unchanged
     MANUAL               an operator's ``tiderl rebalance`` (``manual_plan``: counts in, ranks
-                         picked here; the runtime holds it and skips ``plan_step`` until --auto)
+                         picked here; the step controller holds it and skips ``plan_step`` until
+                         a release)
 
 Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
 REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with the highest id move
@@ -83,8 +84,8 @@ class ERSConfig:
 
 @dataclass(frozen=True, slots=True)
 class ERSInput:
-    """What the coordinator knows when it plans step ``step``: at launch (step 0), or at the
-    boundary after step ``step - 1``'s update.
+    """What the step controller knows when it plans step ``step``: at launch (step 0), or at the
+    boundary after step ``step - 1``'s update (``step_control.inputs.ers_input`` builds it).
 
     ``signals`` is the buffer's view for that step (``ReadinessTracker.signals(now)``);
     ``step_duration_s`` is the mean step duration T_step; ``roles[r]`` is rank r's role.

@@ -3,8 +3,9 @@
 Every rank calls ``torch.distributed.new_group`` for the same sets in the same order. The sets are
 every non-empty subset of the ranks for small jobs; beyond ``MAX_ALL_SUBSETS`` ranks, every
 contiguous range (ERS moves the highest rank ids first and trainer ranks start as a contiguous
-block, so the actor sets it forms stay ranges). The coordinator refuses a plan whose actor set has
-no group (``has_group``) and keeps the layout it had.
+block, so the actor sets it forms stay ranges). The step controller's layout limits
+(``step_control.LayoutLimits``) refuse a plan whose actor set has no group (``has_group``) and keep
+the layout it had.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tiderl.core.config import ConfigError
-from tiderl.core.types import Mode
 
 
 class System(str, Enum):
@@ -40,18 +39,9 @@ class System(str, Enum):
             choices = ", ".join([*(s.value for s in cls), *ALIASES])
             raise ConfigError("", f"expected one of {choices}, got {name!r}") from None
 
-    @property
-    def description(self) -> str:
-        return DESCRIPTIONS[self]
 
 
 ALIASES = {"verl": "sync", "areal": "async", "streamrl": "stream"}
-DESCRIPTIONS = {
-    System.SYNC: "synchronous (verl-like): every rank rolls out, then every rank trains",
-    System.ASYNC: "asynchronous fixed split (AReaL-like): request-level rollout, whole batches",
-    System.STREAM: "asynchronous fixed split, streamed (StreamRL-like): a swap per micro-batch",
-    System.TIDERL: "TideRL: CTB, RA2P and ERS",
-}
 SYSTEM_CHOICES = (*(s.value for s in System), *ALIASES)
 
 
@@ -63,10 +53,6 @@ class StepMode(str, Enum):
     VS = "vs"  # vanilla streaming: Ref/Actor alternate per micro-batch, no offload
     VSO = "vso"  # vanilla streaming with a model swap (offload) per micro-batch
     BATCH = "batch"  # the whole batch at once: Ref over all, one swap, Actor over all
-
-    @classmethod
-    def of(cls, mode: Mode) -> StepMode:
-        return cls(mode.value)
 
     @property
     def has_swaps(self) -> bool:

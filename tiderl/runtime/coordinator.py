@@ -333,8 +333,9 @@ class Coordinator:
             self.samples.pop(task_id(command.group_id, i), None)
             self.rewards.pop(task_id(command.group_id, i), None)
         fields = {"oldest_version": command.oldest_version, "batch": command.batch} \
-            if command.reason == "stale" else {}
-        self.log.event("dropped_group", group=command.group_id, reason=command.reason, **fields)
+            if command.reason is c.DropReason.STALE else {}
+        self.log.event("dropped_group", group=command.group_id, reason=command.reason.value,
+                       **fields)
 
 
 def _sample_data(s: TrainSample) -> b.TrainSampleData:

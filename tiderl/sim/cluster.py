@@ -208,8 +208,8 @@ class Cluster:
 
     def _on_ack(self, payload: tuple[int, int]) -> None:
         rank, version = payload
-        if self.controller.roles[rank] is Role.ROLLOUT:  # new turns start on the new weights
-            self.pool.version = max(self.pool.version, version)
+        if self.controller.roles[rank] is Role.ROLLOUT and version > self.pool.version:
+            self.pool.set_version(version)  # new turns start on the new weights
         self._apply(self.controller.boundary_acked(rank, version, self.loop.now))
 
     # ---- results ----

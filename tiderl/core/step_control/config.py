@@ -23,12 +23,12 @@ def task_id(group_id: str, index: int) -> str:
 
 def initial_roles(system: SystemSpec, num_ranks: int, num_rollout: int,
                   ra2p_mode: str) -> list[Role]:
-    """The launch layout: rollout ranks first, then the trainer (a Ref rank first when RA2P is
-    fixed to decoupled); every rank rolls out under a synchronous system."""
+    """The launch layout: rollout ranks first, then the trainer (a Ref rank first when RA2P runs
+    and is fixed to decoupled); every rank rolls out under a synchronous system."""
     if system.is_sync:
         return [Role.ROLLOUT] * num_ranks
     trainer = [Role.ACTOR] * (num_ranks - num_rollout)
-    if ra2p_mode == Mode.DECOUPLED.value and len(trainer) >= 2:
+    if system.uses_ra2p and ra2p_mode == Mode.DECOUPLED.value and len(trainer) >= 2:
         trainer[0] = Role.REF
     return [Role.ROLLOUT] * num_rollout + trainer
 

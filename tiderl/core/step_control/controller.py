@@ -17,6 +17,7 @@ from tiderl.core.commands import (
     CloseStep,
     Command,
     Dispatch,
+    DropReason,
     FeedGroups,
     Finish,
     GroupDropped,
@@ -176,7 +177,7 @@ class StepController:
         elif group is None:
             self.groups.failed += 1
             self.failed_samples += self.config.group_size  # out of the staleness window too
-            self._out.append(GroupDropped(group_id, "a task produced no turn", None,
+            self._out.append(GroupDropped(group_id, DropReason.NO_TURN, None,
                                           self.buffer.open_batch))
         else:
             self.groups.ready += 1
@@ -204,7 +205,7 @@ class StepController:
         self.trainer_free_at = now
         self.is_retire_pending = True
         if self.step >= self.config.num_steps:
-            self._boundary(now, self.roles, None, self.batch_ideal, is_final=True)
+            self._boundary(now, self.roles, None, is_final=True)
             self.phase = Phase.FINISHED
             self._out.append(Finish(self.step))
             return self._flush()
@@ -212,7 +213,7 @@ class StepController:
             if self.ers is not None and not self.is_manual_held:
                 self._plan(now)
             else:
-                self._boundary(now, self.roles, None, self.batch_ideal)
+                self._boundary(now, self.roles, None)
         self._maybe_retire(now)
         return self._flush()
 
@@ -284,6 +285,8 @@ class StepController:
             self._out.append(ManualReply(dropped[0], dropped[0].key, "refused", self.step,
                                          reason=WITHDRAWN))
         was_held, self.is_manual_held = self.is_manual_held, False
+        if was_held and self.ers is None:
+            self.plan_reason = None  # no plan lays the next steps out
         then = after_release(self.system, self.ers is not None)
         self._out.append(ManualReply(dropped[0] if dropped else None, key, "released",
                                      self.step, reason=then, version=self.version,
@@ -297,6 +300,7 @@ class StepController:
         """ERS plans the next step's layout, RA2P mode and batch; the layout limits may refuse
         its roles (the mode and batch still apply)."""
         assert self.ers is not None
+        memory = self.ers.state
         plan = self.ers.plan(ers_input(
             step=self.step, is_eval_step=self._is_eval_phase(), signals=self.signals(now),
             records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes))
@@ -306,15 +310,16 @@ class StepController:
         if refusal is not None:
             self._out.append(PlanRefused(refusal, plan.reason))
             roles = list(self.roles)
+            self.ers.state = memory  # its hysteresis and phase memory: the moves did not happen
         self.ra2p_mode = plan.mode
-        batch = self.batch_ideal
         if not is_launch:  # step 0 trains B_ideal: nothing is ready yet to size it from
+            # The staleness window stays B_ideal wide: sizing it by the elastic batch would
+            # throttle rollout exactly when ERS shrinks a batch because too little was ready.
             self.buffer.set_batch_size(self.step, plan.batch_size, now)
-            batch = plan.batch_size
-        self._boundary(now, roles, plan.reason, batch)
+        self._boundary(now, roles, plan.reason)
 
     def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None,
-                  batch_size: int, is_final: bool = False) -> None:
+                  is_final: bool = False) -> None:
         old, new = tuple(self.roles), tuple(roles)
         old_actors = self._actors(old)
         new_actors = self._actors(new)
@@ -327,11 +332,11 @@ class StepController:
         self.roles = list(new)
         self.buffer.num_dp_ranks = max(1, len(self._actors(new)))  # what comes next is cut for it
         every = self.config.checkpoint_every
+        is_due = bool(every and self.version and self.version % every == 0)  # not the launch's
         members = tuple(r for r in range(len(new)) if r not in self.dead)
         self._out.append(Boundary(
             self.version, new, old, members, keep[0], tuple(sorted(new_actors - old_actors)),
-            reason, batch_size, checkpoint=is_final or bool(every and self.version % every == 0),
-            is_final=is_final))
+            reason, checkpoint=is_final or is_due, is_final=is_final))
         if is_final:
             return
         rollout = {r for r in members if new[r] is Role.ROLLOUT or self.system.is_sync}
@@ -413,8 +418,8 @@ class StepController:
 
     def _open_step(self, now: float) -> None:
         self.phase = Phase.TRAINING
+        start = self._layout_step(self.signals(now))  # TPRM of the arrivals so far
         self.tracker.start_step(now)
-        start = self._layout_step(now)
         self.buffer.num_dp_ranks = len(start.actor_ranks)
         ready_at = now if self.system.is_sync else self.trainer_free_at  # sync: rolling out
         self.current = OpenStep(start, now, ready_at, self.tracker.step_ras)
@@ -426,7 +431,7 @@ class StepController:
             self.closed.discard(self.step)
             self._out.append(CloseStep(self.step))
 
-    def _layout_step(self, now: float) -> StartStep:
+    def _layout_step(self, signals: ReadinessSignals) -> StartStep:
         """The step's mode and ranks. ERS plans the mode with the layout (its break-even is
         RA2P's cost model); without ERS, and outside a held manual plan, RA2P chooses each step.
         A colocated step runs on the actor ranks only (a Ref rank then waits)."""
@@ -440,8 +445,8 @@ class StepController:
         if not refs:
             self.ra2p_mode = Mode.COLOCATED
         elif self.ers is None and not self.is_manual_held:
-            self.ra2p_mode = choose_step_mode(self.config.ra2p, self.signals(now), self.passes,
-                                              len(refs), len(actors), self.records)
+            self.ra2p_mode = choose_step_mode(self.config.ra2p, signals, self.passes, len(refs),
+                                              len(actors), self.records)
         if self.ra2p_mode is Mode.DECOUPLED:
             return StartStep(self.step, StepMode.DECOUPLED, refs, actors, 1)
         return StartStep(self.step, StepMode.COLOCATED, (), actors, self.config.ra2p.max_aggregate)
@@ -473,7 +478,7 @@ class StepController:
 
     def _on_group_dropped(self, group: ReadyGroup) -> None:
         self.groups.stale += 1
-        self._out.append(GroupDropped(group.group_id, "stale", group.oldest_version,
+        self._out.append(GroupDropped(group.group_id, DropReason.STALE, group.oldest_version,
                                       self.buffer.open_batch))
 
     # ------------------------------------------------------------------ manual plans
@@ -503,7 +508,7 @@ class StepController:
         self.is_manual_held = True
         if self.ers is not None:
             self.ers.reset()  # its hysteresis and phase memory were about the old layout
-        self._boundary(now, roles, result.reason, self.batch_ideal)
+        self._boundary(now, roles, result.reason)
         self._out.append(ManualReply(request, request.key, "applied", self.step,
                                      version=self.version, roles=tuple(roles),
                                      mode=result.mode, is_at_boundary=True))
@@ -514,7 +519,7 @@ class StepController:
     def _record(self, current: OpenStep, outcome: StepOutcome, now: float) -> StepRecord:
         self.trained_tokens += current.tokens
         self.trained_samples += current.samples
-        self.groups.trained |= current.group_ids
+        self.groups.trained_ids |= current.group_ids
         start = current.start
         actors = sorted((r for r in outcome.reports if r.rank in start.actor_ranks),
                         key=lambda r: r.rank)

@@ -83,7 +83,7 @@ class RolloutControl:
         self.book.add_rank(rank, self.budget)
 
     def remove_rank(self, rank: int, now: float) -> tuple[str, ...]:
-        """``rank`` leaves: the tasks active or paused there, now paused with no rank."""
+        """``rank`` leaves: the tasks active there, now paused with no rank."""
         self.advance(now)
         return tuple(self.book.remove_rank(rank))
 

@@ -47,11 +47,12 @@ class GroupCount:
 
     fed: int = 0
     ready: int = 0
-    trained: set[str] = field(default_factory=set)
+    trained_ids: set[str] = field(default_factory=set)
     stale: int = 0
     failed: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"fed": self.fed, "trained": len(self.trained), "dropped": self.stale + self.failed,
-                "buffered": self.ready - len(self.trained) - self.stale,
+        trained = len(self.trained_ids)
+        return {"fed": self.fed, "trained": trained, "dropped": self.stale + self.failed,
+                "buffered": self.ready - trained - self.stale,
                 "rolling_out": self.fed - self.ready - self.failed}

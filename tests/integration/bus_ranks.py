@@ -50,22 +50,26 @@ class Ranks:
     def drain(self, rank: int, quiet_s: float = 0.1) -> list[Message]:
         """What rank ``rank`` received since the last drain, once ``quiet_s`` passed with none
         arriving (messages still in flight on loopback come in)."""
-        while (msg := self.clients[rank].recv(quiet_s)) is not None:
-            self.inbox[rank].append(msg)
-            if isinstance(msg, SyncWeights):
-                self.sync_seqs[(rank, msg.version)] = msg.seq
+        while self._take(rank, quiet_s):
+            pass
         got, self.inbox[rank] = self.inbox[rank], []
         return got
+
+    def _take(self, rank: int, wait_s: float) -> bool:
+        """One message into rank ``rank``'s inbox (SyncWeights noted for acks); False if none."""
+        msg = self.clients[rank].recv(wait_s)
+        if msg is None:
+            return False
+        self.inbox[rank].append(msg)
+        if isinstance(msg, SyncWeights):
+            self.sync_seqs[(rank, msg.version)] = msg.seq
+        return True
 
     def ack(self, rank: int, version: int, ok: bool = True, error: str = "") -> None:
         deadline = time.monotonic() + 5.0
         while (rank, version) not in self.sync_seqs:
             assert time.monotonic() < deadline, f"no SyncWeights v{version} for rank {rank}"
-            msg = self.clients[rank].recv(0.1)
-            if msg is not None:
-                self.inbox[rank].append(msg)
-                if isinstance(msg, SyncWeights):
-                    self.sync_seqs[(rank, msg.version)] = msg.seq
+            self._take(rank, 0.1)
         self.send(rank, Ack(rank=rank, ref=self.sync_seqs.pop((rank, version)), ok=ok,
                             error=error))
 

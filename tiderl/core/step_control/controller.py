@@ -33,7 +33,7 @@ from tiderl.core.commands import (
     StepOutcome,
 )
 from tiderl.core.ctb import TaskBook
-from tiderl.core.ers import ERSPolicy
+from tiderl.core.ers import TRAINER_ROLES, ERSPolicy
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlConfig, StepControlError
@@ -64,8 +64,6 @@ from tiderl.core.types import (
     RoleChange,
     ScalingPlan,
 )
-
-TRAINER_ROLES = (Role.ACTOR, Role.REF)
 
 
 class StepController:

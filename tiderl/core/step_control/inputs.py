@@ -70,9 +70,8 @@ def layout_timings(measured: dict[Mode, MeasuredPasses], mode: Mode, num_refs: i
     ref_gpus = max(1, num_refs) if mode is Mode.DECOUPLED else num_actors
     t = last.timings
     scale = (num_actors / ref_gpus) / last.ref_share
-    swap = t.t_swap if mode is Mode.COLOCATED or Mode.COLOCATED not in measured \
-        else measured[Mode.COLOCATED].timings.t_swap
-    return Ra2pTimings(t.t_ref * scale, t.t_act_f, t.t_act_b, swap)
+    swaps = measured.get(Mode.COLOCATED) or last  # only a colocated step swaps
+    return Ra2pTimings(t.t_ref * scale, t.t_act_f, t.t_act_b, swaps.timings.t_swap)
 
 
 def mean_step_s(records: Sequence[StepRecord]) -> float:

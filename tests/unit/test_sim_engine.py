@@ -18,7 +18,7 @@ from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.kvcache import SimKVCache
 from tiderl.sim.rollout import RolloutPool, group_of
-from tiderl.sim.trainer import build_executor
+from tiderl.sim.trainer import actor_times, build_executor, ref_time, union
 from tiderl.sim.workload import TaskPlan, TurnPlan
 
 DECODE_S = 0.01  # per engine step, whatever the batch
@@ -187,8 +187,13 @@ def test_vanilla_streaming_pays_a_swap_pair_per_micro_batch():
         loop.at(0.0, lambda _, ex=executor: ex.close())
         loop.run()
         times[kind] = ends[0]
-    # colocated aggregates all 8 ready ones: 2 swaps; vso swaps twice per micro-batch: 16
-    assert times["vso"] - times["colocated"] == pytest.approx(14 * cost.model_swap_s())
+    # colocated aggregates all 8 ready ones: 2 swaps, its passes over their union; vso swaps
+    # twice per micro-batch (16) and deals each micro-batch over the GPUs alone
+    mbs = _mbs(8, 8192)
+    apart = sum(ref_time(cost, mb, 4) + sum(actor_times(cost, mb, 4)) for mb in mbs)
+    together = ref_time(cost, union(mbs), 4) + sum(actor_times(cost, union(mbs), 4))
+    assert times["vso"] - times["colocated"] == pytest.approx(
+        14 * cost.model_swap_s() + apart - together)
 
 
 def test_cached_cost_model_matches_the_cost_model():

@@ -7,9 +7,12 @@ Executors (paper §5.1, App. A), all timed with ``CostModel`` on the actual toke
 
     AggregatingExecutor  colocated Ref+Actor on the same T GPUs: App. A's C_col loop run live —
                          wait for data; take up to ``max_aggregate`` ready micro-batches; swap,
-                         Ref over them; swap, Actor over them; repeat. With max_aggregate = 1 it
-                         is vanilla streaming (a swap per alternation: "vso"; a context switch
-                         instead of a swap: "vs"); with ``wait_for_batch`` it waits for the whole
+                         Ref over their union; swap, Actor over their union; repeat (the taken
+                         micro-batches' sequences are dealt over the GPUs as one set: "loads
+                         the Ref model once to process all ready batches"). With
+                         max_aggregate = 1 it is vanilla streaming (a swap per alternation:
+                         "vso"; a context switch instead of a swap: "vs"); with
+                         ``wait_for_batch`` it waits for the whole
                          batch (areal, verl: one swap pair per step).
     PipelineExecutor     decoupled: a Ref server on R GPUs, the Actor on A GPUs; the Actor's
                          forward overlaps the Ref, its backward waits for its Ref (deferred loss):
@@ -37,12 +40,23 @@ from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import CostModel
 
-CONTEXT_SWITCH_S = 1e-3  # "vs": Ref<->Actor on the GPU without offload; simcal §5: 0 or < 1 ms
+# "vs": Ref<->Actor alternation with both models resident (no offload). No public measurement
+# of the bare alternation exists (calibration §5); the paper calls it "non-negligible" (Fig. 3).
+# Calibrated as the fixed, byte-independent part of a framework-level model switch: the low end
+# of vLLM's sleep/wake for small models, "~0.1-0.8 s" (sleep-mode blog; calibration §5), i.e.
+# releasing and re-mapping memory pools and re-binding graphs without moving weights. Conf. L.
+CONTEXT_SWITCH_S = 0.1
 
 
 def _slowest(per_rank: list[list[SeqRef]], cost: Callable[[int, int], float]) -> float:
     return max((sum(cost(s.num_tokens, s.num_tokens) for s in seqs) for seqs in per_rank),
                default=0.0)
+
+
+def union(mbs: list[MicroBatch]) -> MicroBatch:
+    """Several micro-batches processed as one: their sequences dealt over the GPUs together."""
+    seqs = tuple(s for mb in mbs for s in mb.sequences)
+    return MicroBatch(mbs[0].mb_id, seqs, max(mb.ready_time for mb in mbs))
 
 
 def ref_time(model: CostModel, mb: MicroBatch, num_gpus: int) -> float:
@@ -113,10 +127,12 @@ class AggregatingExecutor(StepExecutor):
 
     def __init__(self, loop: EventLoop, model: CostModel, num_gpus: int,
                  on_done: Callable[[float], None], *, max_aggregate: int, t_swap: float,
-                 wait_for_batch: bool = False, count_wait: bool = True) -> None:
+                 wait_for_batch: bool = False, count_wait: bool = True,
+                 setup_s: float = 0.0) -> None:
         super().__init__(loop, model, num_gpus, on_done, count_wait)
         self.max_aggregate = max_aggregate
         self.t_swap = t_swap
+        self.setup_s = setup_s  # a colocated framework's rollout->train switch, before pass one
         self.wait_for_batch = wait_for_batch
         self.num_swaps = 0
         self._ready: deque[MicroBatch] = deque()
@@ -154,12 +170,12 @@ class AggregatingExecutor(StepExecutor):
         if self.count_wait:
             self.twt_s += (now - self._wait_since) * self.num_gpus
         limit = len(self._ready) if self.wait_for_batch else self.max_aggregate
-        taken = [self._ready.popleft() for _ in range(min(limit, len(self._ready)))]
-        ref = sum(ref_time(self.model, mb, self.num_gpus) for mb in taken)
-        fwd, bwd = (sum(times) for times in zip(*(actor_times(self.model, mb, self.num_gpus)
-                                                   for mb in taken), strict=True))
+        taken = union([self._ready.popleft() for _ in range(min(limit, len(self._ready)))])
+        ref = ref_time(self.model, taken, self.num_gpus)
+        fwd, bwd = actor_times(self.model, taken, self.num_gpus)
         self._count(ref, fwd, bwd)
-        duration = 2 * self.t_swap + ref + fwd + bwd
+        duration = 2 * self.t_swap + ref + fwd + bwd + self.setup_s
+        self.setup_s = 0.0  # paid once, before the first pass
         self.num_swaps += 2
         self.busy_s += duration
         self._is_busy = True
@@ -206,10 +222,10 @@ class PipelineExecutor(StepExecutor):
 
 def build_executor(mode: StepMode, loop: EventLoop, model: CostModel, *, num_gpus: int,
                    num_ref: int, max_aggregate: int, on_done: Callable[[float], None],
-                   count_wait: bool = True) -> StepExecutor:
+                   count_wait: bool = True, setup_s: float = 0.0) -> StepExecutor:
     """An executor for ``mode``: decoupled (``num_ref`` of the GPUs run Ref), colocated (up to
     ``max_aggregate`` micro-batches per swap pair), vs, vso, or batch (the whole batch, one swap
-    pair)."""
+    pair); ``setup_s`` is paid before a swapping executor's first pass."""
     swap = model.model_swap_s()
     if mode is StepMode.DECOUPLED:
         return PipelineExecutor(loop, model, num_ref, num_gpus - num_ref, on_done, count_wait)
@@ -217,7 +233,8 @@ def build_executor(mode: StepMode, loop: EventLoop, model: CostModel, *, num_gpu
         StepMode.COLOCATED: (max_aggregate, swap, False), StepMode.VS: (1, CONTEXT_SWITCH_S, False),
         StepMode.VSO: (1, swap, False), StepMode.BATCH: (1, swap, True)}[mode]
     return AggregatingExecutor(loop, model, num_gpus, on_done, max_aggregate=aggregate,
-                               t_swap=t_swap, wait_for_batch=wait, count_wait=count_wait)
+                               t_swap=t_swap, wait_for_batch=wait, count_wait=count_wait,
+                               setup_s=setup_s)
 
 
 def run_trainer_step(model: CostModel, mode: StepMode, ready_times: list[float], mb_tokens: int,

@@ -39,3 +39,10 @@ def test_bad_sim_usage_is_one_line():
     assert "nope" in line
     line = assert_one_line_error(tiderl("sim", "sim/cluster32", "--set", "sim.gpus=0"), 2)
     assert "sim.gpus" in line
+
+
+def test_sweep_usage():
+    line = assert_one_line_error(tiderl("sim", "--sweep", "--experiment", "fig4"), 2)
+    assert "--sweep" in line and "--experiment" in line
+    proc = tiderl("sim", "--help")
+    assert proc.returncode == 0 and "--sweep" in proc.stdout

@@ -6,6 +6,7 @@ import pytest
 
 from tiderl.core.config import ConfigError
 from tiderl.sim.workload import (
+    PHASED,
     SCREENSHOT_TOKENS,
     WORKLOADS,
     TaskPlan,
@@ -18,6 +19,9 @@ from tiderl.sim.workload import (
 )
 
 STEPS = 100
+# the paper's workloads (Table 4 trends); the shifting workload's phases are flat by design
+PAPER_ENVS = [env for env in WORKLOADS
+              if all(env != phase for phases in PHASED.values() for phase, _ in phases)]
 NUM_GROUPS = 200
 _PLANS: dict[tuple[str, int], list[TaskPlan]] = {}
 
@@ -47,7 +51,7 @@ def test_means_match_table4_at_start_and_end(env, end):
     assert mean_tokens(env, step) == pytest.approx(spec.tokens[end], rel=0.10)
 
 
-@pytest.mark.parametrize("env", list(WORKLOADS))
+@pytest.mark.parametrize("env", PAPER_ENVS)
 def test_trend_is_monotone(env):
     rounds = [mean_rounds(env, step) for step in (0, STEPS // 2, STEPS)]
     tokens = [mean_tokens(env, step) for step in (0, STEPS // 2, STEPS)]

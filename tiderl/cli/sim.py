@@ -15,6 +15,8 @@ from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.profile import load_profile
 from tiderl.sim.config import EXPERIMENTS, POLICIES
 
+SWEEP_PROFILE = "sim/fig8-paper"
+
 
 def sim(
     profile: str | None = typer.Argument(
@@ -29,11 +31,19 @@ def sim(
     out: Path = typer.Option(Path("runs/sim"), "--out", help="Folder for PNG plots."),
     results: Path | None = typer.Option(
         None, "--results", help="Also write the headline numbers to this JSON file."),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Sweep environment latency (median x sigma), staleness and "
+                               "verl's colocate switch around the profile (default "
+                               f"{SWEEP_PROFILE}), 20-step runs of every system: a table, a "
+                               "heat-map PNG in --out, the rows in --results."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
     from tiderl.sim.runner import run_profile  # imported late: `tiderl --help` stays fast
 
+    if sweep:
+        _sweep(profile, experiment, overrides or [], out, results, Output(json_mode))
+        return
     names = _experiments(experiment, profile)
     chosen = _policies(policies)
     output = Output(json_mode)
@@ -52,6 +62,23 @@ def sim(
         results.write_text(json.dumps(headlines, indent=2) + "\n")
     output.result(payload if len(payload) > 1 else payload[0],
                   lambda console: _render(console, payload))
+
+
+def _sweep(profile: str | None, experiment: str | None, overrides: list[str], out: Path,
+           results: Path | None, output: Output) -> None:
+    from tiderl.sim.report import write_sweep_heatmap
+    from tiderl.sim.runner import run_profile_sweep
+
+    if experiment is not None:
+        raise CLIError("tiderl sim --sweep: takes a PROFILE, not --experiment", EXIT_USAGE)
+    output.note("sweeping (a few minutes) ...")
+    payload = run_profile_sweep(load_profile(profile or SWEEP_PROFILE, overrides))
+    plot = write_sweep_heatmap(payload.pop("result"), out / "sim_sweep.png")
+    payload["plots"] = [str(plot)]
+    if results is not None:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(payload, indent=2) + "\n")
+    output.result(payload, lambda console: _render(console, [payload]))
 
 
 def _experiments(experiment: str | None, profile: str | None) -> list[str]:

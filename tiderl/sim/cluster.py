@@ -39,14 +39,14 @@ from tiderl.core.step_control import (
     StepController,
     initial_roles,
 )
-from tiderl.core.system import SystemSpec
+from tiderl.core.system import System, SystemSpec
 from tiderl.core.types import Group, Role
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.micro import simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.results import RolloutResult, SimResult
-from tiderl.sim.rollout import RolloutPool, SimGroup, group_of
+from tiderl.sim.rollout import RolloutPool, SimGroup, group_of, task_of
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.trainer import StepExecutor, build_executor
 from tiderl.sim.workload import TaskPlan, WorkloadSampler
@@ -67,10 +67,13 @@ def control_config(system: SystemSpec, scenario: SimScenario,
     ers = scenario.ers_config()
     ers = replace(ers, min_trainer_ranks=max(ers.min_trainer_ranks, min_trainer(scenario, cost)))
     ctb = replace(scenario.ctb, request_concurrency=scenario.request_concurrency)
-    sampler = _sampler(scenario.workload, scenario.seed, scenario.steps)
+    sampler = _sampler(scenario.workload, scenario.seed, scenario.steps, scenario.env_step)
+    ra2p = scenario.ra2p
+    if system.system is System.STREAM:  # StreamRL's own micro-batches, not RA2P's target
+        ra2p = replace(ra2p, tokens_per_rank=scenario.stream_tokens_per_rank)
     return StepControlConfig(
         system=system, num_steps=scenario.steps, group_size=scenario.group_size,
-        max_staleness=scenario.max_staleness, ctb=ctb, ra2p=scenario.ra2p, ers=ers,
+        max_staleness=scenario.max_staleness, ctb=ctb, ra2p=ra2p, ers=ers,
         rank_budget=ctb.rank_budget(cost.kv_capacity_tokens()),
         max_new_tokens=sampler.max_new_tokens(), eval_every=scenario.eval_every,
         eval_groups=scenario.eval_groups)
@@ -87,13 +90,18 @@ class Cluster:
         self.system, self.scenario = system, scenario
         self.loop = EventLoop()
         self.cost = CachedCostModel(MODELS[scenario.model], GPUS[scenario.gpu])
-        self.sampler = _sampler(scenario.workload, scenario.seed, scenario.steps)
+        self.sampler = _sampler(scenario.workload, scenario.seed, scenario.steps,
+                                scenario.env_step)
         n = scenario.gpus
         num_rollout = min(scenario.num_rollout_gpus(), max(1, n - min_trainer(scenario,
                                                                              self.cost)))
         roles = initial_roles(system, n, num_rollout, scenario.ra2p.mode)
         self.controller = StepController(control_config(system, scenario, self.cost), roles,
                                          self._group, now=0.0)
+        if system.system is System.ASYNC and scenario.async_over_provision > 1.0:
+            # APRIL (AReaL's configuration, paper §6): the admission window holds
+            # (over_provision - 1) extra batches; needs a core knob, see docs/simulator.md
+            self.controller.book.set_tasks_per_step(april_tasks_per_step(scenario))
         self.pool = RolloutPool(self.loop, self.cost, self.controller.rollout,
                                 round_interval_s=scenario.ctb_round_interval_s,
                                 block_size=scenario.kv_block_size,
@@ -105,8 +113,10 @@ class Cluster:
         self.executor: StepExecutor | None = None
         self.fed_groups: list[tuple[TaskPlan, ...]] = []  # the task stream, in feeding order
         self._plans: dict[str, tuple[TaskPlan, ...]] = {}  # groups fed, until they run
-        self._rewards: dict[str, float] = {}  # seq id -> reward, of the ready sequences
-        self._step_rewards: list[float] = []
+        self._rewards: dict[str, float] = {}  # task id -> reward, of the ready groups
+        self._step_rewards: dict[str, float] = {}  # the step's tasks (a task may have segments)
+        self._is_close_held = False  # sync: the step trains once its evaluation is done
+        self._held_boundary: Boundary | None = None  # a weight sync waiting for evaluation
 
     # ---- the run ----
 
@@ -119,12 +129,13 @@ class Cluster:
         """The controller's dataset: training group ``index`` of the task stream (its batch sets
         the workload's progress), or an evaluation group of step ``spec.step``."""
         if spec.is_eval:
-            plans = tuple(self.sampler.sample_group(spec.group_id, self.scenario.group_size,
+            plans = tuple(self.sampler.sample_group(spec.group_id, self.scenario.eval_size,
                                                     spec.step, is_eval=True))
         else:
             plans = _training_group(self.scenario.workload, self.scenario.seed,
                                     self.scenario.steps, spec.index, self.scenario.group_size,
-                                    spec.index // self.scenario.batch_groups)
+                                    spec.index // self.scenario.batch_groups,
+                                    self.scenario.env_step)
         self._plans[spec.group_id] = plans
         return group_of(plans)
 
@@ -143,10 +154,14 @@ class Cluster:
             elif isinstance(command, StartStep):
                 self._start_step(command)
             elif isinstance(command, Dispatch):
-                self._step_rewards += [self._rewards.pop(s.seq_id) for s in command.mb.sequences]
+                for seq in command.mb.sequences:
+                    task = task_of(seq.seq_id)
+                    self._step_rewards[task] = self._rewards[task]
                 self.executor.add(command.mb)
             elif isinstance(command, CloseStep):
-                self.executor.close()
+                self._is_close_held = self.system.is_sync and self._has_open_eval()
+                if not self._is_close_held:
+                    self.executor.close()
             elif isinstance(command, Boundary) and not command.is_final:
                 self._boundary(command)
             elif isinstance(command, Finish):
@@ -161,23 +176,41 @@ class Cluster:
             self._rewards.update(group.rewards)
         ready = None if group.is_eval else group
         self._apply(self.controller.group_ready(group.group_id, ready, self.loop.now))
+        if group.is_eval and not self._has_open_eval():
+            self._release_eval_holds()
+
+    def _has_open_eval(self) -> bool:
+        return any(g.is_eval for g in self.pool.groups.values())
+
+    def _release_eval_holds(self) -> None:
+        """Evaluation is done: a synchronous step trains (its engines are free), a weight sync
+        held for the anchored evaluation version goes ahead."""
+        if self._is_close_held:
+            self._is_close_held = False
+            self.executor.close()
+        if self._held_boundary is not None:
+            boundary, self._held_boundary = self._held_boundary, None
+            self._boundary(boundary)
 
     # ---- steps ----
 
     def _start_step(self, start: StartStep) -> None:
         self.start = start
-        self._step_rewards = []
+        self._step_rewards = {}
+        switch_s = self.scenario.colocate_switch_s if self.system.is_sync else 0.0
         self.executor = build_executor(start.mode, self.loop, self.cost,
                                        num_gpus=len(start.ranks), num_ref=len(start.ref_ranks),
                                        max_aggregate=start.max_aggregate or 1,
                                        on_done=self._on_step_done,
-                                       count_wait=not self.system.is_sync)
+                                       count_wait=not self.system.is_sync, setup_s=switch_s)
 
     def _on_step_done(self, now: float) -> None:
         executor, start = self.executor, self.start
         self.executor = self.start = None
         query, hit = self.pool.kv_counters()
-        reward_mean, solved_frac = reward_summary(self._step_rewards)
+        reward_mean, solved_frac = reward_summary(list(self._step_rewards.values()))
+        for task in self._step_rewards:
+            del self._rewards[task]
         outcome = StepOutcome(start.step, executor.reports(start), kv_queries=query,
                               kv_hits=hit, reward_mean=reward_mean, solved_frac=solved_frac)
         self._apply(self.controller.step_done(outcome, now))
@@ -186,7 +219,12 @@ class Cluster:
 
     def _boundary(self, boundary: Boundary) -> None:
         """The weight sync stalls the staying rollout engines (their KV is stale after it) and
-        every member acknowledges once its own part is done: the broadcast, its role switch."""
+        every member acknowledges once its own part is done: the broadcast, its role switch.
+        Evaluation runs on an anchored version (paper Table 1: stalling it "blocks global weight
+        synchronization"), so a sync waits while evaluation groups are open."""
+        if boundary.version > 0 and not self.system.is_sync and self._has_open_eval():
+            self._held_boundary = boundary
+            return
         now = self.loop.now
         sync_s = self._sync_s(boundary) if boundary.version > 0 else 0.0
         if sync_s > 0:
@@ -201,10 +239,13 @@ class Cluster:
 
     def _sync_s(self, boundary: Boundary) -> float:
         """The broadcast to every rollout rank after the boundary; a synchronous system's
-        trainer then swaps its Actor out for the rollout engine."""
+        trainer then swaps its Actor out for the rollout engine and pays its framework's switch
+        back to rollout (``colocate_switch_s``)."""
         targets = sum(1 for r in boundary.members if boundary.roles[r] is Role.ROLLOUT)
         sync_s = self.cost.weight_sync_s(targets, self.cross_node)
-        return sync_s + self.swap_s if self.system.is_sync else sync_s
+        if self.system.is_sync:
+            return sync_s + self.swap_s + self.scenario.colocate_switch_s
+        return sync_s
 
     def _on_ack(self, payload: tuple[int, int]) -> None:
         rank, version = payload
@@ -237,16 +278,24 @@ class Cluster:
             num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies)
 
 
+def april_tasks_per_step(scenario: SimScenario) -> int:
+    """The book's batch under which its window, (max_staleness + 1) batches, also holds APRIL's
+    over-provisioning: (max_staleness + over_provision) · B_ideal tasks in all."""
+    bound, over = scenario.max_staleness, scenario.async_over_provision
+    return round(scenario.batch_ideal * (bound + over) / (bound + 1))
+
+
 @lru_cache(maxsize=8)
-def _sampler(workload: str, seed: int, total_steps: int) -> WorkloadSampler:
-    return WorkloadSampler(workload, seed, total_steps)
+def _sampler(workload: str, seed: int, total_steps: int,
+             env_step: tuple[float, float] = (0.0, 0.0)) -> WorkloadSampler:
+    return WorkloadSampler(workload, seed, total_steps, env_step)
 
 
 @lru_cache(maxsize=1 << 16)
 def _training_group(workload: str, seed: int, total_steps: int, index: int, size: int,
-                    batch: int) -> tuple[TaskPlan, ...]:
+                    batch: int, env_step: tuple[float, float]) -> tuple[TaskPlan, ...]:
     """Training group ``index`` of a task stream. A memo of a pure function (plans are frozen
     and a function of their arguments), so that the systems compared on one scenario draw the
     stream once: sampling is ~10% of a run."""
-    sampler = _sampler(workload, seed, total_steps)
+    sampler = _sampler(workload, seed, total_steps, env_step)
     return tuple(sampler.sample_group(f"g{index}", size, batch))

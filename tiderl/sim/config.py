@@ -26,9 +26,17 @@ class SimConfig:
     max_staleness: int = 1
     eval_every: int = 0  # steps; 0 = no evaluation
     eval_groups: int = 0
+    eval_group_size: int = 0  # tasks per evaluation group; 0 = group_size (paper Table 3: 4)
     rollout_ratio: float = 0.25  # initial (and, for fixed-split policies, permanent) share
     request_concurrency: int = 256  # per rollout GPU, request-level engines
     ctb_round_interval_s: float = 0.5  # simulated seconds between CTB rounds
+    # sync's framework switch between its engine and its trainer, paid each way every step
+    # (offload/onload, memory-saver pause/resume, group rebuild); docs/simulator.md
+    colocate_switch_s: float = 5.0
+    stream_tokens_per_rank: int = 2048  # stream's own micro-batch target (>16 per rank per step)
+    async_over_provision: float = 1.0  # async: extra APRIL oversampling on its staleness window
+    env_step_median_s: float = 0.0  # > 0: every environment's step latency median (the sweep)
+    env_step_sigma: float = 0.0  # > 0: every environment's step latency lognormal sigma
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
 
     def __post_init__(self) -> None:
@@ -38,8 +46,12 @@ class SimConfig:
             require_positive(getattr(self, name), name)
         require(self.batch_min_groups <= self.batch_groups, "batch_min_groups",
                 f"expected <= batch_groups ({self.batch_groups}), got {self.batch_min_groups}")
-        for name in ("max_staleness", "eval_every", "eval_groups"):
+        for name in ("max_staleness", "eval_every", "eval_groups", "eval_group_size",
+                     "colocate_switch_s", "env_step_median_s", "env_step_sigma"):
             require_non_negative(getattr(self, name), name)
+        require_positive(self.stream_tokens_per_rank, "stream_tokens_per_rank")
+        require(self.async_over_provision >= 1.0, "async_over_provision",
+                f"expected a number >= 1, got {self.async_over_provision!r}")
         require(0.0 < self.rollout_ratio < 1.0, "rollout_ratio",
                 f"expected a number in (0, 1), got {self.rollout_ratio!r}")
         for i, name in enumerate(self.policies):

@@ -38,7 +38,8 @@ def simulate_rollout_step(scenario: SimScenario, num_tasks: int, *, ctb: bool,
     requests (None: no cap). ``sampler``/``cost`` replace the scenario's (tests)."""
     loop = EventLoop()
     cost = cost or cost_model(scenario)
-    sampler = sampler or WorkloadSampler(scenario.workload, scenario.seed, scenario.steps)
+    sampler = sampler or WorkloadSampler(scenario.workload, scenario.seed, scenario.steps,
+                                         scenario.env_step)
     config = replace(scenario.ctb, policy="ctb") if ctb else replace(
         scenario.ctb, policy="request", request_concurrency=max(1, num_tasks))
     ready: list[SimGroup] = []

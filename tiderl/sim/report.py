@@ -53,3 +53,37 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_sweep_heatmap(result, path: Path) -> Path:
+    """One PNG: tiderl over async and async over sync on the environment grid (median x sigma)
+    of a :class:`tiderl.sim.sweep.SweepResult`, each cell annotated with its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tiderl.sim.sweep import heatmap_cells
+
+    keys = ("tiderl_over_async", "tiderl_over_sync", "async_over_sync")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4))
+    for ax, key in zip(axes, keys, strict=True):
+        medians, sigmas, values = heatmap_cells(result, key)
+        grid = [[float("nan") if v is None else v for v in row] for row in values]
+        image = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(medians)), [f"{m:g}" for m in medians])
+        ax.set_yticks(range(len(sigmas)), [f"{s:g}" for s in sigmas])
+        ax.set_xlabel("env step median (s)")
+        ax.set_ylabel("env step sigma")
+        ax.set_title(key.replace("_over_", " / "))
+        for i, row in enumerate(values):
+            for j, value in enumerate(row):
+                if value is not None:
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white")
+        fig.colorbar(image, ax=ax)
+    centre = result.centre
+    fig.suptitle(f"sweep, {result.grid.steps} steps: eta={centre['max_staleness']}, "
+                 f"colocate switch {centre['colocate_switch_s']:g} s", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)

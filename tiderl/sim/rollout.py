@@ -68,8 +68,16 @@ class SimGroup:
 
     @property
     def sequences(self) -> tuple[SeqRef, ...]:
-        """One training sequence per task, as the global buffer takes them."""
-        return tuple(SeqRef(p.task_id, trajectory_tokens(p)) for p in self.plans)
+        """The group's training sequences, as the global buffer takes them: one per segment of
+        each task (screenshot pruning splits a trajectory, paper App. C; a text task has one),
+        ids ``<task_id>#<k>`` (:func:`segment_id`)."""
+        return tuple(SeqRef(segment_id(p.task_id, k), n) for p in self.plans
+                     for k, n in enumerate(p.segment_tokens))
+
+    @property
+    def num_samples(self) -> int:
+        """GRPO samples: one per task, however many sequences its trajectory split into."""
+        return len(self.plans)
 
 
 def group_of(plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> Group:
@@ -77,6 +85,16 @@ def group_of(plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> Group:
     first footprint is probed, as on a real rollout rank)."""
     return Group(plans[0].group_id, tuple(Task(p.task_id, p.group_id, p.env, p.is_eval)
                                           for p in plans))
+
+
+def segment_id(task_id: str, k: int) -> str:
+    """The id of training sequence ``k`` of a task."""
+    return f"{task_id}#{k}"
+
+
+def task_of(seq_id: str) -> str:
+    """The task a training sequence belongs to (:func:`segment_id` read back)."""
+    return seq_id.rpartition("#")[0]
 
 
 def trajectory_tokens(plan: TaskPlan) -> int:

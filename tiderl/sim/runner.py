@@ -11,6 +11,7 @@ from tiderl.profile import Profile
 from tiderl.sim.cluster import simulate
 from tiderl.sim.experiments import ExperimentResult, run_experiment
 from tiderl.sim.scenario import SimScenario
+from tiderl.sim.sweep import SweepGrid, run_sweep
 
 
 def scenario_from_profile(profile: Profile) -> SimScenario:
@@ -49,3 +50,24 @@ def run_profile(profile: Profile, experiment: str | None = None,
     if name:
         return run_experiment(name, scenario)
     return compare_policies(scenario, policies or profile.sim.policies)
+
+
+SWEEP_PAPER = {"tiderl_over_sync": 5.6, "tiderl_over_async": 1.8, "tiderl_over_stream": 7.0,
+               "note": "paper Fig. 8 (7B, 100 steps); the sweep's runs are shorter"}
+
+
+def run_profile_sweep(profile: Profile, grid: SweepGrid | None = None) -> dict[str, Any]:
+    """The sweep around the profile's scenario: rows, the centre's ratios and each ratio's
+    range over the grid; ``result`` is the :class:`~tiderl.sim.sweep.SweepResult` itself."""
+    grid = grid or SweepGrid()
+    result = run_sweep(scenario_from_profile(profile), grid)
+    keys = ("tiderl_over_sync", "tiderl_over_async", "tiderl_over_stream", "async_over_sync")
+    centre = next((r for r in result.rows
+                   if all(r[k] == v for k, v in result.centre.items())), None)
+    headline: dict[str, Any] = {"steps": grid.steps, "centre": result.centre}
+    for key in keys:
+        values = [r[key] for r in result.rows if r[key] is not None]
+        headline[key] = {"centre": centre[key] if centre else None,
+                         "min": min(values, default=None), "max": max(values, default=None)}
+    return {"experiment": "sweep", "headline": headline, "paper": SWEEP_PAPER,
+            "rows": result.rows, "result": result}

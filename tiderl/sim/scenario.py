@@ -52,6 +52,16 @@ class SimScenario(SimConfig):
     def batch_min(self) -> int:
         return self.batch_min_groups * self.group_size
 
+    @property
+    def eval_size(self) -> int:
+        """Tasks per evaluation group."""
+        return self.eval_group_size or self.group_size
+
+    @property
+    def env_step(self) -> tuple[float, float]:
+        """The environment step latency override (median, sigma); zeros keep the workload's."""
+        return (self.env_step_median_s, self.env_step_sigma)
+
     def ers_config(self) -> ERSConfig:
         """``ers`` with its batch sizes taken from this scenario (samples)."""
         return replace(self.ers, batch_min=self.batch_min, batch_ideal=self.batch_ideal)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiderl.core.config import ConfigError, require, require_int, require_positive
 from tiderl.core.step_control import task_id
@@ -120,17 +120,40 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                      env_step_s=(3.0, 0.6), env_reset_s=(60.0, 0.7),
                      image_tokens=SCREENSHOT_TOKENS, image_window=(16, 8), turn_sigma=0.6,
                      reset_retry_p=0.02, max_new_tokens=512),
+        # The two phases of the shifting-bottleneck workload (assumptions, not paper tasks;
+        # docs/simulator-workloads.md): WebShop's task shape behind a slow, long-tailed tool
+        # (rollout-bound), then few turns over long documents with a fast tool (trainer-bound).
+        WorkloadSpec("webshop_slowenv", rounds=(8, 8), tokens=(3400, 3400), prompt_tokens=500,
+                     action_tokens=60, max_turns=20, context_cap=8192,
+                     env_step_s=(4.0, 1.2), env_reset_s=(0.2, 0.6)),
+        WorkloadSpec("longdoc", rounds=(4, 4), tokens=(14000, 14000), prompt_tokens=2000,
+                     action_tokens=60, max_turns=20, context_cap=16384,
+                     env_step_s=(0.05, 0.3), env_reset_s=(0.2, 0.6), obs_sigma=0.3),
     )
 }
 
+# A workload whose environment changes with training progress: (env, progress it runs up to).
+PHASED: dict[str, tuple[tuple[str, float], ...]] = {
+    "shifting": (("webshop_slowenv", 0.5), ("longdoc", 1.0)),
+}
+
+
+def phase_env(workload: str, progress: float) -> str:
+    """The environment a phased workload runs at ``progress`` (the last phase past the end)."""
+    phases = PHASED[workload]
+    return next((env for env, until in phases if progress < until), phases[-1][0])
+
 
 def workload_envs(workload: str) -> tuple[str, ...]:
-    """The environments of a workload name: one name, or a mix such as ``webshop+alfworld``."""
+    """The environments of a workload name: one name, a mix such as ``webshop+alfworld`` (one
+    environment per group), or a phased workload of :data:`PHASED` (its phases' environments)."""
+    if workload in PHASED:
+        return tuple(env for env, _ in PHASED[workload])
     envs = tuple(workload.split("+"))
     for env in envs:
         if env not in WORKLOADS:
-            raise ConfigError("workload", f"expected one of {', '.join(WORKLOADS)} or a "
-                              f"'+'-joined mix, got {workload!r}")
+            raise ConfigError("workload", f"expected one of {', '.join([*WORKLOADS, *PHASED])} "
+                              f"or a '+'-joined mix, got {workload!r}")
     return envs
 
 
@@ -283,6 +306,11 @@ def calibrate(spec: WorkloadSpec, progress: float) -> WorkloadShape:
 # ---- sampling ------------------------------------------------------------------------------------
 
 
+def _with_env_step(spec: WorkloadSpec, env_step_s: tuple[float, float]) -> WorkloadSpec:
+    median, sigma = env_step_s
+    return replace(spec, env_step_s=(median or spec.env_step_s[0], sigma or spec.env_step_s[1]))
+
+
 def _mean_one(rng: random.Random, sigma: float) -> float:
     """A lognormal multiplier with mean 1."""
     return math.exp(sigma * rng.gauss(0.0, 1.0) - 0.5 * sigma * sigma)
@@ -335,14 +363,18 @@ def _draw_turns(spec: WorkloadSpec, shape: WorkloadShape, rng: random.Random,
 
 
 class WorkloadSampler:
-    """Draws GRPO groups of task plans for a workload (one environment or a '+'-joined mix)."""
+    """Draws GRPO groups of task plans for a workload (one environment, a '+'-joined mix or a
+    phased workload); ``env_step_s`` (median, sigma) replaces every environment's step latency
+    (a zero keeps that part of each environment's own)."""
 
-    def __init__(self, workload: str, seed: int, total_steps: int):
+    def __init__(self, workload: str, seed: int, total_steps: int,
+                 env_step_s: tuple[float, float] = (0.0, 0.0)):
         require_int(total_steps, "total_steps", 1)
         self.workload = workload
         self.envs = workload_envs(workload)
         self.seed = seed
         self.total_steps = total_steps
+        self.specs = {env: _with_env_step(WORKLOADS[env], env_step_s) for env in self.envs}
         self._shapes: dict[tuple[str, int], WorkloadShape] = {}
 
     def progress(self, step: int) -> float:
@@ -352,7 +384,7 @@ class WorkloadSampler:
         """Solved parameters of ``env`` at ``step`` (cached per sampler)."""
         key = (env, step)
         if key not in self._shapes:
-            self._shapes[key] = calibrate(WORKLOADS[env], self.progress(step))
+            self._shapes[key] = calibrate(self.specs[env], self.progress(step))
         return self._shapes[key]
 
     def group_rng(self, group_id: str, step: int, is_eval: bool) -> random.Random:
@@ -364,8 +396,11 @@ class WorkloadSampler:
         """``size`` sibling tasks sharing one prompt; a function of (seed, group, step, is_eval)."""
         require_int(size, "size", 1)
         rng = self.group_rng(group_id, step, is_eval)
-        env = self.envs[rng.randrange(len(self.envs))]
-        spec, shape = WORKLOADS[env], self.shape(env, step)
+        if self.workload in PHASED:
+            env = phase_env(self.workload, self.progress(step))
+        else:
+            env = self.envs[rng.randrange(len(self.envs))]
+        spec, shape = self.specs[env], self.shape(env, step)
         sigma_group = spec.turn_sigma * math.sqrt(spec.group_share)
         sigma_task = spec.turn_sigma * math.sqrt(1.0 - spec.group_share)
         median = shape.turn_median * math.exp(sigma_group * rng.gauss(0.0, 1.0))
@@ -374,7 +409,7 @@ class WorkloadSampler:
 
     def max_new_tokens(self) -> int:
         """The largest generation cap among the workload's environments."""
-        return max(WORKLOADS[env].max_new_tokens for env in self.envs)
+        return max(self.specs[env].max_new_tokens for env in self.envs)
 
     def _sample_task(self, spec: WorkloadSpec, shape: WorkloadShape, rng: random.Random,
                      median: float, sigma: float, task_id: str, group_id: str,

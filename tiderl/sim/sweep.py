@@ -1,0 +1,91 @@
+"""A sweep of the calibration values the paper does not publish, around a scenario.
+
+    grid: env median x env sigma (the heat map, at the central staleness and switch cost)
+        + staleness bound eta, one value at a time at the central environment point
+        + sync's colocate switch, one value at a time at the central environment point
+    each point: sync, async (the scenario's split), stream, tiderl on the same task stream
+    out: one row per point (goodput per system, tiderl over each, async over sync)
+
+The environment's step latency is the one constant no source publishes for the text workloads
+(calibration §7); the staleness bound and the framework switch costs differ between the paper's
+frameworks. A point is a short run (``SweepGrid.steps``, 20 by default against the paper's 100):
+the ratios, not the absolute goodput, are what the sweep bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tiderl.sim.cluster import simulate
+from tiderl.sim.scenario import SYSTEMS, SimScenario
+
+SYSTEM_ORDER = ("sync", "async", "stream", "tiderl")
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    """The values swept; the central point is the scenario's own (its env latency, eta, switch)."""
+
+    steps: int = 20
+    env_median_s: tuple[float, ...] = (0.2, 1.0, 3.0)
+    env_sigma: tuple[float, ...] = (0.6, 1.0)
+    max_staleness: tuple[int, ...] = (2,)
+    colocate_switch_s: tuple[float, ...] = (0.0,)
+
+    def points(self, base: SimScenario) -> list[dict[str, float]]:
+        """The heat map's cells, then each other value of eta and the switch at the centre."""
+        centre = {"env_step_median_s": base.env_step_median_s,
+                  "env_step_sigma": base.env_step_sigma,
+                  "max_staleness": base.max_staleness,
+                  "colocate_switch_s": base.colocate_switch_s}
+        cells = [{**centre, "env_step_median_s": m, "env_step_sigma": s}
+                 for m in self.env_median_s for s in self.env_sigma]
+        cells += [{**centre, "max_staleness": eta} for eta in self.max_staleness
+                  if eta != base.max_staleness]
+        cells += [{**centre, "colocate_switch_s": c} for c in self.colocate_switch_s
+                  if c != base.colocate_switch_s]
+        return cells
+
+
+@dataclass
+class SweepResult:
+    grid: SweepGrid
+    centre: dict[str, float]
+    rows: list[dict[str, Any]]
+
+
+def run_sweep(base: SimScenario, grid: SweepGrid) -> SweepResult:
+    """Every point of ``grid`` around ``base`` (``base.steps`` is replaced by ``grid.steps``)."""
+    rows = [_point(replace(base, steps=grid.steps, **point), point)
+            for point in grid.points(base)]
+    centre = {"env_step_median_s": base.env_step_median_s, "env_step_sigma": base.env_step_sigma,
+              "max_staleness": base.max_staleness, "colocate_switch_s": base.colocate_switch_s}
+    return SweepResult(grid, centre, rows)
+
+
+def _point(scenario: SimScenario, point: dict[str, float]) -> dict[str, Any]:
+    goodput = {name: simulate(SYSTEMS[name], scenario).goodput_tok_s for name in SYSTEM_ORDER}
+    row: dict[str, Any] = dict(point)
+    row.update({f"{name}_tok_s": round(value, 1) for name, value in goodput.items()})
+    for name in ("sync", "async", "stream"):
+        row[f"tiderl_over_{name}"] = _ratio(goodput["tiderl"], goodput[name])
+    row["async_over_sync"] = _ratio(goodput["async"], goodput["sync"])
+    return row
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def heatmap_cells(result: SweepResult, key: str) -> tuple[list[float], list[float],
+                                                          list[list[float | None]]]:
+    """(env medians, env sigmas, values[sigma][median]) of ``key`` over the heat map's cells
+    (the rows at the central staleness and switch cost)."""
+    centre = result.centre
+    cells = [r for r in result.rows if r["max_staleness"] == centre["max_staleness"]
+             and r["colocate_switch_s"] == centre["colocate_switch_s"]]
+    medians, sigmas = list(result.grid.env_median_s), list(result.grid.env_sigma)
+    values = [[next((r[key] for r in cells if r["env_step_median_s"] == m
+                     and r["env_step_sigma"] == s), None) for m in medians] for s in sigmas]
+    return medians, sigmas, values

@@ -79,6 +79,8 @@ from tiderl.trainer.checkpoint import save_checkpoint
 from tiderl.trainer.executors import (
     ColocatedExecutor,
     DecoupledExecutor,
+    StepData,
+    StepResult,
     StreamedStep,
     phase_times,
 )
@@ -386,10 +388,7 @@ class RankDaemon:
     # -- trainer ---------------------------------------------------------------------------------
 
     def _feed(self, msg: MicroBatchData) -> None:
-        samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
-                               tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
-        mb = MicroBatch(msg.mb_id, tuple(SeqRef(s.seq_id, s.num_tokens) for s in samples))
-        self.streams.setdefault(msg.step, StreamedStep()).add(mb, samples)
+        self.streams.setdefault(msg.step, StreamedStep()).add(*micro_batch_of(msg))
 
     async def _run_commands(self) -> None:
         while True:
@@ -424,15 +423,10 @@ class RankDaemon:
         self.streams.pop(cmd.step, None)
         if result.step is not None:
             self.version = result.step.version
-        means = result.loss.means()
+        done = step_done(self.rank, cmd.step, result, stream, self.version)
         log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
-                 result.mode.value, stream.num_loss_tokens, means.get("loss", 0.0),
-                 result.seconds)
-        self._send(StepDone(
-            rank=self.rank, step=cmd.step, version=self.version, mode=result.mode.value,
-            loss=float(means.get("loss", 0.0)), loss_tokens=int(stream.num_loss_tokens),
-            grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
-            stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)}))
+                 done.mode, done.loss_tokens, done.loss, done.seconds)
+        self._send(done)
 
     def _executor(self, cmd: TrainStep) -> DecoupledExecutor | ColocatedExecutor | None:
         """This rank's executor of the step's mode; None when it is not in the step's ranks."""
@@ -450,13 +444,14 @@ class RankDaemon:
         if self.rank not in cmd.ref_ranks and self.rank not in cmd.actor_ranks:
             return None
         is_ref = self.rank in cmd.ref_ranks
-        if is_ref:
+        use_ref = self.profile.trainer.kl_beta > 0  # no KL term: no Ref pass at all
+        if is_ref and use_ref:
             self._make_ref()
         group = self._group(tuple(cmd.actor_ranks)) if not is_ref else None
         return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
-                                 ref=self.ref if is_ref else None,
+                                 ref=self.ref if is_ref and use_ref else None,
                                  actor=None if is_ref else self.actor,
-                                 actor_group=group, device=self.device)
+                                 actor_group=group, device=self.device, use_ref=use_ref)
 
     # -- the boundary ----------------------------------------------------------------------------
 
@@ -540,6 +535,27 @@ class RankDaemon:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+def micro_batch_of(msg: MicroBatchData) -> tuple[MicroBatch, list[TrainSample]]:
+    """A micro-batch as it came on the bus, as the executors take it."""
+    samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
+                           tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
+    return MicroBatch(msg.mb_id, tuple(SeqRef(s.seq_id, s.num_tokens) for s in samples)), samples
+
+
+def step_done(rank: int, step: int, result: StepResult, data: StepData,
+              version: int | None = None) -> StepDone:
+    """What a trainer rank reports for its share of a step. ``loss_tokens``: the step's trained
+    (loss-mask) tokens over all its micro-batches and ranks, the same on every trainer rank."""
+    means = result.loss.means()
+    if version is None:
+        version = result.step.version if result.step is not None else 0
+    return StepDone(
+        rank=rank, step=step, version=version, mode=result.mode.value,
+        loss=float(means.get("loss", 0.0)), loss_tokens=int(data.num_loss_tokens),
+        grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
+        stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)})
+
 
 def _ranks_with(roles: list[Role], role: Role, is_sync: bool) -> tuple[int, ...]:
     if is_sync:

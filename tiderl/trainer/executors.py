@@ -228,18 +228,25 @@ def _reduce_loss(stats: LossStats, group: dist.ProcessGroup | None) -> LossStats
 class DecoupledExecutor:
     """One rank of the decoupled layout: ``ref`` on the ranks in ``ref_ranks``, ``actor`` on the
     ranks in ``actor_ranks`` (global ranks; ``actor_group`` is the actor ranks' process group).
-    Actor rank ``actor_ranks[i]`` gets its ref logprobs from ``ref_ranks[i % len(ref_ranks)]``."""
+    Actor rank ``actor_ranks[i]`` gets its ref logprobs from ``ref_ranks[i % len(ref_ranks)]``.
+
+    ``use_ref=False`` (``kl_beta`` 0: the loss has no KL term) skips the Ref model: a Ref rank
+    has no worker and returns at once, an actor waits for no ref logprobs."""
 
     mode = StepMode.DECOUPLED
 
     def __init__(self, rank: int, ref_ranks: list[int], actor_ranks: list[int], *,
                  ref: RefWorker | None = None, actor: ActorWorker | None = None,
-                 actor_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+                 actor_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                 use_ref: bool = True):
         if (rank in ref_ranks) == (rank in actor_ranks):
             raise ValueError(f"rank {rank} must be exactly one of ref {ref_ranks} / actor "
                              f"{actor_ranks} in the decoupled layout")
-        if (ref is None) == (rank in ref_ranks) or (actor is None) == (rank in actor_ranks):
+        is_ref = rank in ref_ranks
+        if ((ref is not None) != (is_ref and use_ref)
+                or (actor is None) == (rank in actor_ranks)):
             raise ValueError(f"rank {rank}: give the worker of its role and only that one")
+        self.use_ref = use_ref
         self.rank = rank
         self.ref_ranks = list(ref_ranks)
         self.actor_ranks = list(actor_ranks)
@@ -256,7 +263,9 @@ class DecoupledExecutor:
 
     def run_step(self, step: StepData, arrivals: Arrivals, origin: float) -> StepResult:
         self.timeline.start_step(origin)
-        if self.ref is not None:
+        if self.actor is None:
+            if not self.use_ref:  # no KL: nothing for a Ref rank to compute
+                return StepResult(self.mode, 0.0, LossStats(), None)
             return self._run_ref(step, arrivals)
         return self._run_actor(step, arrivals)
 
@@ -286,12 +295,16 @@ class DecoupledExecutor:
         seq_ids: list[str] = []
         for index, mb in enumerate(_arrived(step, arrivals, self.timeline)):
             batch = pack(_shares(step, self.dispatch(mb))[me], self.device)
-            ref_logprobs = torch.empty(batch.input_ids.shape, device=self.device)
-            pending_recv = dist.irecv(ref_logprobs, src=src, tag=mb.mb_id)
+            ref_logprobs = pending_recv = None
+            if self.use_ref:
+                ref_logprobs = torch.empty(batch.input_ids.shape, device=self.device)
+                pending_recv = dist.irecv(ref_logprobs, src=src, tag=mb.mb_id)
+            sync = self.actor.reduces_in_backward and arrivals.is_last(index)
             with self.timeline.span("actor_forward", (mb.mb_id,)):
-                pending = self.actor.forward(batch, sync=arrivals.is_last(index))
-            with self.timeline.span("wait_ref", (mb.mb_id,)):
-                pending_recv.wait()
+                pending = self.actor.forward(batch, sync=sync)
+            if pending_recv is not None:
+                with self.timeline.span("wait_ref", (mb.mb_id,)):
+                    pending_recv.wait()
             with self.timeline.span("actor_backward", (mb.mb_id,)):
                 stats += self.actor.backward(pending, ref_logprobs)
             seq_ids += batch.seq_ids
@@ -313,6 +326,8 @@ class ColocatedExecutor:
                  device: torch.device | str = "cpu"):
         if max_aggregate < 0:
             raise ValueError(f"max_aggregate must be >= 0 (0: no bound), got {max_aggregate}")
+        if actor.config.kl_beta == 0:
+            ref = None  # the loss has no KL term: no Ref pass
         self.ref, self.actor = ref, actor
         self.max_aggregate = max_aggregate
         self.group = group
@@ -385,7 +400,9 @@ class ColocatedExecutor:
         self._swap_to("actor")
         seq_ids: list[str] = []
         for offset, (mb, batch) in enumerate(zip(group, batches, strict=True)):
-            sync = arrivals.is_last(index + offset)
+            # only a backend that reduces in backward waits here for the next micro-batch (or
+            # the step's close) to learn whether this one is the last
+            sync = self.actor.reduces_in_backward and arrivals.is_last(index + offset)
             with self.timeline.span("actor_forward", (mb.mb_id,)):
                 pending = self.actor.forward(batch, sync=sync)
             with self.timeline.span("actor_backward", (mb.mb_id,)):

@@ -252,9 +252,14 @@ class MegatronBackend:
         # the convention (out[:, 0] = 0, masked positions 0) stays defined in one place.
         return token_logprobs(self._logits, input_ids, loss_mask)  # type: ignore[arg-type]
 
+    reduces_in_backward = True
+
     def grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         no_sync = getattr(self.module, "no_sync", None)
         return contextlib.nullcontext() if enabled or no_sync is None else no_sync()
+
+    def reduce_gradients(self) -> None:
+        pass  # torch DDP reduced them in the step's last backward
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return mcore_to_hf(mcore_weights(self.gpt), self.config)

@@ -5,7 +5,12 @@ A backend owns the model of one worker on the ranks of its process group. The wo
 - ``logprobs(input_ids, loss_mask)``: per-token logprobs of the next token (differentiable for a
   trainable backend), ``[B, T]`` as :func:`tiderl.models.qwen2.token_logprobs` defines them;
 - ``grad_sync(enabled)``: a context in which backward accumulates locally (``enabled=False``:
-  DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``) or reduces across the group;
+  FSDP2 ``set_requires_gradient_sync(False)``) or reduces across the group;
+- ``reduces_in_backward``: whether the step's last backward reduces the gradients (FSDP2,
+  Megatron), so the caller must know at forward time which micro-batch is the last; the DDP
+  backend accumulates every micro-batch locally and ``reduce_gradients()`` all-reduces them once,
+  in one flat buffer, before the optimizer step (nothing to wait for while data streams in);
+- ``reduce_gradients()``: that reduction (a no-op for a backend that reduces in backward);
 - ``full_state_dict()`` / ``load_full_state_dict()``: whole tensors under HF names (a collective
   for FSDP2: every rank of the group must call it);
 - ``parameters()`` for the optimizer, ``module`` for checkpoints.
@@ -36,7 +41,12 @@ class TrainBackend(Protocol):
 
     def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor: ...
 
+    @property
+    def reduces_in_backward(self) -> bool: ...
+
     def grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager: ...
+
+    def reduce_gradients(self) -> None: ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
@@ -58,18 +68,31 @@ class _DenseBackend:
         self.module = module
         self.group = group
 
+    reduces_in_backward = True
+
     def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         return token_logprobs(self.module, input_ids, loss_mask)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def reduce_gradients(self) -> None:
+        pass
+
 
 class DDPBackend(_DenseBackend):
     """``DistributedDataParallel`` over the group; a frozen (ref) model is not wrapped, since it
-    has no gradients to reduce."""
+    has no gradients to reduce.
+
+    Every backward runs under ``no_sync``: the gradients of a step's micro-batches accumulate
+    locally and ``reduce_gradients`` averages them over the group in one flat all-reduce (none
+    on a group of one). DDP's own reduction in the last backward would need the forward to know
+    that its micro-batch is the step's last, i.e. wait for the next one to arrive or the step to
+    close, so a streamed step could not train a micro-batch while the next was still on its way.
+    DDP still broadcasts rank 0's weights when it wraps the model."""
 
     name = "ddp"
+    reduces_in_backward = False
 
     def __init__(self, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None,
                  trainable: bool):
@@ -81,8 +104,26 @@ class DDPBackend(_DenseBackend):
         super().__init__(model, module, group)
 
     def grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        del enabled  # always local: reduce_gradients reduces once per step
         no_sync = getattr(self.module, "no_sync", None)
-        return contextlib.nullcontext() if enabled or no_sync is None else no_sync()
+        return contextlib.nullcontext() if no_sync is None else no_sync()
+
+    def reduce_gradients(self) -> None:
+        size = group_size(self.group)
+        if size == 1:
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for param in params:  # a rank that trained nothing joins with zeros
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(size)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The live tensors (no copy): sync or save them before the next optimizer step."""

@@ -75,9 +75,17 @@ class ActorWorker:
         self.optimizer = torch.optim.AdamW(backend.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
 
+    @property
+    def reduces_in_backward(self) -> bool:
+        """Whether the step's last backward reduces the gradients, so ``forward`` must be told
+        which micro-batch is the last (FSDP2, Megatron); the DDP backend reduces them in
+        ``optimizer_step`` and ignores ``sync``."""
+        return self.backend.reduces_in_backward
+
     def forward(self, batch: PackedBatch, *, sync: bool) -> PendingLoss:
         """Policy logprobs of ``batch``. ``sync``: this is the step's last backward on this
-        rank, where gradients are reduced across the group (DDP decides it at forward time)."""
+        rank, where a backend that ``reduces_in_backward`` reduces gradients across the group
+        (decided at forward time)."""
         with self.backend.grad_sync(sync):
             logprobs = self.backend.logprobs(batch.input_ids, batch.loss_mask)
         return PendingLoss(batch, logprobs, sync)
@@ -101,6 +109,7 @@ class ActorWorker:
         """Normalise the accumulated gradients by the step's loss tokens, clip and step.
 
         The group reduction averaged the ranks' sums, so the scale is ``group_size / N``."""
+        self.backend.reduce_gradients()
         scale = group_size(self.backend.group) / max(global_loss_tokens, 1)
         params = [p for p in self.backend.parameters() if p.grad is not None]
         with torch.no_grad():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from tiderl.core.step_control import initial_roles as launch_roles
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
+from tiderl.launch.affinity import SPREAD
 from tiderl.launch.hosts import Hosts, HostsError
 from tiderl.profile import Profile
 
@@ -38,6 +39,7 @@ class ProcessSpec:
     role: Role | None = None
     device: str | None = None
     threads: int | None = None
+    cpu_slot: tuple[int, int] | None = None  # (i, n): pinned to the i-th of n core sets
     argv: tuple[str, ...] = ()  # empty until the endpoints are known
     env: dict[str, str] = field(default_factory=dict)  # added to the node's environment
     run_dir: str = ""
@@ -97,9 +99,21 @@ def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
     if spec.kind == "coordinator":
         return (*head, "--port", ports["bus"], "--pub-port", ports["pub"],
                 "--metrics-port", ports["metrics"])
+    pin = ("--cpu-slot", f"{spec.cpu_slot[0]}/{spec.cpu_slot[1]}") if spec.cpu_slot else ()
     return (*head, "--rank", str(spec.rank), "--bus", ep.bus,
             "--dist", f"tcp://{ep.dist_host}:{ports['dist']}", "--env-url", ep.env_url,
-            "--device", spec.device or "cpu", "--threads", str(spec.threads or 1))
+            "--device", spec.device or "cpu", "--threads", str(spec.threads or 1), *pin)
+
+
+def _cpu_slots(profile: Profile, rank_hosts: list[str]) -> list[tuple[int, int] | None]:
+    """Each rank's core-set slot on its node under ``runtime.cpu_affinity`` (None: unpinned):
+    ``spread`` numbers the ranks of each node 0..n-1 (tiderl/launch/affinity.py)."""
+    if profile.runtime.cpu_affinity != SPREAD:
+        return [None] * len(rank_hosts)
+    slots = []
+    for i, host in enumerate(rank_hosts):
+        slots.append((rank_hosts[:i].count(host), rank_hosts.count(host)))
+    return slots
 
 
 def _rank_env(spec: ProcessSpec) -> dict[str, str]:
@@ -115,11 +129,12 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
     if not profile.env.url:
         processes.append(ProcessSpec(name="env", kind="env"))
     processes.append(ProcessSpec(name="coordinator", kind="coordinator"))
+    slots = _cpu_slots(profile, [LOCAL_HOST] * rt.num_ranks)
     for rank, role in enumerate(initial_roles(profile)):
         device = f"cuda:{rank}" if rt.device == "cuda" else "cpu"
         threads = rt.threads_per_rank if rt.device == "cpu" else None
         processes.append(ProcessSpec(name=f"rank{rank}", kind="rank", rank=rank, role=role,
-                                     device=device, threads=threads))
+                                     device=device, threads=threads, cpu_slot=slots[rank]))
     if python is None or run_dir is None or ep is None:
         return LaunchPlan(processes=tuple(processes))
     return LaunchPlan(tuple(replace(p, argv=daemon_command(p, python, run_dir, ep),
@@ -173,12 +188,14 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
     if env_node is not None:
         specs.append(ProcessSpec(name="env", kind="env", host=env_node))
     specs.append(ProcessSpec(name="coordinator", kind="coordinator", host=hosts.coordinator))
+    cpu_slots = _cpu_slots(profile, rank_nodes)
     for rank, role in enumerate(initial_roles(profile)):
         node, index = slots[rank]
         cuda = rt.device == "cuda"
         specs.append(ProcessSpec(name=f"rank{rank}", kind="rank", host=node.name, rank=rank,
                                  role=role, device=f"cuda:{index}" if cuda else "cpu",
-                                 threads=None if cuda else rt.threads_per_rank))
+                                 threads=None if cuda else rt.threads_per_rank,
+                                 cpu_slot=cpu_slots[rank]))
     processes = []
     for spec in specs:
         node = hosts.node(spec.host)

@@ -4,6 +4,7 @@
     python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q [--metrics-port M]
     python -m tiderl.runtime rank        --run-dir D --rank R --bus tcp://... --dist tcp://...
                                          --env-url http://... [--device cpu] [--threads 1]
+                                         [--cpu-slot I/N]
 
 Each reads the resolved profile and the bus keys from the run folder the launcher prepared.
 """
@@ -77,13 +78,15 @@ def _exporter(host: str, port: int) -> MetricsExporter | None:
 
 
 def _rank(args: argparse.Namespace) -> int:
+    from tiderl.launch.affinity import parse_slot
     from tiderl.runtime.rank import RankArgs, main
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
     main(RankArgs(rank=args.rank, world_size=len(roles), run_dir=args.run_dir, bus=args.bus,
                   dist_init=args.dist, env_url=args.env_url, role=roles[args.rank],
-                  device=args.device, threads=args.threads), profile, roles)
+                  device=args.device, threads=args.threads,
+                  cpu_slot=parse_slot(args.cpu_slot) if args.cpu_slot else None), profile, roles)
     return 0
 
 
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--env-url", required=True)
     rank.add_argument("--device", default="cpu")
     rank.add_argument("--threads", type=int, default=1)
+    rank.add_argument("--cpu-slot", default="",
+                      help="I/N: pin to the I-th of N shares of this process's cores "
+                           "(runtime.cpu_affinity: spread)")
     args = parser.parse_args(argv)
     name = args.daemon if args.daemon != "rank" else f"rank{args.rank}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

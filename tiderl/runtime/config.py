@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from tiderl.profile import Profile
 
 DEVICES = ("cpu", "cuda")
+CPU_AFFINITIES = ("none", "spread")  # see tiderl/launch/affinity.py
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class RuntimeConfig:
     rollout_ranks: int = 2  # initial split; ERS moves ranks in mode tiderl
     device: str = "cpu"
     threads_per_rank: int = 1
+    cpu_affinity: str = "none"  # none | spread: each rank pinned to its own cores
     steps: int = 20
     group_size: int = 8  # GRPO G
     max_staleness: int = 1  # versions
@@ -39,6 +41,7 @@ class RuntimeConfig:
         require_choice(self.mode, SYSTEM_CHOICES, "mode")
         object.__setattr__(self, "mode", System.parse(self.mode).value)
         require_choice(self.device, DEVICES, "device")
+        require_choice(self.cpu_affinity, CPU_AFFINITIES, "cpu_affinity")
         for name in ("num_ranks", "threads_per_rank", "steps", "group_size", "heartbeat_s",
                      "heartbeat_misses", "eval_groups", "collective_timeout_s"):
             require_positive(getattr(self, name), name)

@@ -46,6 +46,7 @@ from tiderl.engine.clients import EmbeddedClient
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import HTTPEnvClient
+from tiderl.launch.affinity import pin_to_slot
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
@@ -108,6 +109,7 @@ class RankArgs:
     role: Role
     device: str = "cpu"
     threads: int = 1
+    cpu_slot: tuple[int, int] | None = None  # (i, n): pin to the i-th of n core sets
 
 
 class RankDaemon:
@@ -570,6 +572,10 @@ def _turn_data(turn: Turn) -> TurnData:
 
 def main(args: RankArgs, profile: Profile, roles: list[Role]) -> None:
     """Run one rank to its Shutdown (``python -m tiderl.runtime rank``)."""
+    if args.cpu_slot is not None:  # first: torch's threads start on the pinned cores
+        cores = pin_to_slot(*args.cpu_slot)
+        log.info("rank %d pinned to cores %s (slot %d/%d)", args.rank,
+                 ",".join(map(str, cores)), *args.cpu_slot)
     daemon = RankDaemon(args, profile)
     daemon.setup(roles)
     try:

@@ -99,26 +99,33 @@ def test_a_cold_start_a_step_and_its_boundary_on_the_bus(tmp_path):
         assert admitted[0].pin and admitted[0].env == "guess"
         for rank in range(3):
             ranks.ack(rank, 0)
-        (step,) = of(TrainStep, ranks.drain(1))
-        assert (step.step, step.mode.value, step.actor_ranks) == (0, "colocated", [1])
+        assert not of(TrainStep, ranks.drain(1))  # step 0 waits for batch 0 and the loan back
         clock.now = 1.0
-        play_group(ranks, job, "g0")
-        got = ranks.drain(1)
-        (batch,) = of(MicroBatchData, got)
+        play_group(ranks, job, "g0")  # batch 0 is ready: rank 2 comes back (no update)
+        *_, restore = of(SyncWeights, ranks.drain(2))  # after the launch's
+        assert (restore.version, restore.roles, restore.joiners) == (
+            0, ["rollout", "actor", "actor"], [2])
+        for rank in range(3):
+            ranks.ack(rank, 0)
+        got = {rank: ranks.drain(rank) for rank in (1, 2)}
+        (step,) = of(TrainStep, got[1])
+        assert (step.step, step.mode.value, step.actor_ranks) == (0, "colocated", [1, 2])
+        (batch,) = of(MicroBatchData, got[1])
         assert [s.seq_id for s in batch.samples] == ["g0.0", "g0.1"]
         assert [s.advantage for s in batch.samples] == pytest.approx([1.0, -1.0], abs=1e-5)
-        assert of(StepClosed, got) == [StepClosed(seq=batch.seq + 1, step=0)]
+        assert of(StepClosed, got[1]) == [StepClosed(seq=batch.seq + 1, step=0)]
         clock.now = 2.0
-        ranks.send(1, StepDone(rank=1, step=0, version=1, mode="colocated", loss=0.25,
-                               loss_tokens=4, grad_norm=0.5, seconds=1.0,
-                               stats={"wait_s": 0.4, "t_ref": 0.1, "t_act_f": 0.1,
-                                      "t_act_b": 0.2, "t_swap": 0.0}))
+        for rank in (1, 2):
+            ranks.send(rank, StepDone(rank=rank, step=0, version=1, mode="colocated",
+                                      loss=0.25, loss_tokens=4, grad_norm=0.5, seconds=1.0,
+                                      stats={"wait_s": 0.05, "t_ref": 0.1, "t_act_f": 0.1,
+                                             "t_act_b": 0.2, "t_swap": 0.0}))
         (boundary,) = [m for m in of(SyncWeights, ranks.drain(2)) if m.version == 1]
-        assert (boundary.roles, boundary.joiners) == (["rollout", "actor", "actor"], [2])
+        assert (boundary.roles, boundary.joiners) == (["rollout", "actor", "actor"], [])
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
                  .splitlines()]
     assert (record["step"], record["trained_samples"], record["reward_mean"]) == (0, 2, 0.5)
-    assert (record["loss"], record["twt_s"], record["ers_reason"]) == (0.25, 0.4, "cold_start")
+    assert (record["loss"], record["ers_reason"], record["num_trainer"]) == (0.25, "phase_end", 2)
     moves = [(e["rank"], e["src"], e["dst"]) for e in events(tmp_path, "role_change")]
     assert moves == [(2, "actor", "rollout"), (2, "rollout", "actor")]
 

@@ -1,3 +1,5 @@
+from dataclasses import dataclass, field
+
 import pytest
 
 from tiderl.core.config import ConfigError
@@ -7,8 +9,12 @@ from tiderl.core.ers import (
     ERSInput,
     ERSPolicy,
     ERSState,
+    Trial,
     classify,
+    decoupled_break_even,
     elastic_batch_size,
+    num_eval_ranks,
+    plan_step,
 )
 from tiderl.core.ra2p import RA2PConfig, break_even_ras
 from tiderl.core.types import (
@@ -27,7 +33,10 @@ R, F, A = Role.ROLLOUT, Role.REF, Role.ACTOR  # F: reF
 ROLES = {"R": R, "F": F, "A": A, "I": Role.IDLE}
 GEN = PlanReason.GENERATION_DEFICIT
 CONS = PlanReason.CONSUMPTION_DEFICIT
+EVAL = PlanReason.EVALUATION
+TRIAL, REVERT = PlanReason.TRIAL, PlanReason.REVERT
 COL, DEC = Mode.COLOCATED, Mode.DECOUPLED
+TO_ROLLOUT, TO_TRAINER = Direction.TO_ROLLOUT, Direction.TO_TRAINER
 
 
 def roles(layout: str) -> tuple[Role, ...]:
@@ -35,7 +44,7 @@ def roles(layout: str) -> tuple[Role, ...]:
 
 
 def make_input(
-    layout: str,
+    layout: str | tuple[Role, ...],
     mode: Mode = COL,
     *,
     step: int = 5,
@@ -44,19 +53,45 @@ def make_input(
     tprm: float | None = None,
     hol: float = 0.0,
     volume: int = 0,
+    rollout_idle_frac: float = 0.0,
+    trainer_idle_frac: float = 0.0,
+    goodput: tuple[float, ...] = (),
+    phase_tasks: int = 0,
+    tasks_per_rank: float = 0.0,
+    is_phase_over: bool = False,
+    colocated_timings: Ra2pTimings | None = None,
 ) -> ERSInput:
     signals = ReadinessSignals(ras, tprm, hol, volume, volume * 100)
-    return ERSInput(step, is_eval, signals, 60.0, roles(layout), mode, T, NUM_MB)
+    layout = roles(layout) if isinstance(layout, str) else layout
+    return ERSInput(
+        step, is_eval, signals, 60.0, layout, mode, T, NUM_MB,
+        rollout_idle_frac=rollout_idle_frac, trainer_idle_frac=trainer_idle_frac,
+        goodput=goodput, phase_tasks=phase_tasks, tasks_per_rank=tasks_per_rank,
+        is_phase_over=is_phase_over, colocated_timings=colocated_timings,
+    )
 
 
-def starved(layout: str, mode: Mode = COL, **kw) -> ERSInput:
-    """Generation deficit: little ready, nothing at the start, no post-start gap seen."""
-    return make_input(layout, mode, ras=0, tprm=None, hol=0.0, volume=16, **kw)
+def starved(layout, mode: Mode = COL, *, trainer_idle_frac: float = 0.5, **kw) -> ERSInput:
+    """Generation deficit: little ready, nothing at the start, no post-start gap seen, and the
+    trainer waited for data half of the last step."""
+    return make_input(layout, mode, ras=0, tprm=None, hol=0.0, volume=16,
+                      trainer_idle_frac=trainer_idle_frac, **kw)
 
 
-def backlogged(layout: str, mode: Mode = COL, **kw) -> ERSInput:
+def backlogged(layout, mode: Mode = COL, *, ras: int = 0, **kw) -> ERSInput:
     """Consumption deficit: a full batch ready and its head older than tau·T_step (60 s)."""
-    return make_input(layout, mode, ras=0, tprm=None, hol=100.0, volume=64, **kw)
+    return make_input(layout, mode, ras=ras, tprm=None, hol=100.0, volume=64, **kw)
+
+
+def throttled(layout, mode: Mode = COL, **kw) -> ERSInput:
+    """Rollout idle half of the last step (a full staleness window) while the trainer did not
+    wait: a backlog although the buffer's head is young."""
+    return make_input(layout, mode, ras=0, tprm=None, hol=0.0, volume=16,
+                      rollout_idle_frac=0.5, **kw)
+
+
+def balanced(layout, mode: Mode = COL, **kw) -> ERSInput:
+    return make_input(layout, mode, ras=0, tprm=10.0, hol=1.0, volume=64, **kw)
 
 
 def plan(*changes: tuple[int, Role, Role], mode: Mode, batch: int, reason: PlanReason):
@@ -81,13 +116,88 @@ def test_cold_start_maximises_rollout():
     )
 
 
-def test_evaluation_maximises_rollout_down_to_the_trainer_minimum():
+def test_cold_start_ends_when_batch_0_is_ready_even_during_an_evaluation():
+    # The cold start's plan and the one at its end are both step 0's; ``is_phase_over`` (batch
+    # 0 is ready) brings the lent ranks back before step 0 trains, evaluation or not.
+    for is_eval in (False, True):
+        policy = ERSPolicy()
+        launch = policy.plan(make_input("RRRRFAAA", DEC, step=0, is_eval=is_eval))
+        assert launch.reason is PlanReason.COLD_START
+        layout = apply(roles("RRRRFAAA"), launch)
+        assert policy.state == ERSState(saved_roles=roles("RRRRFAAA"), saved_mode=DEC)
+        end = policy.plan(make_input(layout, COL, step=0, is_eval=is_eval, volume=64,
+                                     is_phase_over=True))
+        assert end == plan((4, R, F), (6, R, A), (7, R, A), mode=DEC, batch=64,
+                           reason=PlanReason.PHASE_END)
+        assert policy.state == ERSState()
+
+
+def test_cold_start_at_launch_is_undone_for_the_next_step():
+    policy = ERSPolicy()
+    launch = policy.plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
+    assert launch.reason is PlanReason.COLD_START
+    layout = apply(roles("RRRRFAAA"), launch)
+    assert layout == roles("RRRRRARR")
+    first = policy.plan(balanced(layout, COL, step=1))
+    assert first == plan((4, R, F), (6, R, A), (7, R, A), mode=DEC, batch=64,
+                         reason=PlanReason.PHASE_END)
+    assert apply(layout, first) == roles("RRRRFAAA")
+
+
+@pytest.mark.parametrize(
+    "phase_tasks, tasks_per_rank, expected",
+    [(400, 150.0, 3), (450, 150.0, 3), (451, 150.0, 4), (0, 150.0, 1), (400, 0.0, 1)],
+)
+def test_num_eval_ranks_is_the_ranks_the_tasks_fill(phase_tasks, tasks_per_rank, expected):
+    inp = make_input("RRAAAAAA", is_eval=True, phase_tasks=phase_tasks,
+                     tasks_per_rank=tasks_per_rank)
+    assert num_eval_ranks(inp, None) == expected
+
+
+def test_num_eval_ranks_counts_the_ranks_already_lent():
+    saved = roles("RRFAAAAA")
+    lent = make_input("RRRAARRR", is_eval=True, phase_tasks=400, tasks_per_rank=150.0)
+    assert num_eval_ranks(lent, saved) == 0  # ranks 2 (its Ref), 5, 6, 7: 4 lent, 3 wanted
+    more = make_input("RRAAARRR", is_eval=True, phase_tasks=600, tasks_per_rank=150.0)
+    assert num_eval_ranks(more, saved) == 1
+
+
+def test_evaluation_lends_as_many_ranks_as_its_tasks_fill():
+    policy = ERSPolicy()
+    first = policy.plan(make_input("RRAAAAAA", is_eval=True, volume=64, phase_tasks=400,
+                                   tasks_per_rank=150.0))
+    assert first == plan((7, A, R), (6, A, R), (5, A, R), mode=COL, batch=64, reason=EVAL)
+    assert policy.state == ERSState(saved_roles=roles("RRAAAAAA"), saved_mode=COL)
+    # the same tasks: the lent ranks already hold them
+    held = policy.plan(make_input("RRAAARRR", is_eval=True, volume=64, phase_tasks=400,
+                                  tasks_per_rank=150.0))
+    assert held == plan(mode=COL, batch=64, reason=EVAL)
+    # more unfinished tasks than the lent ranks hold: one more rank
+    grown = policy.plan(make_input("RRAAARRR", is_eval=True, volume=64, phase_tasks=600,
+                                   tasks_per_rank=150.0))
+    assert grown == plan((4, A, R), mode=COL, batch=64, reason=EVAL)
+    after = policy.plan(balanced("RRAARRRR"))
+    assert after == plan((4, R, A), (5, R, A), (6, R, A), (7, R, A), mode=COL, batch=64,
+                         reason=PlanReason.PHASE_END)
+    assert policy.state == ERSState()
+
+
+@pytest.mark.parametrize("phase_tasks, tasks_per_rank", [(0, 150.0), (400, 0.0)])
+def test_evaluation_without_known_tasks_lends_one_rank(phase_tasks, tasks_per_rank):
+    result = ERSPolicy().plan(make_input("RRRRAAAA", is_eval=True, volume=64,
+                                         phase_tasks=phase_tasks, tasks_per_rank=tasks_per_rank))
+    assert result == plan((7, A, R), mode=COL, batch=64, reason=EVAL)
+
+
+def test_evaluation_lends_down_to_the_trainer_minimum():
     policy = ERSPolicy(ERSConfig(min_trainer_ranks=2))
-    result = policy.plan(make_input("RRRRAAAA", is_eval=True, volume=64))
-    assert result == plan((7, A, R), (6, A, R), mode=COL, batch=64, reason=PlanReason.EVALUATION)
+    result = policy.plan(make_input("RRRRAAAA", is_eval=True, volume=64, phase_tasks=400,
+                                    tasks_per_rank=150.0))
+    assert result == plan((7, A, R), (6, A, R), mode=COL, batch=64, reason=EVAL)
     # at the minimum a Ref rank cannot leave; colocated mode turns it into an actor
-    result = policy.plan(make_input("RRAF", DEC, is_eval=True, volume=64))
-    assert result == plan((3, F, A), mode=COL, batch=64, reason=PlanReason.EVALUATION)
+    result = ERSPolicy(ERSConfig(min_trainer_ranks=2)).plan(
+        make_input("RRAF", DEC, is_eval=True, volume=64))
+    assert result == plan((3, F, A), mode=COL, batch=64, reason=EVAL)
 
 
 def test_idle_ranks_never_move():
@@ -106,20 +216,73 @@ def test_generation_deficit_releases_ref_ranks_then_actors():
     assert second == plan((7, A, R), mode=COL, batch=64, reason=GEN)
 
 
-def test_consumption_deficit_by_hol_provisions_a_ref_rank_then_actors():
+def test_generation_deficit_needs_a_starved_trainer():
+    # the trainer waited exactly max_idle_trainer (0.1) of the last step: not starved
+    not_starved = starved("RRRRRAAA", trainer_idle_frac=0.1)
+    assert ERSPolicy().plan(not_starved) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+    just_starved = starved("RRRRRAAA", trainer_idle_frac=0.11)
+    assert ERSPolicy().plan(just_starved) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+
+
+def test_an_empty_boundary_with_a_busy_trainer_is_no_generation_deficit():
+    # Tasks wait on their environments, rollout ranks stay busy, a streaming trainer takes every
+    # micro-batch as it comes: the buffer is empty at every boundary but the trainer never
+    # waits. That is no generation deficit, step after step.
+    policy = ERSPolicy()
+    for step in range(5, 10):
+        env_wait = make_input("RRRRFAAA", DEC, step=step, volume=0, rollout_idle_frac=0.0,
+                              trainer_idle_frac=0.0)
+        assert policy.plan(env_wait) == plan(mode=DEC, batch=64, reason=PlanReason.BALANCED)
+    assert policy.state == ERSState()
+
+
+def test_consumption_deficit_by_hol_joins_an_actor_while_colocated_is_cheaper():
+    # RAS 0 < break-even 16 (no TPRM: one gap of T_step): RA2P prefers colocated, so the joining
+    # rank is an actor and an existing Ref rank becomes one too
+    assert decoupled_break_even(backlogged("RRRRAA"), RA2PConfig()) == 16
     policy = ERSPolicy()
     first = policy.plan(backlogged("RRRRAA"))
+    assert first == plan((3, R, A), mode=COL, batch=64, reason=CONS)
+    second = policy.plan(backlogged("RRRFAA", DEC))
+    assert second == plan((2, R, A), (3, F, A), mode=COL, batch=64, reason=CONS)
+
+
+def test_consumption_deficit_by_hol_at_the_break_even_provisions_a_ref_rank_then_actors():
+    policy = ERSPolicy()
+    first = policy.plan(backlogged("RRRRAA", ras=16))
     assert first == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
+    second = policy.plan(backlogged("RRRFAA", DEC, ras=16))
+    assert second == plan((2, R, A), mode=DEC, batch=64, reason=CONS)
+
+
+def test_fixed_decoupled_mode_provisions_a_ref_rank_below_the_break_even():
+    policy = ERSPolicy(ra2p=RA2PConfig(mode="decoupled"))
+    assert policy.plan(backlogged("RRRRAA")) == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
     second = policy.plan(backlogged("RRRFAA", DEC))
     assert second == plan((2, R, A), mode=DEC, batch=64, reason=CONS)
+
+
+def test_colocated_timings_set_the_break_even():
+    # TPRM 10 s: with the decoupled layout's timings for both sides decoupled needs RAS 11; the
+    # colocated layout's own timings (5 s swaps) make colocated dear, and decoupled wins at 0
+    dear_swaps = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=5.0)
+    same = make_input("RRRRAA", ras=0, tprm=10.0, hol=100.0, volume=64)
+    own = make_input("RRRRAA", ras=0, tprm=10.0, hol=100.0, volume=64,
+                     colocated_timings=dear_swaps)
+    assert decoupled_break_even(same, RA2PConfig()) == 11
+    assert decoupled_break_even(own, RA2PConfig()) == 0
+    assert ERSPolicy().plan(same) == plan((3, R, A), mode=COL, batch=64, reason=CONS)
+    assert ERSPolicy().plan(own) == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
 
 
 def test_consumption_deficit_by_ras_at_the_break_even():
     assert break_even_ras(NUM_MB, 10.0, T, 2, 8) == 11  # long TPRM: decoupled needs a backlog
     at_break_even = make_input("RRRRAA", ras=11, tprm=10.0, hol=1.0, volume=40)
     assert ERSPolicy().plan(at_break_even) == plan((3, R, F), mode=DEC, batch=40, reason=CONS)
-    below = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40)
+    below = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40, trainer_idle_frac=0.5)
     assert ERSPolicy().plan(below) == plan((5, A, R), mode=COL, batch=64, reason=GEN)
+    fed = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40, trainer_idle_frac=0.0)
+    assert ERSPolicy().plan(fed) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
 
 
 def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
@@ -142,37 +305,56 @@ def test_ras_at_the_break_even_without_a_backlog_only_provisions_the_ref_rank():
     assert ERSPolicy().plan(paced) == plan(mode=DEC, batch=64, reason=CONS)
 
 
-def test_idle_rollout_is_no_generation_deficit():
-    # the same starved buffer, but rollout sat idle half of the last step (throttled): more
-    # rollout ranks would not produce more, so nothing moves to rollout
-    idle = ERSInput(5, False, ReadinessSignals(0, None, 0.0, 16, 0), 60.0, roles("RRRRFAAA"),
-                    DEC, T, NUM_MB, rollout_idle_frac=0.5)
-    result = ERSPolicy().plan(idle)
-    assert result.reason is not GEN and result.changes == ()
-    busy = ERSInput(5, False, ReadinessSignals(0, None, 0.0, 16, 0), 60.0, roles("RRRRFAAA"),
-                    DEC, T, NUM_MB, rollout_idle_frac=0.1)
-    assert ERSPolicy().plan(busy).reason is GEN
+def test_idle_rollout_with_a_waiting_trainer_moves_nothing():
+    # the same starved buffer, but rollout sat idle half of the last step: more rollout ranks
+    # would not produce more, and with the trainer waiting too there is no backlog either
+    idle = starved("RRRRFAAA", DEC, rollout_idle_frac=0.5, trainer_idle_frac=0.5)
+    assert classify(idle, ERSConfig(), RA2PConfig()) is PlanReason.BALANCED
+    assert ERSPolicy().plan(idle) == plan(mode=DEC, batch=64, reason=PlanReason.BALANCED)
+    busy = starved("RRRRFAAA", DEC, rollout_idle_frac=0.1, trainer_idle_frac=0.5)
+    assert ERSPolicy().plan(busy) == plan((4, F, R), mode=COL, batch=64, reason=GEN)
+
+
+def test_idle_rollout_with_a_busy_trainer_is_a_backlog():
+    # Rollout ranks idle on a full staleness window while the trainer never waited: the trainer
+    # is the bottleneck. RAS 0 < break-even 16: the joining rank is an actor, the Ref rank too.
+    expected = plan((3, R, A), (4, F, A), mode=COL, batch=32, reason=CONS)
+    assert ERSPolicy().plan(throttled("RRRRFAAA", DEC)) == expected
+    at_limit = throttled("RRRRFAAA", DEC, trainer_idle_frac=0.1)  # waited max_idle_trainer
+    assert ERSPolicy().plan(at_limit) == expected
+    # step 0 has no last step whose idle share could say so
+    launch = throttled("RRRRFAAA", DEC, step=0)
+    assert ERSPolicy(ERSConfig(cold_start_steps=0)).plan(launch) == plan(
+        mode=DEC, batch=64, reason=PlanReason.BALANCED)
 
 
 def test_balanced_keeps_everything():
-    balanced = make_input("RRRRAA", ras=0, tprm=10.0, hol=1.0, volume=64)
-    assert classify(balanced, ERSConfig(), RA2PConfig()) is PlanReason.BALANCED
-    assert ERSPolicy().plan(balanced) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+    inp = balanced("RRRRAA")
+    assert classify(inp, ERSConfig(), RA2PConfig()) is PlanReason.BALANCED
+    assert ERSPolicy().plan(inp) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
 
 
 def test_scale_up_is_bounded_per_step():
     inp = backlogged("RRRRRAA")
+    assert ERSPolicy().plan(inp) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
+    policy = ERSPolicy(ERSConfig(max_scale_up_per_step=2))
+    assert policy.plan(inp) == plan((4, R, A), (3, R, A), mode=COL, batch=64, reason=CONS)
+    inp = backlogged("RRRRRAA", ras=16)
     assert ERSPolicy().plan(inp) == plan((4, R, F), mode=DEC, batch=64, reason=CONS)
     policy = ERSPolicy(ERSConfig(max_scale_up_per_step=2))
     assert policy.plan(inp) == plan((4, R, F), (3, R, A), mode=DEC, batch=64, reason=CONS)
 
 
 def test_min_ranks_are_respected():
-    # no rollout rank to spare: an actor becomes the Ref rank if another actor remains
-    assert ERSPolicy().plan(backlogged("RAA")) == plan((2, A, F), mode=DEC, batch=64, reason=CONS)
-    assert ERSPolicy().plan(backlogged("RA")) == plan(mode=COL, batch=64, reason=CONS)
+    # no rollout rank to spare: an actor becomes the Ref rank if another actor remains, and
+    # only where decoupled is cheaper (RAS 16 >= break-even 16)
+    at_break_even = backlogged("RAA", ras=16)
+    assert ERSPolicy().plan(at_break_even) == plan((2, A, F), mode=DEC, batch=64, reason=CONS)
+    assert ERSPolicy().plan(backlogged("RAA")) == plan(mode=COL, batch=64, reason=CONS)
+    assert ERSPolicy().plan(backlogged("RA", ras=16)) == plan(mode=COL, batch=64, reason=CONS)
     policy = ERSPolicy(ERSConfig(min_rollout_ranks=3))
-    assert policy.plan(backlogged("RRRAA")) == plan((4, A, F), mode=DEC, batch=64, reason=CONS)
+    assert policy.plan(backlogged("RRRAA", ras=16)) == plan(
+        (4, A, F), mode=DEC, batch=64, reason=CONS)
     # the trainer keeps min_trainer_ranks and at least one actor
     assert ERSPolicy().plan(starved("RRRA")) == plan(mode=COL, batch=64, reason=GEN)
     policy = ERSPolicy(ERSConfig(min_trainer_ranks=2))
@@ -181,7 +363,10 @@ def test_min_ranks_are_respected():
 
 def test_fixed_colocated_mode_never_creates_ref_ranks():
     policy = ERSPolicy(ra2p=RA2PConfig(mode="colocated"))
-    assert policy.plan(backlogged("RRRAA")) == plan((2, R, A), mode=COL, batch=64, reason=CONS)
+    assert policy.plan(backlogged("RRRAA", ras=16)) == plan(
+        (2, R, A), mode=COL, batch=64, reason=CONS)
+    assert policy.plan(backlogged("RRRFA", DEC, ras=16)) == plan(
+        (2, R, A), (3, F, A), mode=COL, batch=64, reason=CONS)
 
 
 # --------------------------------------------------------------------------- batch size
@@ -222,8 +407,7 @@ def run_alternating(config: ERSConfig, num_steps: int = 20) -> list[ScalingPlan]
     layout, mode, plans = roles("RRRRRFAA"), DEC, []
     for step in range(num_steps):
         make = starved if step % 2 == 0 else backlogged
-        inp = make("", mode, step=step)
-        result = policy.plan(ERSInput(step, False, inp.signals, 60.0, layout, mode, T, NUM_MB))
+        result = policy.plan(make(layout, mode, step=step))
         layout, mode = apply(layout, result), result.mode
         plans.append(result)
     return plans
@@ -241,8 +425,11 @@ def test_alternating_signals_do_not_thrash():
 
 def test_without_hysteresis_the_same_signals_thrash():
     plans = run_alternating(ERSConfig(cold_start_steps=0, hysteresis_steps=1))
+    assert [p.changes for p in plans[:4]] == [
+        (RoleChange(5, F, R),), (RoleChange(5, R, A),), (RoleChange(7, A, R),),
+        (RoleChange(7, R, A),),
+    ]
     assert sum(len(p.changes) for p in plans) == 20
-    assert plans[1].changes == (RoleChange(5, R, F),)
 
 
 def test_reversal_after_consecutive_opposite_signals():
@@ -250,7 +437,7 @@ def test_reversal_after_consecutive_opposite_signals():
     assert policy.plan(starved("RRRRFAA", DEC)).changes == (RoleChange(4, F, R),)
     assert policy.plan(backlogged("RRRRRAA")).changes == ()
     assert policy.state == ERSState(Direction.TO_ROLLOUT, 1)
-    assert policy.plan(backlogged("RRRRRAA")).changes == (RoleChange(4, R, F),)
+    assert policy.plan(backlogged("RRRRRAA")).changes == (RoleChange(4, R, A),)
     assert policy.state == ERSState(Direction.TO_TRAINER, 0)
 
 
@@ -258,34 +445,175 @@ def test_a_balanced_step_breaks_the_opposite_streak():
     policy = ERSPolicy(ERSConfig(hysteresis_steps=2))
     policy.plan(starved("RRRRFAA", DEC))
     policy.plan(backlogged("RRRRRAA"))
-    policy.plan(make_input("RRRRRAA", ras=0, tprm=10.0, hol=1.0, volume=64))  # balanced
-    assert policy.plan(backlogged("RRRRRAA")).changes == ()
+    policy.plan(balanced("RRRRRAA"))
+    assert policy.plan(backlogged("RRRRRAA")) == plan(mode=COL, batch=64, reason=CONS)
+    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1)
 
 
 def test_a_phase_is_undone_at_its_end_and_resets_hysteresis():
     policy = ERSPolicy(ERSConfig(hysteresis_steps=3))
     policy.plan(starved("RRRRFAA", DEC))  # -> RRRRRAA, direction: to rollout
     during = policy.plan(make_input("RRRRRAA", is_eval=True, volume=64))
-    assert during.changes == (RoleChange(6, A, R),)  # -> RRRRRAR
+    assert during == plan((6, A, R), mode=COL, batch=64, reason=EVAL)  # -> RRRRRAR
     again = policy.plan(make_input("RRRRRAR", is_eval=True, volume=64))  # still evaluating
-    assert again.changes == () and again.reason is PlanReason.EVALUATION
+    assert again == plan(mode=COL, batch=64, reason=EVAL)
     after = policy.plan(backlogged("RRRRRAR"))
     assert after == plan((6, R, A), mode=COL, batch=64, reason=PlanReason.PHASE_END)
     assert policy.state == ERSState()
     # the phase cleared the memory of the move to rollout: the next signal acts at once
-    assert policy.plan(backlogged("RRRRRAA")).changes == (RoleChange(4, R, F),)
+    assert policy.plan(backlogged("RRRRRAA")) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
 
 
-def test_cold_start_at_launch_is_undone_for_the_next_step():
+# --------------------------------------------------------------------------- closed loop
+
+
+@dataclass
+class Loop:
+    """Plans one step after another, applies each plan, and records each step's goodput; the
+    step number is the length of the goodput history (steps 0 .. step - 1 ran)."""
+
+    policy: ERSPolicy
+    layout: tuple[Role, ...]
+    mode: Mode = COL
+    goodput: list[float] = field(default_factory=lambda: [10.0] * 5)
+
+    def step(self, make, goodput: float, **kw) -> ScalingPlan:
+        inp = make(self.layout, self.mode, step=len(self.goodput),
+                   goodput=tuple(self.goodput), **kw)
+        result = self.policy.plan(inp)
+        self.layout, self.mode = apply(self.layout, result), result.mode
+        self.goodput.append(goodput)
+        return result
+
+
+def reverted_once() -> Loop:
+    """Step 5 moves an actor to rollout; steps 5 and 6 train at 9 tok/s, below the 10 of the
+    four steps before: step 7 undoes the move and blocks that direction for steps 7-10."""
+    loop = Loop(ERSPolicy(), roles("RRRRRAAA"))
+    assert loop.step(starved, 9.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert loop.policy.state == ERSState(
+        TO_ROLLOUT, trial=Trial(TO_ROLLOUT, (RoleChange(7, A, R),), COL, 5, 10.0))
+    # step 6: the move is measured; no signal moves anything, not even the opposite deficit
+    assert loop.step(backlogged, 9.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    assert loop.step(starved, 10.0) == plan((7, R, A), mode=COL, batch=64, reason=REVERT)
+    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+    assert loop.layout == roles("RRRRRAAA")
+    return loop
+
+
+def test_a_move_that_does_not_raise_goodput_is_reverted_and_its_direction_blocked():
+    loop = reverted_once()
+    blocked = [loop.step(starved, 10.0) for _ in range(8, 11)]
+    assert blocked == [plan(mode=COL, batch=64, reason=GEN)] * 3
+    assert loop.step(starved, 10.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)  # step 11
+    assert loop.policy.state.trial == Trial(TO_ROLLOUT, (RoleChange(7, A, R),), COL, 11, 10.0)
+
+
+def test_a_blocked_direction_leaves_the_other_one_free():
+    loop = reverted_once()
+    assert loop.step(backlogged, 10.0) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
+    assert loop.policy.state == ERSState(
+        TO_TRAINER, trial=Trial(TO_TRAINER, (RoleChange(4, R, A),), COL, 8, 9.5),  # steps 4-7
+        blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+
+
+def reverted_twice() -> Loop:
+    """Past ``reverted_once``: step 11 moves again, steps 11 and 12 train at exactly the
+    baseline (not above it), so step 13 reverts and blocks for twice as long: steps 13-20."""
+    loop = reverted_once()
+    for _ in range(8, 11):
+        loop.step(starved, 10.0)
+    assert loop.step(starved, 10.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert loop.step(starved, 10.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    assert loop.step(starved, 10.0) == plan((7, R, A), mode=COL, batch=64, reason=REVERT)
+    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=21, block_steps=8)
+    return loop
+
+
+def test_a_second_revert_in_a_row_blocks_twice_as_long():
+    loop = reverted_twice()
+    blocked = [loop.step(starved, 10.0) for _ in range(14, 21)]
+    assert blocked == [plan(mode=COL, batch=64, reason=GEN)] * 7
+    assert loop.step(starved, 12.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)  # step 21
+
+
+def test_the_block_doubles_up_to_64_steps():
+    trial = Trial(TO_ROLLOUT, (RoleChange(7, A, R),), COL, 30, 10.0)
+    for block_steps in (48, 64):
+        state = ERSState(TO_ROLLOUT, trial=trial, blocked=TO_ROLLOUT, blocked_until=30,
+                         block_steps=block_steps)
+        inp = starved("RRRRRAAR", step=32, goodput=(10.0,) * 32)
+        result, state = plan_step(inp, state, ERSConfig(), RA2PConfig())
+        assert result == plan((7, R, A), mode=COL, batch=64, reason=REVERT)
+        assert state == ERSState(blocked=TO_ROLLOUT, blocked_until=96, block_steps=64)
+
+
+def test_a_move_that_raises_goodput_is_kept():
+    loop = Loop(ERSPolicy(), roles("RRRRRAAA"))
+    assert loop.step(starved, 12.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert loop.step(starved, 11.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    # step 7: 11.5 > 10; the judgement leaves the step to its signals
+    assert loop.step(balanced, 11.0) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+    assert loop.policy.state == ERSState(TO_ROLLOUT)
+    assert loop.layout == roles("RRRRRAAR")
+
+
+def test_a_kept_move_lifts_its_directions_block():
+    loop = reverted_twice()
+    for _ in range(14, 21):
+        loop.step(starved, 10.0)
+    loop.step(starved, 12.0)  # step 21: (7, A, R) on trial against the baseline 10
+    assert loop.step(starved, 12.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    # step 23: 12 > 10 keeps the move and lifts the block; the deficit moves the next actor at
+    # once, on trial against steps 19-22
+    assert loop.step(starved, 11.0) == plan((6, A, R), mode=COL, batch=64, reason=GEN)
+    assert loop.policy.state == ERSState(
+        TO_ROLLOUT, trial=Trial(TO_ROLLOUT, (RoleChange(6, A, R),), COL, 23, 11.0),
+        blocked_until=21)
+    assert loop.step(starved, 11.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    # step 25: 11 is not above 11; the block starts over at damp_steps
+    assert loop.step(starved, 11.0) == plan((6, R, A), mode=COL, batch=64, reason=REVERT)
+    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=29, block_steps=4)
+
+
+def test_a_revert_restores_the_mode_and_skips_ranks_that_moved_on():
+    loop = Loop(ERSPolicy(), roles("RRRRFAAA"), DEC)
+    moved = loop.step(throttled, 9.0)
+    assert moved == plan((3, R, A), (4, F, A), mode=COL, batch=32, reason=CONS)
+    assert loop.policy.state.trial == Trial(
+        TO_TRAINER, (RoleChange(3, R, A), RoleChange(4, F, A)), DEC, 5, 10.0)
+    assert loop.step(throttled, 9.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    loop.layout = roles("RRRIAAAA")  # rank 3 failed during the trial
+    assert loop.step(throttled, 9.0) == plan((4, A, F), mode=DEC, batch=64, reason=REVERT)
+    assert loop.policy.state == ERSState(blocked=TO_TRAINER, blocked_until=11, block_steps=4)
+    assert loop.step(throttled, 9.0) == plan(mode=DEC, batch=64, reason=CONS)  # blocked
+    assert loop.step(starved, 9.0) == plan((4, F, R), mode=COL, batch=64, reason=GEN)
+
+
+def test_a_move_is_not_on_trial_without_goodput_to_compare_with():
     policy = ERSPolicy()
-    launch = policy.plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
-    assert launch.reason is PlanReason.COLD_START
-    layout = apply(roles("RRRRFAAA"), launch)
-    assert layout == roles("RRRRRARR")
-    first = policy.plan(ERSInput(1, False, ReadinessSignals(0, 10.0, 1.0, 64, 0), 60.0, layout,
-                                 COL, T, NUM_MB))
-    assert first.reason is PlanReason.PHASE_END and first.mode is DEC
-    assert apply(layout, first) == roles("RRRRFAAA")
+    assert policy.plan(starved("RRRRRAAA")) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert policy.state == ERSState(TO_ROLLOUT)
+    policy = ERSPolicy(ERSConfig(trial_steps=0))
+    assert policy.plan(starved("RRRRRAAA", goodput=(10.0,) * 5)).changes == (
+        RoleChange(7, A, R),)
+    assert policy.state == ERSState(TO_ROLLOUT)
+    next_step = starved("RRRRRAAR", step=6, goodput=(10.0,) * 6)
+    assert policy.plan(next_step) == plan((6, A, R), mode=COL, batch=64, reason=GEN)
+
+
+def test_phases_keep_the_damping():
+    loop = reverted_once()
+    # step 8: an evaluation lends a rank; step 9: it is over, the rank comes back
+    lent = loop.step(make_input, 10.0, is_eval=True, volume=64)
+    assert lent == plan((7, A, R), mode=COL, batch=64, reason=EVAL)
+    assert loop.policy.state == ERSState(saved_roles=roles("RRRRRAAA"), saved_mode=COL,
+                                         blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+    back = loop.step(starved, 10.0)  # 16 ready: the smaller rollout's reservoir is kept
+    assert back == plan((7, R, A), mode=COL, batch=32, reason=PlanReason.PHASE_END)
+    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+    assert loop.step(starved, 10.0) == plan(mode=COL, batch=64, reason=GEN)  # step 10: blocked
+    assert loop.step(starved, 10.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
 
 
 # --------------------------------------------------------------------------- config
@@ -308,6 +636,10 @@ def test_batch_min_above_batch_ideal_is_refused():
         ("min_rollout_ranks", 0),
         ("min_trainer_ranks", 0),
         ("cold_start_steps", -1),
+        ("max_idle_rollout", 1.5),
+        ("max_idle_trainer", -0.1),
+        ("trial_steps", -1),
+        ("damp_steps", -1),
     ],
 )
 def test_config_fields_are_validated(field, value):

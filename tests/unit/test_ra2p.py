@@ -30,25 +30,32 @@ T = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)  # actor busy t
 
 
 def reference_decoupled(ready_times, timings, num_actor_ranks):
-    """C_dec: the fill-bubble sum, then the actors as one server over explicit arrival events
-    (a FIFO of arrived micro-batches, each taking t_act_f + t_act_b)."""
+    """C_dec: the fill-bubble sum, then two servers in tandem over explicit arrival events: the
+    Ref ranks (a FIFO, t_ref each) and the actors (a FIFO, t_act_f + t_act_b each), whose
+    backward cannot start before that micro-batch's Ref pass is done."""
     n = len(ready_times)
     m = min(num_actor_ranks, n)  # actor ranks that receive a micro-batch
     fill = 0.0
     for i in range(m):
         fill += i * timings.t_ref
+    ref_done, ref_clock = [], 0.0
+    for arrival in sorted(ready_times):  # the Ref server
+        ref_clock = (ref_clock if ref_clock > arrival else arrival) + timings.t_ref
+        ref_done.append(ref_clock)
     arrivals = deque(sorted(ready_times))
-    queued = 0
-    clock = 0.0
+    queued: deque[int] = deque()
+    clock, i = 0.0, 0
     while arrivals or queued:
         while arrivals and arrivals[0] <= clock:
             arrivals.popleft()
-            queued += 1
+            queued.append(i)
+            i += 1
         if not queued:
             clock = arrivals[0]  # idle until the next arrival event
             continue
-        queued -= 1
-        clock += timings.t_act_f + timings.t_act_b
+        j = queued.popleft()
+        forward_done = clock + timings.t_act_f
+        clock = (forward_done if forward_done > ref_done[j] else ref_done[j]) + timings.t_act_b
     return fill + clock
 
 
@@ -153,12 +160,24 @@ def test_choose_mode_picks_the_lower_cost(times, timings, num_actor_ranks, max_a
 
 
 def test_break_even_by_hand():
-    timings = Ra2pTimings(t_ref=2.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
-    # fill 0+2+4 = 6. N0=0: [8,16,24] dec 6+27=33, col 30; N0=1: 6+19=25 vs 22; N0=2: 6+11=17
-    # vs 17 (tie -> colocated); N0=3: [0,0,0] dec 6+9=15, col 0.5+6+0.5+9=16 -> decoupled.
+    timings = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
+    # fill 0+1+2 = 3. N0=0: [8,16,24] dec 3+27=30, col 29; N0=1: [0,8,16] dec 3+19=22, col 21;
+    # N0=2: [0,0,8] dec 3+11=14, col 9+5=14 (tie -> colocated); N0=3: [0,0,0] dec 3+9=12,
+    # col 0.5+3+0.5+9=13 -> decoupled, but not by 10%.
     assert break_even_ras(3, 8.0, timings, 3, 8, margin=0.0) == 3
     assert break_even_ras(3, 8.0, timings, 3, 8, margin=0.1) is None
     assert synthetic_ready_times(3, 1, 8.0) == [0.0, 8.0, 16.0]
+
+
+def test_a_slow_ref_queue_bounds_the_decoupled_step():
+    # One Ref rank for many actors: a Ref pass of 4 s against 3 s of actor work. The Ref queue
+    # ends at 4, 8, 12 and each backward (2 s) waits for it: 6, 10, 14; fill 0+4+8 = 12.
+    slow_ref = Ra2pTimings(t_ref=4.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
+    assert cost_decoupled([0.0, 0.0, 0.0], slow_ref, num_actor_ranks=3) == 12.0 + 14.0
+    # the colocated layout runs the Ref pass on every actor: 1 s each, one swap pair
+    colocated = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
+    assert break_even_ras(3, 8.0, slow_ref, 3, 8, margin=0.0,
+                          colocated_timings=colocated) is None
 
 
 def test_break_even_follows_tprm():

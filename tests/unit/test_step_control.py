@@ -58,6 +58,10 @@ class Ready:
     def sequences(self) -> tuple[SeqRef, ...]:
         return tuple(SeqRef(task_id(self.group_id, i), self.tokens) for i in range(G))
 
+    @property
+    def num_samples(self) -> int:
+        return G
+
 
 def source(spec: GroupSpec) -> Group:
     tasks = tuple(Task(task_id(spec.group_id, i), spec.group_id, "guess", spec.is_eval)
@@ -163,33 +167,60 @@ def test_an_async_step_retires_a_stale_group_with_its_batch():
 # --------------------------------------------------------------------------- ERS phases
 
 
-def test_a_cold_start_lends_the_trainer_to_rollout_and_the_next_boundary_restores_it():
+def test_a_cold_start_lends_the_trainer_until_batch_0_is_ready_then_step_0_trains_on_all():
     c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1))
     out = c.launch(0.0)
     (boundary,) = only(out, Boundary)
     assert boundary.roles == (R, A, R) and boundary.reason is PlanReason.COLD_START
     assert (boundary.version, boundary.joiners, boundary.src_rank) == (0, (), 1)
     assert only(out, JoinRollout) == [JoinRollout(0, BUDGET)]  # rank 2 once its engine is up
-    assert c.phase is Phase.BOUNDARY
     assert c.boundary_acked(0, 0, 0.1) == c.boundary_acked(1, 0, 0.1) == []
-    out = c.boundary_acked(2, 0, 0.2)
-    assert out == [JoinRollout(2, BUDGET), StartStep(0, StepMode.COLOCATED, (), (1,), 8)]
+    assert c.boundary_acked(2, 0, 0.2) == [JoinRollout(2, BUDGET)]
+    assert c.phase is Phase.WAITING  # no step opens on the trainer's minimum
     decisions = c.schedule(0.3)
-    probes = [task_id(f"g{i}", 0) for i in range(2)]  # first-turn probing: a probe per group,
-    # at the default footprint (512 tokens): one per rank fits
-    assert [d.task_id for d in decisions] == probes and all(type(d) is Admit for d in decisions)
-    c.group_ready("g0", Ready("g0", 0), 1.0)
-    out = c.group_ready("g1", Ready("g1", 0), 2.0)
-    assert kinds(out) == ["Dispatch", "CloseStep"]
-    out = c.step_done(outcome(0, 1), 3.0)
-    assert record_of(out).ers_reason == "cold_start"
-    assert record_of(out).roles == ("rollout", "actor", "rollout")
-    leave, boundary = only(out, LeaveRollout), only(out, Boundary)[0]
-    assert leave == [LeaveRollout(2, (task_id("g1", 0),))]  # its probe resumes elsewhere
-    assert c.book.tasks[task_id("g1", 0)].rank is None
-    assert boundary.roles == (R, A, A) and boundary.reason is PlanReason.PHASE_END
-    assert boundary.joiners == (2,) and boundary.old_roles == (R, A, R)
-    assert 2 not in c.book.ranks
+    assert decisions == [Admit(task_id("g0", 0), 0), Admit(task_id("g1", 0), 2)]
+    assert c.group_ready("g0", Ready("g0", 0, tokens=600), 1.0) == []
+    # batch 0 is ready: the lent rank comes back (a boundary without an update) before step 0
+    out = c.group_ready("g1", Ready("g1", 0, tokens=600), 2.0)
+    assert out[0] == LeaveRollout(2, (task_id("g1", 0),))
+    (boundary,) = only(out, Boundary)
+    assert (boundary.version, boundary.roles, boundary.old_roles) == (0, (R, A, A), (R, A, R))
+    assert boundary.joiners == (2,) and boundary.reason is PlanReason.PHASE_END
+    assert c.boundary_acked(0, 0, 2.1) == c.boundary_acked(1, 0, 2.1) == []
+    out = c.boundary_acked(2, 0, 2.2)
+    # the micro-batches formed for one actor (1200 tokens each, 1000 per rank) are cut again
+    # for two: 2400 tokens over 2 ranks, the smallest last, each ready when its last sequence was
+    assert kinds(out) == ["StartStep", "Dispatch", "Dispatch", "CloseStep"]
+    assert out[0] == StartStep(0, StepMode.COLOCATED, (), (1, 2), 8)
+    assert [(d.mb.ready_time, [s.seq_id for s in d.mb.sequences]) for d in out[1:3]] == [
+        (2.0, [task_id("g1", 1), task_id("g1", 0)]), (1.0, [task_id("g0", 0), task_id("g0", 1)])]
+    out = c.step_done(outcome(0, 1, 2), 3.0)
+    record = record_of(out)
+    assert (record.ers_reason, record.roles, record.num_trainer) == (
+        "phase_end", ("rollout", "actor", "actor"), 2)
+
+
+def test_micro_batches_wait_for_their_step_and_are_cut_for_its_actor_ranks():
+    # stream: batch 1 arrives while step 0 trains on rank 2 alone; a manual plan then gives
+    # the trainer two ranks, so step 1 takes batch 1 cut for two
+    c = make(System.TIDERL, (R, R, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+    c.launch(0.0)
+    c.group_ready("g0", Ready("g0", 0, tokens=600), 1.0)
+    c.group_ready("g1", Ready("g1", 0, tokens=600), 1.5)
+    c.group_ready("g2", Ready("g2", 0, tokens=600), 2.0)
+    c.group_ready("g3", Ready("g3", 0, tokens=600), 2.5)
+    # formed for one rank (1000 tokens each): a group, then the batch's last two one by one
+    assert [len(mb.sequences) for mb in c.waiting[1]] == [2, 1, 1]
+    c.submit_manual(ManualRequest("k", 1, 2), 2.6)
+    out = c.step_done(outcome(0, 2), 3.0)
+    assert only(out, Boundary)[0].roles == (R, A, A)
+    for rank in range(3):
+        out = c.boundary_acked(rank, 1, 3.5)
+    assert kinds(out) == ["StartStep", "Dispatch", "Dispatch", "CloseStep"]
+    assert out[0] == StartStep(1, StepMode.COLOCATED, (), (1, 2), 8)
+    dispatched = [d.mb for d in only(out, Dispatch)]  # 2400 tokens, 2000 per micro-batch
+    assert [([s.seq_id for s in mb.sequences], mb.ready_time) for mb in dispatched] == [
+        ([task_id("g3", 1), task_id("g3", 0)], 2.5), ([task_id("g2", 0), task_id("g2", 1)], 2.0)]
 
 
 def test_an_evaluation_phase_lends_ranks_until_its_groups_are_back():
@@ -206,16 +237,17 @@ def test_an_evaluation_phase_lends_ranks_until_its_groups_are_back():
     assert only(out, Boundary)[0].reason is PlanReason.PHASE_END
     for rank in range(3):
         c.boundary_acked(rank, 1, 2.5)
-    # rank 2 left rollout with less than B_ideal ready: ERS retains, step 1 trains one group
-    out = c.group_ready("g2", Ready("g2", 1), 3.0)
+    # a streaming step trains B_ideal even when little is ready at its boundary
+    assert c.group_ready("g2", Ready("g2", 1), 3.0) == []
+    out = c.group_ready("g3", Ready("g3", 1), 3.2)
     assert kinds(out) == ["Dispatch", "CloseStep"]
     out = c.step_done(outcome(1, 1, 2), 4.0)  # step 2 is due for an evaluation
-    assert record_of(out).batch_size == G
+    assert record_of(out).batch_size == 2 * G
     assert only(out, Boundary)[0].reason is PlanReason.EVALUATION
     acks = [c.boundary_acked(rank, 2, 4.5) for rank in range(3)]
     assert kinds(acks[-1]) == ["JoinRollout", "Retire", "FeedGroups", "FeedGroups", "StartStep"]
     assert acks[-1][3] == feed("e2.0", is_eval=True, step=2)
-    assert c.groups.as_dict() == {"fed": 7, "trained": 3, "dropped": 0, "buffered": 0,
+    assert c.groups.as_dict() == {"fed": 8, "trained": 4, "dropped": 0, "buffered": 0,
                                   "rolling_out": 4}  # evaluation groups are not counted
 
 
@@ -396,8 +428,11 @@ def test_checkpoints_are_asked_at_their_versions_not_at_launch():
     for rank in range(3):
         c.boundary_acked(rank, 0, 0.0)
     c.group_ready("g0", Ready("g0", 0), 1.0)
-    c.group_ready("g1", Ready("g1", 0), 1.0)
-    (boundary,) = only(c.step_done(outcome(0, 1), 2.0), Boundary)
+    (restore,) = only(c.group_ready("g1", Ready("g1", 0), 1.0), Boundary)  # the cold start ends
+    assert (restore.version, restore.checkpoint) == (0, False)
+    for rank in range(3):
+        c.boundary_acked(rank, 0, 1.5)
+    (boundary,) = only(c.step_done(outcome(0, 1, 2), 2.0), Boundary)
     assert (boundary.version, boundary.checkpoint) == (1, True)
 
 

@@ -12,23 +12,28 @@ there and its tokens count as discarded. Batch sizes are whole groups: B_ideal u
 step controller sets the open batch's size (ERS's elastic batch). Micro-batches are formed with
 ``tiderl.core.ra2p.next_micro_batch`` as data arrives, for ``num_dp_ranks`` (the step controller
 sets it to the coming step's actor ranks); the last ones of a batch with ``is_last=True`` (the
-smallest sequences at the end). The step controller owns the one buffer; each substrate hands it
-its own group type (:class:`ReadyGroup`).
+smallest sequences at the end). Micro-batches that waited for their step while the layout changed
+(formed during step b - 1 for its DP size) are cut again for the consuming step's (``recut``).
+The step controller owns the one buffer; each substrate hands it its own group type
+(:class:`ReadyGroup`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Generic, Protocol, TypeVar
 
-from tiderl.core.ra2p import next_micro_batch
+from tiderl.core.ra2p import form_micro_batches, next_micro_batch
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.types import MicroBatch, SeqRef
 
 
 class ReadyGroup(Protocol):
-    """A finished GRPO group as the buffer sees it: one training sequence per task."""
+    """A finished GRPO group as the buffer sees it: its training sequences (one per task, or
+    several where a trajectory is split, e.g. by screenshot pruning) and its GRPO samples (one
+    per task: what batch sizes and the staleness window count)."""
 
     @property
     def group_id(self) -> str: ...
@@ -38,6 +43,9 @@ class ReadyGroup(Protocol):
 
     @property
     def sequences(self) -> tuple[SeqRef, ...]: ...
+
+    @property
+    def num_samples(self) -> int: ...
 
 
 G = TypeVar("G", bound=ReadyGroup)
@@ -68,6 +76,7 @@ class ReadyBuffer(Generic[G]):
         self.assigned_samples = 0
         self._assigned: list[SeqRef] = []  # assigned to the open batch, not in a micro-batch
         self._num_mbs = 0
+        self._cut_for: dict[int, int] = {}  # mb_id -> the DP size it was formed for
         self.group_of_seq: dict[str, G] = {}
         self.tokens_of_seq: dict[str, int] = {}
         self.discarded_tokens = 0
@@ -113,7 +122,7 @@ class ReadyBuffer(Generic[G]):
             self.discarded_tokens += tokens
             self.buffered_tokens -= tokens
             self.discarded_groups += 1
-            self.discarded_samples += len(group.sequences)
+            self.discarded_samples += group.num_samples
             if self._on_group_dropped is not None:
                 self._on_group_dropped(group)
 
@@ -125,8 +134,8 @@ class ReadyBuffer(Generic[G]):
             self.group_of_seq[seq.seq_id] = group
             self.tokens_of_seq[seq.seq_id] = seq.num_tokens
             self._assigned.append(seq)
-        self.need -= len(group.sequences)
-        self.assigned_samples += len(group.sequences)
+        self.need -= group.num_samples
+        self.assigned_samples += group.num_samples
 
     def _emit(self, now: float, is_last: bool) -> None:
         while self._assigned:
@@ -137,6 +146,7 @@ class ReadyBuffer(Generic[G]):
             taken = {s.seq_id for s in mb.sequences}
             self._assigned = [s for s in self._assigned if s.seq_id not in taken]
             self._num_mbs += 1
+            self._cut_for[mb.mb_id] = self.num_dp_ranks
             self.tracker.record_ready((self.open_batch, mb.mb_id), now, len(mb.sequences),
                                       mb.num_tokens)
             self._on_micro_batch(self.open_batch, mb)
@@ -148,9 +158,41 @@ class ReadyBuffer(Generic[G]):
         self.assigned_samples = 0
         self._on_batch_closed(batch)
 
+    def recut(self, batch: int, mbs: list[MicroBatch], num_dp_ranks: int) -> list[MicroBatch]:
+        """``batch``'s waiting micro-batches (in ready order) for a step on ``num_dp_ranks``
+        actors: as they are if every one was formed for that size, else their sequences cut again
+        (call before the step's ``ReadinessTracker.start_step``: the ready events are replaced).
+        Each new micro-batch is ready when its last sequence was; while ``batch`` is still open,
+        a remainder short of the token target goes back to wait for more sequences."""
+        if all(self._cut_for.get(mb.mb_id) == num_dp_ranks for mb in mbs):
+            return mbs
+        ready_at = {s.seq_id: mb.ready_time for mb in mbs for s in mb.sequences}
+        seqs = [s for mb in mbs for s in mb.sequences]
+        for mb in mbs:
+            self.tracker.record_consumed((batch, mb.mb_id))
+            self._cut_for.pop(mb.mb_id, None)
+        if batch < self.open_batch:
+            new = form_micro_batches(seqs, num_dp_ranks, self.tokens_per_rank,
+                                     first_mb_id=self._num_mbs, ready_times=ready_at)
+        else:
+            new = []
+            while (mb := next_micro_batch(seqs, num_dp_ranks, self.tokens_per_rank,
+                                          is_last=False, mb_id=self._num_mbs + len(new))):
+                ready = max(ready_at[s.seq_id] for s in mb.sequences)
+                new.append(replace(mb, ready_time=ready))
+                seqs = seqs[len(mb.sequences):]
+            self._assigned = seqs + self._assigned
+        self._num_mbs += len(new)
+        for mb in new:
+            self._cut_for[mb.mb_id] = num_dp_ranks
+            self.tracker.record_ready((batch, mb.mb_id), mb.ready_time, len(mb.sequences),
+                                      mb.num_tokens)
+        return new
+
     def consume(self, batch: int, mb: MicroBatch) -> int:
         """The trainer took ``mb``: out of the buffer; returns its tokens."""
         self.tracker.record_consumed((batch, mb.mb_id))
+        self._cut_for.pop(mb.mb_id, None)
         for seq in mb.sequences:
             del self.group_of_seq[seq.seq_id]
             del self.tokens_of_seq[seq.seq_id]

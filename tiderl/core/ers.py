@@ -6,16 +6,24 @@ Called once per step at the post-update boundary, before ``sync_params``:
                                                         \\--> elastic batch size in [B_min, B_ideal]
 
     reason               when                                          moves             mode
-    COLD_START           step < cold_start_steps                       trainer->rollout  colocated
-    EVALUATION           an evaluation phase runs                      trainer->rollout  colocated
-    PHASE_END            the first step after such a phase             the layout before it
-                                                                       is restored        its mode
+    COLD_START           step < cold_start_steps (nothing to train     trainer->rollout  colocated
+                         yet): every trainer rank above the minimum
+    EVALUATION           an evaluation phase runs: as many actor       trainer->rollout  colocated
+                         ranks as its tasks fill (phase_tasks /
+                         tasks_per_rank, at least one)
+    PHASE_END            the phase's work is done (``is_phase_over``:  the layout before it
+                         batch 0 is ready; at the first boundary       is restored        its mode
+                         after the evaluation groups drained)
     GENERATION_DEFICIT   volume < B_ideal, RAS < break-even, long TPRM trainer->rollout  colocated
                          and rollout busy (idle share <= max_idle_rollout)
     CONSUMPTION_DEFICIT  HoL > tau·T_step, or RAS >= break-even        rollout->trainer  decoupled
                          (a backlog -- HoL over the threshold or TPRM shorter than the actor time --
                          moves ranks; RAS alone only provisions a missing Ref rank)
     BALANCED             otherwise                                     none              unchanged
+    TRIAL                a signal-driven move runs its trial steps     none (held)       unchanged
+    REVERT               the trial's goodput is not above the steps    the move undone   before it
+                         before the move (the direction is then
+                         damped: blocked for damp_steps, doubling)
     MANUAL               an operator's ``tiderl rebalance`` (``manual_plan``: counts in, ranks
                          picked here; the step controller holds it and skips ``plan_step`` until
                          a release)
@@ -32,7 +40,8 @@ step after it (``max_scale_up_per_step`` bounds signal-driven moves, not this re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from tiderl.core.config import require, require_non_negative, require_positive
@@ -64,6 +73,9 @@ class ERSConfig:
     min_trainer_ranks: int = 1
     cold_start_steps: int = 1
     max_idle_rollout: float = 0.2  # a generation deficit needs rollout busy: at most this idle
+    max_idle_trainer: float = 0.1  # ... and the trainer starved: above this share waiting (TWT)
+    trial_steps: int = 2  # steps a signal-driven move runs before its effect is measured
+    damp_steps: int = 4  # a reverted direction is blocked this long, doubling per failure
 
     def __post_init__(self) -> None:
         require_positive(self.batch_min, "batch_min")
@@ -78,8 +90,11 @@ class ERSConfig:
         for name in ("min_rollout_ranks", "min_trainer_ranks"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         require_non_negative(self.cold_start_steps, "cold_start_steps")
-        require(0.0 <= self.max_idle_rollout <= 1.0, "max_idle_rollout",
-                f"expected a number in [0, 1], got {self.max_idle_rollout!r}")
+        for name in ("max_idle_rollout", "max_idle_trainer"):
+            value = getattr(self, name)
+            require(0.0 <= value <= 1.0, name, f"expected a number in [0, 1], got {value!r}")
+        require_non_negative(self.trial_steps, "trial_steps")
+        require_non_negative(self.damp_steps, "damp_steps")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +112,15 @@ class ERSInput:
     step_duration_s: float
     roles: tuple[Role, ...]
     mode: Mode
-    timings: Ra2pTimings
+    timings: Ra2pTimings  # per micro-batch, in the decoupled layout these roles have or would have
     num_micro_batches: int
     rollout_idle_frac: float = 0.0  # share of rollout GPU time idle last step (RWT / capacity)
+    trainer_idle_frac: float = 0.0  # share of trainer GPU time waiting for data (TWT / capacity)
+    goodput: tuple[float, ...] = ()  # trained tokens per second of steps 0 .. step - 1
+    phase_tasks: int = 0  # evaluation tasks not yet finished (the phase's extra rollout work)
+    tasks_per_rank: float = 0.0  # tasks one rollout rank holds at once (0: not known yet)
+    is_phase_over: bool = False  # the cold start's work is done (batch 0 ready): restore now
+    colocated_timings: Ra2pTimings | None = None  # the colocated layout's (None: ``timings``)
 
     def __post_init__(self) -> None:
         if self.step_duration_s < 0 or self.num_micro_batches < 0:
@@ -117,15 +138,32 @@ class Direction(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Trial:
+    """A signal-driven move on probation: it laid out step ``step`` on, and stays only if the
+    ``trial_steps`` steps from there train faster than ``baseline`` (the steps before it)."""
+
+    direction: Direction
+    changes: tuple[RoleChange, ...]
+    mode: Mode  # the mode before the move
+    step: int
+    baseline: float
+
+
+@dataclass(frozen=True, slots=True)
 class ERSState:
     """Hysteresis memory: the direction of the last signal-driven move, and how many consecutive
     steps the opposite deficit has been seen since; during a phase (cold start, evaluation), the
-    layout and mode from before it."""
+    layout and mode from before it; the move on trial; a damped direction, blocked before step
+    ``blocked_until``, and the length of its last block."""
 
     last_direction: Direction | None = None
     opposite_streak: int = 0
     saved_roles: tuple[Role, ...] | None = None
     saved_mode: Mode | None = None
+    trial: Trial | None = None
+    blocked: Direction | None = None
+    blocked_until: int = 0
+    block_steps: int = 0
 
 
 # --------------------------------------------------------------------------- signals
@@ -142,15 +180,19 @@ def decoupled_break_even(inp: ERSInput, ra2p: RA2PConfig) -> int | None:
         num_actors,
         ra2p.max_aggregate,
         ra2p.decoupled_margin,
+        inp.colocated_timings,
     )
 
 
 def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
-    """The reason for this step's plan; phases first, then generation before consumption (a
-    starved trainer also ages the buffer's head, so HoL alone does not mean slow consumption).
-    A generation deficit also needs busy rollout ranks: when they sat idle (the staleness
-    throttle held them: RWT), more of them would not produce more."""
-    if inp.step < config.cold_start_steps:
+    """The reason for this step's plan; phases first, then generation before consumption.
+
+    A generation deficit needs a starved trainer (its ranks waited for data: TWT share above
+    ``max_idle_trainer``) and busy rollout ranks (RWT share at most ``max_idle_rollout``); a
+    buffer that is empty at the boundary alone is not one (a streaming trainer empties it), nor
+    is rollout that is slow because its tasks wait for their environments: its ranks then idle
+    (RWT), and more of them would not produce more. See ``is_backlogged`` for consumption."""
+    if inp.step < config.cold_start_steps and not inp.is_phase_over:
         return PlanReason.COLD_START
     if inp.is_eval_step:
         return PlanReason.EVALUATION
@@ -160,22 +202,27 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     is_ras_high = break_even is not None and sig.ras >= break_even
     is_tprm_long = sig.tprm_s is None or sig.tprm_s > busy
     is_rollout_busy = inp.rollout_idle_frac <= config.max_idle_rollout
+    is_trainer_starved = inp.trainer_idle_frac > config.max_idle_trainer
     if sig.ready_volume < config.batch_ideal and not is_ras_high and is_tprm_long \
-            and is_rollout_busy:
+            and is_rollout_busy and is_trainer_starved:
         return PlanReason.GENERATION_DEFICIT
-    if sig.hol_latency_s > config.tau * inp.step_duration_s or is_ras_high:
+    if is_backlogged(inp, config) or is_ras_high:
         return PlanReason.CONSUMPTION_DEFICIT
     return PlanReason.BALANCED
 
 
 def is_backlogged(inp: ERSInput, config: ERSConfig) -> bool:
-    """The trainer cannot keep up: the buffer's head is older than tau·T_step, or micro-batches
+    """The trainer cannot keep up: the buffer's head is older than tau·T_step, micro-batches
     arrive faster than the actor processes one (paper §5.2: "a large RAS or fast TPRM indicates
-    trainer-side pressure and triggers decoupled RA2P plus more Trainer capacity")."""
+    trainer-side pressure and triggers decoupled RA2P plus more Trainer capacity"), or rollout
+    ranks sat idle on a full staleness window (RWT share above ``max_idle_rollout``) while the
+    trainer did not wait."""
     busy = inp.timings.t_act_f + inp.timings.t_act_b
     tprm = inp.signals.tprm_s
+    is_throttled = inp.step > 0 and inp.rollout_idle_frac > config.max_idle_rollout \
+        and inp.trainer_idle_frac <= config.max_idle_trainer
     return inp.signals.hol_latency_s > config.tau * inp.step_duration_s or (
-        tprm is not None and tprm < busy)
+        tprm is not None and tprm < busy) or is_throttled
 
 
 def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool) -> int:
@@ -231,18 +278,28 @@ def _release_actors(layout: _Layout, actors: list[int], limit: int, min_trainer:
 
 
 def moves_to_rollout(
-    roles: tuple[Role, ...], config: ERSConfig, keep_refs: int, *, is_preemptive: bool
+    roles: tuple[Role, ...], config: ERSConfig, keep_refs: int, *, num_phase: int | None = None
 ) -> tuple[RoleChange, ...]:
-    """Scale rollout up. Preemptive (cold start, evaluation): every trainer rank beyond the
-    minimum. Generation deficit: the surplus Ref ranks, or if there are none, at most
-    ``max_scale_up_per_step`` actor ranks above the minimum."""
+    """Scale rollout up: the surplus Ref ranks, then actor ranks above the minimum: for a phase,
+    ``num_phase`` of them; for a generation deficit (``num_phase`` None), at most
+    ``max_scale_up_per_step``, and none when a surplus Ref rank was released."""
     layout = _Layout(list(roles))
     refs, actors = _ranks_with(roles, Role.REF), _ranks_with(roles, Role.ACTOR)
     num_released = _release_refs(layout, refs, keep_refs, config.min_trainer_ranks)
-    if is_preemptive or num_released == 0:
-        limit = len(actors) if is_preemptive else config.max_scale_up_per_step
+    if num_phase is not None or num_released == 0:
+        limit = config.max_scale_up_per_step if num_phase is None else num_phase
         _release_actors(layout, actors, limit, config.min_trainer_ranks)
     return tuple(layout.changes)
+
+
+def num_eval_ranks(inp: ERSInput, saved: tuple[Role, ...] | None) -> int:
+    """Actor ranks an evaluation phase lends to rollout now: the ranks its unfinished tasks fill
+    (at least one), less those the phase already lent."""
+    wanted = math.ceil(inp.phase_tasks / inp.tasks_per_rank) if inp.tasks_per_rank > 0 else 1
+    lent = 0 if saved is None else sum(
+        1 for now, before in zip(inp.roles, saved, strict=False)
+        if now is Role.ROLLOUT and before in TRAINER_ROLES)
+    return max(0, max(1, wanted) - lent)
 
 
 def moves_to_trainer(
@@ -293,21 +350,28 @@ def _fixed_mode(ra2p: RA2PConfig) -> Mode | None:
 
 
 def _scale_rollout(
-    inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, is_preemptive: bool
+    inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, num_phase: int | None = None
 ) -> tuple[tuple[RoleChange, ...], Mode]:
     mode = _fixed_mode(ra2p) or Mode.COLOCATED
     keep_refs = ra2p.num_ref_ranks if mode is Mode.DECOUPLED else 0
-    return moves_to_rollout(inp.roles, config, keep_refs, is_preemptive=is_preemptive), mode
+    return moves_to_rollout(inp.roles, config, keep_refs, num_phase=num_phase), mode
 
 
 def _scale_trainer(
     inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig
 ) -> tuple[tuple[RoleChange, ...], Mode]:
     fixed = _fixed_mode(ra2p)
-    num_refs = 0 if fixed is Mode.COLOCATED else ra2p.num_ref_ranks
+    break_even = decoupled_break_even(inp, ra2p)
+    is_decoupled_cheaper = break_even is not None and inp.signals.ras >= break_even
+    wants_ref = fixed is Mode.DECOUPLED or (fixed is None and is_decoupled_cheaper)
+    num_refs = ra2p.num_ref_ranks if wants_ref else 0
     backlog = is_backlogged(inp, config)
     changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog)
     new_roles = _apply(inp.roles, changes)
+    if not wants_ref:  # RA2P's cost model prefers colocated: a Ref rank serves as an actor
+        changes += tuple(RoleChange(r, Role.REF, Role.ACTOR) for r in _ranks_with(new_roles,
+                                                                                 Role.REF))
+        new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
     return changes, fixed or (Mode.DECOUPLED if has_pipeline else Mode.COLOCATED)
 
@@ -320,37 +384,106 @@ def _gate(state: ERSState, direction: Direction, hysteresis_steps: int) -> tuple
     return streak >= hysteresis_steps, streak
 
 
+def _mean(values: tuple[float, ...]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _undo(roles: tuple[Role, ...], changes: tuple[RoleChange, ...], config: ERSConfig
+          ) -> tuple[RoleChange, ...]:
+    """The moves back for every rank of ``changes`` still where they sent it, each only while
+    the layout keeps its minimums (rollout, trainer, one actor): ranks may have died since."""
+    layout = _Layout(list(roles))
+    for c in changes:
+        if roles[c.rank] is not c.dst:
+            continue
+        layout.move(c.rank, c.src)
+        if layout.count(Role.ROLLOUT) < config.min_rollout_ranks \
+                or layout.count(*TRAINER_ROLES) < config.min_trainer_ranks \
+                or not layout.count(Role.ACTOR):
+            layout.changes.pop()
+            layout.roles[c.rank] = c.dst
+    return tuple(layout.changes)
+
+
+def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
+           ) -> tuple[ScalingPlan | None, ERSState]:
+    """The move on trial, once its trial steps ran: kept (trial over, its direction's damping
+    forgotten), or undone (REVERT) with its direction blocked for a doubled stretch."""
+    trial = state.trial
+    if trial is None:
+        return None, state
+    if inp.step < trial.step + config.trial_steps:
+        return ScalingPlan((), inp.mode, config.batch_ideal, PlanReason.TRIAL), state
+    after = _mean(inp.goodput[trial.step: trial.step + config.trial_steps])
+    if after is not None and after > trial.baseline:
+        kept = replace(state, trial=None)
+        if state.blocked is trial.direction:
+            kept = replace(kept, blocked=None, block_steps=0)
+        return None, kept
+    block = min(64, state.block_steps * 2) if state.blocked is trial.direction \
+        else config.damp_steps
+    state = ERSState(blocked=trial.direction, blocked_until=inp.step + block, block_steps=block)
+    changes = _undo(inp.roles, trial.changes, config)
+    new_roles = _apply(inp.roles, changes)
+    has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
+    mode = trial.mode if has_pipeline or trial.mode is Mode.COLOCATED else Mode.COLOCATED
+    return ScalingPlan(changes, mode, config.batch_ideal, PlanReason.REVERT), state
+
+
+def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig,
+                  reason: PlanReason) -> tuple[tuple[RoleChange, ...], Mode, ERSState]:
+    """A deficit's moves, through the hysteresis gate and the damping block; a move goes on
+    trial when there are steps before it to compare with."""
+    is_generation = reason is PlanReason.GENERATION_DEFICIT
+    direction = Direction.TO_ROLLOUT if is_generation else Direction.TO_TRAINER
+    if state.blocked is direction and inp.step < state.blocked_until:
+        return (), inp.mode, state
+    may_act, streak = _gate(state, direction, config.hysteresis_steps)
+    state = replace(state, opposite_streak=streak)
+    if not may_act:
+        return (), inp.mode, state
+    changes, mode = (_scale_rollout(inp, config, ra2p) if is_generation
+                     else _scale_trainer(inp, config, ra2p))
+    state = replace(state, last_direction=direction if changes else state.last_direction,
+                    opposite_streak=0)
+    baseline = _mean(inp.goodput[-2 * config.trial_steps:])
+    if changes and config.trial_steps and baseline:
+        state = replace(state, trial=Trial(direction, changes, inp.mode, inp.step, baseline))
+    return changes, mode, state
+
+
 def plan_step(
     inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig
 ) -> tuple[ScalingPlan, ERSState]:
-    """One ERS decision and the next hysteresis state; pure."""
+    """One ERS decision and the next state; pure."""
     if not config.enabled:
         return ScalingPlan((), inp.mode, config.batch_ideal, PlanReason.BALANCED), state
     reason = classify(inp, config, ra2p)
     changes: tuple[RoleChange, ...] = ()
     mode = inp.mode
-    if reason in (PlanReason.COLD_START, PlanReason.EVALUATION):
-        changes, mode = _scale_rollout(inp, config, ra2p, is_preemptive=True)
+    damping = {"blocked": state.blocked, "blocked_until": state.blocked_until,
+               "block_steps": state.block_steps}
+    if inp.is_phase_over and state.saved_roles is not None:
+        changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
+        reason, state = PlanReason.PHASE_END, ERSState(**damping)
+    elif reason in (PlanReason.COLD_START, PlanReason.EVALUATION):
+        num = num_eval_ranks(inp, state.saved_roles) if reason is PlanReason.EVALUATION \
+            else len(inp.roles)  # the cold start: nothing to train yet, every rank above the min
+        changes, mode = _scale_rollout(inp, config, ra2p, num)
         saved_roles = state.saved_roles or inp.roles  # a phase right after a phase keeps the first
         saved_mode = state.saved_mode or inp.mode
-        state = ERSState(saved_roles=saved_roles, saved_mode=saved_mode)
+        state = ERSState(saved_roles=saved_roles, saved_mode=saved_mode, **damping)
     elif state.saved_roles is not None:
         changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
-        reason, state = PlanReason.PHASE_END, ERSState()  # fresh hysteresis after a phase
-    elif reason is PlanReason.BALANCED:
-        state = ERSState(state.last_direction, 0)
+        reason, state = PlanReason.PHASE_END, ERSState(**damping)  # fresh hysteresis
     else:
-        is_generation = reason is PlanReason.GENERATION_DEFICIT
-        direction = Direction.TO_ROLLOUT if is_generation else Direction.TO_TRAINER
-        may_act, streak = _gate(state, direction, config.hysteresis_steps)
-        state = ERSState(state.last_direction, streak)
-        if may_act:
-            changes, mode = (
-                _scale_rollout(inp, config, ra2p, is_preemptive=False)
-                if is_generation
-                else _scale_trainer(inp, config, ra2p)
-            )
-            state = ERSState(direction if changes else state.last_direction, 0)
+        verdict, state = _judge(inp, state, config)
+        if verdict is not None:
+            return verdict, state
+        if reason is PlanReason.BALANCED:
+            state = replace(state, opposite_streak=0)
+        else:
+            changes, mode, state = _signal_moves(inp, state, config, ra2p, reason)
     is_retaining = any(c.src is Role.ROLLOUT for c in changes)
     batch_size = elastic_batch_size(inp.signals.ready_volume, config, is_retaining)
     return ScalingPlan(changes, mode, batch_size, reason), state

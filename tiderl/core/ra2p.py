@@ -3,7 +3,9 @@
 Cost models over the sorted ready times ``a_1..a_N`` of a step's micro-batches, relative to the
 step start (``a_i <= 0``: ready at the start; N0 of them is the RAS):
 
-    C_dec = Σ_{i=0}^{M-1} i·t_ref  +  c_N,   c_0 = 0,  c_i = max(c_{i-1}, a_i) + t_act_f + t_act_b
+    C_dec = Σ_{i=0}^{M-1} i·t_ref  +  c_N,   c_0 = 0,
+            c_i = max(max(c_{i-1}, a_i) + t_act_f + t_act_b,  r_i + t_act_b),
+            r_i = max(r_{i-1}, a_i) + t_ref               (the Ref ranks' own queue)
     C_col = the clock after stepping App. A's aggregation loop (``cost_colocated``)
 
 App. A writes the second term as the closed sum Σ_i max(δ_i, t_act_f + t_act_b) with δ_i = 0 for
@@ -13,7 +15,11 @@ although the two overlap, and it leaves out the last micro-batch's own actor tim
 are long. Stepping the queue (the recurrence above) counts each exactly once; the two agree when
 every micro-batch is ready at the start. On four CPU ranks the closed
 sum overestimated the measured decoupled step by up to 43% (RAS 4 of 8, TPRM 0.6 s), the
-recurrence by at most 14% in any cell (``bench/ra2p.py``).
+recurrence by at most 14% in any cell (``bench/ra2p.py``). App. A leaves out that the Ref ranks
+are a queue of their own: an actor's backward waits for its micro-batch's Ref pass (the deferred
+loss), so when a Ref pass is longer than the actor's work (few Ref ranks for many actors: a
+micro-batch of 24 ranks' tokens on one Ref GPU) the step is the Ref queue, ``r_N + t_act_b``.
+The ``r_i`` term changes nothing while ``t_ref <= t_act_f``.
 
 M is the number of actor ranks that receive work: ``min(num_actor_ranks, N)``; an actor rank
 without a micro-batch never waits for Ref, so it adds no fill bubble. Decoupled needs a dedicated
@@ -83,9 +89,10 @@ def cost_decoupled(
     num_filled = min(num_actor_ranks, len(times))
     fill_bubble = sum(i * timings.t_ref for i in range(num_filled))
     busy = timings.t_act_f + timings.t_act_b
-    clock = 0.0
+    clock = ref_done = 0.0
     for ready in times:
-        clock = max(clock, ready) + busy
+        ref_done = max(ref_done, ready) + timings.t_ref
+        clock = max(max(clock, ready) + busy, ref_done + timings.t_act_b)
     return fill_bubble + clock
 
 
@@ -147,9 +154,12 @@ def break_even_ras(
     num_actor_ranks: int,
     max_aggregate: int,
     margin: float = DEFAULT_DECOUPLED_MARGIN,
+    colocated_timings: Ra2pTimings | None = None,
 ) -> int | None:
     """The smallest RAS N0 in [0, N] at which decoupled wins (``is_decoupled_cheaper``) when the
     other N - N0 micro-batches arrive every ``tprm_s`` after the start; None if it never does.
+    ``timings`` are the decoupled layout's, ``colocated_timings`` (default: the same) the
+    colocated layout's, as in ``choose_mode``.
 
     C_col is not monotone in N0 (an earlier arrival can split an aggregate), so every N0 is
     tried in order: O(N²) in the worst case, ~1 ms for N = 64.
@@ -159,7 +169,7 @@ def break_even_ras(
     for num_at_start in range(num_micro_batches + 1):
         times = synthetic_ready_times(num_micro_batches, num_at_start, tprm_s)
         c_dec = cost_decoupled(times, timings, num_actor_ranks)
-        c_col = cost_colocated(times, timings, max_aggregate)
+        c_col = cost_colocated(times, colocated_timings or timings, max_aggregate)
         if is_decoupled_cheaper(c_dec, c_col, margin):
             return num_at_start
     return None

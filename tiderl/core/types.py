@@ -257,6 +257,8 @@ class PlanReason(str, Enum):
     PHASE_END = "phase_end"  # a cold start or evaluation phase ended: its layout is undone
     BALANCED = "balanced"
     MANUAL = "manual"  # an operator's plan (``tiderl rebalance``), not ERS's signals
+    TRIAL = "trial"  # a signal-driven move is being measured: its layout is held
+    REVERT = "revert"  # the measured move did not raise goodput: it is undone
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,10 @@ class GroupRun:
     def sequences(self) -> tuple[SeqRef, ...]:
         return tuple(s.as_sequence() for s in self.samples)
 
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
 
 class Dataset:
     """The job's task stream, as the step controller asks for it (``group``)."""

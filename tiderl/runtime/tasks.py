@@ -2,6 +2,7 @@
 
     Admit(t, r) ──AdmitTask──> r
     Pause(t) ──PauseTask──> its rank          Resume(t, r) on its rank ──ResumeTask──> r
+    Pause(t) of a task in transit: the move is called off, its carry waits for a resume
     Resume(t, r') elsewhere ──DetachTask──> old rank ──TaskDetached(carry)──> AdmitTask ──> r'
     a rank left rollout: its tasks' carries come back with TaskDetached, one per task
     a rank died: its tasks restart from scratch (no carry) wherever CTB resumes them
@@ -36,8 +37,7 @@ class TaskRouter:
             if isinstance(d, Admit):
                 self.admit(d.task_id, d.rank)
             elif isinstance(d, Pause):
-                self._send(self.task_rank[d.task_id], b.PauseTask(seq=self._next_seq(),
-                                                                  task_id=d.task_id))
+                self.pause(d.task_id)
             elif isinstance(d, Resume):
                 if self.task_rank.get(d.task_id) == d.rank and d.task_id not in self.carries:
                     self._send(d.rank, b.ResumeTask(seq=self._next_seq(), task_id=d.task_id))
@@ -52,6 +52,15 @@ class TaskRouter:
                                      group_id=group.group_id, env=spec.env,
                                      task=group.task_text, seed=spec.seed, eval=spec.is_eval,
                                      pin=self.pins_tasks, carry=carry))
+
+    def pause(self, task_id: str) -> None:
+        """Pause it on its rank; a task in transit (moved, not yet admitted on its new rank) is
+        already off every rank: the move is called off and its carry waits for a resume."""
+        if task_id in self.moves or task_id not in self.task_rank:
+            self.moves.pop(task_id, None)
+            self.task_rank.pop(task_id, None)
+            return
+        self._send(self.task_rank[task_id], b.PauseTask(seq=self._next_seq(), task_id=task_id))
 
     def _move(self, task_id: str, rank: int) -> None:
         """Resume elsewhere: from its carry once the old rank has sent it (or from scratch when

@@ -69,10 +69,10 @@ class SimGroup:
     @property
     def sequences(self) -> tuple[SeqRef, ...]:
         """The group's training sequences, as the global buffer takes them: one per segment of
-        each task (screenshot pruning splits a trajectory, paper App. C; a text task has one),
-        ids ``<task_id>#<k>`` (:func:`segment_id`)."""
-        return tuple(SeqRef(segment_id(p.task_id, k), n) for p in self.plans
-                     for k, n in enumerate(p.segment_tokens))
+        each task (screenshot pruning splits a trajectory, paper App. C; a text task has one,
+        named as its task, as on the runtime), ids ``<task_id>#<k>`` (:func:`segment_id`)."""
+        return tuple(SeqRef(segment_id(p.task_id, k, len(p.segment_tokens)), n)
+                     for p in self.plans for k, n in enumerate(p.segment_tokens))
 
     @property
     def num_samples(self) -> int:
@@ -87,14 +87,15 @@ def group_of(plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> Group:
                                           for p in plans))
 
 
-def segment_id(task_id: str, k: int) -> str:
-    """The id of training sequence ``k`` of a task."""
-    return f"{task_id}#{k}"
+def segment_id(task_id: str, k: int, num_segments: int) -> str:
+    """The id of training sequence ``k`` of a task's ``num_segments`` (the task's own id when
+    its trajectory is one sequence)."""
+    return task_id if num_segments == 1 else f"{task_id}#{k}"
 
 
 def task_of(seq_id: str) -> str:
     """The task a training sequence belongs to (:func:`segment_id` read back)."""
-    return seq_id.rpartition("#")[0]
+    return seq_id.partition("#")[0]
 
 
 def trajectory_tokens(plan: TaskPlan) -> int:

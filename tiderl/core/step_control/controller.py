@@ -106,11 +106,13 @@ class StepController:
         self.plan_reason: PlanReason | None = None
         self.manual_pending: tuple[ManualRequest, ScalingPlan] | None = None
         self.is_manual_held = False  # an operator's layout runs; ERS waits for a release
+        self.is_cold_start = False  # the launch plan lent trainer ranks; step 0 waits for batch 0
         self.records: list[StepRecord] = []
         self.trained_tokens = self.trained_samples = 0
         self.num_fed = self.num_retired = self.failed_samples = 0
         self.is_retire_pending = False
         self.eval_in_flight: set[str] = set()
+        self.eval_fed_at = -1  # the last step whose evaluation groups were fed
         self.groups = GroupCount()
         self._kv_mark = (0, 0)
         self._rwt_mark = 0.0
@@ -294,15 +296,21 @@ class StepController:
 
     # ------------------------------------------------------------------ the boundary
 
-    def _plan(self, now: float, is_launch: bool = False) -> None:
+    def _plan(self, now: float, is_launch: bool = False, is_phase_over: bool = False) -> None:
         """ERS plans the next step's layout, RA2P mode and batch; the layout limits may refuse
         its roles (the mode and batch still apply)."""
         assert self.ers is not None
         memory = self.ers.state
+        num_eval = len(self.eval_in_flight) + (self.config.eval_groups if self._is_eval_due()
+                                                 else 0)
         plan = self.ers.plan(ers_input(
             step=self.step, is_eval_step=self._is_eval_phase(), signals=self.signals(now),
-            records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes))
+            records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes,
+            phase_tasks=num_eval * self.config.group_size,
+            tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over))
         self.plan_reason = plan.reason
+        self.is_cold_start = is_launch and plan.reason is PlanReason.COLD_START \
+            and bool(plan.changes)
         roles = self._planned(plan.changes)
         refusal = self.config.limits.refusal(self.roles, roles)
         if refusal is not None:
@@ -310,7 +318,11 @@ class StepController:
             roles = list(self.roles)
             self.ers.state = memory  # its hysteresis and phase memory: the moves did not happen
         self.ra2p_mode = plan.mode
-        if not is_launch:  # step 0 trains B_ideal: nothing is ready yet to size it from
+        if not is_launch and not self.system.streams:
+            # Step 0 trains B_ideal: nothing is ready yet to size it from. A streaming step
+            # trains B_ideal too: what is ready at its boundary is not what it will consume (it
+            # takes micro-batches as they come), and a shrunken batch closes early and ages the
+            # groups behind it out of the staleness window (fig8: 16 M tokens discarded).
             # The staleness window stays B_ideal wide: sizing it by the elastic batch would
             # throttle rollout exactly when ERS shrinks a batch because too little was ready.
             self.buffer.set_batch_size(self.step, plan.batch_size, now)
@@ -391,39 +403,58 @@ class StepController:
     def _feed_eval(self, now: float) -> None:
         """An evaluation phase every ``eval_every`` steps (step 0 included): ``eval_groups``
         groups outside the staleness throttle, never trained."""
-        every, count = self.config.eval_every, self.config.eval_groups
-        if not (every and count and self.step % every == 0):
+        if not self._is_eval_due():
             return
+        self.eval_fed_at = self.step
+        count = self.config.eval_groups
         specs = tuple(GroupSpec(f"e{self.step}.{i}", i, True, self.step) for i in range(count))
         for spec in specs:
             self.rollout.add_group(self.source(spec), now)
             self.eval_in_flight.add(spec.group_id)
         self._out.append(FeedGroups(specs, is_eval=True))
 
-    def _is_eval_phase(self) -> bool:
+    def _is_eval_due(self) -> bool:
+        """Step ``self.step`` starts an evaluation (its groups are fed when it opens)."""
         every = self.config.eval_every
-        is_due = bool(every and self.config.eval_groups and self.step % every == 0)
-        return is_due or bool(self.eval_in_flight)
+        return bool(every and self.config.eval_groups and self.step % every == 0
+                    and self.eval_fed_at != self.step)
+
+    def _is_eval_phase(self) -> bool:
+        return self._is_eval_due() or bool(self.eval_in_flight)
 
     # ------------------------------------------------------------------ steps
 
     def _want_step(self, now: float) -> None:
-        """Open step ``self.step`` now, or (whole-batch systems) once its batch is complete."""
-        if self.system.streams or self.step in self.closed:
+        """Open step ``self.step`` now, or (whole-batch systems, and during the cold start) once
+        its batch is complete."""
+        if self.is_cold_start and self.step in self.closed:
+            self._end_cold_start(now)
+        elif not self.is_cold_start and (self.system.streams or self.step in self.closed):
             self._open_step(now)
         else:
             self.phase = Phase.WAITING
 
+    def _end_cold_start(self, now: float) -> None:
+        """Batch 0 is ready: the ranks the cold start lent come back before step 0 opens (a
+        boundary without an update; step 0 opens once it is acknowledged), so no batch trains
+        on the trainer's minimum."""
+        self.is_cold_start = False
+        self.phase = Phase.BOUNDARY
+        self.trainer_free_at = now  # the lent ranks rolled out until now: no trainer wait
+        self._plan(now, is_phase_over=True)
+
     def _open_step(self, now: float) -> None:
         self.phase = Phase.TRAINING
         start = self._layout_step(self.signals(now))  # TPRM of the arrivals so far
-        self.tracker.start_step(now)
         self.buffer.num_dp_ranks = len(start.actor_ranks)
+        waiting = self.buffer.recut(self.step, self.waiting.pop(self.step, []),
+                                    len(start.actor_ranks))
+        self.tracker.start_step(now)
         ready_at = now if self.system.is_sync else self.trainer_free_at  # sync: rolling out
         self.current = OpenStep(start, now, ready_at, self.tracker.step_ras)
         self.rollout.park(now, self.system.is_sync)
         self._out.append(start)
-        for mb in self.waiting.pop(self.step, []):
+        for mb in waiting:
             self._dispatch(mb)
         if self.step in self.closed:
             self.closed.discard(self.step)
@@ -452,10 +483,12 @@ class StepController:
     def _dispatch(self, mb: MicroBatch) -> None:
         current = self.current
         assert current is not None
-        for seq in mb.sequences:
-            current.group_ids.add(self.buffer.group_of_seq[seq.seq_id].group_id)
+        for seq in mb.sequences:  # a group's samples count with its first sequence
+            group = self.buffer.group_of_seq[seq.seq_id]
+            if group.group_id not in current.group_ids:
+                current.group_ids.add(group.group_id)
+                current.samples += group.num_samples
         current.tokens += self.buffer.consume(current.start.step, mb)
-        current.samples += len(mb.sequences)
         self._out.append(Dispatch(current.start.step, current.num_mbs, mb))
         current.num_mbs += 1
 
@@ -472,7 +505,7 @@ class StepController:
             return
         self.closed.add(batch)
         if self.phase is Phase.WAITING and batch == self.step:
-            self._open_step(self._now)
+            self._want_step(self._now)
 
     def _on_group_dropped(self, group: ReadyGroup) -> None:
         self.groups.stale += 1

@@ -91,18 +91,44 @@ def rollout_idle_frac(records: Sequence[StepRecord]) -> float:
     return min(1.0, last.rwt_s / (last.num_rollout * last.step_s))
 
 
+def trainer_idle_frac(records: Sequence[StepRecord]) -> float:
+    """TWT of the last step over its trainer rank-seconds (0 before the first step)."""
+    last = records[-1] if records else None
+    if last is None or not last.num_trainer or last.step_s <= 0:
+        return 0.0
+    return min(1.0, last.twt_s / (last.num_trainer * last.step_s))
+
+
+def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:
+    """Trained tokens per second of each step, from the end of the one before (boundaries
+    included: a move's weight sync counts against it)."""
+    out, prev_end = [], 0.0
+    for r in records:
+        span = r.end_s - prev_end
+        out.append(r.trained_tokens / span if span > 0 else 0.0)
+        prev_end = r.end_s
+    return tuple(out)
+
+
 def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
               records: Sequence[StepRecord], roles: Sequence[Role], mode: Mode,
-              measured: dict[Mode, MeasuredPasses]) -> ERSInput:
-    """What ERS plans step ``step`` from (at launch, or at the boundary after step - 1): the
-    pass times of the decoupled layout these roles have or would have (one Ref rank at least)."""
-    timings = layout_timings(measured, Mode.DECOUPLED, roles.count(Role.REF),
-                             roles.count(Role.ACTOR))
+              measured: dict[Mode, MeasuredPasses], phase_tasks: int = 0,
+              tasks_per_rank: float = 0.0, is_phase_over: bool = False) -> ERSInput:
+    """What ERS plans step ``step`` from (at launch, at the end of the cold start, or at the
+    boundary after step - 1): the pass times of the decoupled layout these roles have or would
+    have (one Ref rank at least)."""
+    num_refs, num_actors = roles.count(Role.REF), roles.count(Role.ACTOR)
+    timings = layout_timings(measured, Mode.DECOUPLED, num_refs, num_actors)
+    colocated = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)
     return ERSInput(step=step, is_eval_step=is_eval_step, signals=signals,
                     step_duration_s=mean_step_s(records), roles=tuple(roles), mode=mode,
                     timings=timings or NO_TIMINGS,
                     num_micro_batches=max(1, last_num_mbs(records)),
-                    rollout_idle_frac=rollout_idle_frac(records))
+                    rollout_idle_frac=rollout_idle_frac(records),
+                    trainer_idle_frac=trainer_idle_frac(records), goodput=step_goodput(records),
+                    phase_tasks=phase_tasks,
+                    tasks_per_rank=tasks_per_rank, is_phase_over=is_phase_over,
+                    colocated_timings=colocated)
 
 
 def choose_step_mode(config: RA2PConfig, signals: ReadinessSignals,

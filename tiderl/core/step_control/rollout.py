@@ -63,6 +63,15 @@ class RolloutControl:
         generation (the next output's length is not known before it is generated)."""
         return context_tokens + self.max_new_tokens
 
+    def tasks_per_rank(self) -> float:
+        """How many tasks one rollout rank holds at once: its budget over the mean footprint of
+        the tasks active now (0 with none active: not known yet)."""
+        ranks = self.book.ranks.values()
+        usage, num = sum(r.usage for r in ranks), sum(len(r.active) for r in ranks)
+        if not ranks or not num or not usage:
+            return 0.0
+        return sum(r.budget for r in ranks) / len(ranks) / (usage / num)
+
     def advance(self, now: float) -> None:
         is_counting = not self.is_parked and self.book.num_new == 0
         self.rwt.advance(now, self.book.num_idle_ranks, is_counting)

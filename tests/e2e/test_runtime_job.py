@@ -79,6 +79,7 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     assert all(m["staleness_max"] <= profile.runtime.max_staleness for m in metrics)
     assert all(4 <= m["trained_samples"] <= 8 and m["trained_samples"] % 4 == 0
                for m in metrics)
+    assert all(0 < m["trained_loss_tokens"] < m["trained_tokens"] for m in metrics)
     # every group it fed was trained, dropped, or is still on its way at the end
     (stop,) = [e for e in events if e["kind"] == "stop"]
     groups = stop["groups"]

@@ -126,6 +126,7 @@ def test_a_cold_start_a_step_and_its_boundary_on_the_bus(tmp_path):
                  .splitlines()]
     assert (record["step"], record["trained_samples"], record["reward_mean"]) == (0, 2, 0.5)
     assert (record["loss"], record["ers_reason"], record["num_trainer"]) == (0.25, "phase_end", 2)
+    assert (record["trained_loss_tokens"], record["trained_tokens"]) == (4, 24)
     moves = [(e["rank"], e["src"], e["dst"]) for e in events(tmp_path, "role_change")]
     assert moves == [(2, "actor", "rollout"), (2, "rollout", "actor")]
 

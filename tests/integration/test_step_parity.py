@@ -13,8 +13,8 @@ answers must be identical.
 
 Two things are not messages: a weight sync's stall of the rollout engines, which the simulator
 reports whole (the embedded engine keeps generating during a sync, so a rank reports none; it is
-handed to the runtime's controller as the substrate's report), and the loss, which the
-simulator does not model (compared as absent).
+handed to the runtime's controller as the substrate's report), and the loss and its token count,
+which the simulator does not model (compared as absent).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Recorder:
 def _without_loss(result):
     if not isinstance(result, list):
         return result
-    return [replace(c, record=replace(c.record, loss=None, grad_norm=None))
+    return [replace(c, record=replace(c.record, loss=None, grad_norm=None,
+                                      trained_loss_tokens=None))
             if isinstance(c, RecordStep) else c for c in result]
 
 

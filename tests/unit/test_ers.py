@@ -4,6 +4,7 @@ import pytest
 
 from tiderl.core.config import ConfigError
 from tiderl.core.ers import (
+    Block,
     Direction,
     ERSConfig,
     ERSInput,
@@ -496,7 +497,7 @@ def reverted_once() -> Loop:
     # step 6: the move is measured; no signal moves anything, not even the opposite deficit
     assert loop.step(backlogged, 9.0) == plan(mode=COL, batch=64, reason=TRIAL)
     assert loop.step(starved, 10.0) == plan((7, R, A), mode=COL, batch=64, reason=REVERT)
-    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+    assert loop.policy.state == ERSState(blocks=(Block(TO_ROLLOUT, 11, 4),))
     assert loop.layout == roles("RRRRRAAA")
     return loop
 
@@ -514,7 +515,19 @@ def test_a_blocked_direction_leaves_the_other_one_free():
     assert loop.step(backlogged, 10.0) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
     assert loop.policy.state == ERSState(
         TO_TRAINER, trial=Trial(TO_TRAINER, (RoleChange(4, R, A),), COL, 8, 9.5),  # steps 4-7
-        blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+        blocks=(Block(TO_ROLLOUT, 11, 4),))
+
+
+def test_a_revert_one_way_keeps_the_other_ways_block():
+    loop = reverted_once()  # to rollout: blocked for steps 7-10
+    assert loop.step(backlogged, 9.0) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
+    assert loop.step(backlogged, 9.0) == plan(mode=COL, batch=64, reason=TRIAL)
+    # step 10: 9 is not above the baseline 9.5; both directions are now blocked
+    assert loop.step(starved, 9.0) == plan((4, A, R), mode=COL, batch=64, reason=REVERT)
+    assert loop.policy.state == ERSState(
+        blocks=(Block(TO_ROLLOUT, 11, 4), Block(TO_TRAINER, 14, 4)))
+    assert loop.step(backlogged, 9.0) == plan(mode=COL, batch=64, reason=CONS)  # step 11
+    assert loop.step(starved, 9.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)  # 12
 
 
 def reverted_twice() -> Loop:
@@ -526,7 +539,7 @@ def reverted_twice() -> Loop:
     assert loop.step(starved, 10.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
     assert loop.step(starved, 10.0) == plan(mode=COL, batch=64, reason=TRIAL)
     assert loop.step(starved, 10.0) == plan((7, R, A), mode=COL, batch=64, reason=REVERT)
-    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=21, block_steps=8)
+    assert loop.policy.state == ERSState(blocks=(Block(TO_ROLLOUT, 21, 8),))
     return loop
 
 
@@ -540,12 +553,11 @@ def test_a_second_revert_in_a_row_blocks_twice_as_long():
 def test_the_block_doubles_up_to_64_steps():
     trial = Trial(TO_ROLLOUT, (RoleChange(7, A, R),), COL, 30, 10.0)
     for block_steps in (48, 64):
-        state = ERSState(TO_ROLLOUT, trial=trial, blocked=TO_ROLLOUT, blocked_until=30,
-                         block_steps=block_steps)
+        state = ERSState(TO_ROLLOUT, trial=trial, blocks=(Block(TO_ROLLOUT, 30, block_steps),))
         inp = starved("RRRRRAAR", step=32, goodput=(10.0,) * 32)
         result, state = plan_step(inp, state, ERSConfig(), RA2PConfig())
         assert result == plan((7, R, A), mode=COL, batch=64, reason=REVERT)
-        assert state == ERSState(blocked=TO_ROLLOUT, blocked_until=96, block_steps=64)
+        assert state == ERSState(blocks=(Block(TO_ROLLOUT, 96, 64),))
 
 
 def test_a_move_that_raises_goodput_is_kept():
@@ -568,12 +580,11 @@ def test_a_kept_move_lifts_its_directions_block():
     # once, on trial against steps 19-22
     assert loop.step(starved, 11.0) == plan((6, A, R), mode=COL, batch=64, reason=GEN)
     assert loop.policy.state == ERSState(
-        TO_ROLLOUT, trial=Trial(TO_ROLLOUT, (RoleChange(6, A, R),), COL, 23, 11.0),
-        blocked_until=21)
+        TO_ROLLOUT, trial=Trial(TO_ROLLOUT, (RoleChange(6, A, R),), COL, 23, 11.0))
     assert loop.step(starved, 11.0) == plan(mode=COL, batch=64, reason=TRIAL)
     # step 25: 11 is not above 11; the block starts over at damp_steps
     assert loop.step(starved, 11.0) == plan((6, R, A), mode=COL, batch=64, reason=REVERT)
-    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=29, block_steps=4)
+    assert loop.policy.state == ERSState(blocks=(Block(TO_ROLLOUT, 29, 4),))
 
 
 def test_a_revert_restores_the_mode_and_skips_ranks_that_moved_on():
@@ -585,7 +596,7 @@ def test_a_revert_restores_the_mode_and_skips_ranks_that_moved_on():
     assert loop.step(throttled, 9.0) == plan(mode=COL, batch=64, reason=TRIAL)
     loop.layout = roles("RRRIAAAA")  # rank 3 failed during the trial
     assert loop.step(throttled, 9.0) == plan((4, A, F), mode=DEC, batch=64, reason=REVERT)
-    assert loop.policy.state == ERSState(blocked=TO_TRAINER, blocked_until=11, block_steps=4)
+    assert loop.policy.state == ERSState(blocks=(Block(TO_TRAINER, 11, 4),))
     assert loop.step(throttled, 9.0) == plan(mode=DEC, batch=64, reason=CONS)  # blocked
     assert loop.step(starved, 9.0) == plan((4, F, R), mode=COL, batch=64, reason=GEN)
 
@@ -608,10 +619,10 @@ def test_phases_keep_the_damping():
     lent = loop.step(make_input, 10.0, is_eval=True, volume=64)
     assert lent == plan((7, A, R), mode=COL, batch=64, reason=EVAL)
     assert loop.policy.state == ERSState(saved_roles=roles("RRRRRAAA"), saved_mode=COL,
-                                         blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+                                         blocks=(Block(TO_ROLLOUT, 11, 4),))
     back = loop.step(starved, 10.0)  # 16 ready: the smaller rollout's reservoir is kept
     assert back == plan((7, R, A), mode=COL, batch=32, reason=PlanReason.PHASE_END)
-    assert loop.policy.state == ERSState(blocked=TO_ROLLOUT, blocked_until=11, block_steps=4)
+    assert loop.policy.state == ERSState(blocks=(Block(TO_ROLLOUT, 11, 4),))
     assert loop.step(starved, 10.0) == plan(mode=COL, batch=64, reason=GEN)  # step 10: blocked
     assert loop.step(starved, 10.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
 

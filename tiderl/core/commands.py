@@ -60,6 +60,7 @@ class RankReport:
     t_swap: float | None = None
     loss: float | None = None
     grad_norm: float | None = None
+    loss_tokens: int | None = None  # the step's loss-mask (response) tokens, all ranks together
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,20 +150,34 @@ class Trial:
 
 
 @dataclass(frozen=True, slots=True)
+class Block:
+    """A reverted direction: no signal-driven move that way before step ``until``; ``steps`` is
+    the block's length (a revert in a row that way doubles it)."""
+
+    direction: Direction
+    until: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
 class ERSState:
     """Hysteresis memory: the direction of the last signal-driven move, and how many consecutive
     steps the opposite deficit has been seen since; during a phase (cold start, evaluation), the
-    layout and mode from before it; the move on trial; a damped direction, blocked before step
-    ``blocked_until``, and the length of its last block."""
+    layout and mode from before it; the move on trial; the damped directions, one block each."""
 
     last_direction: Direction | None = None
     opposite_streak: int = 0
     saved_roles: tuple[Role, ...] | None = None
     saved_mode: Mode | None = None
     trial: Trial | None = None
-    blocked: Direction | None = None
-    blocked_until: int = 0
-    block_steps: int = 0
+    blocks: tuple[Block, ...] = ()
+
+    def block(self, direction: Direction) -> Block | None:
+        return next((b for b in self.blocks if b.direction is direction), None)
+
+    def unblocked(self, direction: Direction) -> tuple[Block, ...]:
+        """The blocks of the other direction."""
+        return tuple(b for b in self.blocks if b.direction is not direction)
 
 
 # --------------------------------------------------------------------------- signals
@@ -416,13 +430,11 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
         return ScalingPlan((), inp.mode, config.batch_ideal, PlanReason.TRIAL), state
     after = _mean(inp.goodput[trial.step: trial.step + config.trial_steps])
     if after is not None and after > trial.baseline:
-        kept = replace(state, trial=None)
-        if state.blocked is trial.direction:
-            kept = replace(kept, blocked=None, block_steps=0)
-        return None, kept
-    block = min(64, state.block_steps * 2) if state.blocked is trial.direction \
-        else config.damp_steps
-    state = ERSState(blocked=trial.direction, blocked_until=inp.step + block, block_steps=block)
+        return None, replace(state, trial=None, blocks=state.unblocked(trial.direction))
+    last = state.block(trial.direction)
+    steps = min(64, last.steps * 2) if last is not None else config.damp_steps
+    block = Block(trial.direction, inp.step + steps, steps)
+    state = ERSState(blocks=(*state.unblocked(trial.direction), block))
     changes = _undo(inp.roles, trial.changes, config)
     new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
@@ -436,7 +448,8 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     trial when there are steps before it to compare with."""
     is_generation = reason is PlanReason.GENERATION_DEFICIT
     direction = Direction.TO_ROLLOUT if is_generation else Direction.TO_TRAINER
-    if state.blocked is direction and inp.step < state.blocked_until:
+    block = state.block(direction)
+    if block is not None and inp.step < block.until:
         return (), inp.mode, state
     may_act, streak = _gate(state, direction, config.hysteresis_steps)
     state = replace(state, opposite_streak=streak)
@@ -461,8 +474,7 @@ def plan_step(
     reason = classify(inp, config, ra2p)
     changes: tuple[RoleChange, ...] = ()
     mode = inp.mode
-    damping = {"blocked": state.blocked, "blocked_until": state.blocked_until,
-               "block_steps": state.block_steps}
+    damping = {"blocks": state.blocks}
     if inp.is_phase_over and state.saved_roles is not None:
         changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
         reason, state = PlanReason.PHASE_END, ERSState(**damping)

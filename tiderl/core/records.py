@@ -10,7 +10,7 @@ back, with a ValueError naming the first missing key.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from tiderl.core.system import StepMode
 
@@ -43,6 +43,8 @@ class StepRecord:
     grad_norm: float | None
     batch_size: int  # samples the (elastic) batch held
     ers_reason: str | None  # the reason of the plan that laid this step out
+    trained_loss_tokens: int | None = None  # of trained_tokens, those the loss counts (response
+    # tokens; None: the substrate does not report them, as the simulator)
 
     @property
     def time_s(self) -> float:
@@ -73,10 +75,10 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, row: dict[str, object]) -> StepRecord:
-        missing = [f.name for f in fields(cls) if f.name not in row]
+        missing = [f.name for f in fields(cls) if f.name not in row and f.default is MISSING]
         if missing:
             raise ValueError(f"a step record needs {missing[0]!r}")
-        values = {f.name: row[f.name] for f in fields(cls)}
+        values = {f.name: row[f.name] for f in fields(cls) if f.name in row}
         values.update(mode=StepMode(values["mode"]), roles=tuple(values["roles"]))
         return cls(**values)
 

@@ -3,7 +3,7 @@ step cycle a whole profile asks the coordinator for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
@@ -57,11 +57,16 @@ class RuntimeConfig:
 
 
 def control_config(profile: Profile) -> StepControlConfig:
-    """The step cycle a profile asks for (``runtime.mode`` names the system)."""
+    """The step cycle a profile asks for (``runtime.mode`` names the system). Without a KL term
+    (``trainer.kl_beta`` 0) no step runs a Ref pass, so RA2P's choice is colocated: a Ref rank
+    would have nothing to compute."""
     rt, trainer = profile.runtime, profile.trainer
+    ra2p = profile.ra2p
+    if trainer.kl_beta == 0 and ra2p.mode == "auto":
+        ra2p = replace(ra2p, mode="colocated")
     return StepControlConfig(
         system=SystemSpec(System.parse(rt.mode)), num_steps=rt.steps, group_size=rt.group_size,
-        max_staleness=rt.max_staleness, ctb=profile.ctb, ra2p=profile.ra2p, ers=profile.ers,
+        max_staleness=rt.max_staleness, ctb=profile.ctb, ra2p=ra2p, ers=profile.ers,
         rank_budget=profile.ctb.rank_budget(profile.engine.kv_cache_tokens),
         max_new_tokens=profile.engine.max_new_tokens, eval_every=rt.eval_every,
         eval_groups=rt.eval_groups, checkpoint_every=trainer.checkpoint_every,

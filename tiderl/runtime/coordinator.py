@@ -227,7 +227,8 @@ class Coordinator:
         self.reports[msg.rank] = c.RankReport(
             msg.rank, wait_s=stats.get("wait_s", 0.0), t_ref=stats.get("t_ref"),
             t_act_f=stats.get("t_act_f"), t_act_b=stats.get("t_act_b"),
-            t_swap=stats.get("t_swap"), loss=msg.loss, grad_norm=msg.grad_norm)
+            t_swap=stats.get("t_swap"), loss=msg.loss, grad_norm=msg.grad_norm,
+            loss_tokens=msg.loss_tokens)
         if set(self.reports) < set(start.ranks):
             return
         queries, hits = self.log.kv_counters()

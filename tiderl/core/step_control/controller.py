@@ -576,7 +576,9 @@ class StepController:
             eval_reward=outcome.eval_reward,
             loss=sum(losses) / len(losses) if losses else None,
             grad_norm=actors[0].grad_norm if actors else None, batch_size=current.samples,
-            ers_reason=self.plan_reason.value if self.plan_reason is not None else None)
+            ers_reason=self.plan_reason.value if self.plan_reason is not None else None,
+            trained_loss_tokens=max((r.loss_tokens for r in actors if r.loss_tokens is not None),
+                                    default=None))
 
     # ------------------------------------------------------------------ plumbing
 

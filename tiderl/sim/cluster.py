@@ -115,8 +115,6 @@ class Cluster:
         self._plans: dict[str, tuple[TaskPlan, ...]] = {}  # groups fed, until they run
         self._rewards: dict[str, float] = {}  # task id -> reward, of the ready groups
         self._step_rewards: dict[str, float] = {}  # the step's tasks (a task may have segments)
-        self._is_close_held = False  # sync: the step trains once its evaluation is done
-        self._held_boundary: Boundary | None = None  # a weight sync waiting for evaluation
 
     # ---- the run ----
 
@@ -159,9 +157,7 @@ class Cluster:
                     self._step_rewards[task] = self._rewards[task]
                 self.executor.add(command.mb)
             elif isinstance(command, CloseStep):
-                self._is_close_held = self.system.is_sync and self._has_open_eval()
-                if not self._is_close_held:
-                    self.executor.close()
+                self.executor.close()
             elif isinstance(command, Boundary) and not command.is_final:
                 self._boundary(command)
             elif isinstance(command, Finish):
@@ -176,21 +172,6 @@ class Cluster:
             self._rewards.update(group.rewards)
         ready = None if group.is_eval else group
         self._apply(self.controller.group_ready(group.group_id, ready, self.loop.now))
-        if group.is_eval and not self._has_open_eval():
-            self._release_eval_holds()
-
-    def _has_open_eval(self) -> bool:
-        return any(g.is_eval for g in self.pool.groups.values())
-
-    def _release_eval_holds(self) -> None:
-        """Evaluation is done: a synchronous step trains (its engines are free), a weight sync
-        held for the anchored evaluation version goes ahead."""
-        if self._is_close_held:
-            self._is_close_held = False
-            self.executor.close()
-        if self._held_boundary is not None:
-            boundary, self._held_boundary = self._held_boundary, None
-            self._boundary(boundary)
 
     # ---- steps ----
 
@@ -220,11 +201,8 @@ class Cluster:
     def _boundary(self, boundary: Boundary) -> None:
         """The weight sync stalls the staying rollout engines (their KV is stale after it) and
         every member acknowledges once its own part is done: the broadcast, its role switch.
-        Evaluation runs on an anchored version (paper Table 1: stalling it "blocks global weight
-        synchronization"), so a sync waits while evaluation groups are open."""
-        if boundary.version > 0 and not self.system.is_sync and self._has_open_eval():
-            self._held_boundary = boundary
-            return
+        (A boundary due while an evaluation runs comes once it is done: the step controller
+        holds it.)"""
         now = self.loop.now
         sync_s = self._sync_s(boundary) if boundary.version > 0 else 0.0
         if sync_s > 0:

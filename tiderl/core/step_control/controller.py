@@ -113,6 +113,7 @@ class StepController:
         self.is_retire_pending = False
         self.eval_in_flight: set[str] = set()
         self.eval_fed_at = -1  # the last step whose evaluation groups were fed
+        self.is_eval_hold = False  # the post-update boundary waits for the evaluation's groups
         self.groups = GroupCount()
         self._kv_mark = (0, 0)
         self._rwt_mark = 0.0
@@ -174,6 +175,8 @@ class StepController:
         self._at(now)
         if group_id in self.eval_in_flight:
             self.eval_in_flight.discard(group_id)
+            if not self.eval_in_flight:
+                self._eval_drained(now)
         elif group is None:
             self.groups.failed += 1
             self.failed_samples += self.config.group_size  # out of the staleness window too
@@ -209,13 +212,31 @@ class StepController:
             self.phase = Phase.FINISHED
             self._out.append(Finish(self.step))
             return self._flush()
+        if self.eval_in_flight and not self.system.is_sync:
+            self.is_eval_hold = True  # see _eval_drained
+            return self._flush()
+        self._post_update(now)
+        return self._flush()
+
+    def _post_update(self, now: float) -> None:
+        """The boundary after an update: an operator's pending plan, else ERS's, else the same
+        layout with the new weights."""
         if not self._apply_manual(now):
             if self.ers is not None and not self.is_manual_held:
                 self._plan(now)
             else:
                 self._boundary(now, self.roles, None)
         self._maybe_retire(now)
-        return self._flush()
+
+    def _eval_drained(self, now: float) -> None:
+        """The evaluation's last group is back. It ran on an anchored version (paper Table 1:
+        stalling it "blocks global weight synchronization"), so a weight sync due meanwhile
+        goes out now; a synchronous step, whose engines it shared, may now train."""
+        if self.is_eval_hold:
+            self.is_eval_hold = False
+            self._post_update(now)
+        elif self.phase is Phase.WAITING:
+            self._want_step(now)
 
     def boundary_acked(self, rank: int, version: int, now: float) -> list[Command]:
         """``rank`` took the boundary of ``version`` (its role and, after an update, the new
@@ -426,10 +447,13 @@ class StepController:
 
     def _want_step(self, now: float) -> None:
         """Open step ``self.step`` now, or (whole-batch systems, and during the cold start) once
-        its batch is complete."""
+        its batch is complete; a synchronous step also waits for an evaluation to end (its
+        engines are the trainer's GPUs)."""
+        is_eval_blocking = self.system.is_sync and bool(self.eval_in_flight)
         if self.is_cold_start and self.step in self.closed:
             self._end_cold_start(now)
-        elif not self.is_cold_start and (self.system.streams or self.step in self.closed):
+        elif not self.is_cold_start and not is_eval_blocking \
+                and (self.system.streams or self.step in self.closed):
             self._open_step(now)
         else:
             self.phase = Phase.WAITING

@@ -231,10 +231,11 @@ def is_backlogged(inp: ERSInput, config: ERSConfig) -> bool:
     trainer-side pressure and triggers decoupled RA2P plus more Trainer capacity"), or rollout
     ranks sat idle on a full staleness window (RWT share above ``max_idle_rollout``) while the
     trainer did not wait."""
+    if inp.trainer_idle_frac > config.max_idle_trainer:
+        return False  # its ranks waited for data: whatever the buffer shows, it keeps up
     busy = inp.timings.t_act_f + inp.timings.t_act_b
     tprm = inp.signals.tprm_s
-    is_throttled = inp.step > 0 and inp.rollout_idle_frac > config.max_idle_rollout \
-        and inp.trainer_idle_frac <= config.max_idle_trainer
+    is_throttled = inp.step > 0 and inp.rollout_idle_frac > config.max_idle_rollout
     return inp.signals.hol_latency_s > config.tau * inp.step_duration_s or (
         tprm is not None and tprm < busy) or is_throttled
 

@@ -7,7 +7,8 @@ from itertools import product
 
 import pytest
 
-from tiderl.core.ers import ERSPolicy, ERSState, manual_mode, manual_plan, manual_refusal
+from tiderl.core.ers import ERSPolicy, ERSState
+from tiderl.core.ers_manual import manual_mode, manual_plan, manual_refusal
 from tiderl.core.types import Mode, PlanReason, Role, RoleChange
 
 ROLES = {"R": Role.ROLLOUT, "A": Role.ACTOR, "F": Role.REF, "I": Role.IDLE}

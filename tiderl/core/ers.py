@@ -24,9 +24,9 @@ Called once per step at the post-update boundary, before ``sync_params``:
     REVERT               the trial's goodput is not above the steps    the move undone   before it
                          before the move (the direction is then
                          damped: blocked for damp_steps, doubling)
-    MANUAL               an operator's ``tiderl rebalance`` (``manual_plan``: counts in, ranks
-                         picked here; the step controller holds it and skips ``plan_step`` until
-                         a release)
+    MANUAL               an operator's ``tiderl rebalance`` (``ers_manual.manual_plan``: counts
+                         in, ranks picked there; the step controller holds it and skips
+                         ``plan_step`` until a release)
 
 Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
 REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with the highest id move
@@ -256,7 +256,7 @@ def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool)
 # --------------------------------------------------------------------------- role moves
 
 
-def _ranks_with(roles: tuple[Role, ...], role: Role) -> list[int]:
+def ranks_with(roles: tuple[Role, ...], role: Role) -> list[int]:
     """Ranks holding ``role``, highest id first (the order in which they move)."""
     return [r for r in range(len(roles) - 1, -1, -1) if roles[r] is role]
 
@@ -299,7 +299,7 @@ def moves_to_rollout(
     ``num_phase`` of them; for a generation deficit (``num_phase`` None), at most
     ``max_scale_up_per_step``, and none when a surplus Ref rank was released."""
     layout = _Layout(list(roles))
-    refs, actors = _ranks_with(roles, Role.REF), _ranks_with(roles, Role.ACTOR)
+    refs, actors = ranks_with(roles, Role.REF), ranks_with(roles, Role.ACTOR)
     num_released = _release_refs(layout, refs, keep_refs, config.min_trainer_ranks)
     if num_phase is not None or num_released == 0:
         limit = config.max_scale_up_per_step if num_phase is None else num_phase
@@ -331,11 +331,11 @@ def moves_to_trainer(
     num_missing_refs = max(0, num_refs_needed - layout.count(Role.REF))
     wanted = config.max_scale_up_per_step if is_backlogged else num_missing_refs
     num_moves = max(0, min(spare, wanted, config.max_scale_up_per_step))
-    for rank in _ranks_with(roles, Role.ROLLOUT)[:num_moves]:
+    for rank in ranks_with(roles, Role.ROLLOUT)[:num_moves]:
         is_ref_missing = layout.count(Role.REF) < num_refs_needed
         layout.move(rank, Role.REF if is_ref_missing and layout.count(Role.ACTOR) else Role.ACTOR)
     if not layout.changes and num_refs_needed and not layout.count(Role.REF):
-        actors = _ranks_with(roles, Role.ACTOR)
+        actors = ranks_with(roles, Role.ACTOR)
         if len(actors) >= 2:
             layout.move(actors[0], Role.REF)
     return tuple(layout.changes)
@@ -384,7 +384,7 @@ def _scale_trainer(
     changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog)
     new_roles = _apply(inp.roles, changes)
     if not wants_ref:  # RA2P's cost model prefers colocated: a Ref rank serves as an actor
-        changes += tuple(RoleChange(r, Role.REF, Role.ACTOR) for r in _ranks_with(new_roles,
+        changes += tuple(RoleChange(r, Role.REF, Role.ACTOR) for r in ranks_with(new_roles,
                                                                                  Role.REF))
         new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
@@ -522,87 +522,3 @@ class ERSPolicy:
         """Forget the hysteresis and any saved phase layout: a manual plan replaced the layout
         they were about, so ERS starts afresh from it when it plans again."""
         self.state = ERSState()
-
-
-# --------------------------------------------------------------------------- manual plans
-#
-# ``tiderl rebalance --rollout N --trainer M [--mode]``: the operator gives the counts, these pick
-# the ranks. Ranks stay in place where they can; leaving the trainer: surplus Ref ranks first,
-# then actors, highest id first; joining it: the highest rollout ranks. Colocated: every trainer
-# rank is an actor; decoupled: exactly one is a Ref (a Ref already there, else a joining rank,
-# else the highest actor). The lowest actor always keeps its role, so the weights have a source.
-
-
-def manual_refusal(
-    roles: tuple[Role, ...], num_rollout: int, num_trainer: int, mode: Mode | None
-) -> str | None:
-    """Why ``manual_plan`` cannot form this layout from ``roles``, in one line; None if it can.
-    IDLE (dead) ranks do not count: the counts must add up to the live ranks."""
-    num_live = sum(1 for role in roles if role is not Role.IDLE)
-    if num_rollout < 1:
-        return f"--rollout {num_rollout}: at least one rollout rank is needed"
-    if num_trainer < 1:
-        return f"--trainer {num_trainer}: at least one trainer rank is needed"
-    if num_rollout + num_trainer != num_live:
-        return (f"--rollout {num_rollout} + --trainer {num_trainer} = "
-                f"{num_rollout + num_trainer}, but the job has {num_live} live ranks")
-    if mode is Mode.DECOUPLED and num_trainer < 2:
-        return (f"decoupled needs at least 2 trainer ranks (a Ref and an Actor), "
-                f"got --trainer {num_trainer}")
-    if Role.ACTOR not in roles:
-        return "no actor rank is left to hold the weights"
-    return None
-
-
-def manual_mode(requested: Mode | None, current: Mode, num_trainer: int) -> Mode:
-    """The requested mode, else the current one where the trainer can run it."""
-    if requested is not None:
-        return requested
-    return current if num_trainer >= 2 else Mode.COLOCATED
-
-
-def _manual_trainer_set(roles: tuple[Role, ...], num_trainer: int, keep_refs: int) -> set[int]:
-    current = [r for r, role in enumerate(roles) if role in TRAINER_ROLES]
-    if num_trainer >= len(current):
-        joining = _ranks_with(roles, Role.ROLLOUT)[: num_trainer - len(current)]
-        return {*current, *joining}
-    refs = _ranks_with(roles, Role.REF)
-    num_surplus = max(0, len(refs) - keep_refs)
-    leaving = [*refs[:num_surplus], *_ranks_with(roles, Role.ACTOR), *refs[num_surplus:]]
-    return set(current) - set(leaving[: len(current) - num_trainer])
-
-
-def _manual_ref(roles: tuple[Role, ...], trainer: set[int]) -> int:
-    """The decoupled plan's Ref rank (``trainer`` holds at least two ranks)."""
-    for role in (Role.REF, Role.ROLLOUT, Role.ACTOR):
-        ranks = [r for r in sorted(trainer) if roles[r] is role]
-        if ranks:
-            return ranks[0] if role is Role.REF else ranks[-1]
-    raise ValueError("an empty trainer set")
-
-
-def manual_plan(
-    roles: tuple[Role, ...],
-    num_rollout: int,
-    num_trainer: int,
-    mode: Mode | None,
-    current_mode: Mode,
-    batch_size: int,
-) -> ScalingPlan:
-    """The operator's layout as a plan (reason MANUAL); ``mode`` None keeps ``current_mode``
-    where it can (see ``manual_mode``). ValueError with ``manual_refusal``'s line if refused."""
-    refusal = manual_refusal(roles, num_rollout, num_trainer, mode)
-    if refusal is not None:
-        raise ValueError(refusal)
-    mode = manual_mode(mode, current_mode, num_trainer)
-    trainer = _manual_trainer_set(roles, num_trainer, 1 if mode is Mode.DECOUPLED else 0)
-    target = [role if role is Role.IDLE or r in trainer else Role.ROLLOUT
-              for r, role in enumerate(roles)]
-    for rank in trainer:
-        target[rank] = Role.ACTOR
-    if mode is Mode.DECOUPLED:
-        target[_manual_ref(roles, trainer)] = Role.REF
-    changes = tuple(RoleChange(rank, old, new)
-                    for rank, (old, new) in enumerate(zip(roles, target, strict=True))
-                    if old is not new)
-    return ScalingPlan(changes, mode, batch_size, PlanReason.MANUAL)

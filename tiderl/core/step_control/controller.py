@@ -51,7 +51,7 @@ from tiderl.core.step_control.manual import (
     planned_roles,
 )
 from tiderl.core.step_control.rollout import RolloutControl
-from tiderl.core.step_control.state import GroupCount, OpenStep, PendingBoundary, Phase
+from tiderl.core.step_control.state import Evaluation, GroupCount, OpenStep, PendingBoundary, Phase
 from tiderl.core.system import StepMode, SystemSpec
 from tiderl.core.types import (
     Decision,
@@ -111,8 +111,7 @@ class StepController:
         self.trained_tokens = self.trained_samples = 0
         self.num_fed = self.num_retired = self.failed_samples = 0
         self.is_retire_pending = False
-        self.eval_in_flight: set[str] = set()
-        self.eval_fed_at = -1  # the last step whose evaluation groups were fed
+        self.evaluation = Evaluation(config.eval_every, config.eval_groups)
         self.is_eval_hold = False  # the post-update boundary waits for the evaluation's groups
         self.groups = GroupCount()
         self._kv_mark = (0, 0)
@@ -173,9 +172,8 @@ class StepController:
         task produced no turn (the group cannot be trained). Evaluation groups are never
         trained: their end only ends the evaluation phase."""
         self._at(now)
-        if group_id in self.eval_in_flight:
-            self.eval_in_flight.discard(group_id)
-            if not self.eval_in_flight:
+        if group_id in self.evaluation.in_flight:
+            if self.evaluation.finish(group_id):
                 self._eval_drained(now)
         elif group is None:
             self.groups.failed += 1
@@ -212,7 +210,7 @@ class StepController:
             self.phase = Phase.FINISHED
             self._out.append(Finish(self.step))
             return self._flush()
-        if self.eval_in_flight and not self.system.is_sync:
+        if self.evaluation.in_flight and not self.system.is_sync:
             self.is_eval_hold = True  # see _eval_drained
             return self._flush()
         self._post_update(now)
@@ -322,10 +320,10 @@ class StepController:
         its roles (the mode and batch still apply)."""
         assert self.ers is not None
         memory = self.ers.state
-        num_eval = len(self.eval_in_flight) + (self.config.eval_groups if self._is_eval_due()
-                                                 else 0)
+        num_eval = self.evaluation.num_unfinished(self.step)
         plan = self.ers.plan(ers_input(
-            step=self.step, is_eval_step=self._is_eval_phase(), signals=self.signals(now),
+            step=self.step, is_eval_step=self.evaluation.is_phase(self.step),
+            signals=self.signals(now),
             records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes,
             phase_tasks=num_eval * self.config.group_size,
             tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over))
@@ -422,26 +420,13 @@ class StepController:
             self._out.append(FeedGroups(tuple(specs), is_eval=False))
 
     def _feed_eval(self, now: float) -> None:
-        """An evaluation phase every ``eval_every`` steps (step 0 included): ``eval_groups``
-        groups outside the staleness throttle, never trained."""
-        if not self._is_eval_due():
-            return
-        self.eval_fed_at = self.step
-        count = self.config.eval_groups
-        specs = tuple(GroupSpec(f"e{self.step}.{i}", i, True, self.step) for i in range(count))
+        """An evaluation phase when one is due (:class:`Evaluation`): its groups go out beside
+        the staleness throttle, never trained."""
+        specs = self.evaluation.feed(self.step)
         for spec in specs:
             self.rollout.add_group(self.source(spec), now)
-            self.eval_in_flight.add(spec.group_id)
-        self._out.append(FeedGroups(specs, is_eval=True))
-
-    def _is_eval_due(self) -> bool:
-        """Step ``self.step`` starts an evaluation (its groups are fed when it opens)."""
-        every = self.config.eval_every
-        return bool(every and self.config.eval_groups and self.step % every == 0
-                    and self.eval_fed_at != self.step)
-
-    def _is_eval_phase(self) -> bool:
-        return self._is_eval_due() or bool(self.eval_in_flight)
+        if specs:
+            self._out.append(FeedGroups(specs, is_eval=True))
 
     # ------------------------------------------------------------------ steps
 
@@ -449,7 +434,7 @@ class StepController:
         """Open step ``self.step`` now, or (whole-batch systems, and during the cold start) once
         its batch is complete; a synchronous step also waits for an evaluation to end (its
         engines are the trainer's GPUs)."""
-        is_eval_blocking = self.system.is_sync and bool(self.eval_in_flight)
+        is_eval_blocking = self.system.is_sync and bool(self.evaluation.in_flight)
         if self.is_cold_start and self.step in self.closed:
             self._end_cold_start(now)
         elif not self.is_cold_start and not is_eval_blocking \

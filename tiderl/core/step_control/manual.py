@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tiderl.core.commands import ManualRequest
-from tiderl.core.ers import manual_plan, manual_refusal
+from tiderl.core.ers_manual import manual_plan, manual_refusal
 from tiderl.core.step_control.config import LayoutLimits
 from tiderl.core.system import System, SystemSpec
 from tiderl.core.types import Mode, Role, RoleChange, ScalingPlan

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tiderl.core.commands import StartStep
+from tiderl.core.commands import GroupSpec, StartStep
 
 
 class Phase(str, Enum):
@@ -56,3 +56,40 @@ class GroupCount:
         return {"fed": self.fed, "trained": trained, "dropped": self.stale + self.failed,
                 "buffered": self.ready - trained - self.stale,
                 "rolling_out": self.fed - self.ready - self.failed}
+
+
+@dataclass
+class Evaluation:
+    """The evaluation phases: ``num_groups`` groups every ``every`` steps (step 0 included; 0:
+    none), which groups are out, and the last step whose groups were fed."""
+
+    every: int
+    num_groups: int
+    in_flight: set[str] = field(default_factory=set)
+    fed_at: int = -1
+
+    def is_due(self, step: int) -> bool:
+        """Step ``step`` starts an evaluation not fed yet (its groups go out when it opens)."""
+        return bool(self.every and self.num_groups and step % self.every == 0
+                    and self.fed_at != step)
+
+    def is_phase(self, step: int) -> bool:
+        return self.is_due(step) or bool(self.in_flight)
+
+    def num_unfinished(self, step: int) -> int:
+        """Groups the phase still has to run: those out, and those due at ``step``."""
+        return len(self.in_flight) + (self.num_groups if self.is_due(step) else 0)
+
+    def feed(self, step: int) -> tuple[GroupSpec, ...]:
+        """Step ``step``'s groups, now out (none unless due)."""
+        if not self.is_due(step):
+            return ()
+        self.fed_at = step
+        specs = tuple(GroupSpec(f"e{step}.{i}", i, True, step) for i in range(self.num_groups))
+        self.in_flight.update(spec.group_id for spec in specs)
+        return specs
+
+    def finish(self, group_id: str) -> bool:
+        """True when ``group_id`` was the phase's last group out."""
+        self.in_flight.discard(group_id)
+        return not self.in_flight

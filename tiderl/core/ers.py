@@ -14,11 +14,13 @@ Called once per step at the post-update boundary, before ``sync_params``:
     PHASE_END            the phase's work is done (``is_phase_over``:  the layout before it
                          batch 0 is ready; at the first boundary       is restored        its mode
                          after the evaluation groups drained)
-    GENERATION_DEFICIT   volume < B_ideal, RAS < break-even, long TPRM trainer->rollout  colocated
-                         and rollout busy (idle share <= max_idle_rollout)
-    CONSUMPTION_DEFICIT  HoL > tau·T_step, or RAS >= break-even        rollout->trainer  decoupled
-                         (a backlog -- HoL over the threshold or TPRM shorter than the actor time --
-                         moves ranks; RAS alone only provisions a missing Ref rank)
+    GENERATION_DEFICIT   the trainer starved (TWT share >              trainer->rollout  colocated
+                         max_idle_trainer), rollout busy (RWT share <=
+                         max_idle_rollout), RAS < break-even, long TPRM
+    CONSUMPTION_DEFICIT  a backlog (the trainer did not wait, and HoL  rollout->trainer  decoupled
+                         > tau·T_step, TPRM < the actor time, or       (a Ref rank only  with a Ref
+                         rollout idle), or RAS >= break-even (which    where the cost    rank, else
+                         only provisions a missing Ref rank)           model says so)    colocated
     BALANCED             otherwise                                     none              unchanged
     TRIAL                a signal-driven move runs its trial steps     none (held)       unchanged
     REVERT               the trial's goodput is not above the steps    the move undone   before it
@@ -34,8 +36,9 @@ first. Invariant: a plan never moves a rank out of a group (rollout, trainer) th
 minimum, never leaves the trainer without an actor, and never reverses the direction of the last
 move before ``hysteresis_steps`` consecutive steps of the opposite deficit (a balanced step breaks
 the streak; cold start and evaluation moves reset this memory). Phase moves are temporary: the
-layout and mode from before a cold start or evaluation phase come back, in one plan, at the first
-step after it (``max_scale_up_per_step`` bounds signal-driven moves, not this restoration).
+layout and mode from before a cold start or evaluation phase come back in one plan when its work
+is done (``max_scale_up_per_step`` bounds signal-driven moves, not this restoration). A
+signal-driven move waits for a step after step 0 to measure against, and goes on trial.
 """
 
 from __future__ import annotations

@@ -201,6 +201,12 @@ def decoupled_break_even(inp: ERSInput, ra2p: RA2PConfig) -> int | None:
     )
 
 
+def is_ras_at_break_even(inp: ERSInput, ra2p: RA2PConfig) -> bool:
+    """RAS is at RA2P's break-even: the decoupled layout would run this step cheaper."""
+    break_even = decoupled_break_even(inp, ra2p)
+    return break_even is not None and inp.signals.ras >= break_even
+
+
 def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     """The reason for this step's plan; phases first, then generation before consumption.
 
@@ -215,8 +221,7 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
         return PlanReason.EVALUATION
     sig = inp.signals
     busy = inp.timings.t_act_f + inp.timings.t_act_b
-    break_even = decoupled_break_even(inp, ra2p)
-    is_ras_high = break_even is not None and sig.ras >= break_even
+    is_ras_high = is_ras_at_break_even(inp, ra2p)
     is_tprm_long = sig.tprm_s is None or sig.tprm_s > busy
     is_rollout_busy = inp.rollout_idle_frac <= config.max_idle_rollout
     is_trainer_starved = inp.trainer_idle_frac > config.max_idle_trainer
@@ -379,9 +384,7 @@ def _scale_trainer(
     inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig
 ) -> tuple[tuple[RoleChange, ...], Mode]:
     fixed = _fixed_mode(ra2p)
-    break_even = decoupled_break_even(inp, ra2p)
-    is_decoupled_cheaper = break_even is not None and inp.signals.ras >= break_even
-    wants_ref = fixed is Mode.DECOUPLED or (fixed is None and is_decoupled_cheaper)
+    wants_ref = fixed is Mode.DECOUPLED or (fixed is None and is_ras_at_break_even(inp, ra2p))
     num_refs = ra2p.num_ref_ranks if wants_ref else 0
     backlog = is_backlogged(inp, config)
     changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog)

@@ -328,8 +328,8 @@ class StepController:
             phase_tasks=num_eval * self.config.group_size,
             tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over))
         self.plan_reason = plan.reason
-        self.is_cold_start = is_launch and plan.reason is PlanReason.COLD_START \
-            and bool(plan.changes)
+        if is_launch:
+            self.is_cold_start = plan.reason is PlanReason.COLD_START and bool(plan.changes)
         roles = self._planned(plan.changes)
         refusal = self.config.limits.refusal(self.roles, roles)
         if refusal is not None:

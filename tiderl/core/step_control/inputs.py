@@ -83,20 +83,24 @@ def last_num_mbs(records: Sequence[StepRecord]) -> int:
     return records[-1].num_micro_batches if records else 1
 
 
-def rollout_idle_frac(records: Sequence[StepRecord]) -> float:
-    """RWT of the last step over its rollout rank-seconds (0 before the first step)."""
+def _idle_frac(records: Sequence[StepRecord], wait_s: str, num_ranks: str) -> float:
+    """The last step's ``wait_s`` rank-seconds over its ``num_ranks`` ranks' (0 before the
+    first step)."""
     last = records[-1] if records else None
-    if last is None or not last.num_rollout or last.step_s <= 0:
+    ranks = getattr(last, num_ranks) if last is not None else 0
+    if not ranks or last.step_s <= 0:
         return 0.0
-    return min(1.0, last.rwt_s / (last.num_rollout * last.step_s))
+    return min(1.0, getattr(last, wait_s) / (ranks * last.step_s))
+
+
+def rollout_idle_frac(records: Sequence[StepRecord]) -> float:
+    """RWT of the last step over its rollout rank-seconds."""
+    return _idle_frac(records, "rwt_s", "num_rollout")
 
 
 def trainer_idle_frac(records: Sequence[StepRecord]) -> float:
-    """TWT of the last step over its trainer rank-seconds (0 before the first step)."""
-    last = records[-1] if records else None
-    if last is None or not last.num_trainer or last.step_s <= 0:
-        return 0.0
-    return min(1.0, last.twt_s / (last.num_trainer * last.step_s))
+    """TWT of the last step over its trainer rank-seconds."""
+    return _idle_frac(records, "twt_s", "num_trainer")
 
 
 def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:

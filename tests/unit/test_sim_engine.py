@@ -121,6 +121,25 @@ def test_a_request_waits_until_its_context_and_output_fit():
     assert engine.decoded_tokens == 40 + 16 + 16
 
 
+def test_with_nothing_running_a_waiting_request_gives_up_its_pinned_blocks():
+    """10 blocks of 16. Turn 1 of a and b (prompt 16, own 32 + 16 output: 1 + 3 blocks each)
+    prefill 96 tokens (to 0.096) and decode 16 (0.256); CTB pins their 8 blocks. At 1.0 both
+    second turns (context 80, 32 to decode: 7 blocks each) queue: a needs 3 more of the 2 free
+    and nothing runs to free one, so b, queued behind it, loses its 3 own blocks (48 tokens to
+    compute again). a computes its 16 new tokens (to 1.016) and decodes 32 (1.336); b then
+    waits for a's pinned blocks (a waits for its environment, as CTB pinned it)."""
+    loop, engine, done = _engine(capacity=160)
+    for task, group in (("a", "g1"), ("b", "g2")):
+        loop.at(0.0, lambda _, t=task, g=group: engine.submit(Request(t, g, 16, 48, 16, 48,
+                                                                      pin=True)))
+        loop.at(1.0, lambda _, t=task, g=group: engine.submit(Request(t, g, 16, 80, 32, 16,
+                                                                      pin=True)))
+    loop.run()
+    assert done == [(0.256, "a"), (0.256, "b"), (pytest.approx(1.336), "a")]
+    assert (engine.kv.num_preemptions, engine.kv.preempted_tokens) == (1, 48)
+    assert engine.prefill_tokens == 96 + 16 and engine.num_requests == 1
+
+
 # --------------------------------------------------------------------------- the pool
 
 

@@ -119,8 +119,16 @@ class Cluster:
     # ---- the run ----
 
     def run(self) -> SimResult:
+        """Every step, or a StepControlError when the events ran out before the last one (a
+        stall is a bug to see, not a short result to report)."""
         self._apply(self.controller.launch(0.0))
         self.loop.run()
+        done = len(self.controller.records)
+        if done < self.scenario.steps:
+            raise StepControlError(
+                f"the simulation stalled after {done} of {self.scenario.steps} steps at "
+                f"t={self.loop.now:.1f} s ({self.controller.phase.name.lower()}, "
+                f"{self.pool.book.num_new} tasks waiting for admission)")
         return self._result()
 
     def _group(self, spec: GroupSpec) -> Group:

@@ -183,7 +183,26 @@ class RolloutEngine:
     # ---- admission and preemption ----
 
     def _admit(self) -> None:
-        """Admit queued requests in FIFO order while they fit; one prefill for all of them."""
+        """Admit queued requests in FIFO order while they fit; one prefill for all of them.
+        With nothing running no completion will free a block, so while the head does not fit,
+        the newest queued request holding pinned blocks gives them up (recompute-preemption of a
+        waiting request: its context is computed again when it is admitted)."""
+        chunks = self._admit_fitting()
+        while not chunks and self.queue and not self.running and self._preempt_waiting():
+            chunks = self._admit_fitting()
+        if chunks:
+            self.stall_until = max(self.loop.now, self.stall_until) + self.cost.prefill_s(chunks)
+
+    def _preempt_waiting(self) -> bool:
+        """Drop the blocks of the newest queued request behind the head that holds any; False
+        when none does."""
+        holders = [r for r in list(self.queue)[1:] if self.kv.task_blocks(r.task_id)]
+        if not holders:
+            return False
+        self.kv.preempt(max(holders, key=lambda r: r.arrival).task_id, self.loop.now)
+        return True
+
+    def _admit_fitting(self) -> list[tuple[int, int]]:
         chunks: list[tuple[int, int]] = []
         now = self.loop.now
         while self.queue and (self.max_running is None or len(self.running) < self.max_running):
@@ -205,8 +224,7 @@ class RolloutEngine:
             self.recomputed_tokens += max(0, alloc.compute_tokens - request.fresh)
             request.fresh = 0
             self._start(request)
-        if chunks:
-            self.stall_until = max(now, self.stall_until) + self.cost.prefill_s(chunks)
+        return chunks
 
     def _reserve_output(self, request: Request) -> bool:
         """Allocate the turn's output blocks, preempting running requests that arrived after it

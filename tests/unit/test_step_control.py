@@ -31,6 +31,7 @@ from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.step_control import (
     LayoutLimits,
     Phase,
+    RolloutControl,
     StepControlConfig,
     StepControlError,
     StepController,
@@ -476,3 +477,20 @@ def test_after_a_release_without_ers_no_plan_reason_is_reported():
     assert c.plan_reason is PlanReason.MANUAL and c.is_manual_held
     c.release_manual("b", 2.5)
     assert c.plan_reason is None
+
+
+def test_occupancy_counts_full_ranks_while_tasks_wait_and_the_generating_task_time():
+    rollout = RolloutControl.of(CTBConfig(), budget=600, max_new_tokens=8)  # one 512 task a rank
+    for rank in (0, 1):
+        rollout.add_rank(rank, 0.0)
+    for g in range(3):
+        rollout.add_group(source(GroupSpec(f"g{g}", g, False, 0)), 0.0)
+    assert len(rollout.schedule(0.0)) == 2 and rollout.book.num_new == 4
+    rollout.advance(2.0)
+    assert rollout.saturated_s == pytest.approx(4.0)  # two full ranks for 2 s
+    rollout.turn_done("g0.0", 100, 4, 2.0)  # g0.0 now waits for its environment
+    rollout.advance(3.0)
+    assert rollout.interval() == pytest.approx((0.0, 6.0, 5 / 6))  # generating 2+2+1 of 6
+    rollout.park(3.0, True)  # a synchronous system's ranks train: not rollout's bound
+    rollout.advance(4.0)
+    assert rollout.interval() == (0.0, 0.0, None)

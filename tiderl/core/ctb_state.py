@@ -204,6 +204,7 @@ class TaskBook:
     num_active: int = 0
     num_new: int = 0
     num_idle_ranks: int = 0  # rollout ranks with no generation in flight
+    num_generating: int = 0  # active tasks with a generation in flight, on every rank
 
     # ------------------------------------------------------------------ queries
 
@@ -455,6 +456,7 @@ class TaskBook:
         task.is_running = is_running
         record = self.ranks[task.rank]
         record.num_running += 1 if is_running else -1
+        self.num_generating += 1 if is_running else -1
         if record.num_running == (1 if is_running else 0):  # it just left or entered idleness
             self.num_idle_ranks += -1 if is_running else 1
 

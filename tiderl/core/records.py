@@ -45,6 +45,10 @@ class StepRecord:
     ers_reason: str | None  # the reason of the plan that laid this step out
     trained_loss_tokens: int | None = None  # of trained_tokens, those the loss counts (response
     # tokens; None: the substrate does not report them, as the simulator)
+    rollout_saturated_s: float | None = None  # rollout rank-seconds since the previous record
+    # with tasks waiting for admission: every rank full (None: a record written before it)
+    generating_share: float | None = None  # of the task-seconds placed tasks spent since the
+    # previous record, the share generating (the rest: waiting for their environments)
 
     @property
     def time_s(self) -> float:

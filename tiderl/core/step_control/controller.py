@@ -115,7 +115,6 @@ class StepController:
         self.is_eval_hold = False  # the post-update boundary waits for the evaluation's groups
         self.groups = GroupCount()
         self._kv_mark = (0, 0)
-        self._rwt_mark = 0.0
         self._out: list[Command] = []
 
     # ------------------------------------------------------------------ queries
@@ -326,7 +325,8 @@ class StepController:
             signals=self.signals(now),
             records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes,
             phase_tasks=num_eval * self.config.group_size,
-            tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over))
+            tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over,
+            rate_steps=self.ers.config.predictive_window))
         self.plan_reason = plan.reason
         if is_launch:
             self.is_cold_start = plan.reason is PlanReason.COLD_START and bool(plan.changes)
@@ -566,7 +566,7 @@ class StepController:
         losses = [r.loss for r in actors if r.loss is not None]
         twt = sum(r.wait_s for r in outcome.reports)
         twt += (current.opened_at - current.ready_at) * len(start.ranks)
-        rwt, self._rwt_mark = self.rollout.rwt.total - self._rwt_mark, self.rollout.rwt.total
+        rwt, saturated, generating_share = self.rollout.interval()
         queries, hits = outcome.kv_queries - self._kv_mark[0], outcome.kv_hits - self._kv_mark[1]
         self._kv_mark = (outcome.kv_queries, outcome.kv_hits)
         return StepRecord(
@@ -587,7 +587,8 @@ class StepController:
             grad_norm=actors[0].grad_norm if actors else None, batch_size=current.samples,
             ers_reason=self.plan_reason.value if self.plan_reason is not None else None,
             trained_loss_tokens=max((r.loss_tokens for r in actors if r.loss_tokens is not None),
-                                    default=None))
+                                    default=None), rollout_saturated_s=saturated,
+            generating_share=generating_share)
 
     # ------------------------------------------------------------------ plumbing
 

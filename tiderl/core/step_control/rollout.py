@@ -47,6 +47,11 @@ class RolloutControl:
         self.max_new_tokens = max_new_tokens
         self.generated_tokens = 0  # model output tokens of every reported turn
         self.rwt = RolloutWait(now)
+        self.saturated_s = 0.0  # rank-seconds with tasks waiting for admission (see advance)
+        self.generating_task_s = 0.0  # task-seconds of admitted tasks generating ...
+        self.active_task_s = 0.0  # ... of the admitted tasks placed on a rank at all
+        self._integrated_at = now
+        self._marks = (0.0,) * 4  # the integrals at the last ``interval``
         self.is_parked = False  # a synchronous system's ranks are training, not rolling out
 
     @classmethod
@@ -73,11 +78,33 @@ class RolloutControl:
         return sum(r.budget for r in ranks) / len(ranks) / (usage / num)
 
     def advance(self, now: float) -> None:
+        """RWT and the rollout's occupancy up to ``now``, for the predictive planner: the
+        saturated rank-seconds (while tasks wait for admission, every rollout rank is full:
+        the policy admits whenever one has room), and the task-seconds placed tasks spent
+        generating against waiting for their environments."""
         is_counting = not self.is_parked and self.book.num_new == 0
+        if not self.is_parked and now > self._integrated_at:
+            dt, book = now - self._integrated_at, self.book
+            if book.num_new:
+                self.saturated_s += dt * len(book.ranks)
+            self.generating_task_s += dt * book.num_generating
+            self.active_task_s += dt * book.num_active
+        self._integrated_at = max(self._integrated_at, now)
         self.rwt.advance(now, self.book.num_idle_ranks, is_counting)
 
     def restart_clock(self, now: float) -> None:
         self.rwt = RolloutWait(now)
+        self.saturated_s = self.generating_task_s = self.active_task_s = 0.0
+        self._integrated_at, self._marks = now, (0.0,) * 4
+
+    def interval(self) -> tuple[float, float, float | None]:
+        """Since the last call (or the clock's start): RWT, the saturated rank-seconds and the
+        share of placed task-seconds spent generating (None: no task was placed)."""
+        marks = (self.rwt.total, self.saturated_s, self.generating_task_s, self.active_task_s)
+        rwt, saturated, generating, active = (
+            m - o for m, o in zip(marks, self._marks, strict=True))
+        self._marks = marks
+        return rwt, saturated, generating / active if active > 0 else None
 
     def is_known(self, task: str) -> bool:
         return task in self.book.tasks

@@ -26,6 +26,9 @@ Called once per step at the post-update boundary, before ``sync_params``:
     REVERT               the trial's goodput is not above the steps    the move undone   before it
                          before the move (the direction is then
                          damped: blocked for damp_steps, doubling)
+    PREDICTED            planner "predictive", in place of the two     toward the split  as for the
+                         deficits: a split within predictive_max_moves it predicts       deficits
+                         predicted to train faster by the margin       (ers_predict)
     MANUAL               an operator's ``tiderl rebalance`` (``ers_manual.manual_plan``: counts
                          in, ranks picked there; the step controller holds it and skips
                          ``plan_step`` until a release)
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from tiderl.core.config import require, require_non_negative, require_positive
+from tiderl.core.ers_predict import RateWindow, planned_rollout_ranks
 from tiderl.core.ra2p import RA2PConfig, break_even_ras
 from tiderl.core.types import (
     Mode,
@@ -60,6 +64,7 @@ from tiderl.core.types import (
 )
 
 TRAINER_ROLES = (Role.REF, Role.ACTOR)
+PLANNERS = ("rules", "predictive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,10 @@ class ERSConfig:
     max_idle_trainer: float = 0.1  # ... and the trainer starved: above this share waiting (TWT)
     trial_steps: int = 2  # steps a signal-driven move runs before its effect is measured
     damp_steps: int = 4  # a reverted direction is blocked this long, doubling per failure
+    planner: str = "rules"  # "predictive": the split the measured rates say trains fastest
+    predictive_max_moves: int = 4  # most ranks one predicted plan moves
+    predictive_margin: float = 0.05  # a predicted split must beat the current one by this share
+    predictive_window: int = 4  # most trailing steps on one layout its rates are measured over
 
     def __post_init__(self) -> None:
         require_positive(self.batch_min, "batch_min")
@@ -98,6 +107,11 @@ class ERSConfig:
             require(0.0 <= value <= 1.0, name, f"expected a number in [0, 1], got {value!r}")
         require_non_negative(self.trial_steps, "trial_steps")
         require_non_negative(self.damp_steps, "damp_steps")
+        require(self.planner in PLANNERS, "planner",
+                f"expected one of {', '.join(PLANNERS)}, got {self.planner!r}")
+        for name in ("predictive_max_moves", "predictive_window"):
+            require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
+        require_non_negative(self.predictive_margin, "predictive_margin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +138,7 @@ class ERSInput:
     tasks_per_rank: float = 0.0  # tasks one rollout rank holds at once (0: not known yet)
     is_phase_over: bool = False  # the cold start's work is done (batch 0 ready): restore now
     colocated_timings: Ra2pTimings | None = None  # the colocated layout's (None: ``timings``)
+    rates: RateWindow | None = None  # the per-rank rates of the steps on these roles (predictive)
 
     def __post_init__(self) -> None:
         if self.step_duration_s < 0 or self.num_micro_batches < 0:
@@ -326,10 +341,12 @@ def num_eval_ranks(inp: ERSInput, saved: tuple[Role, ...] | None) -> int:
 
 
 def moves_to_trainer(
-    roles: tuple[Role, ...], config: ERSConfig, num_refs_needed: int, *, is_backlogged: bool
+    roles: tuple[Role, ...], config: ERSConfig, num_refs_needed: int, *, is_backlogged: bool,
+    num: int | None = None,
 ) -> tuple[RoleChange, ...]:
     """Scale the trainer up by at most ``max_scale_up_per_step`` rollout ranks (above the
-    minimum); each becomes a Ref rank while fewer than ``num_refs_needed`` exist, else an actor.
+    minimum), or by ``num`` of them for the predictive planner; each becomes a Ref rank while
+    fewer than ``num_refs_needed`` exist, else an actor.
     Without a backlog (see ``is_backlogged``; only RAS is at the break-even) only missing Ref
     ranks are provisioned: the decoupled mode is what that signal asks for (paper §5.2: it
     "reclaims a Rollout rank to provision a dedicated Ref rank"). With no rollout rank
@@ -338,7 +355,8 @@ def moves_to_trainer(
     spare = layout.count(Role.ROLLOUT) - config.min_rollout_ranks
     num_missing_refs = max(0, num_refs_needed - layout.count(Role.REF))
     wanted = config.max_scale_up_per_step if is_backlogged else num_missing_refs
-    num_moves = max(0, min(spare, wanted, config.max_scale_up_per_step))
+    num_moves = max(0, min(spare, wanted, config.max_scale_up_per_step) if num is None
+                    else min(spare, num))
     for rank in ranks_with(roles, Role.ROLLOUT)[:num_moves]:
         is_ref_missing = layout.count(Role.REF) < num_refs_needed
         layout.move(rank, Role.REF if is_ref_missing and layout.count(Role.ACTOR) else Role.ACTOR)
@@ -381,13 +399,13 @@ def _scale_rollout(
 
 
 def _scale_trainer(
-    inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig
+    inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, num: int | None = None
 ) -> tuple[tuple[RoleChange, ...], Mode]:
     fixed = _fixed_mode(ra2p)
     wants_ref = fixed is Mode.DECOUPLED or (fixed is None and is_ras_at_break_even(inp, ra2p))
     num_refs = ra2p.num_ref_ranks if wants_ref else 0
-    backlog = is_backlogged(inp, config)
-    changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog)
+    backlog = num is not None or is_backlogged(inp, config)
+    changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog, num=num)
     new_roles = _apply(inp.roles, changes)
     if not wants_ref:  # RA2P's cost model prefers colocated: a Ref rank serves as an actor
         changes += tuple(RoleChange(r, Role.REF, Role.ACTOR) for r in ranks_with(new_roles,
@@ -450,12 +468,12 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
 
 
 def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig,
-                  reason: PlanReason) -> tuple[tuple[RoleChange, ...], Mode, ERSState]:
-    """A deficit's moves, through the hysteresis gate and the damping block; a move goes on
-    trial against the steps before it (step 0 excluded: its span holds the launch's rollout),
-    and none is made before there is such a step."""
-    is_generation = reason is PlanReason.GENERATION_DEFICIT
-    direction = Direction.TO_ROLLOUT if is_generation else Direction.TO_TRAINER
+                  direction: Direction, num: int | None = None
+                  ) -> tuple[tuple[RoleChange, ...], Mode, ERSState]:
+    """A deficit's moves (``num`` ranks for the predictive planner, else the rules' count),
+    through the hysteresis gate and the damping block; a move goes on trial against the steps
+    before it (step 0 excluded: its span holds the launch's rollout), and none is made before
+    there is such a step."""
     block = state.block(direction)
     if block is not None and inp.step < block.until:
         return (), inp.mode, state
@@ -466,14 +484,45 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     state = replace(state, opposite_streak=streak)
     if not may_act:
         return (), inp.mode, state
-    changes, mode = (_scale_rollout(inp, config, ra2p) if is_generation
-                     else _scale_trainer(inp, config, ra2p))
+    if direction is Direction.TO_ROLLOUT:
+        changes, mode = _scale_rollout(inp, config, ra2p, _num_actors_out(inp, ra2p, num))
+    else:
+        changes, mode = _scale_trainer(inp, config, ra2p, num)
     state = replace(state, last_direction=direction if changes else state.last_direction,
                     opposite_streak=0)
     baseline = _mean(history[-2 * config.trial_steps:])
     if changes and config.trial_steps and baseline:
         state = replace(state, trial=Trial(direction, changes, inp.mode, inp.step, baseline))
     return changes, mode, state
+
+
+def _num_actors_out(inp: ERSInput, ra2p: RA2PConfig, num: int | None) -> int | None:
+    """Of ``num`` trainer ranks to move to rollout, the actors: the rest are surplus Ref
+    ranks, which ``moves_to_rollout`` releases first (None: the rules' count)."""
+    if num is None:
+        return None
+    keep_refs = ra2p.num_ref_ranks if _fixed_mode(ra2p) is Mode.DECOUPLED else 0
+    return max(0, num - max(0, inp.roles.count(Role.REF) - keep_refs))
+
+
+def _predicted_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig
+                     ) -> tuple[tuple[RoleChange, ...], Mode, ERSState, PlanReason]:
+    """The predictive planner (``ers_predict``): move toward the split with the highest
+    predicted goodput, through the same gate, damping and trial as a rule's move; BALANCED
+    while no steps on this layout were measured or no split beats it by the margin. The mode
+    and the Ref ranks follow RA2P's break-even as for the rules."""
+    num_rollout = inp.roles.count(Role.ROLLOUT)
+    num_movable = num_rollout + sum(inp.roles.count(role) for role in TRAINER_ROLES)
+    target = num_rollout if inp.rates is None else planned_rollout_ranks(
+        num_rollout, num_movable, inp.rates, lo=config.min_rollout_ranks,
+        hi=num_movable - config.min_trainer_ranks, max_moves=config.predictive_max_moves,
+        margin=config.predictive_margin)
+    if target == num_rollout:
+        return (), inp.mode, replace(state, opposite_streak=0), PlanReason.BALANCED
+    direction = Direction.TO_ROLLOUT if target > num_rollout else Direction.TO_TRAINER
+    changes, mode, state = _signal_moves(inp, state, config, ra2p, direction,
+                                         abs(target - num_rollout))
+    return changes, mode, state, PlanReason.PREDICTED if changes else PlanReason.BALANCED
 
 
 def plan_step(
@@ -503,10 +552,14 @@ def plan_step(
         verdict, state = _judge(inp, state, config)
         if verdict is not None:
             return verdict, state
-        if reason is PlanReason.BALANCED:
+        if config.planner == "predictive":
+            changes, mode, state, reason = _predicted_moves(inp, state, config, ra2p)
+        elif reason is PlanReason.BALANCED:
             state = replace(state, opposite_streak=0)
         else:
-            changes, mode, state = _signal_moves(inp, state, config, ra2p, reason)
+            direction = Direction.TO_ROLLOUT if reason is PlanReason.GENERATION_DEFICIT \
+                else Direction.TO_TRAINER
+            changes, mode, state = _signal_moves(inp, state, config, ra2p, direction)
     is_retaining = any(c.src is Role.ROLLOUT for c in changes)
     batch_size = elastic_batch_size(inp.signals.ready_volume, config, is_retaining)
     return ScalingPlan(changes, mode, batch_size, reason), state

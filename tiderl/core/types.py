@@ -259,6 +259,7 @@ class PlanReason(str, Enum):
     MANUAL = "manual"  # an operator's plan (``tiderl rebalance``), not ERS's signals
     TRIAL = "trial"  # a signal-driven move is being measured: its layout is held
     REVERT = "revert"  # the measured move did not raise goodput: it is undone
+    PREDICTED = "predicted"  # the predictive planner's split (``ers.planner: predictive``)
 
 
 @dataclass(frozen=True, slots=True)

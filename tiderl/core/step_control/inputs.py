@@ -2,7 +2,7 @@
 
     trainer ranks' RankReports ──learn_passes──> per-micro-batch pass times, per layout, with the
                                                  GPUs each pass ran on
-    StepRecords ──mean step time, micro-batches per step, rollout idle share──┐
+    StepRecords ──mean step time, micro-batches per step, idle shares, rates──┐
     ReadinessTracker.signals(now) ────────────────────────────────────────────┼──> ERSInput
     layout_timings: the pass times of a layout about to run ─────────────────┴──> choose_mode
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSInput
+from tiderl.core.ers_predict import rate_window
 from tiderl.core.ra2p import RA2PConfig, choose_mode, synthetic_ready_times
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
@@ -117,10 +118,12 @@ def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:
 def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
               records: Sequence[StepRecord], roles: Sequence[Role], mode: Mode,
               measured: dict[Mode, MeasuredPasses], phase_tasks: int = 0,
-              tasks_per_rank: float = 0.0, is_phase_over: bool = False) -> ERSInput:
+              tasks_per_rank: float = 0.0, is_phase_over: bool = False,
+              rate_steps: int = 4) -> ERSInput:
     """What ERS plans step ``step`` from (at launch, at the end of the cold start, or at the
     boundary after step - 1): the pass times of the decoupled layout these roles have or would
-    have (one Ref rank at least)."""
+    have (one Ref rank at least); the per-rank rates of the last ``rate_steps`` steps on one
+    layout (``ers_predict.rate_window``)."""
     num_refs, num_actors = roles.count(Role.REF), roles.count(Role.ACTOR)
     timings = layout_timings(measured, Mode.DECOUPLED, num_refs, num_actors)
     colocated = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)
@@ -132,7 +135,7 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
                     trainer_idle_frac=trainer_idle_frac(records), goodput=step_goodput(records),
                     phase_tasks=phase_tasks,
                     tasks_per_rank=tasks_per_rank, is_phase_over=is_phase_over,
-                    colocated_timings=colocated)
+                    colocated_timings=colocated, rates=rate_window(records, rate_steps))
 
 
 def choose_step_mode(config: RA2PConfig, signals: ReadinessSignals,

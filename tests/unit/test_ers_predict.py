@@ -137,6 +137,16 @@ def test_a_predicted_move_takes_the_highest_rollout_ranks_and_goes_on_trial():
     assert policy.state.trial == Trial(Direction.TO_TRAINER, moves, Mode.COLOCATED, 3, 10.0)
 
 
+def test_a_predicted_move_to_rollout_lends_the_highest_actor_ranks():
+    layout = (R,) * 8 + (A,) * 24
+    w = window(supply=math.inf, demand=8000.0, goodput=24_000.0, generating=0.5)
+    policy = ERSPolicy(PREDICTIVE, RA2PConfig())
+    got = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
+    moves = tuple(RoleChange(r, A, R) for r in (31, 30, 29, 28))
+    assert got == ScalingPlan(moves, Mode.COLOCATED, 64, PREDICTED)
+    assert policy.state.trial == Trial(Direction.TO_ROLLOUT, moves, Mode.COLOCATED, 3, 10.0)
+
+
 def test_a_predicted_move_that_trains_slower_is_reverted():
     layout = (R,) * 4 + (A,) * 28  # before the move
     policy = ERSPolicy(PREDICTIVE, RA2PConfig())

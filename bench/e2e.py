@@ -10,6 +10,7 @@ rollout split differ:
 - ``stream``: StreamRL-like; the fixed split, micro-batches streamed into VSO (a Ref/Actor swap
   per micro-batch);
 - ``tiderl``: CTB, streamed micro-batches with RA2P's mode choice, and ERS;
+- ``tiderl-predictive``: tiderl with ERS's predictive planner (``ers.planner=predictive``);
 - ``tiderl-pinned`` and ``async-r2-pinned``: tiderl and the default split again with every rank
   pinned to cores of its own (``runtime.cpu_affinity=spread``; on 2 cores, 4 ranks pair up).
 
@@ -58,7 +59,8 @@ def _runs(num_ranks: int) -> list[tuple[str, list[str]]]:
              for r in range(1, num_ranks)]
     runs += [("stream", ["runtime.mode=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
              ("tiderl", ["runtime.mode=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
-    runs += [("tiderl-pinned", [*runs[-1][1], PINNED]),
+    runs += [("tiderl-predictive", [*runs[-1][1], "ers.planner=predictive"]),
+             ("tiderl-pinned", [*runs[-1][1], PINNED]),
              (f"async-r{FIXED_SPLIT}-pinned", [*runs[FIXED_SPLIT][1], PINNED])]
     return runs
 
@@ -113,6 +115,8 @@ def run_bench(steps: int, root: Path, note) -> dict:
               "tiderl_over_async_best": round(t / results[best_async]["goodput_tok_s"], 3),
               "tiderl_over_default_split": round(t / results[default]["goodput_tok_s"], 3),
               "tiderl_over_stream": round(t / results["stream"]["goodput_tok_s"], 3),
+              "predictive_over_rules": round(
+                  results["tiderl-predictive"]["goodput_tok_s"] / t, 3),
               "pinned_tiderl_over_pinned_default_split": round(
                   results["tiderl-pinned"]["goodput_tok_s"]
                   / results[f"{default}-pinned"]["goodput_tok_s"], 3)}
@@ -120,6 +124,7 @@ def run_bench(steps: int, root: Path, note) -> dict:
     return {
         "modes": modes, "async_sweep": asyncs, "ratios": ratios,
         "pinned": {k: v for k, v in results.items() if PINNED_TAG in k},
+        "predictive": results["tiderl-predictive"],
         "targets": {"tiderl_over_sync": 1.5, "tiderl_over_async_best": 1.1,
                     "tiderl_over_default_split": 1.2, "reward_within_of_sync": 0.05},
         "reward_gap_vs_sync": round(results["tiderl"]["reward_at_equal_samples"] - sync_reward,

@@ -394,8 +394,12 @@ def _scale_rollout(
     inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, num_phase: int | None = None
 ) -> tuple[tuple[RoleChange, ...], Mode]:
     mode = _fixed_mode(ra2p) or Mode.COLOCATED
-    keep_refs = ra2p.num_ref_ranks if mode is Mode.DECOUPLED else 0
-    return moves_to_rollout(inp.roles, config, keep_refs, num_phase=num_phase), mode
+    return moves_to_rollout(inp.roles, config, _kept_refs(ra2p), num_phase=num_phase), mode
+
+
+def _kept_refs(ra2p: RA2PConfig) -> int:
+    """Ref ranks a scale-up of rollout keeps: only a fixed decoupled mode needs them."""
+    return ra2p.num_ref_ranks if _fixed_mode(ra2p) is Mode.DECOUPLED else 0
 
 
 def _scale_trainer(
@@ -501,8 +505,7 @@ def _num_actors_out(inp: ERSInput, ra2p: RA2PConfig, num: int | None) -> int | N
     ranks, which ``moves_to_rollout`` releases first (None: the rules' count)."""
     if num is None:
         return None
-    keep_refs = ra2p.num_ref_ranks if _fixed_mode(ra2p) is Mode.DECOUPLED else 0
-    return max(0, num - max(0, inp.roles.count(Role.REF) - keep_refs))
+    return max(0, num - max(0, inp.roles.count(Role.REF) - _kept_refs(ra2p)))
 
 
 def _predicted_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig

@@ -408,8 +408,8 @@ def _scale_trainer(
     fixed = _fixed_mode(ra2p)
     wants_ref = fixed is Mode.DECOUPLED or (fixed is None and is_ras_at_break_even(inp, ra2p))
     num_refs = ra2p.num_ref_ranks if wants_ref else 0
-    backlog = num is not None or is_backlogged(inp, config)
-    changes = moves_to_trainer(inp.roles, config, num_refs, is_backlogged=backlog, num=num)
+    changes = moves_to_trainer(inp.roles, config, num_refs,
+                               is_backlogged=is_backlogged(inp, config), num=num)
     new_roles = _apply(inp.roles, changes)
     if not wants_ref:  # RA2P's cost model prefers colocated: a Ref rank serves as an actor
         changes += tuple(RoleChange(r, Role.REF, Role.ACTOR) for r in ranks_with(new_roles,

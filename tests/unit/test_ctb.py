@@ -371,6 +371,25 @@ def test_admission_fills_the_roomiest_ranks_and_stops_when_nothing_fits():
     assert schedule(book) == [Admit(task_id, rank) for task_id, rank in expected]
 
 
+def test_a_joining_rank_takes_its_share_of_a_burst_by_expected_footprint():
+    book = make_book([100_000], CTBConfig(diversity_penalty_tokens=0))
+    assert book.expected_footprint == 512  # the default, before any task finished
+    for i in range(12):
+        add(book, f"old{i}-")
+        run(book, f"old{i}-0", 0, 4000)
+    book.finish_task("old10-0")
+    book.finish_task("old11-0")
+    assert book.expected_footprint == 4000  # rank 0: 10 tasks, 40,000 tokens
+    book.add_rank(1, 100_000)
+    for i in range(20):
+        add(book, f"new{i}-", hint=500)
+    # Expected headroom: rank 0 100,000 - 10 x 4,000; rank 1 100,000 - n x 4,000 once it holds
+    # n young tasks. Rank 1 takes 10 to level them, then they alternate (ties: rank 0). By
+    # usage alone rank 1 would take all 20 (100,000 - 20 x 500 > 60,000).
+    ranks = [d.rank for d in schedule(book, CTBConfig(diversity_penalty_tokens=0))]
+    assert ranks == [1] * 10 + [0, 1] * 5
+
+
 # --------------------------------------------------------------------------- the baseline
 
 

@@ -33,6 +33,8 @@ from tiderl.core.types import (
     TaskState,
 )
 
+FOOTPRINT_WINDOW = 256  # finished tasks the expected footprint averages over (a moving mean)
+
 
 @dataclass(frozen=True, slots=True)
 class PriorityWeights:
@@ -205,6 +207,8 @@ class TaskBook:
     num_new: int = 0
     num_idle_ranks: int = 0  # rollout ranks with no generation in flight
     num_generating: int = 0  # active tasks with a generation in flight, on every rank
+    final_footprint: float = 0.0  # moving mean of finished tasks' last footprints (0: none yet)
+    num_finished: int = 0  # tasks finished so far (what that mean has seen)
 
     # ------------------------------------------------------------------ queries
 
@@ -236,6 +240,12 @@ class TaskBook:
 
     def group_of(self, task: TaskRecord) -> GroupRecord:
         return self.groups[task.group_id]
+
+    @property
+    def expected_footprint(self) -> float:
+        """What an admitted task's footprint grows to: the mean last footprint of the tasks that
+        finished recently (``default_footprint_tokens`` before any did)."""
+        return self.final_footprint if self.num_finished else float(self.default_footprint_tokens)
 
     def priority(self, task: TaskRecord) -> float:
         """P(t), cached on the task: every event that changes its inputs recomputes it."""
@@ -362,6 +372,9 @@ class TaskBook:
             raise ValueError(f"task {task_id!r} finished before it was admitted")
         group = self.groups[task.group_id]
         group.num_finished += 1
+        self.num_finished += 1  # a moving mean over about the last FOOTPRINT_WINDOW tasks
+        weight = 1.0 / min(self.num_finished, FOOTPRINT_WINDOW)
+        self.final_footprint += weight * (task.footprint - self.final_footprint)
         self._forget(task)
         for sibling_id in group.task_ids:  # their G_completion, hence priority, went up
             sibling = self.tasks.get(sibling_id)

@@ -164,7 +164,7 @@ def test_num_eval_ranks_counts_the_ranks_already_lent():
 
 
 def test_evaluation_lends_as_many_ranks_as_its_tasks_fill():
-    policy = ERSPolicy()
+    policy = ERSPolicy(ERSConfig(max_eval_lend=1.0))
     first = policy.plan(make_input("RRAAAAAA", is_eval=True, volume=64, phase_tasks=400,
                                    tasks_per_rank=150.0))
     assert first == plan((7, A, R), (6, A, R), (5, A, R), mode=COL, batch=64, reason=EVAL)
@@ -190,8 +190,21 @@ def test_evaluation_without_known_tasks_lends_one_rank(phase_tasks, tasks_per_ra
     assert result == plan((7, A, R), mode=COL, batch=64, reason=EVAL)
 
 
+def test_evaluation_lends_at_most_its_share_of_the_trainer():
+    # 1,200 tasks at 150 per rank want 8 ranks; half of the 6 trainer ranks is 3
+    policy = ERSPolicy()
+    first = policy.plan(make_input("RRAAAAAA", is_eval=True, volume=64, phase_tasks=1200,
+                                   tasks_per_rank=150.0))
+    assert first == plan((7, A, R), (6, A, R), (5, A, R), mode=COL, batch=64, reason=EVAL)
+    held = policy.plan(make_input("RRAAARRR", is_eval=True, volume=64, phase_tasks=1200,
+                                  tasks_per_rank=150.0))
+    assert held == plan(mode=COL, batch=64, reason=EVAL)
+    assert num_eval_ranks(make_input("RRRRRRRA", is_eval=True, phase_tasks=1200,
+                                     tasks_per_rank=150.0), None, 0.5) == 1  # at least one
+
+
 def test_evaluation_lends_down_to_the_trainer_minimum():
-    policy = ERSPolicy(ERSConfig(min_trainer_ranks=2))
+    policy = ERSPolicy(ERSConfig(min_trainer_ranks=2, max_eval_lend=1.0))
     result = policy.plan(make_input("RRRRAAAA", is_eval=True, volume=64, phase_tasks=400,
                                     tasks_per_rank=150.0))
     assert result == plan((7, A, R), (6, A, R), mode=COL, batch=64, reason=EVAL)

@@ -10,7 +10,8 @@ Called once per step at the post-update boundary, before ``sync_params``:
                          yet): every trainer rank above the minimum
     EVALUATION           an evaluation phase runs: as many actor       trainer->rollout  colocated
                          ranks as its tasks fill (phase_tasks /
-                         tasks_per_rank, at least one)
+                         tasks_per_rank, at least one), at most
+                         max_eval_lend of the trainer's ranks
     PHASE_END            the phase's work is done (``is_phase_over``:  the layout before it
                          batch 0 is ready; at the first boundary       is restored        its mode
                          after the evaluation groups drained)
@@ -80,6 +81,7 @@ class ERSConfig:
     min_rollout_ranks: int = 1
     min_trainer_ranks: int = 1
     cold_start_steps: int = 1
+    max_eval_lend: float = 0.5  # an evaluation phase lends at most this share of trainer ranks
     max_idle_rollout: float = 0.2  # a generation deficit needs rollout busy: at most this idle
     max_idle_trainer: float = 0.1  # ... and the trainer starved: above this share waiting (TWT)
     trial_steps: int = 2  # steps a signal-driven move runs before its effect is measured
@@ -102,7 +104,7 @@ class ERSConfig:
         for name in ("min_rollout_ranks", "min_trainer_ranks"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         require_non_negative(self.cold_start_steps, "cold_start_steps")
-        for name in ("max_idle_rollout", "max_idle_trainer"):
+        for name in ("max_idle_rollout", "max_idle_trainer", "max_eval_lend"):
             value = getattr(self, name)
             require(0.0 <= value <= 1.0, name, f"expected a number in [0, 1], got {value!r}")
         require_non_negative(self.trial_steps, "trial_steps")
@@ -330,14 +332,19 @@ def moves_to_rollout(
     return tuple(layout.changes)
 
 
-def num_eval_ranks(inp: ERSInput, saved: tuple[Role, ...] | None) -> int:
+def num_eval_ranks(inp: ERSInput, saved: tuple[Role, ...] | None, max_lend: float = 1.0
+                   ) -> int:
     """Actor ranks an evaluation phase lends to rollout now: the ranks its unfinished tasks fill
-    (at least one), less those the phase already lent."""
+    (at least one), at most ``max_lend`` of the trainer's ranks before the phase (the step's
+    batch trains beside the evaluation: on sim/fig8-paper, lending by KV alone left 2 of 32
+    GPUs to train it, and the step took 123 s against 57 s), less those already lent."""
+    before = saved or inp.roles
     wanted = math.ceil(inp.phase_tasks / inp.tasks_per_rank) if inp.tasks_per_rank > 0 else 1
+    cap = math.floor(max_lend * sum(1 for role in before if role in TRAINER_ROLES))
     lent = 0 if saved is None else sum(
-        1 for now, before in zip(inp.roles, saved, strict=False)
-        if now is Role.ROLLOUT and before in TRAINER_ROLES)
-    return max(0, max(1, wanted) - lent)
+        1 for now, was in zip(inp.roles, saved, strict=False)
+        if now is Role.ROLLOUT and was in TRAINER_ROLES)
+    return max(0, max(1, min(wanted, cap)) - lent)
 
 
 def moves_to_trainer(
@@ -542,7 +549,8 @@ def plan_step(
         changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
         reason, state = PlanReason.PHASE_END, ERSState(**damping)
     elif reason in (PlanReason.COLD_START, PlanReason.EVALUATION):
-        num = num_eval_ranks(inp, state.saved_roles) if reason is PlanReason.EVALUATION \
+        num = num_eval_ranks(inp, state.saved_roles, config.max_eval_lend) \
+            if reason is PlanReason.EVALUATION \
             else len(inp.roles)  # the cold start: nothing to train yet, every rank above the min
         changes, mode = _scale_rollout(inp, config, ra2p, num)
         saved_roles = state.saved_roles or inp.roles  # a phase right after a phase keeps the first

@@ -32,11 +32,23 @@ def test_policy_comparison_on_a_small_profile(tmp_path):
     assert "tiderl_over_async" in data["headline"]
 
 
+def test_policies_compare_systems_on_a_profile_that_names_an_experiment(tmp_path):
+    proc = tiderl("sim", "sim/fig8", "--set", "sim.steps=2", "--set", "sim.gpus=8",
+                  "--set", "sim.eval_every=0", "--policies", "tiderl", "--json",
+                  "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["experiment"] != "fig8"  # the profile's sim.experiment gave way to --policies
+    assert [row["run"] for row in data["rows"]] == ["tiderl"]
+
+
 def test_bad_sim_usage_is_one_line():
     assert "unknown experiment" in assert_one_line_error(tiderl("sim", "--experiment", "x"), 2)
     assert "PROFILE or --experiment" in assert_one_line_error(tiderl("sim"), 2)
     line = assert_one_line_error(tiderl("sim", "sim/cluster32", "--policies", "verl,nope"), 2)
     assert "nope" in line
+    line = assert_one_line_error(tiderl("sim", "--experiment", "fig4", "--policies", "sync"), 2)
+    assert "--policies" in line and "--experiment" in line
     line = assert_one_line_error(tiderl("sim", "sim/cluster32", "--set", "sim.gpus=0"), 2)
     assert "sim.gpus" in line
 

@@ -24,9 +24,9 @@ def sim(
     experiment: str | None = typer.Option(
         None, "--experiment", "-e", help=f"One of {', '.join(EXPERIMENTS[1:])}, or 'all'."),
     policies: str | None = typer.Option(
-        None, "--policies", help="Comma-separated systems to compare (no experiment): sync, "
-                                 "async, stream, tiderl (verl, areal, streamrl mean the first "
-                                 "three)."),
+        None, "--policies", help="Comma-separated systems to compare on the PROFILE, in place "
+                                 "of its sim.experiment (not with --experiment): sync, async, "
+                                 "stream, tiderl (verl, areal, streamrl mean the first three)."),
     overrides: list[str] | None = SetOpt,
     out: Path = typer.Option(Path("runs/sim"), "--out", help="Folder for PNG plots."),
     results: Path | None = typer.Option(
@@ -46,6 +46,9 @@ def sim(
         return
     names = _experiments(experiment, profile)
     chosen = _policies(policies)
+    if chosen is not None and experiment is not None:
+        raise CLIError("tiderl sim: --policies compares systems on a PROFILE; an experiment "
+                       "fixes its own, drop --experiment or --policies", EXIT_USAGE)
     output = Output(json_mode)
     headlines, payload = {}, []
     for name in names:

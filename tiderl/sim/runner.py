@@ -46,7 +46,7 @@ def compare_policies(scenario: SimScenario, policies: list[str]) -> ExperimentRe
 def run_profile(profile: Profile, experiment: str | None = None,
                 policies: list[str] | None = None) -> ExperimentResult:
     scenario = scenario_from_profile(profile)
-    name = experiment if experiment is not None else profile.sim.experiment
+    name = experiment if experiment is not None or policies else profile.sim.experiment
     if name:
         return run_experiment(name, scenario)
     return compare_policies(scenario, policies or profile.sim.policies)

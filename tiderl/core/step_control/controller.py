@@ -326,7 +326,8 @@ class StepController:
             records=self.records, roles=self.roles, mode=self.ra2p_mode, measured=self.passes,
             phase_tasks=num_eval * self.config.group_size,
             tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over,
-            rate_steps=self.ers.config.predictive_window))
+            rate_steps=self.ers.config.predictive_window
+            if self.ers.config.planner == "predictive" else 0))
         self.plan_reason = plan.reason
         if is_launch:
             self.is_cold_start = plan.reason is PlanReason.COLD_START and bool(plan.changes)

@@ -119,11 +119,11 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
               records: Sequence[StepRecord], roles: Sequence[Role], mode: Mode,
               measured: dict[Mode, MeasuredPasses], phase_tasks: int = 0,
               tasks_per_rank: float = 0.0, is_phase_over: bool = False,
-              rate_steps: int = 4) -> ERSInput:
+              rate_steps: int = 0) -> ERSInput:
     """What ERS plans step ``step`` from (at launch, at the end of the cold start, or at the
     boundary after step - 1): the pass times of the decoupled layout these roles have or would
     have (one Ref rank at least); the per-rank rates of the last ``rate_steps`` steps on one
-    layout (``ers_predict.rate_window``)."""
+    layout (``ers_predict.rate_window``; 0: none, the rules planner reads no rates)."""
     num_refs, num_actors = roles.count(Role.REF), roles.count(Role.ACTOR)
     timings = layout_timings(measured, Mode.DECOUPLED, num_refs, num_actors)
     colocated = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)

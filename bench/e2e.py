@@ -17,7 +17,10 @@ rollout split differ:
 Workload: guess and shop tasks, a lognormal environment latency, a small KV pool per rollout
 rank. Figures per mode: goodput (trained tokens per second of the job), the training reward at
 equal trained samples (mean over the second half of the sample range every mode reached),
-RWT, TWT, KV hit rate, max staleness.
+RWT, TWT, KV hit rate, max staleness, and the machine's CPU busy share over the goodput window
+(``/proc/stat``): with it, each mode's trained tokens per CPU-second and its ceiling, the goodput
+it would reach at its own CPU cost per token with every core busy. A ratio target above
+``ceiling(tiderl) / goodput(baseline)`` needs a cheaper token, not a better schedule.
 
 Run: ``.venv/bin/python bench/e2e.py [--quick]`` or ``tiderl bench e2e``.
 """
@@ -25,13 +28,14 @@ Run: ``.venv/bin/python bench/e2e.py [--quick]`` or ``tiderl bench e2e``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info, write_result
+from machine import CpuSampler, machine_info, write_result
 
 from tiderl.core.records import StepRecord
 from tiderl.launch.job import run_local
@@ -77,7 +81,20 @@ def _reward_at(metrics: list[StepRecord], lo: int, hi: int) -> float:
     return total / weight if weight else 0.0
 
 
-def run_bench(steps: int, root: Path, note) -> dict:
+def _cpu(cpu: CpuSampler, metrics_path: Path, last: StepRecord) -> dict:
+    """CPU figures over the goodput window, launch to the last step's end: the window ends when
+    the last record was written and is ``last.end_s`` long."""
+    end = metrics_path.stat().st_mtime
+    share = cpu.busy_share(end - last.end_s, end)
+    if not share:
+        return {"cpu_busy_share": None, "tokens_per_cpu_s": None, "ceiling_tok_s": None}
+    cores = os.cpu_count() or 1
+    return {"cpu_busy_share": round(share, 3),
+            "tokens_per_cpu_s": round(last.trained_tokens_total / (share * cores * last.end_s), 1),
+            "ceiling_tok_s": round(last.goodput_tok_s / share, 1)}
+
+
+def run_bench(steps: int, root: Path, note, cpu: CpuSampler) -> dict:
     results: dict[str, dict] = {}
     series: dict[str, list[StepRecord]] = {}
     for name, overrides in _runs(4):
@@ -100,6 +117,7 @@ def run_bench(steps: int, root: Path, note) -> dict:
             "wall_s": summary["wall_time_s"], "job_s": round(time.monotonic() - start, 1),
             "modes_used": summary["modes"],
             "role_changes": summary["num_role_changes"],
+            **_cpu(cpu, job.run_dir / "metrics.jsonl", metrics[-1]),
         }
     common = min(r["trained_samples"] for r in results.values())
     for name, metrics in series.items():
@@ -120,9 +138,15 @@ def run_bench(steps: int, root: Path, note) -> dict:
               "pinned_tiderl_over_pinned_default_split": round(
                   results["tiderl-pinned"]["goodput_tok_s"]
                   / results[f"{default}-pinned"]["goodput_tok_s"], 3)}
+    ceiling = results["tiderl"]["ceiling_tok_s"]
+    bounds = {f"{key}_at_most": (round(ceiling / results[base]["goodput_tok_s"], 3)
+                                 if ceiling else None)
+              for key, base in (("tiderl_over_sync", "sync"),
+                                ("tiderl_over_async_best", best_async),
+                                ("tiderl_over_default_split", default))}
     sync_reward = results["sync"]["reward_at_equal_samples"]
     return {
-        "modes": modes, "async_sweep": asyncs, "ratios": ratios,
+        "modes": modes, "async_sweep": asyncs, "ratios": ratios, "cpu_bounds": bounds,
         "pinned": {k: v for k, v in results.items() if PINNED_TAG in k},
         "predictive": results["tiderl-predictive"],
         "targets": {"tiderl_over_sync": 1.5, "tiderl_over_async_best": 1.1,
@@ -167,8 +191,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 steps per mode (a check it runs)")
     args = parser.parse_args()
     steps = 2 if args.quick else args.steps
-    with tempfile.TemporaryDirectory(prefix="tiderl-e2e-") as tmp:
-        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr))
+    with tempfile.TemporaryDirectory(prefix="tiderl-e2e-") as tmp, CpuSampler() as cpu:
+        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr), cpu)
     write_result(args.out, result)
     plot(result, Path(args.out).with_suffix(".png"))
 

@@ -136,12 +136,13 @@ def _render_ra2p(console: Console, result: dict) -> None:
 
 def _render_e2e(console: Console, result: dict) -> None:
     rows = [(mode, v.get("split", ""), v["goodput_tok_s"], v["reward_at_equal_samples"],
-             v["rwt_s"], v["twt_s"], v["kv_hit_rate"], v["staleness_max"])
+             v["rwt_s"], v["twt_s"], v["kv_hit_rate"], v["staleness_max"],
+             v.get("cpu_busy_share", "-"))
             for mode, v in result["modes"].items()]
     console.print(table("modes (goodput in trained tokens/s)",
                         ("mode", "split", "goodput", "reward", "RWT s", "TWT s", "KV hit",
-                         "staleness"), rows))
-    targets = result["targets"]
-    console.print(table("tiderl over", ("baseline", "ratio", "target"),
-                        [(k.removeprefix("tiderl_over_"), v, targets[k])
+                         "staleness", "CPU busy"), rows))
+    targets, bounds = result["targets"], result.get("cpu_bounds", {})
+    console.print(table("ratios", ("ratio", "measured", "target", "CPU ceiling"),
+                        [(k, v, targets.get(k, "-"), bounds.get(f"{k}_at_most", "-"))
                          for k, v in result["ratios"].items()]))

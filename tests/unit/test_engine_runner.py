@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiderl.engine.config import EngineConfig
-from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.llm_engine import EngineAsleepError, EngineBusyError, LLMEngine
 from tiderl.engine.request import SamplingParams
 from tiderl.engine.sampler import Sampler
 from tiderl.models.init import init_model
@@ -192,3 +192,51 @@ def test_generate_works_across_event_loops_without_close(model):
     first = asyncio.run(eng.generate("a", list(range(10, 20)), GREEDY))
     second = asyncio.run(eng.generate("a", list(range(10, 20)), GREEDY))
     assert first.output_ids == second.output_ids and second.num_cached_tokens == 8
+
+
+def test_sleep_frees_weights_and_kv_and_wake_up_serves_the_weights_it_is_given(model):
+    local = init_model("tiny", seed=0)
+    eng = engine(local)
+    (turn,) = run(eng, [("a", list(range(10, 20)), GREEDY)])
+    assert eng.pin("a") == 12
+    eng.sleep()
+    assert eng.is_asleep and eng.runner.kv_cache is None
+    assert all(p.numel() == 0 for p in local.parameters())
+    usage = eng.token_usage()
+    assert (usage.num_pinned_tokens, usage.num_cached_tokens, usage.num_used_tokens) == (0, 0, 0)
+    with pytest.raises(EngineAsleepError, match="asleep"):
+        eng.add_request("a", list(range(10, 20)), GREEDY)
+    with pytest.raises(EngineAsleepError, match="wake_up takes the weights"):
+        eng.update_weights(model.state_dict(), 1)
+    other = init_model("tiny", seed=1).state_dict()
+    partial = {k: v for k, v in other.items() if "layers.0." not in k}
+    with pytest.raises(ValueError, match=r"wake_up: the weights lack \['model.layers.0"):
+        eng.wake_up(partial, 5)
+    assert eng.is_asleep
+    eng.wake_up(other, 5)
+    prompt = [*turn.prompt_token_ids, *turn.output_token_ids, 5]
+    (again,) = run(eng, [("a", prompt, GREEDY)])
+    assert not eng.is_asleep and eng.version == 5
+    assert again.num_cached_tokens == 0  # nothing of the old weights' KV survived the sleep
+    assert again.output_token_ids == dense_greedy(init_model("tiny", seed=1), prompt, 6)
+
+
+def test_sleep_is_refused_while_requests_are_in_flight(model):
+    eng = engine(model)
+    eng.add_request("a", list(range(10, 20)), GREEDY)
+    with pytest.raises(EngineBusyError, match="1 requests in flight"):
+        eng.sleep()
+    assert not eng.is_asleep
+
+
+@pytest.mark.parametrize(("kv_on_update", "cached"), [("flush", 0), ("keep", 12)])
+def test_kv_on_update_decides_whether_a_pinned_prefix_survives_an_update(
+        model, kv_on_update, cached):
+    config = EngineConfig(kv_cache_tokens=512, block_size=BS, max_num_batched_tokens=64,
+                          kv_on_update=kv_on_update)
+    eng = LLMEngine(init_model("tiny", seed=0), config, eos_token_id=None)
+    (turn,) = run(eng, [("a", list(range(10, 20)), SamplingParams(3, 0.0))])
+    eng.pin("a")
+    eng.update_weights(init_model("tiny", seed=1).state_dict(), version=1)
+    (again,) = run(eng, [("a", [*turn.prompt_token_ids, *turn.output_token_ids, 5], GREEDY)])
+    assert again.num_cached_tokens == cached

@@ -14,27 +14,49 @@ app = typer.Typer(help="The embedded rollout engine.", no_args_is_help=True)
 
 @app.command("serve")
 def serve(
-    model: Path = typer.Option(..., "--model", help="HF-format model folder."),
+    model: Path | None = typer.Option(None, "--model",
+                                      help="HF-format model folder (default: a seeded random "
+                                           "model of --size)."),
+    size: str = typer.Option("tiny", "--size", help="Random-init model size without --model."),
+    seed: int = typer.Option(0, "--seed", help="Its seed (the profile's model.seed)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
     kv_cache_tokens: int = typer.Option(16384, "--kv-cache-tokens", help="KV pool size."),
+    block_size: int = typer.Option(16, "--block-size"),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs"),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens"),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
+    kv_on_update: str = typer.Option("flush", "--kv-on-update",
+                                     help="flush or keep the cached KV on a weight update."),
 ) -> None:
     """OpenAI-compatible /v1/completions with token ids, /metrics, admin routes."""
-    if not model.is_dir():
+    if model is not None and not model.is_dir():
         raise CLIError(f"tiderl engine serve: --model {model}: no such folder", EXIT_USAGE)
-    # late imports: torch loads only when a server really starts
+    from tiderl.core.config import ConfigError
     from tiderl.engine.config import EngineConfig
+    from tiderl.models.config import ModelConfig
+
+    try:
+        engine_config = EngineConfig(
+            kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
+            kv_on_update=kv_on_update)
+        model_config = ModelConfig(path=str(model or ""), size=size, seed=seed, dtype=dtype)
+    except ConfigError as exc:
+        raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
+    # late imports: torch loads only when a server really starts
     from tiderl.engine.llm_engine import LLMEngine
     from tiderl.engine.server import serve as serve_app
-    from tiderl.models.config import ModelConfig
-    from tiderl.models.loading import ModelLoadError, load_tokenizer
+    from tiderl.models.loading import ModelLoadError, model_from_config
 
-    engine_config = EngineConfig(kv_cache_tokens=kv_cache_tokens)
     try:
-        engine = LLMEngine.from_configs(ModelConfig(path=str(model)), engine_config)
-        tokenizer = load_tokenizer(model)
-    except ModelLoadError as exc:
-        raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from exc
-    Output().note(f"tiderl engine: {model} on http://{host}:{port} "
-                  f"(KV pool {kv_cache_tokens} tokens)")
-    serve_app(engine, host, port, tokenizer, model_name=model.name)
+        weights, tokenizer = model_from_config(model_config, device)
+    except (ModelLoadError, RuntimeError) as exc:
+        raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
+    engine = LLMEngine(weights, engine_config, weights.config.eos_token_id)
+    name = model.name if model is not None else f"tiderl-{size}"
+    Output().note(f"tiderl engine: {model or name} on http://{host}:{port} "
+                  f"(KV pool {kv_cache_tokens} tokens, {device})")
+    serve_app(engine, host, port, tokenizer, model_name=name)

@@ -1,4 +1,5 @@
-"""Engine section of a profile: which rollout backend and how big its KV cache is."""
+"""Engine section of a profile: which rollout backend, how big its KV cache is, and how its
+servers (backends other than ``embedded``) are started and updated."""
 
 from __future__ import annotations
 
@@ -12,12 +13,24 @@ from tiderl.core.config import (
 )
 
 BACKENDS = ("embedded", "http", "vllm", "sglang")
+SERVER_BACKENDS = ("http", "vllm", "sglang")  # a server process per rank, beside it
+GPU_SERVERS = ("vllm", "sglang")
+KV_ON_UPDATE = ("flush", "keep")
+SERVED_MODEL_NAME = "tiderl"  # the model name the launcher gives vLLM and SGLang servers
+SERVER_UP_TIMEOUT_S = 900.0  # a rank waits this long for its server (vLLM loads for minutes)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     backend: str = "embedded"
-    urls: list[str] = field(default_factory=list)  # one server per rollout rank (non-embedded)
+    urls: list[str] = field(default_factory=list)  # running servers, one per rank; empty: the
+    # launcher starts one per rank (a rank not rolling out keeps its server asleep)
+    server_args: list[str] = field(default_factory=list)  # added to each server's command line
+    gpu_memory_utilization: float = 0.5  # vllm / sglang: the GPU share a server takes (it
+    # sizes its own KV cache in it; the rank beside it trains on the rest)
+    keep_versions: int = 2  # weight folders kept on disk per node (the newest)
+    kv_on_update: str = "flush"  # flush: no KV of the old weights is hit again; keep: pinned
+    # and cached prefixes survive an update (their KV was computed by the previous version)
     kv_cache_tokens: int = 16384  # fixed KV pool per rollout rank, never grows
     block_size: int = 16
     max_num_seqs: int = 64
@@ -27,10 +40,19 @@ class EngineConfig:
     top_p: float = 1.0
     enable_prefix_caching: bool = True
 
+    @property
+    def uses_server(self) -> bool:
+        return self.backend in SERVER_BACKENDS
+
     def __post_init__(self) -> None:
         require_choice(self.backend, BACKENDS, "backend")
-        if self.backend != "embedded":
-            require(bool(self.urls), "urls", f"expected server URLs for {self.backend!r}")
+        require(not self.urls or self.backend in SERVER_BACKENDS, "urls",
+                f"server URLs need a server backend ({', '.join(SERVER_BACKENDS)}), "
+                f"not {self.backend!r}")
+        require(0.0 < self.gpu_memory_utilization < 1.0, "gpu_memory_utilization",
+                f"expected a fraction in (0, 1), got {self.gpu_memory_utilization}")
+        require_choice(self.kv_on_update, KV_ON_UPDATE, "kv_on_update")
+        require_positive(self.keep_versions, "keep_versions")
         for name in ("kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_new_tokens"):
             require_positive(getattr(self, name), name)

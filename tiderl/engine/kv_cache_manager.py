@@ -227,6 +227,14 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         self._task_context.clear()
 
+    def drop_all(self) -> None:
+        """The engine goes to sleep (no request holds a block): every pin, remembered task
+        context and cached block content is dropped."""
+        for task_id in list(self._pins):
+            self.unpin(task_id)
+        self.reset_prefix_cache()
+        self.evict_unreferenced()
+
     def evict_unreferenced(self) -> None:
         """Forget the content of every unreferenced block (a flush): blocks held by a request
         or a pin stay hit-able."""

@@ -32,6 +32,14 @@ from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 
 
+class EngineAsleepError(ValueError):
+    """A call that needs the weights while the engine sleeps."""
+
+
+class EngineBusyError(ValueError):
+    """Sleep was asked while requests are in flight."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateOutput:
     task_id: str
@@ -76,6 +84,8 @@ class LLMEngine:
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._asleep = False
+        self._shapes: dict[torch.nn.Parameter, torch.Size] = {}  # while asleep
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, engine_config: EngineConfig) -> LLMEngine:
@@ -111,6 +121,8 @@ class LLMEngine:
         self._validate(prompt_ids, sampling)
         request = Request(f"{task_id}#{next(self._ids)}", task_id, list(prompt_ids), sampling)
         with self._lock:
+            if self._asleep:
+                raise EngineAsleepError("the engine is asleep: wake_up loads weights first")
             self.scheduler.add_request(request)
         return request
 
@@ -227,9 +239,16 @@ class LLMEngine:
             self.scheduler.kv_cache.evict_unreferenced()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load weights (HF names, any subset; cast to the model's dtype), set ``version`` and
-        reset the prefix cache: no KV computed with the old weights is hit again. Requests in
-        flight continue on their already-computed KV."""
+        """Load weights (HF names, any subset; cast to the model's dtype) and set ``version``.
+        With ``kv_on_update: flush`` (the default) the prefix cache is reset: no KV computed
+        with the old weights is hit again; with ``keep`` pinned and cached prefixes stay
+        hit-able. Requests in flight continue on their already-computed KV."""
+        if self._asleep:
+            raise EngineAsleepError("update_weights: the engine is asleep (wake_up takes the "
+                                    "weights)")
+        self._load(state_dict, version)
+
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         params = self.model.state_dict(keep_vars=True)  # tied lm_head included
         unknown = [k for k in state_dict if k not in params]
         if unknown:
@@ -241,8 +260,53 @@ class LLMEngine:
         with self._lock, torch.no_grad():
             for name, tensor in state_dict.items():
                 params[name].copy_(tensor)
-            self.scheduler.kv_cache.reset_prefix_cache()
+            if self.config.kv_on_update == "flush":
+                self.scheduler.kv_cache.reset_prefix_cache()
             self.version = version
+
+    # -- sleep -----------------------------------------------------------------------------------
+
+    @property
+    def is_asleep(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Free the KV cache and the weights (vLLM's sleep level 2): the rank went to the
+        trainer. Every pin and cached prefix is dropped. Refused while requests are in flight;
+        ``wake_up`` with the weights of the version to serve makes the engine serve again."""
+        with self._lock:
+            if self._asleep:
+                return
+            if self.scheduler.has_unfinished:
+                raise EngineBusyError(f"sleep: {len(self.scheduler.requests)} requests in "
+                                      "flight (finish or abort them first)")
+            self.scheduler.kv_cache.drop_all()
+            self.runner.kv_cache = None
+            for param in self.model.parameters():
+                self._shapes[param] = param.shape
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self._asleep = True
+
+    def wake_up(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Allocate the weights and the KV cache again and load ``state_dict`` (every
+        parameter) as ``version``."""
+        if not self._asleep:
+            self.update_weights(state_dict, version)
+            return
+        names = set(self.model.state_dict())
+        if self.model.config.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        missing = sorted(names - set(state_dict))
+        if missing:
+            raise ValueError(f"wake_up: the weights lack {missing[:3]} ({len(missing)} in all)")
+        with self._lock:
+            for param, shape in self._shapes.items():
+                param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+            self._shapes.clear()
+            num_blocks = self.scheduler.kv_cache.pool.num_blocks
+            self.runner.kv_cache = self.model.new_kv_cache(num_blocks, self.config.block_size)
+            self._asleep = False
+        self._load(state_dict, version)
 
     def metrics(self) -> EngineMetrics:
         with self._lock:

@@ -4,6 +4,7 @@ metrics and admin routes.
     client ──POST /v1/completions──> build_app ──engine.generate()──> LLMEngine (step loop)
            ──GET /metrics──────────> EngineCollector ──engine.metrics()── (read on each scrape)
            ──/tiderl/{pin,unpin,usage,update_weights,flush}──> engine admin calls
+           ──/tiderl/{sleep,wake_up}──> free / reload the weights and the KV cache (ERS moves)
 
 Bad input (malformed JSON, wrong types, an empty prompt, token ids outside the vocabulary, a
 prompt longer than the context) is answered 400 or 422 with ``{"error": {"message", "type"}}``;
@@ -128,7 +129,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "version": engine.version}
+        return {"status": "ok", "version": engine.version, "asleep": engine.is_asleep}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -168,14 +169,23 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
 
     @app.post("/tiderl/update_weights")
     async def update_weights(body: UpdateWeightsBody) -> dict:
-        from tiderl.models.loading import ModelLoadError, load_state_dict  # late: torch
-
+        state = await asyncio.to_thread(_read_weights, body.path)
         try:
-            state = await asyncio.to_thread(load_state_dict, body.path)
             await asyncio.to_thread(engine.update_weights, state, body.version)
-        except (ModelLoadError, KeyError, RuntimeError) as exc:  # unreadable or mismatched
+        except (KeyError, RuntimeError) as exc:  # mismatched
             raise ValueError(f"update_weights: {exc}") from exc
         return {"version": engine.version}
+
+    @app.post("/tiderl/sleep")
+    async def sleep() -> dict:
+        await asyncio.to_thread(engine.sleep)
+        return {"asleep": True}
+
+    @app.post("/tiderl/wake_up")
+    async def wake_up(body: UpdateWeightsBody) -> dict:
+        state = await asyncio.to_thread(_read_weights, body.path)
+        await asyncio.to_thread(engine.wake_up, state, body.version)
+        return {"asleep": False, "version": engine.version}
 
     @app.post("/tiderl/flush")
     async def flush() -> dict:
@@ -183,6 +193,15 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
         return {"flushed": True}
 
     return app
+
+
+def _read_weights(path: str) -> dict:
+    from tiderl.models.loading import ModelLoadError, load_state_dict  # late: torch
+
+    try:
+        return load_state_dict(path)
+    except (ModelLoadError, OSError, RuntimeError) as exc:  # unreadable
+        raise ValueError(f"weights {path}: {exc}") from exc
 
 
 def serve(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,

@@ -77,13 +77,21 @@ def save_model(model: Qwen2ForCausalLM, path: str | Path,
                max_shard_bytes: int | None = None) -> None:
     """Write ``config.json`` and the weights (one file, or shards of at most
     ``max_shard_bytes`` plus an index). Tied models omit ``lm_head.weight``, as HF does."""
+    save_state_dict(model.state_dict(), model.config, path, max_shard_bytes)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], config: Qwen2Config, path: str | Path,
+                    max_shard_bytes: int | None = None) -> None:
+    """``save_model`` for the weights alone (HF names), as a weight sync delivers them; the
+    config's ``torch_dtype`` is the weights' dtype."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_hf() | {"torch_dtype": _dtype_name(model.dtype)}
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop(TIED_KEY)
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if config.tie_word_embeddings:
+        state.pop(TIED_KEY, None)
+    dtype = next(iter(state.values())).dtype
+    hf = config.to_hf() | {"torch_dtype": _dtype_name(dtype)}
+    (folder / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     shards = _shards(state, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -1,0 +1,68 @@
+"""A policy version as an HF-format folder, for engine servers that load weights from disk
+(``engine.weight_sync: disk``):
+
+    runs/<job>/weights/v00000003/  config.json  model.safetensors (or shards + index)
+                                   tokenizer.json
+
+A version is written into a hidden folder beside its place and renamed into it, so a reader sees
+the whole version or nothing. Ranks of one node share the folder: the first to finish renames
+its copy into place, the others find it there and drop theirs. After each export the newest
+``keep`` versions stay and older ones are removed (a server still loading one is at most one
+version behind: keep at least 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from tiderl.models.loading import TOKENIZER_FILE, save_state_dict
+from tiderl.models.qwen2 import Qwen2Config
+
+VERSION_DIR = re.compile(r"^v(\d{8})$")
+
+
+def version_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"v{version:08d}"
+
+
+def export_version(state: dict[str, torch.Tensor], config: Qwen2Config, tokenizer: Tokenizer,
+                   root: str | Path, version: int, keep: int = 2,
+                   max_shard_bytes: int | None = None) -> Path:
+    """Write ``state`` as version ``version``'s folder under ``root`` (unless a rank of this
+    node already did) and prune to the newest ``keep``; returns the folder."""
+    final = version_dir(root, version)
+    if not final.is_dir():
+        tmp = Path(root) / f".{final.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_state_dict(state, config, tmp, max_shard_bytes)
+        tokenizer.save(str(tmp / TOKENIZER_FILE))
+        try:
+            tmp.rename(final)
+        except OSError:  # another rank of this node renamed its copy first
+            if not final.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    prune(root, keep)
+    return final
+
+
+def versions(root: str | Path) -> list[int]:
+    """The versions exported under ``root``, oldest first."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return []
+    found = (VERSION_DIR.match(entry.name) for entry in folder.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def prune(root: str | Path, keep: int) -> None:
+    for version in versions(root)[:-keep]:
+        with contextlib.suppress(FileNotFoundError):  # a rank of this node removed it first
+            shutil.rmtree(version_dir(root, version))

@@ -55,6 +55,19 @@ class Profile:
             value = getattr(self.ers, name)
             require(value % g == 0, f"ers.{name}",
                     f"expected a multiple of runtime.group_size ({g}), got {value}")
+        engine = self.engine
+        if engine.urls:
+            n = self.runtime.num_ranks
+            require(len(engine.urls) == n, "engine.urls",
+                    f"expected one server URL per rank (runtime.num_ranks {n}), "
+                    f"got {len(engine.urls)}")
+        if engine.backend in ("vllm", "sglang"):
+            require(bool(self.model.path), "model.path",
+                    f"engine.backend {engine.backend} serves an HF folder: set model.path "
+                    "(tiderl model init makes one)")
+            require(bool(engine.urls) or self.runtime.device == "cuda", "runtime.device",
+                    f"engine.backend {engine.backend} starts its servers on GPUs: set "
+                    "runtime.device=cuda (or attach running servers with engine.urls)")
 
 
 class ProfileError(Exception):

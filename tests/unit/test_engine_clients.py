@@ -238,16 +238,20 @@ def test_vllm_client_calls():
             out = await client.generate("t", [785, 6722], SamplingParams(max_tokens=2))
             metrics = await client.metrics()
             await client.flush()
-            for call in (client.pin("t"), client.unpin("t"), client.update_weights("/m", 1),
-                         client.token_usage()):
+            for call in (lambda: client.pin("t"), lambda: client.unpin("t"),
+                         client.token_usage):
                 with pytest.raises(NotSupported, match="VLLMClient"):
-                    await call
+                    await call()
+            with pytest.raises(NotSupported, match="folder"):
+                await client.update_weights({}, 1)
             return out, metrics
 
     out, metrics = asyncio.run(scenario())
     assert out.output_ids == [12095, 13] and metrics.cache_hit_rate == 0.625
+    assert metrics.kv_capacity_tokens == 27404 * 16  # vllm:cache_config_info's labels
     assert seen[0][2] == {"prompt": [785, 6722], "max_tokens": 2, "temperature": 1.0,
-                          "top_p": 1.0, "logprobs": 1, "model": MODEL, "return_token_ids": True}
+                          "top_p": 1.0, "logprobs": 1, "model": MODEL, "return_token_ids": True,
+                          "return_weight_versions": True}
     assert [s[:2] for s in seen] == [("POST", "/v1/completions"), ("GET", "/metrics"),
                                      ("POST", "/reset_prefix_cache")]
 
@@ -271,7 +275,8 @@ def test_sglang_client_calls_and_errors():
             return out
 
     assert asyncio.run(scenario()).num_cached_tokens == 4
-    assert seen[1][2] == {"model_path": "/ckpt/step7", "weight_version": "7"}
+    assert seen[1][2] == {"model_path": "/ckpt/step7", "weight_version": "7",
+                          "flush_cache": True}
     routes[("POST", "/update_weights_from_disk")] = (200, {"success": False, "message": "bad"})
 
     async def failing():

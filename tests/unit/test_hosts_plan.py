@@ -123,3 +123,69 @@ def test_the_local_plan_has_the_same_processes():
     nodes = plan_nodes(_hosts(), profile, "j1", PORTS)
     assert [(p.name, p.role) for p in local.processes] == [(p.name, p.role)
                                                             for p in nodes.processes]
+
+
+def test_a_server_backend_gets_an_engine_server_per_rank_on_its_node_and_device():
+    profile = load_profile("local", ["runtime.num_ranks=4", "runtime.rollout_ranks=2",
+                                     "runtime.device=cuda", "engine.backend=http",
+                                     "engine.server_args=[--max-num-seqs, '8']"])
+    ports = {**PORTS, **{f"engine{r}": 6000 + r for r in range(4)}}
+    plan = plan_nodes(_hosts(), profile, "j1", ports)
+    assert [p.name for p in plan.processes] == [
+        "env", "engine0", "engine1", "engine2", "engine3", "coordinator",
+        "rank0", "rank1", "rank2", "rank3"]
+    engines = [p for p in plan.processes if p.kind == "engine"]
+    assert [(p.host, p.device, p.rank) for p in engines] == [
+        ("a", "cuda:0", 0), ("a", "cuda:1", 1), ("b", "cuda:1", 2), ("b", "cuda:3", 3)]
+    engine2 = " ".join(engines[2].argv)
+    assert engines[2].argv[:5] == ("/usr/bin/python3.11", "-m", "tiderl.cli.main", "engine",
+                                   "serve")
+    assert ("--size tiny --seed 0 --dtype float32 --host 127.0.0.1 --port 6002 "
+            "--device cuda:1 --kv-cache-tokens 8192") in engine2
+    assert engine2.endswith("--kv-on-update flush --max-num-seqs 8")  # server_args last
+    assert engines[2].env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    rank2 = " ".join(plan.ranks[2].argv)
+    assert rank2.endswith("--engine-url http://127.0.0.1:6002")  # its own server, loopback
+
+
+def test_given_engine_urls_are_attached_and_no_server_is_started():
+    urls = "[http://10.0.0.5:8000/, http://10.0.0.6:8000, http://10.0.0.7:8000]"
+    profile = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1",
+                                     "engine.backend=http", f"engine.urls={urls}"])
+    plan = plan_nodes(_hosts(), profile, "j1", PORTS)
+    assert "engine" not in {p.kind for p in plan.processes}
+    assert [r.argv[-1] for r in plan.ranks] == [
+        "http://10.0.0.5:8000", "http://10.0.0.6:8000", "http://10.0.0.7:8000"]
+    embedded = plan_nodes(_hosts(), load_profile("local", ["runtime.num_ranks=3",
+                                                           "runtime.rollout_ranks=1"]),
+                          "j1", PORTS)
+    assert all("--engine-url" not in r.argv for r in embedded.ranks)
+
+
+def test_vllm_and_sglang_servers_get_their_engines_command_lines():
+    base = ["runtime.num_ranks=2", "runtime.rollout_ranks=1", "runtime.device=cuda",
+            "model.path=/models/qwen", "engine.max_num_seqs=48"]
+    ports = {**PORTS, "engine0": 6000, "engine1": 6001}
+    vllm = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=vllm"]), "j1",
+                      ports)
+    engine1 = next(p for p in vllm.processes if p.name == "engine1")
+    assert engine1.argv == (
+        "/opt/venv/bin/vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "6001",
+        "--served-model-name", "tiderl", "--dtype", "float32", "--seed", "0",
+        "--max-num-seqs", "48", "--max-num-batched-tokens", "2048", "--enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--enable-sleep-mode", "--scheduling-policy",
+        "priority", "--gpu-memory-utilization", "0.5")
+    assert engine1.env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    sglang = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=sglang",
+                                                         "engine.enable_prefix_caching=false"]),
+                        "j1", ports)
+    engine0 = next(p for p in sglang.processes if p.name == "engine0")
+    assert engine0.argv == (
+        "/opt/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/qwen",
+        "--host", "127.0.0.1", "--port", "6000", "--served-model-name", "tiderl",
+        "--dtype", "float32", "--random-seed", "0", "--max-running-requests", "48",
+        "--enable-metrics", "--enable-memory-saver", "--enable-priority-scheduling",
+        "--schedule-low-priority-values-first", "--disable-radix-cache",
+        "--mem-fraction-static", "0.5")
+    assert engine0.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert sglang.ranks[0].argv[-2:] == ("--engine-url", "http://127.0.0.1:6000")

@@ -83,6 +83,25 @@ def test_cross_section_check_names_the_key(tmp_path):
         f"{path}: ers.batch_min: expected a multiple of runtime.group_size (8), got 12")
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["engine.backend=http", "engine.urls=[http://a:1]"],
+     "engine.urls: expected one server URL per rank (runtime.num_ranks 4), got 1"),
+    (["engine.urls=[http://a:1]"],
+     "engine.urls: server URLs need a server backend (http, vllm, sglang), not 'embedded'"),
+    (["engine.backend=vllm"], "model.path: engine.backend vllm serves an HF folder: set "
+                              "model.path (tiderl model init makes one)"),
+    (["engine.backend=sglang", "model.path=/m"],
+     "runtime.device: engine.backend sglang starts its servers on GPUs: set "
+     "runtime.device=cuda (or attach running servers with engine.urls)"),
+    (["engine.gpu_memory_utilization=1.0"],
+     "engine.gpu_memory_utilization: expected a fraction in (0, 1), got 1.0"),
+    (["engine.kv_on_update=drop"], "engine.kv_on_update: expected one of flush, keep, "
+                                   "got 'drop'"),
+])
+def test_engine_server_settings_are_checked_against_the_job(overrides, message):
+    assert error_of(load_profile, "local", overrides) == f"--set: {message}"
+
+
 def test_bool_is_not_an_int_and_lists_are_typed(tmp_path):
     path = write(tmp_path, "runtime:\n  num_ranks: true\n")
     assert error_of(load_profile, path) == f"{path}: runtime.num_ranks: expected int, got True"

@@ -494,3 +494,20 @@ def test_occupancy_counts_full_ranks_while_tasks_wait_and_the_generating_task_ti
     rollout.park(3.0, True)  # a synchronous system's ranks train: not rollout's bound
     rollout.advance(4.0)
     assert rollout.interval() == (0.0, 0.0, None)
+
+
+def test_an_engine_that_reports_its_own_kv_capacity_gets_that_share_as_its_budget():
+    """An engine server sizes its own KV cache: CTB admits against what the engine reports
+    (``budget_fraction`` of it), on a rollout rank at once and on a trainer rank once it joins."""
+    c = make(System.TIDERL, (R, A))
+    c.launch(0.0)
+    assert c.budgets() == {0: BUDGET}
+    fraction = CTBConfig().budget_fraction
+    assert c.engine_capacity(0, 4000, 0.1) == []
+    assert c.budgets() == {0: int(4000 * fraction)}
+    c.engine_capacity(1, 2000, 0.2)  # not a rollout rank yet: kept for when it joins
+    assert c.budgets() == {0: int(4000 * fraction)}
+    c.rollout.add_rank(1, 0.3)
+    assert c.budgets() == {0: int(4000 * fraction), 1: int(2000 * fraction)}
+    c.engine_capacity(0, 0, 0.4)  # no capacity reported: the budget stays
+    assert c.budgets()[0] == int(4000 * fraction)

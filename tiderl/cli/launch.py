@@ -14,7 +14,7 @@ from rich.console import Console
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, load_hosts
-from tiderl.launch.plan import LaunchPlan, plan_local, plan_nodes
+from tiderl.launch.plan import LaunchPlan, engine_port_names, plan_local, plan_nodes
 from tiderl.profile import DEFAULT_PROFILE, Profile, load_profile, profile_to_dict
 
 ProfileOpt = typer.Option(DEFAULT_PROFILE, "--profile", "-p",
@@ -42,11 +42,20 @@ def launch(
     if nodes is not None:
         try:
             hosts = load_hosts(nodes)
-            plan = plan_nodes(hosts, resolved, "<job>", _port_placeholders(hosts))
+            plan = plan_nodes(hosts, resolved, "<job>", _port_placeholders(hosts, resolved))
         except HostsError as exc:
             raise CLIError(str(exc), EXIT_USAGE) from None
-    else:
-        plan = plan_local(resolved)
+    else:  # the command lines with placeholders for the ports a launch picks
+        from tiderl.launch.job import check_here, local_endpoints
+        from tiderl.launch.local import LaunchError
+
+        try:
+            check_here(resolved)
+        except LaunchError as exc:
+            raise CLIError(f"tiderl launch: {exc}", EXIT_USAGE) from None
+        ports = {name: f"<{name}-port>" for name in (*PORT_NAMES, *engine_port_names(resolved))}
+        plan = plan_local(resolved, sys.executable, str(Path(resolved.runtime.run_dir, "<job>")),
+                          local_endpoints(resolved, ports))
     out = Output(json_mode)
     if dry_run:
         out.result(_payload(resolved, plan), lambda console: _render(console, resolved, plan))
@@ -54,10 +63,11 @@ def launch(
     _run(resolved, hosts, run_root, out)
 
 
-def _port_placeholders(hosts: Hosts) -> dict[str, int | str]:
+def _port_placeholders(hosts: Hosts, profile: Profile) -> dict[str, int | str]:
+    names = (*PORT_NAMES, *engine_port_names(profile))
     if hosts.port_base is not None:
-        return {name: hosts.port_base + i for i, name in enumerate(PORT_NAMES)}
-    return {name: f"<{name}-port>" for name in PORT_NAMES}
+        return {name: hosts.port_base + i for i, name in enumerate(names)}
+    return {name: f"<{name}-port>" for name in names}
 
 
 def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Output) -> None:

@@ -13,12 +13,14 @@ not have raise :class:`NotSupported`. Request bodies and response parsing are pu
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,12 +60,15 @@ class ClientMetrics:
     num_requests_waiting: float
     num_preemptions: float | None = None
     cache_hit_rate: float | None = None  # hits / queries (cumulative) or SGLang's gauge
+    kv_capacity_tokens: float | None = None  # what the KV cache holds (vLLM, SGLang)
 
 
 class EngineClient(abc.ABC):
     @abc.abstractmethod
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateResult: ...
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0) -> GenerateResult:
+        """One turn. ``priority``: lower runs first where the engine schedules by priority
+        (vLLM, SGLang as the launcher starts them); ours schedules first come, first served."""
 
     async def pin(self, task_id: str) -> int:
         """Keep the task's cached context resident; returns the pinned tokens."""
@@ -80,9 +85,22 @@ class EngineClient(abc.ABC):
         raise NotSupported(f"{type(self).__name__}: token_usage is not supported; "
                            "use metrics().kv_cache_usage_perc")
 
+    @property
+    def supports_pins(self) -> bool:
+        """Whether ``pin`` keeps a task's KV (else CTB works through admission alone)."""
+        return type(self).pin is not EngineClient.pin
+
     @abc.abstractmethod
     async def update_weights(self, weights: Any, version: int) -> None:
         """``weights``: a safetensors folder path, or (in-process only) a state dict."""
+
+    async def sleep(self) -> None:
+        """Free the engine's weights and KV cache (its rank went to the trainer)."""
+        raise NotSupported(f"{type(self).__name__}: sleep is not supported by this backend")
+
+    async def wake_up(self, weights: Any, version: int) -> None:
+        """Allocate them again and serve ``weights`` (a folder path) as ``version``."""
+        raise NotSupported(f"{type(self).__name__}: wake_up is not supported by this backend")
 
     @abc.abstractmethod
     async def flush(self) -> None: ...
@@ -106,8 +124,8 @@ class EmbeddedClient(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateResult:
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0) -> GenerateResult:
         out = await self.engine.generate(task_id, prompt_ids, sampling)
         return GenerateResult(out.task_id, list(out.output_ids), list(out.logprobs),
                               str(out.finish_reason), out.num_prompt_tokens,
@@ -155,6 +173,13 @@ class _HTTPClient(EngineClient):
     async def _post(self, path: str, body: dict | None = None) -> dict:
         return _json_or_raise(await self.http.post(path, json=body or {}))
 
+    async def is_up(self) -> bool:
+        """Whether the server answers ``/health`` with 200 (False while it starts)."""
+        try:
+            return (await self.http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def metrics(self) -> ClientMetrics:
         response = await self.http.get("/metrics")
         _json_or_raise(response, parse=False)
@@ -186,8 +211,8 @@ def _rate(hits: float | None, queries: float | None) -> float | None:
 class TideRLHTTPClient(_HTTPClient):
     metric_prefix = "tiderl:"
 
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateResult:
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0) -> GenerateResult:
         body = completion_body(prompt_ids, sampling) | {"task_id": task_id}
         return parse_completion(task_id, await self._post("/v1/completions", body))
 
@@ -212,32 +237,93 @@ class TideRLHTTPClient(_HTTPClient):
     async def flush(self) -> None:
         await self._post("/tiderl/flush")
 
+    async def sleep(self) -> None:
+        await self._post("/tiderl/sleep")
+
+    async def wake_up(self, weights: Any, version: int) -> None:
+        await self._post("/tiderl/wake_up", {"path": str(weights), "version": version})
+
 
 # -- vLLM ----------------------------------------------------------------------------------------
 
 class VLLMClient(_HTTPClient):
-    """vLLM's OpenAI server; ``flush`` needs ``VLLM_SERVER_DEV_MODE=1`` (/reset_prefix_cache)."""
+    """vLLM's OpenAI server (0.33). Everything but generation and metrics needs
+    ``VLLM_SERVER_DEV_MODE=1``: weights are reloaded from a folder by ``/collective_rpc``
+    ``reload_weights``, then tagged by ``/update_weight_version`` (completions report it);
+    ``flush_on_update`` also resets the prefix cache (the reload keeps it). Sleep is level 2
+    (weights and KV discarded; ``--enable-sleep-mode``)."""
 
     metric_prefix = "vllm:"
 
     def __init__(self, base_url: str, model: str, timeout: float = 600.0,
-                 http: httpx.AsyncClient | None = None) -> None:
+                 http: httpx.AsyncClient | None = None, flush_on_update: bool = True) -> None:
         super().__init__(base_url, timeout, http)
         self.model = model
+        self.flush_on_update = flush_on_update
 
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateResult:
-        body = completion_body(prompt_ids, sampling) | {"model": self.model,
-                                                         "return_token_ids": True}
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0) -> GenerateResult:
+        body = completion_body(prompt_ids, sampling) | {
+            "model": self.model, "return_token_ids": True, "return_weight_versions": True}
+        if priority:
+            body["priority"] = priority
         return parse_completion(task_id, await self._post("/v1/completions", body))
 
     async def update_weights(self, weights: Any, version: int) -> None:
-        raise NotSupported("VLLMClient.update_weights: vLLM updates weights through its "
-                           "weight-transfer endpoints or collective_rpc, which TideRL does not "
-                           "drive yet; restart the server on the new folder")
+        if isinstance(weights, dict):
+            raise NotSupported("VLLMClient.update_weights: pass a checkpoint folder path")
+        await self._post("/collective_rpc", {"method": "reload_weights",
+                                             "kwargs": {"weights_path": str(weights)}})
+        if self.flush_on_update:
+            await self.flush()
+        await self._post("/update_weight_version", {"new_version": str(version)})
 
     async def flush(self) -> None:
-        await self._post("/reset_prefix_cache")
+        """Reset the prefix cache. vLLM refuses while requests hold blocks, unless it may
+        preempt them (``reset_running_requests``: they recompute their KV), and in a job
+        some always run."""
+        response = await self.http.post("/reset_prefix_cache",
+                                        params={"reset_running_requests": "true"})
+        if _json_or_raise(response).get("success") is False:
+            raise RuntimeError("vLLM /reset_prefix_cache: the cache was not reset")
+
+    async def sleep(self) -> None:
+        _json_or_raise(await self.http.post("/sleep", params={"level": 2, "mode": "wait"}))
+
+    async def wake_up(self, weights: Any, version: int) -> None:
+        _json_or_raise(await self.http.post("/wake_up"))
+        await self.update_weights(weights, version)  # level 2 discarded them
+
+    async def metrics(self) -> ClientMetrics:
+        response = await self.http.get("/metrics")
+        _json_or_raise(response, parse=False)
+        values = parse_prometheus(response.text, FRACTIONS)
+        m = metrics_from_prometheus(values, self.metric_prefix)
+        return replace(m, kv_capacity_tokens=vllm_kv_capacity(response.text))
+
+
+def vllm_kv_capacity(text: str) -> float | None:
+    """``num_gpu_blocks × block_size`` from the labels of ``vllm:cache_config_info`` (summed
+    over its engines), None where the page has no such gauge."""
+    total = None
+    for labels in info_labels(text, "vllm:cache_config_info"):
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit():
+            total = (total or 0.0) + int(blocks) * int(size)
+    return total
+
+
+def info_labels(text: str, name: str) -> list[dict[str, str]]:
+    """The label sets of every sample of ``name`` (an info-style gauge whose labels carry the
+    values) in a Prometheus text page."""
+    found = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line.startswith(name + "{"):
+            continue
+        body = line[len(name) + 1:line.rindex("}")]
+        found.append(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', body)))
+    return found
 
 
 def completion_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
@@ -268,35 +354,56 @@ def parse_completion(task_id: str, data: dict) -> GenerateResult:
     usage = data.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     cached = usage.get("cached_tokens", details.get("cached_tokens")) or 0
+    version = data.get("version")  # TideRL; vLLM: the span of the first output token
+    spans = choice.get("weight_versions") or []
+    if version is None and spans:
+        version = _int_or_none(spans[0].get("version"))
     return GenerateResult(task_id, [int(i) for i in ids],
                           [float(x) for x in logprobs.get("token_logprobs") or []],
                           choice.get("finish_reason") or "", int(usage.get("prompt_tokens", 0)),
-                          int(cached), data.get("version"))
+                          int(cached), version)
 
 
 # -- SGLang --------------------------------------------------------------------------------------
 
 class SGLangClient(_HTTPClient):
-    """SGLang's native server (start it with ``--enable-metrics`` for ``metrics()``)."""
+    """SGLang's native server (0.5.23; ``--enable-metrics`` for ``metrics()``,
+    ``--enable-memory-saver`` for sleep: its weights and KV released, then resumed and
+    reloaded from a folder; ``--schedule-low-priority-values-first`` for vLLM's priority
+    order)."""
 
     metric_prefix = "sglang:"
 
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateResult:
-        return parse_sglang_generate(task_id, prompt_ids,
-                                     await self._post("/generate", sglang_generate_body(
-                                         prompt_ids, sampling)))
+    def __init__(self, base_url: str, timeout: float = 600.0,
+                 http: httpx.AsyncClient | None = None, flush_on_update: bool = True) -> None:
+        super().__init__(base_url, timeout, http)
+        self.flush_on_update = flush_on_update
+
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0) -> GenerateResult:
+        body = sglang_generate_body(prompt_ids, sampling)
+        if priority:
+            body["priority"] = priority
+        return parse_sglang_generate(task_id, prompt_ids, await self._post("/generate", body))
 
     async def update_weights(self, weights: Any, version: int) -> None:
         if isinstance(weights, dict):
             raise NotSupported("SGLangClient.update_weights: pass a checkpoint folder path")
         data = await self._post("/update_weights_from_disk",
-                                {"model_path": str(weights), "weight_version": str(version)})
+                                {"model_path": str(weights), "weight_version": str(version),
+                                 "flush_cache": self.flush_on_update})
         if not data.get("success", False):
             raise RuntimeError(f"SGLang update_weights_from_disk: {data.get('message')}")
 
     async def flush(self) -> None:
         await self._post("/flush_cache")
+
+    async def sleep(self) -> None:
+        await self._post("/release_memory_occupation")  # needs an idle server: it is here
+
+    async def wake_up(self, weights: Any, version: int) -> None:
+        await self._post("/resume_memory_occupation")
+        await self.update_weights(weights, version)  # the released weights are gone
 
 
 def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
@@ -326,6 +433,21 @@ def parse_sglang_generate(task_id: str, prompt_ids: list[int], data: dict) -> Ge
 
 def _int_or_none(value: Any) -> int | None:
     return int(value) if isinstance(value, int) or str(value).isdigit() else None
+
+
+# -- by backend ----------------------------------------------------------------------------------
+
+def server_client(backend: str, base_url: str, timeout: float = 600.0,
+                  flush_on_update: bool = True) -> _HTTPClient:
+    """The client of one ``engine.backend`` server at ``base_url`` (``flush_on_update``:
+    ``engine.kv_on_update`` flush; our server applies it itself)."""
+    if backend == "http":
+        return TideRLHTTPClient(base_url, timeout)
+    if backend == "vllm":
+        return VLLMClient(base_url, SERVED_MODEL_NAME, timeout, flush_on_update=flush_on_update)
+    if backend == "sglang":
+        return SGLangClient(base_url, timeout, flush_on_update=flush_on_update)
+    raise ValueError(f"engine.backend {backend!r} has no server")
 
 
 # -- Prometheus ----------------------------------------------------------------------------------
@@ -366,11 +488,11 @@ FRACTIONS = ("tiderl:kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
 
 
 _VLLM_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc",
-               "num_requests_running", "num_requests_waiting", "num_preemptions", None)
+               "num_requests_running", "num_requests_waiting", "num_preemptions", None, None)
 _NAMES = {  # ClientMetrics field -> metric name after the prefix (None: not exported)
     "tiderl:": _VLLM_NAMES, "vllm:": _VLLM_NAMES,  # TideRL uses vLLM's names
     "sglang:": (None, None, "token_usage", "num_running_reqs", "num_queue_reqs", None,
-                "cache_hit_rate"),
+                "cache_hit_rate", "max_total_num_tokens"),
 }
 
 
@@ -394,4 +516,4 @@ def metrics_from_prometheus(values: dict[str, float], prefix: str) -> ClientMetr
     queries, hits = get(0), get(1)
     rate = get(6) if names[6] is not None else _rate(hits, queries)
     return ClientMetrics(queries, hits, get(2) or 0.0, get(3) or 0.0, get(4) or 0.0, get(5),
-                         rate)
+                         rate, get(7))

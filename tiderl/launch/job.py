@@ -2,9 +2,11 @@
 
     runs/<job>/  profile.yaml (resolved)  roles.json  keys/ (CurveZMQ, 0700/0600)  job.json
                  logs/<process>.log  metrics.jsonl  events.jsonl  checkpoints/  report.md  *.png
+                 weights/ (versions for engine servers)
 
-The environment service starts first (the launcher waits for its /health), then the coordinator
-and the rank daemons (``python -m tiderl.runtime ...``). The launcher follows the coordinator's
+The environment service starts first (the launcher waits for its /health), then the engine
+servers (a server backend), the coordinator and the rank daemons (``python -m tiderl.runtime
+...``); each rank waits for its server before its Hello. The launcher follows the coordinator's
 PUB snapshots (what ``tiderl top`` reads) and ends when the coordinator exits: it gives the ranks a
 grace period to save and exit, then stops whatever is left (SIGTERM, then SIGKILL by process
 group). A failed process, Ctrl-C or SIGTERM stop the whole job: no process is left behind.
@@ -13,6 +15,7 @@ group). A failed process, Ctrl-C or SIGTERM stop the whole job: no process is le
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -32,9 +35,11 @@ from tiderl.launch.local import (
     ProcessCommand,
     ProcessRecord,
 )
-from tiderl.launch.plan import Endpoints, LaunchPlan, plan_local
+from tiderl.launch.plan import Endpoints, LaunchPlan, engine_port_names, plan_local
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
+
+log = logging.getLogger("tiderl.launch")
 
 ENV_START_TIMEOUT_S = 60.0
 RANK_EXIT_GRACE_S = 60.0
@@ -47,6 +52,8 @@ class Executor(Protocol):
     state: JobState
 
     def exited(self) -> list[tuple[ProcessRecord, int]]: ...
+
+    def kill(self, record: ProcessRecord) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,11 +95,26 @@ def local_endpoints(profile: Profile, ports: dict[str, int]) -> Endpoints:
                      dist_host="127.0.0.1", ports=ports)
 
 
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
+def check_here(profile: Profile) -> None:
+    """What a job on this machine needs and can be checked before anything starts (LaunchError
+    naming the key): the model folder and, for ``runtime.device: cuda``, an NVIDIA driver."""
+    path = profile.model.path
+    if path and not (Path(path) / "config.json").is_file():
+        raise LaunchError(f"model.path {path}: no config.json there (an HF model folder; "
+                          "tiderl model init makes one)")
+    if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
+        raise LaunchError(f"runtime.device is cuda, but this machine has no NVIDIA driver "
+                          f"({NVIDIA_DRIVER} is missing)")
+
+
 def wait_for_env(url: str, executor: Executor) -> None:
     deadline = time.monotonic() + ENV_START_TIMEOUT_S
     while time.monotonic() < deadline:
         for record, code in executor.exited():
-            raise LaunchError(f"{record.name} exited with code {code} (see {record.log})")
+            raise LaunchError(exit_line(record, code))
         try:
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                 return
@@ -112,9 +134,10 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher."""
     from tiderl.trainer.spawn import free_port  # torch: not for the CLI's job commands
 
+    check_here(profile)
     job_id = job_id or new_job_id(profile)
     run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
-    ports = {name: free_port() for name in PORT_NAMES}
+    ports = {name: free_port() for name in (*PORT_NAMES, *engine_port_names(profile))}
     ep = local_endpoints(profile, ports)
     plan = plan_local(profile, sys.executable, str(run_dir), ep)
     prepare_run_dir(profile, plan, run_dir)
@@ -140,10 +163,14 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
 
 def follow_job(executor: Executor, state: JobState, keys,
             on_snapshot: Callable[[Snapshot], None] | None) -> tuple[int, Snapshot | None]:
-    """Until the coordinator exits: snapshots to ``on_snapshot``. A rank that dies is the
-    coordinator's to handle (it misses heartbeats: a rollout rank is left out, a trainer rank
-    stops the job); the environment service failing ends the job with LaunchError."""
+    """Until the coordinator exits: snapshots to ``on_snapshot``. Once the job is up (the
+    coordinator's first snapshot), a rank that dies is the coordinator's to handle (it misses
+    heartbeats: a rollout rank is left out, a trainer rank stops the job), and so is a rank
+    whose engine server died: the launcher kills the rank too. Before, a rank or an engine
+    server that exits, and at any time the environment service failing, end the job with
+    LaunchError naming the process and its log's last line."""
     last: Snapshot | None = None
+    handled: set[int] = set()
     with Subscriber(state.info["pub"], keys) as sub:
         while True:
             msg = sub.recv(0.25)
@@ -156,9 +183,41 @@ def follow_job(executor: Executor, state: JobState, keys,
                     if code == 0:
                         let_ranks_exit(executor)
                     return code, last
-                if code != 0 and record.kind == "env":
-                    raise LaunchError(f"{record.name} exited with code {code} "
-                                      f"(see {record.log})")
+                if record.kind == "engine" and last is not None:
+                    if record.pid not in handled:
+                        handled.add(record.pid)
+                        _lose_rank_of(executor, record, code)
+                elif record.kind == "engine" or (code != 0 and record.kind == "env") or (
+                        record.kind == "rank" and last is None):
+                    raise LaunchError(exit_line(record, code))
+
+
+def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int) -> None:
+    """A rank's engine server died: the rank goes too, and the coordinator handles a dead rank
+    (a rollout rank's tasks start again elsewhere)."""
+    log.warning("%s; stopping rank %s with it", exit_line(engine, code), engine.rank)
+    for record in executor.state.processes:
+        if record.kind == "rank" and record.rank == engine.rank:
+            executor.kill(record)
+
+
+def exit_line(record: ProcessRecord, code: int) -> str:
+    """``rank1 exited with code 1: <its log's last line> (see <log>)``."""
+    tail = last_log_line(Path(record.log))
+    return (f"{record.name} exited with code {code}{': ' + tail if tail else ''} "
+            f"(see {record.log})")
+
+
+def last_log_line(path: Path, limit: int = 200) -> str:
+    """The last non-empty line of a log on this machine ("" if there is none here)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, 2) - 8192))
+            lines = [line.strip() for line in log.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    line = next((line for line in reversed(lines) if line), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def let_ranks_exit(executor: Executor) -> None:

@@ -141,6 +141,10 @@ class LocalExecutor:
                 ended.append((record, proc.returncode))
         return ended
 
+    def kill(self, record: ProcessRecord) -> None:
+        """SIGKILL one process (and its group)."""
+        _signal_group(record.pid, signal.SIGKILL)
+
     def stop(self, grace_s: float = 10.0) -> dict[str, str]:
         """Stop every process (last started first); see ``stop_processes``."""
         return stop_processes(self.state.processes, grace_s, self.popens)

@@ -2,7 +2,12 @@
 Pure (no I/O), so it can be printed (``tiderl launch --dry-run``), tested and executed by the
 local or the SSH executor.
 
-    env service (unless env.url is set)   coordinator   rank 0 .. rank N-1 (one device each)
+    env service (unless env.url is set)   engine 0 .. N-1   coordinator   rank 0 .. rank N-1
+
+Each rank has one device. With a server engine backend (``engine.backend``: http, vllm, sglang)
+and no ``engine.urls``, each rank also gets an engine server on its node and device, bound to
+the loopback (``engineN``): the rank serves rollout through it and keeps it asleep while it is
+not a rollout rank (ERS may move any rank, so every rank has one).
 
 Initial roles: in mode ``sync`` every rank is one colocated set (it rolls out, then trains). In the
 other modes ranks ``0..rollout_ranks-1`` start as rollout and the rest as trainer ranks: all actor
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from tiderl.core.step_control import initial_roles as launch_roles
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
+from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.launch.affinity import SPREAD
 from tiderl.launch.hosts import Hosts, HostsError
 from tiderl.profile import Profile
@@ -33,7 +39,7 @@ LOCAL_HOST = "localhost"
 @dataclass(frozen=True)
 class ProcessSpec:
     name: str
-    kind: str  # "env" | "coordinator" | "rank"
+    kind: str  # "env" | "engine" | "coordinator" | "rank"
     host: str = LOCAL_HOST  # the node's name in hosts.yaml
     rank: int | None = None
     role: Role | None = None
@@ -41,6 +47,7 @@ class ProcessSpec:
     threads: int | None = None
     cpu_slot: tuple[int, int] | None = None  # (i, n): pinned to the i-th of n core sets
     argv: tuple[str, ...] = ()  # empty until the endpoints are known
+    engine_url: str = ""  # a rank's engine server
     env: dict[str, str] = field(default_factory=dict)  # added to the node's environment
     run_dir: str = ""
 
@@ -88,6 +95,63 @@ def initial_roles(profile: Profile) -> list[Role]:
                         profile.ra2p.mode)
 
 
+def engine_port_names(profile: Profile) -> list[str]:
+    """The ports of the engine servers the launcher starts (none with ``engine.urls``)."""
+    engine = profile.engine
+    if not engine.uses_server or engine.urls:
+        return []
+    return [f"engine{r}" for r in range(profile.runtime.num_ranks)]
+
+
+def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
+    """Where rank ``rank`` reaches its engine server ("" with the embedded engine)."""
+    engine = profile.engine
+    if not engine.uses_server:
+        return ""
+    if engine.urls:
+        return engine.urls[rank].rstrip("/")
+    return f"http://127.0.0.1:{ep.ports[f'engine{rank}']}"
+
+
+def engine_command(profile: Profile, python: str, port: int | str,
+                   device: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The command line and added environment of one engine server on the loopback."""
+    e, m = profile.engine, profile.model
+    if e.backend == "http":
+        model = ("--model", m.path) if m.path else ("--size", m.size, "--seed", str(m.seed))
+        argv = (python, "-m", "tiderl.cli.main", "engine", "serve", *model, "--dtype", m.dtype,
+                "--host", "127.0.0.1", "--port", str(port), "--device", device,
+                "--kv-cache-tokens", str(e.kv_cache_tokens), "--block-size", str(e.block_size),
+                "--max-num-seqs", str(e.max_num_seqs),
+                "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+                "--prefix-caching" if e.enable_prefix_caching else "--no-prefix-caching",
+                "--kv-on-update", e.kv_on_update, *e.server_args)
+        return argv, {"OMP_NUM_THREADS": str(profile.runtime.threads_per_rank)}
+    gpu = {"CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")}  # the rank's own device
+    common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",
+              SERVED_MODEL_NAME, "--dtype", m.dtype)
+    if e.backend == "vllm":  # vllm 0.33: vllm/engine/arg_utils.py, entrypoints/cli/serve.py
+        vllm = posixpath.join(posixpath.dirname(python), "vllm")  # beside the node's python
+        argv = (vllm, "serve", m.path, *common, "--seed", str(m.seed),
+                "--max-num-seqs", str(e.max_num_seqs),
+                "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+                "--enable-prefix-caching" if e.enable_prefix_caching
+                else "--no-enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--enable-sleep-mode",
+                "--scheduling-policy", "priority",
+                "--gpu-memory-utilization", str(e.gpu_memory_utilization), *e.server_args)
+        return argv, {**gpu, "VLLM_SERVER_DEV_MODE": "1"}  # sleep, reload, reset routes
+    if e.backend == "sglang":  # sglang 0.5.23: srt/arg_groups/fields/*.py
+        argv = (python, "-m", "sglang.launch_server", "--model-path", m.path, *common,
+                "--random-seed", str(m.seed), "--max-running-requests", str(e.max_num_seqs),
+                "--enable-metrics", "--enable-memory-saver",
+                "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+                *(() if e.enable_prefix_caching else ("--disable-radix-cache",)),
+                "--mem-fraction-static", str(e.gpu_memory_utilization), *e.server_args)
+        return argv, gpu
+    raise ValueError(f"engine.backend {e.backend!r}: no server command line")
+
+
 def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
                    ep: Endpoints) -> tuple[str, ...]:
     """``python -m tiderl.runtime <daemon> ...`` of one process (see tiderl/runtime/__main__)."""
@@ -100,9 +164,11 @@ def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
         return (*head, "--port", ports["bus"], "--pub-port", ports["pub"],
                 "--metrics-port", ports["metrics"])
     pin = ("--cpu-slot", f"{spec.cpu_slot[0]}/{spec.cpu_slot[1]}") if spec.cpu_slot else ()
+    engine = ("--engine-url", spec.engine_url) if spec.engine_url else ()
     return (*head, "--rank", str(spec.rank), "--bus", ep.bus,
             "--dist", f"tcp://{ep.dist_host}:{ports['dist']}", "--env-url", ep.env_url,
-            "--device", spec.device or "cpu", "--threads", str(spec.threads or 1), *pin)
+            "--device", spec.device or "cpu", "--threads", str(spec.threads or 1), *pin,
+            *engine)
 
 
 def _cpu_slots(profile: Profile, rank_hosts: list[str]) -> list[tuple[int, int] | None]:
@@ -125,20 +191,39 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
     """Every process on this machine; rank r gets ``cuda:r`` on GPU profiles, else CPU threads.
     With ``python``, ``run_dir`` and ``ep``, each process carries its command line."""
     rt = profile.runtime
-    processes: list[ProcessSpec] = []
-    if not profile.env.url:
-        processes.append(ProcessSpec(name="env", kind="env"))
-    processes.append(ProcessSpec(name="coordinator", kind="coordinator"))
+    env = [] if profile.env.url else [ProcessSpec(name="env", kind="env")]
     slots = _cpu_slots(profile, [LOCAL_HOST] * rt.num_ranks)
+    ranks = []
     for rank, role in enumerate(initial_roles(profile)):
         device = f"cuda:{rank}" if rt.device == "cuda" else "cpu"
         threads = rt.threads_per_rank if rt.device == "cpu" else None
-        processes.append(ProcessSpec(name=f"rank{rank}", kind="rank", rank=rank, role=role,
-                                     device=device, threads=threads, cpu_slot=slots[rank]))
+        ranks.append(ProcessSpec(name=f"rank{rank}", kind="rank", rank=rank, role=role,
+                                 device=device, threads=threads, cpu_slot=slots[rank]))
+    processes = [*env, *_engines(profile, ranks),
+                 ProcessSpec(name="coordinator", kind="coordinator"), *ranks]
     if python is None or run_dir is None or ep is None:
         return LaunchPlan(processes=tuple(processes))
-    return LaunchPlan(tuple(replace(p, argv=daemon_command(p, python, run_dir, ep),
-                                    env=_rank_env(p), run_dir=run_dir) for p in processes))
+    return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}) for p in processes))
+
+
+def _engines(profile: Profile, ranks: list[ProcessSpec]) -> list[ProcessSpec]:
+    """One engine server per rank, on its node and device (none with ``engine.urls``)."""
+    if not engine_port_names(profile):
+        return []
+    return [ProcessSpec(name=f"engine{r.rank}", kind="engine", host=r.host, rank=r.rank,
+                        device=r.device) for r in ranks]
+
+
+def _command(spec: ProcessSpec, profile: Profile, python: str, run_dir: str, ep: Endpoints,
+             node_env: Mapping[str, str]) -> ProcessSpec:
+    """``spec`` with its command line and environment."""
+    if spec.kind == "engine":
+        argv, env = engine_command(profile, python, ep.ports[spec.name], spec.device or "cpu")
+        return replace(spec, argv=argv, env={**node_env, **env}, run_dir=run_dir)
+    if spec.kind == "rank":
+        spec = replace(spec, engine_url=engine_url(profile, spec.rank or 0, ep))
+    return replace(spec, argv=daemon_command(spec, python, run_dir, ep),
+                   env={**node_env, **_rank_env(spec)}, run_dir=run_dir)
 
 
 def node_run_dir(workdir: str, job_id: str) -> str:
@@ -183,23 +268,23 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
     slots = [(node, index) for node in hosts.nodes for index in node.devices]
     rank_nodes = [node.name for node, _ in slots[:rt.num_ranks]]
     ep = node_endpoints(hosts, profile, rank_nodes, ports)
-    specs: list[ProcessSpec] = []
     env_node = env_service(hosts, profile)[0]
-    if env_node is not None:
-        specs.append(ProcessSpec(name="env", kind="env", host=env_node))
-    specs.append(ProcessSpec(name="coordinator", kind="coordinator", host=hosts.coordinator))
+    env = [] if env_node is None else [ProcessSpec(name="env", kind="env", host=env_node)]
     cpu_slots = _cpu_slots(profile, rank_nodes)
+    ranks = []
     for rank, role in enumerate(initial_roles(profile)):
         node, index = slots[rank]
         cuda = rt.device == "cuda"
-        specs.append(ProcessSpec(name=f"rank{rank}", kind="rank", host=node.name, rank=rank,
+        ranks.append(ProcessSpec(name=f"rank{rank}", kind="rank", host=node.name, rank=rank,
                                  role=role, device=f"cuda:{index}" if cuda else "cpu",
                                  threads=None if cuda else rt.threads_per_rank,
                                  cpu_slot=cpu_slots[rank]))
+    specs = [*env, *_engines(profile, ranks),
+             ProcessSpec(name="coordinator", kind="coordinator", host=hosts.coordinator),
+             *ranks]
     processes = []
     for spec in specs:
         node = hosts.node(spec.host)
-        run_dir = node_run_dir(node.workdir, job_id)
-        processes.append(replace(spec, argv=daemon_command(spec, node.python, run_dir, ep),
-                                 env={**node.env, **_rank_env(spec)}, run_dir=run_dir))
+        processes.append(_command(spec, profile, node.python,
+                                  node_run_dir(node.workdir, job_id), ep, node.env))
     return LaunchPlan(tuple(processes))

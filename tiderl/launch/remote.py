@@ -39,6 +39,7 @@ from tiderl.launch.local import JobState, ProcessRecord, records_by_host
 from tiderl.launch.plan import (
     LaunchPlan,
     ProcessSpec,
+    engine_port_names,
     env_service,
     node_endpoints,
     node_profile,
@@ -98,6 +99,10 @@ class SSHExecutor:
         stops = [e for e in map(json.loads, data.decode().splitlines()) if e["kind"] == "stop"]
         return 0 if stops and stops[-1].get("reason") == "done" else 1
 
+    def kill(self, record: ProcessRecord) -> None:
+        """SIGKILL one process on its node."""
+        self.sessions[record.host].stop([record.pid], 0.0)
+
     def stop(self, grace_s: float = 10.0) -> dict[str, str]:
         """SIGTERM, then SIGKILL after ``grace_s``, every process on every node (each node's
         last started first); how each ended ("terminated", "killed" or "gone")."""
@@ -119,7 +124,8 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             launcher_pid: int | None = None) -> JobResult:
     """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``."""
     job_id = job_id or new_job_id(profile)
-    draft = plan_nodes(hosts, profile, job_id, dict.fromkeys(PORT_NAMES, 0))  # where, not how
+    draft = plan_nodes(hosts, profile, job_id,  # where, not how
+                       dict.fromkeys((*PORT_NAMES, *engine_port_names(profile)), 0))
     used = draft.hosts
     sessions = open_sessions([hosts.node(name) for name in used])
     state: JobState | None = None
@@ -128,7 +134,7 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
         hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
         for name, session in sessions.items():
             session.node = hosts.node(name)
-        ports = _ports(hosts, profile, sessions, draft.ranks[0].host)
+        ports = _ports(hosts, profile, sessions, [r.host for r in draft.ranks])
         plan = plan_nodes(hosts, profile, job_id, ports)
         run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
         node_prof = node_profile(profile, hosts)
@@ -188,16 +194,21 @@ def _node_info(hosts: Hosts, name: str) -> dict:
 
 
 def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
-           rank0_node: str) -> dict[str, int]:
+           rank_nodes: list[str]) -> dict[str, int]:
+    engines = engine_port_names(profile)
     if hosts.port_base is not None:
-        return {name: hosts.port_base + i for i, name in enumerate(PORT_NAMES)}
+        return {name: hosts.port_base + i for i, name in enumerate((*PORT_NAMES, *engines))}
     # bind where each is served: bus, pub and metrics on the coordinator's node, the
     # environment service on its node, the gloo rendezvous on rank 0's
     ports = dict(zip(("bus", "pub", "metrics"), sessions[hosts.coordinator].free_ports(3),
                      strict=True))
     env_node = env_service(hosts, profile)[0]
     ports["env"] = sessions[env_node].free_ports(1)[0] if env_node is not None else 0
-    ports["dist"] = sessions[rank0_node].free_ports(1)[0]
+    ports["dist"] = sessions[rank_nodes[0]].free_ports(1)[0]
+    for node in dict.fromkeys(rank_nodes):  # each engine server on its rank's node
+        names = [name for name, host in zip(engines, rank_nodes, strict=False) if host == node]
+        if names:
+            ports.update(zip(names, sessions[node].free_ports(len(names)), strict=True))
     return ports
 
 

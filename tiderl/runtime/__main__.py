@@ -4,7 +4,7 @@
     python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q [--metrics-port M]
     python -m tiderl.runtime rank        --run-dir D --rank R --bus tcp://... --dist tcp://...
                                          --env-url http://... [--device cpu] [--threads 1]
-                                         [--cpu-slot I/N]
+                                         [--cpu-slot I/N] [--engine-url http://...]
 
 Each reads the resolved profile and the bus keys from the run folder the launcher prepared.
 """
@@ -86,7 +86,8 @@ def _rank(args: argparse.Namespace) -> int:
     main(RankArgs(rank=args.rank, world_size=len(roles), run_dir=args.run_dir, bus=args.bus,
                   dist_init=args.dist, env_url=args.env_url, role=roles[args.rank],
                   device=args.device, threads=args.threads,
-                  cpu_slot=parse_slot(args.cpu_slot) if args.cpu_slot else None), profile, roles)
+                  cpu_slot=parse_slot(args.cpu_slot) if args.cpu_slot else None,
+                  engine_url=args.engine_url), profile, roles)
     return 0
 
 
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--cpu-slot", default="",
                       help="I/N: pin to the I-th of N shares of this process's cores "
                            "(runtime.cpu_affinity: spread)")
+    rank.add_argument("--engine-url", default="",
+                      help="this rank's engine server (engine backends other than embedded)")
     args = parser.parse_args(argv)
     name = args.daemon if args.daemon != "rank" else f"rank{args.rank}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -7,7 +7,8 @@ version that produced them: exactly what the trainer consumes (``TrainSample.fro
 
 CTB pauses and resumes whole tasks. ``pause`` takes effect at the task's next turn boundary: the
 loop unpins the task's KV (when it pins), pauses the environment session (so its idle timeout
-stops), waits for ``resume``, resumes the session and goes on with the same context.
+stops), waits for ``resume``, resumes the session and goes on with the same context; that next
+request carries ``RESUMED_PRIORITY``, so engines that schedule by priority run it first.
 
 A task can also leave the rank (ERS moved the rank to the trainer): ``detach`` stops it at its
 next turn boundary and ``run`` raises :class:`TaskDetachedError` with a :class:`TaskCarry` (the open
@@ -26,6 +27,8 @@ from tiderl.core.types import Trajectory, Turn
 from tiderl.engine.clients import EngineClient
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
+
+RESUMED_PRIORITY = -1  # a task CTB resumed goes first where the engine schedules by priority
 
 
 @dataclass(frozen=True)
@@ -107,16 +110,18 @@ class AgentLoop:
             gate.set()
         return gate
 
-    async def _wait_if_paused(self, task_id: str, session: str) -> None:
+    async def _wait_if_paused(self, task_id: str, session: str) -> bool:
+        """Whether the task was paused (and is now resumed)."""
         gate = self._gate(task_id)
         if gate.is_set():
-            return
+            return False
         if self.pin:
             await self.engine.unpin(task_id)
         await self.env.pause(session)
         await gate.wait()
         if task_id not in self._detached:
             await self.env.resume(session)  # a detached task's next rank resumes the session
+        return True
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -141,7 +146,7 @@ class AgentLoop:
         ended = True
         try:
             while len(trajectory.turns) < self.max_turns:
-                await self._wait_if_paused(task.task_id, session)
+                resumed = await self._wait_if_paused(task.task_id, session)
                 if task.task_id in self._detached:
                     ended = False
                     if self.pin:
@@ -152,7 +157,8 @@ class AgentLoop:
                 prompt = context + new_context
                 if len(prompt) + self.sampling.max_tokens > self.max_context_tokens:
                     break
-                out = await self.engine.generate(task.task_id, prompt, self.sampling)
+                out = await self.engine.generate(task.task_id, prompt, self.sampling,
+                                                 RESUMED_PRIORITY if resumed else 0)
                 if self.pin:
                     await self.engine.pin(task.task_id)
                 version = out.version if out.version is not None else self.version()

@@ -27,6 +27,7 @@ from tiderl.core.grpo import group_advantages
 from tiderl.core.records import reward_summary
 from tiderl.core.step_control import StepController, task_id
 from tiderl.core.types import Role, Trajectory, Turn
+from tiderl.engine.config import SERVER_UP_TIMEOUT_S
 from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.boundary import BoundaryLink
@@ -101,12 +102,14 @@ class Coordinator:
 
     def _await_hellos(self) -> None:
         num_ranks = len(self.controller.roles)
-        deadline = self.clock() + HELLO_TIMEOUT_S
+        timeout = HELLO_TIMEOUT_S + (SERVER_UP_TIMEOUT_S if self.profile.engine.uses_server
+                                     else 0.0)  # a rank says Hello once its server is up
+        deadline = self.clock() + timeout
         while len(self.alive) < num_ranks:
             if self.clock() > deadline:
                 missing = sorted(set(range(num_ranks)) - self.alive)
                 raise CoordinatorError(f"ranks {missing} did not start within "
-                                       f"{HELLO_TIMEOUT_S:.0f} s (see their logs)")
+                                       f"{timeout:.0f} s (see their logs)")
             got = self.server.recv(1.0)
             if got is not None:
                 self.handle(*got)
@@ -170,6 +173,8 @@ class Coordinator:
             self._on_step_done(msg, now)
         elif isinstance(msg, b.RankMetrics):
             self.log.rank_metrics[rank] = msg
+            if msg.kv_tokens_capacity:  # what the engine (a server sizes its own) holds
+                self._apply(self.controller.engine_capacity(rank, msg.kv_tokens_capacity, now))
         elif isinstance(msg, b.Ack):
             acked = self.link.on_ack(msg, now)
             if acked is not None:

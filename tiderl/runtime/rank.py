@@ -9,8 +9,9 @@
 All ranks form one ``torch.distributed`` world (gloo on CPU, NCCL on GPU) and create the trainer
 process groups of :mod:`tiderl.core.rank_sets` at start-up. Roles:
 
-- ``rollout``: the embedded engine plus one agent loop per admitted task against the environment
-  service; pins each task's KV between turns when CTB asks (``AdmitTask.pin``).
+- ``rollout``: its engine (in-process, or its own engine server: ``tiderl/runtime/engines.py``)
+  plus one agent loop per admitted task against the environment service; pins each task's KV
+  between turns when CTB asks (``AdmitTask.pin``) and the engine can.
 - ``actor``: the policy (DDP over the actor set) with AdamW, and a frozen Ref copy for the
   colocated modes (swapped on a GPU).
 - ``ref``: the frozen Ref model only (the decoupled mode's dedicated rank).
@@ -42,8 +43,7 @@ import torch.distributed as dist
 from tiderl.core.rank_sets import trainer_sets
 from tiderl.core.system import StepMode
 from tiderl.core.types import MicroBatch, Role, SeqRef, Trajectory, Turn
-from tiderl.engine.clients import EmbeddedClient
-from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.clients import server_client
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import HTTPEnvClient
 from tiderl.launch.affinity import pin_to_slot
@@ -75,6 +75,7 @@ from tiderl.runtime.bus import (
     load_job_keys,
     rank_identity,
 )
+from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.checkpoint import save_checkpoint
 from tiderl.trainer.executors import (
@@ -110,6 +111,7 @@ class RankArgs:
     device: str = "cpu"
     threads: int = 1
     cpu_slot: tuple[int, int] | None = None  # (i, n): pin to the i-th of n core sets
+    engine_url: str = ""  # this rank's engine server (engine backends other than embedded)
 
 
 class RankDaemon:
@@ -127,7 +129,9 @@ class RankDaemon:
         self.actor_set: tuple[int, ...] = ()
         self.actor: ActorWorker | None = None
         self.ref: RefWorker | None = None
-        self.engine: LLMEngine | None = None
+        self.engine: RankEngine | None = None  # while rolling out
+        self.server: ServerEngine | None = None  # this rank's engine server, awake or asleep
+        self.model_config = None
         self.agent: AgentLoop | None = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.eval_tasks: set[str] = set()
@@ -155,11 +159,19 @@ class RankDaemon:
             if self.rank in ranks:
                 self.groups[ranks] = group
         model, self.tokenizer = self._initial_model()
+        self.model_config = model.config
         self.layout = param_layout(model)
         self.optimizer_layout = optimizer_layout(model)
         self.actor_set = _ranks_with(initial_roles, Role.ACTOR, self.is_sync)
-        if self.is_sync or self.role is Role.ROLLOUT:
-            self._start_engine(model, 0)
+        if self.profile.engine.uses_server:
+            engine = self.profile.engine
+            client = server_client(engine.backend, self.args.engine_url,
+                                   flush_on_update=engine.kv_on_update == "flush")
+            self.server = ServerEngine(client, self.profile.engine,
+                                       self.args.run_dir / "weights", model.config,
+                                       self.tokenizer)
+        elif self.is_sync or self.role is Role.ROLLOUT:
+            self._attach(EmbeddedEngine(model, self.profile.engine, 0))
             model = None
         if self.is_sync or self.role is Role.ACTOR:
             self._make_actor(model, None)
@@ -201,29 +213,49 @@ class RankDaemon:
         self.actor.backend = make_backend(self.profile.trainer.backend, model,
                                           self._group(self.actor_set))
 
-    def _start_engine(self, model: Qwen2ForCausalLM | None, version: int,
-                      state: dict[str, torch.Tensor] | None = None) -> None:
-        if self.profile.engine.backend != "embedded":
-            raise RuntimeError(f"rank {self.rank}: engine.backend {self.profile.engine.backend!r} "
-                               "is not run by the rank daemon; use engine.backend: embedded")
-        if model is None:
-            model, _ = self._initial_model()
-        model.eval()
-        self.engine = LLMEngine(model, self.profile.engine, model.config.eos_token_id, version)
-        if state is not None:
-            self.engine.update_weights(state, version)
+    async def _start_engine(self, version: int,
+                            state: dict[str, torch.Tensor] | None = None) -> None:
+        """Join rollout serving ``version`` (``state``: its weights, None for the initial
+        ones): build the in-process engine, or wake this rank's server with them."""
+        if self.server is not None:
+            if state is None:  # the initial weights: the model folder, or the seeded model's
+                path = self.profile.model.path
+                state = Path(path) if path else self._initial_model()[0].state_dict()
+            await self.server.start(version, state)
+            self._attach(self.server)
+            return
+        model, _ = self._initial_model()
+        self._attach(EmbeddedEngine(model, self.profile.engine, version, state))
+
+    def _attach(self, engine: RankEngine) -> None:
+        self.engine = engine
         engine_cfg, env_cfg = self.profile.engine, self.profile.env
         sampling = SamplingParams(max_tokens=engine_cfg.max_new_tokens,
                                   temperature=engine_cfg.temperature, top_p=engine_cfg.top_p)
-        self.agent = AgentLoop(EmbeddedClient(self.engine), self.env, self.tokenizer, sampling,
+        assert self.model_config is not None
+        self.agent = AgentLoop(engine.client, self.env, self.tokenizer, sampling,
                                max_turns=env_cfg.max_turns,
                                max_context_tokens=min(engine_cfg.kv_cache_tokens,
-                                                      model.config.max_position_embeddings),
-                               on_turn=self._on_turn)
+                                                      self.model_config.max_position_embeddings),
+                               version=lambda: engine.version, on_turn=self._on_turn)
 
     # -- the event loop --------------------------------------------------------------------------
 
+    async def _start_server(self) -> None:
+        """Before Hello: this rank's server answers; it serves (version 0) when the rank rolls
+        out, else it sleeps until the rank joins rollout."""
+        assert self.server is not None
+        await self.server.wait_up()
+        if self.is_sync or self.role is Role.ROLLOUT:
+            self._attach(self.server)
+        else:
+            await self.server.sleep()
+        log.info("rank %d: engine server %s up (%s)", self.rank, self.args.engine_url,
+                 "serving" if self.engine is not None else "asleep")
+
     async def run(self) -> None:
+        if self.server is not None:
+            await self._start_server()
         keys = load_job_keys(self.args.run_dir / "keys")
         self.bus = BusClient(self.args.bus, keys, rank_identity(self.rank))
         self._stopping = asyncio.Event()
@@ -248,6 +280,8 @@ class RankDaemon:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
             if self.engine is not None:
                 await self.engine.close()
+            if self.server is not None and self.server is not self.engine:
+                await self.server.close()
             if self.env is not None:
                 await self.env.close()
             self.bus.close()
@@ -261,7 +295,7 @@ class RankDaemon:
         lost_after = max(COORDINATOR_LOST_S, 2 * rt.heartbeat_s * (rt.heartbeat_misses + 1))
         while True:
             self._send(Heartbeat(rank=self.rank, sent_at=time.time()))
-            self._send(self._metrics())
+            self._send(await self._metrics())
             assert self.bus is not None
             down = self.bus.down_for()
             if down > lost_after:  # the job is over for this rank: do not spin reconnecting
@@ -271,19 +305,20 @@ class RankDaemon:
                 os._exit(EXIT_COORDINATOR_LOST)  # a worker may be blocked in a collective
             await asyncio.sleep(rt.heartbeat_s)
 
-    def _metrics(self) -> RankMetrics:
-        used = capacity = running = waiting = queries = hits = 0
-        hit = 0.0
+    async def _metrics(self) -> RankMetrics:
+        stats = EngineStats()
         if self.engine is not None:
-            usage = self.engine.token_usage()
-            m = self.engine.metrics()
-            used, capacity = usage.num_used_tokens, usage.num_total_tokens
-            running, waiting = int(m.num_requests_running), int(m.num_requests_waiting)
-            queries, hits = int(m.prefix_cache_queries), int(m.prefix_cache_hits)
-            hit = hits / queries if queries else 0.0
-        return RankMetrics(rank=self.rank, role=self.role.value, kv_tokens_used=used,
-                           kv_tokens_capacity=capacity, prefix_hit_rate=hit, running=running,
-                           waiting=waiting, prefix_queries=self.queries_before + queries,
+            try:
+                stats = await self.engine.stats()
+            except Exception as exc:  # a server that does not answer: this beat has no stats
+                log.warning("rank %d: engine stats: %s", self.rank, exc)
+        queries, hits = stats.prefix_queries, stats.prefix_hits
+        return RankMetrics(rank=self.rank, role=self.role.value,
+                           kv_tokens_used=stats.used_tokens,
+                           kv_tokens_capacity=stats.capacity_tokens,
+                           prefix_hit_rate=hits / queries if queries else 0.0,
+                           running=stats.running, waiting=stats.waiting,
+                           prefix_queries=self.queries_before + queries,
                            prefix_hits=self.hits_before + hits)
 
     async def _fallback_poll(self) -> None:
@@ -332,7 +367,7 @@ class RankDaemon:
                                 for t in msg.carry.turns], msg.carry.next_context)
         if msg.eval:
             self.eval_tasks.add(msg.task_id)
-        self.agent.pin = msg.pin
+        self.agent.pin = msg.pin and self.agent.engine.supports_pins
         self.tasks[msg.task_id] = asyncio.create_task(self._play(task, carry))
 
     async def _play(self, task: AgentTask, carry: TaskCarry | None) -> None:
@@ -353,7 +388,7 @@ class RankDaemon:
         finally:
             self.tasks.pop(task.task_id, None)
             self.eval_tasks.discard(task.task_id)
-            self._apply_pending_weights()
+            await self._apply_pending_weights()
 
     def _finish(self, task: AgentTask, trajectory: Trajectory) -> None:
         self._send(TaskFinished(rank=self.rank, task_id=task.task_id, group_id=task.group_id,
@@ -372,20 +407,19 @@ class RankDaemon:
         for task_id in list(self.tasks):
             self.agent.detach(task_id)
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        m = self.engine.metrics()
-        self.queries_before += int(m.prefix_cache_queries)
-        self.hits_before += int(m.prefix_cache_hits)
-        await self.engine.close()
+        last = await self.engine.stop()
+        self.queries_before += last.prefix_queries
+        self.hits_before += last.prefix_hits
         self.engine = self.agent = None
         self.pending_weights = None
 
-    def _apply_pending_weights(self) -> None:
+    async def _apply_pending_weights(self) -> None:
         """New weights wait while an evaluation task runs here (its version is anchored)."""
         if self.pending_weights is None or self.eval_tasks or self.engine is None:
             return
         state, version = self.pending_weights
         self.pending_weights = None
-        self.engine.update_weights(state, version)
+        await self.engine.update(state, version)
 
     # -- trainer ---------------------------------------------------------------------------------
 
@@ -465,7 +499,7 @@ class RankDaemon:
             if cmd.version > 0:
                 assert self.actor is not None and self.engine is not None
                 self.pending_weights = (self.actor.backend.full_state_dict(), cmd.version)
-                self._apply_pending_weights()
+                await self._apply_pending_weights()
             self.version = cmd.version
             self._ack(cmd)
             return
@@ -484,19 +518,19 @@ class RankDaemon:
             if cmd.joiners:
                 await asyncio.to_thread(self._sync_optimizer, cmd, group)
         self.version = cmd.version
-        self._take_role(new, new_actors, state, cmd)
+        await self._take_role(new, new_actors, state, cmd)
         self._ack(cmd)
 
-    def _take_role(self, new: Role, new_actors: tuple[int, ...],
+    async def _take_role(self, new: Role, new_actors: tuple[int, ...],
                    state: dict[str, torch.Tensor] | None, cmd: SyncWeights) -> None:
         changed = new_actors != self.actor_set
         self.actor_set = new_actors
         if new is Role.ROLLOUT:
             if self.engine is None:
-                self._start_engine(None, self.version, state)
+                await self._start_engine(self.version, state)
             elif state is not None:
                 self.pending_weights = (state, self.version)
-                self._apply_pending_weights()
+                await self._apply_pending_weights()
         if new is Role.ACTOR:
             if self.actor is None:
                 self._make_actor(None, state)

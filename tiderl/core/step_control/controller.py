@@ -253,6 +253,15 @@ class StepController:
         self._maybe_complete(now)
         return self._flush()
 
+    def engine_capacity(self, rank: int, kv_tokens: int, now: float) -> list[Command]:
+        """A rank's engine holds ``kv_tokens`` of KV (an engine server sizes its own cache):
+        CTB's budget there becomes that capacity's share (``ctb.budget_fraction``)."""
+        self._at(now)
+        budget = self.config.ctb.rank_budget(kv_tokens)
+        if kv_tokens > 0 and self.rollout.rank_budgets.get(rank) != budget:
+            self.rollout.set_rank_budget(rank, budget)
+        return self._flush()
+
     def rank_dead(self, rank: int, why: str, now: float) -> list[Command]:
         """A rank is gone. A rollout rank's tasks go back to CTB (from scratch: their state died
         with it) and it leaves the boundaries; a trainer rank's death ends the job."""

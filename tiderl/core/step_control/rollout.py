@@ -43,7 +43,8 @@ class RolloutControl:
     def __init__(self, policy: SchedulingPolicy, book: TaskBook, *, budget: int,
                  max_new_tokens: int, now: float = 0.0) -> None:
         self.policy, self.book = policy, book
-        self.budget = budget
+        self.budget = budget  # B_r of a rank whose engine reported no capacity of its own
+        self.rank_budgets: dict[int, int] = {}
         self.max_new_tokens = max_new_tokens
         self.generated_tokens = 0  # model output tokens of every reported turn
         self.rwt = RolloutWait(now)
@@ -116,7 +117,14 @@ class RolloutControl:
 
     def add_rank(self, rank: int, now: float) -> None:
         self.advance(now)
-        self.book.add_rank(rank, self.budget)
+        self.book.add_rank(rank, self.rank_budgets.get(rank, self.budget))
+
+    def set_rank_budget(self, rank: int, budget: int) -> None:
+        """B_r of ``rank`` from now on (its engine's measured KV capacity): at once if it is a
+        rollout rank, else when it joins."""
+        self.rank_budgets[rank] = budget
+        if rank in self.book.ranks:
+            self.book.set_budget(rank, budget)
 
     def remove_rank(self, rank: int, now: float) -> tuple[str, ...]:
         """``rank`` leaves: the tasks active there, now paused with no rank."""

@@ -1,0 +1,131 @@
+"""Real jobs whose rollout runs on engine servers (``engine.backend: http``): the launcher starts
+one ``tiderl engine serve`` per rank, each rank drives its own over HTTP (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tiderl.launch.job import run_local
+from tiderl.launch.local import JobState, LaunchError, group_members, is_running
+from tiderl.profile import load_profile
+from tiderl.trainer.export import versions
+
+SMALL = [
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
+    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
+    "engine.backend=http",
+]
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _all_gone(run_dir: Path) -> list[str]:
+    state = JobState.load(run_dir)
+    return [r.name for r in state.processes if is_running(r.pid) or group_members(r.pid)]
+
+
+def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
+    """3 steps of mode tiderl, one rollout and two actor ranks, each with its own server. ERS's
+    cold start wakes rank 2's server at launch (weights from disk) and puts it back to sleep
+    after step 0; every new version reaches the rollout servers as an HF folder; CTB pins the
+    tasks' KV through the server's admin routes."""
+    profile = load_profile("local", [*SMALL, "runtime.steps=3"])
+    result = run_local(profile, run_root=tmp_path)
+    assert result.exit_code == 0 and result.report is not None
+    run_dir = result.run_dir
+    metrics = _read(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    # trained on tokens of the versions the servers loaded: with stale versions (a server that
+    # never took an update) step 2's groups would all be dropped as older than the bound
+    assert all(m["trained_samples"] >= 4 and m["reward_mean"] is not None for m in metrics)
+    assert all(m["staleness_max"] <= profile.runtime.max_staleness for m in metrics)
+    assert any(m["kv_hit_rate"] for m in metrics)  # later turns hit the server's prefix cache
+    state = JobState.load(run_dir)
+    assert [p.name for p in state.processes if p.kind == "engine"] == [
+        "engine0", "engine1", "engine2"]
+    events = _read(run_dir / "events.jsonl")
+    moves = [(e["rank"], e["src"], e["dst"]) for e in events if e["kind"] == "role_change"]
+    assert moves[:2] == [(2, "actor", "rollout"), (2, "rollout", "actor")]
+    logs = run_dir / "logs"
+    rank0, rank2 = (logs / "rank0.log").read_text(), (logs / "rank2.log").read_text()
+    assert re.search(r"engine server http://127\.0\.0\.1:\d+ up \(serving\)", rank0)
+    assert re.search(r"up \(asleep\)", rank2)
+    assert re.search(r"awake, version 0 from .*/weights/v00000000", rank2)  # the cold start
+    assert rank2.count(": asleep") == 2  # at start, and when it went back to the trainer
+    for version in (1, 2, 3):
+        assert re.search(rf": version {version} from .*/weights/v0000000{version}", rank0)
+    assert versions(run_dir / "weights") == [2, 3]  # engine.keep_versions
+    assert _all_gone(run_dir) == []
+
+
+def test_a_killed_engine_server_takes_its_rank_out_and_its_tasks_go_back_to_ctb(tmp_path):
+    """SIGKILL the server of one of two rollout ranks after the first step: the launcher stops
+    that rank too, the coordinator declares it dead, its tasks start again on the other rank
+    and the job finishes its steps."""
+    profile = load_profile("local", [*SMALL, "runtime.steps=6", "runtime.rollout_ranks=2",
+                                     "ers.enabled=false", "runtime.collective_timeout_s=10"])
+    killed: list[int] = []
+
+    def kill_engine_1(state: JobState) -> None:
+        def run() -> None:
+            metrics = Path(state.run_dir) / "metrics.jsonl"
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+                time.sleep(0.05)
+            (engine,) = [r for r in state.processes if r.name == "engine1"]
+            os.kill(engine.pid, signal.SIGKILL)
+            killed.append(engine.pid)
+        threading.Thread(target=run, daemon=True).start()
+
+    result = run_local(profile, run_root=tmp_path, on_start=kill_engine_1)
+    assert killed and result.exit_code == 0
+    metrics = _read(result.run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(6))
+    (dead,) = [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "rank_dead"]
+    assert dead["rank"] == 1 and dead["role"] == "rollout"
+    assert metrics[-1]["num_rollout"] == 1 and metrics[-1]["trained_samples"] >= 4
+    assert _all_gone(result.run_dir) == []
+
+
+def _launch_error(profile, tmp_path: Path) -> str:
+    """The one line a launch that fails says; nothing of the job is left running."""
+    with pytest.raises(LaunchError) as info:
+        run_local(profile, run_root=tmp_path, job_id="bad")
+    assert _all_gone(tmp_path / "bad") == []
+    return str(info.value)
+
+
+def test_an_engine_server_that_cannot_start_stops_the_launch_in_one_line(tmp_path):
+    profile = load_profile("local", [*SMALL, "runtime.steps=3",
+                                     "engine.server_args=[--no-such-flag]"])
+    message = _launch_error(profile, tmp_path)
+    assert re.fullmatch(r"engine\d exited with code 2: .*No such option: --no-such-flag.* "
+                        r"\(see .*/bad/logs/engine\d\.log\)", message), message
+
+
+def test_a_rank_that_dies_before_the_job_is_up_stops_the_launch_in_one_line(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")  # passes the launcher's check, fails in a rank
+    profile = load_profile("local", [*SMALL[:-1], "runtime.steps=3", f"model.path={broken}"])
+    message = _launch_error(profile, tmp_path)
+    assert re.fullmatch(r"rank\d exited with code 1: .*broken-model/config\.json: .* "
+                        r"\(see .*/bad/logs/rank\d\.log\)", message), message
+
+
+def test_what_the_launcher_can_check_here_fails_before_anything_starts(tmp_path):
+    profile = load_profile("local", [f"model.path={tmp_path / 'none'}"])
+    with pytest.raises(LaunchError, match=r"model\.path .*/none: no config\.json there"):
+        run_local(profile, run_root=tmp_path, job_id="none")
+    assert not (tmp_path / "none").exists()

@@ -1,0 +1,286 @@
+"""Fakes at a true external edge: a vLLM and an SGLang server, which need a GPU to run.
+
+``FakeVLLMServer`` and ``FakeSGLangServer`` answer the routes TideRL's clients call with the
+request and response shapes of vllm 0.33.0 and sglang 0.5.23 as their source defines them
+(``vllm/entrypoints/openai/completion/protocol.py``, ``serve/dev/*``, ``rl/online/api_router.py``;
+``sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py``), and check what they are
+sent as strictly as those servers do where it matters (vLLM's served model name, SGLang's closed
+set of ``sampling_params`` keys, an idle server before a memory release). Behind them generates
+TideRL's own embedded engine on a real model folder, so a job on them really trains. Each runs
+uvicorn in a thread on a loopback port; it records the requests it was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from tests.integration.serving import free_port
+from tiderl.engine.config import SERVED_MODEL_NAME, EngineConfig
+from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.request import SamplingParams
+from tiderl.models.loading import load_model, load_state_dict
+
+SGLANG_SAMPLING_KEYS = {  # sglang/api/v1/api_types.py SamplingParams: others are a 400
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "stop_regex", "ignore_eos", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "skip_special_tokens", "no_stop_trim", "json_schema", "regex",
+    "ebnf", "structural_tag", "logit_bias", "sampling_seed", "custom_params"}
+
+
+@dataclass
+class FakeServer:
+    model: Path
+    kv_cache_tokens: int = 2048
+    calls: list[tuple[str, dict]] = field(default_factory=list)  # (path, body or query)
+
+    def __post_init__(self) -> None:
+        # vLLM's reload and SGLang's disk update leave the KV to the caller's flush
+        config = EngineConfig(kv_cache_tokens=self.kv_cache_tokens, kv_on_update="keep")
+        model = load_model(self.model)
+        self.engine = LLMEngine(model, config, model.config.eos_token_id)
+        self.weight_version = "default"
+        self.awaiting_weights = False  # woken from a sleep that discarded them
+        self.app = FastAPI()
+
+        @self.app.exception_handler(ValueError)
+        async def bad(_: Request, exc: ValueError) -> JSONResponse:
+            return JSONResponse(self.error_body(str(exc)), status_code=400)
+
+        @self.app.get("/health")
+        async def health() -> PlainTextResponse:
+            return PlainTextResponse("")
+
+        self.build()
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    def error_body(self, message: str) -> dict:
+        raise NotImplementedError
+
+    def record(self, path: str, body: dict) -> None:
+        self.calls.append((path, body))
+
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.calls]
+
+    def load(self, path: str) -> None:
+        state = load_state_dict(path)
+        if self.awaiting_weights:
+            self.engine.wake_up(state, self.engine.version)
+            self.awaiting_weights = False
+        else:
+            self.engine.update_weights(state, self.engine.version)
+
+    async def turn(self, body_prompt: list[int], sampling: SamplingParams, task: str):
+        if self.awaiting_weights:
+            raise ValueError("woken up without weights: reload them first")
+        return await self.engine.generate(task, body_prompt, sampling)
+
+
+class FakeVLLMServer(FakeServer):
+    """vLLM 0.33's OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``)."""
+
+    def error_body(self, message: str) -> dict:
+        return {"error": {"message": message}}
+
+    def build(self) -> None:
+        app = self.app
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> dict:
+            body = await request.json()
+            self.record("/v1/completions", body)
+            if body.get("model") != SERVED_MODEL_NAME:
+                raise ValueError(f"The model `{body.get('model')}` does not exist.")
+            sampling = SamplingParams(max_tokens=body.get("max_tokens", 16),
+                                      temperature=body.get("temperature", 1.0),
+                                      top_p=body.get("top_p", 1.0),
+                                      stop_token_ids=tuple(body.get("stop_token_ids", ())))
+            out = await self.turn(body["prompt"], sampling, f"r{len(self.calls)}")
+            choice = {"index": 0, "text": "", "finish_reason": out.finish_reason,
+                      "logprobs": {"token_logprobs": out.logprobs, "tokens": [],
+                                   "text_offset": [], "top_logprobs": []},
+                      "token_ids": out.output_ids if body.get("return_token_ids") else None,
+                      "weight_versions": ([{"version": self.weight_version, "start": 0,
+                                            "end": len(out.output_ids)}]
+                                          if body.get("return_weight_versions") else None)}
+            return {"id": "cmpl-1", "object": "text_completion", "model": SERVED_MODEL_NAME,
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": out.num_prompt_tokens,
+                              "completion_tokens": len(out.output_ids),
+                              "total_tokens": out.num_prompt_tokens + len(out.output_ids),
+                              "prompt_tokens_details": {"cached_tokens":
+                                                        out.num_cached_tokens}}}
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            m, bs = self.engine.metrics(), self.engine.config.block_size
+            blocks = self.engine.scheduler.kv_cache.pool.num_blocks
+            labels = f'engine="0",model_name="{SERVED_MODEL_NAME}"'
+            lines = [
+                f"vllm:num_requests_running{{{labels}}} {m.num_requests_running}",
+                f"vllm:num_requests_waiting{{{labels}}} {m.num_requests_waiting}",
+                f"vllm:kv_cache_usage_perc{{{labels}}} {m.kv_cache_usage_perc}",
+                f"vllm:prefix_cache_queries_total{{{labels}}} {m.prefix_cache_queries}",
+                f"vllm:prefix_cache_hits_total{{{labels}}} {m.prefix_cache_hits}",
+                f"vllm:num_preemptions_total{{{labels}}} {m.num_preemptions}",
+                f'vllm:cache_config_info{{block_size="{bs}",enable_prefix_caching="True",'
+                f'engine="0",num_gpu_blocks="{blocks}"}} 1.0']
+            return PlainTextResponse("\n".join(lines) + "\n")
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request) -> dict:
+            body = await request.json()
+            self.record("/collective_rpc", body)
+            if body.get("method") != "reload_weights":
+                raise ValueError(f"unknown method {body.get('method')!r}")
+            await asyncio.to_thread(self.load, body["kwargs"]["weights_path"])
+            return {"results": [None]}
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(reset_running_requests: bool = False) -> dict:
+            """vLLM fails while requests hold blocks, unless it may preempt them (they then
+            recompute); this fake lets them go on instead and drops the cache's index."""
+            self.record("/reset_prefix_cache", {"reset_running_requests": reset_running_requests})
+            if self.engine.scheduler.has_unfinished and not reset_running_requests:
+                return {"success": False}
+            self.engine.scheduler.kv_cache.reset_prefix_cache()
+            return {"success": True}
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(request: Request) -> dict:
+            body = await request.json()
+            self.record("/update_weight_version", body)
+            self.weight_version = str(body["new_version"])
+            return {"success": True, "new_version": self.weight_version}
+
+        @app.post("/sleep")
+        async def sleep(level: int = 1, mode: str = "abort") -> dict:
+            self.record("/sleep", {"level": level, "mode": mode})
+            if level != 2:
+                raise ValueError("this fake discards everything (level 2) only")
+            await asyncio.to_thread(self.engine.sleep)
+            return {"status": "sleeping", "level": level}
+
+        @app.post("/wake_up")
+        async def wake_up() -> dict:
+            self.record("/wake_up", {})
+            self.awaiting_weights = self.engine.is_asleep
+            return {"status": "awake", "tags": None}
+
+
+class FakeSGLangServer(FakeServer):
+    """SGLang 0.5.23's native server (``--enable-metrics --enable-memory-saver``)."""
+
+    def error_body(self, message: str) -> dict:
+        return {"error": message}
+
+    def build(self) -> None:
+        app = self.app
+
+        @app.post("/generate")
+        async def generate(request: Request) -> dict:
+            body = await request.json()
+            self.record("/generate", body)
+            params = body.get("sampling_params", {})
+            unknown = sorted(set(params) - SGLANG_SAMPLING_KEYS)
+            if unknown:
+                raise ValueError(f"unknown field `{unknown[0]}`")
+            sampling = SamplingParams(max_tokens=params.get("max_new_tokens", 128),
+                                      temperature=params.get("temperature", 1.0),
+                                      top_p=params.get("top_p", 1.0),
+                                      stop_token_ids=tuple(params.get("stop_token_ids", ())))
+            out = await self.turn(body["input_ids"], sampling, f"r{len(self.calls)}")
+            kind = "length" if out.finish_reason == "length" else "stop"
+            meta = {"id": "1", "prompt_tokens": out.num_prompt_tokens,
+                    "completion_tokens": len(out.output_ids),
+                    "cached_tokens": out.num_cached_tokens,
+                    "finish_reason": {"type": kind},
+                    "weight_version": self.weight_version}
+            if body.get("return_logprob"):
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                                 zip(out.logprobs, out.output_ids, strict=True)]
+            return {"text": "", "output_ids": out.output_ids, "meta_info": meta}
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            m, usage = self.engine.metrics(), self.engine.token_usage()
+            labels = f'model_name="{SERVED_MODEL_NAME}",tp_rank="0"'
+            hit = m.prefix_cache_hits / m.prefix_cache_queries if m.prefix_cache_queries else 0
+            lines = [
+                f"sglang:num_running_reqs{{{labels}}} {m.num_requests_running}",
+                f"sglang:num_queue_reqs{{{labels}}} {m.num_requests_waiting}",
+                f"sglang:token_usage{{{labels}}} {m.kv_cache_usage_perc}",
+                f"sglang:cache_hit_rate{{{labels}}} {hit}",
+                f"sglang:max_total_num_tokens{{{labels}}} {usage.num_total_tokens}"]
+            return PlainTextResponse("\n".join(lines) + "\n")
+
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(request: Request) -> dict:
+            body = await request.json()
+            self.record("/update_weights_from_disk", body)
+            try:
+                await asyncio.to_thread(self.load, body["model_path"])
+            except Exception as exc:  # SGLang rolls back and says so
+                return {"success": False, "message": str(exc), "num_paused_requests": 0}
+            if body.get("weight_version") is not None:
+                self.weight_version = body["weight_version"]
+            if body.get("flush_cache", True):
+                self.engine.scheduler.kv_cache.reset_prefix_cache()
+            return {"success": True, "message": "Succeeded to update model weights.",
+                    "num_paused_requests": 0}
+
+        @app.post("/release_memory_occupation")
+        async def release(request: Request) -> None:
+            self.record("/release_memory_occupation", await request.json())
+            if self.engine.scheduler.has_unfinished:  # SGLang asserts an idle server
+                raise ValueError("release_memory_occupation should be called only when "
+                                 "server is idle")
+            await asyncio.to_thread(self.engine.sleep)
+
+        @app.post("/resume_memory_occupation")
+        async def resume(request: Request) -> None:
+            self.record("/resume_memory_occupation", await request.json())
+            self.awaiting_weights = self.engine.is_asleep
+
+        @app.post("/flush_cache")
+        async def flush_cache() -> PlainTextResponse:
+            self.record("/flush_cache", {})
+            self.engine.flush()
+            return PlainTextResponse("Cache flushed.")
+
+
+@contextlib.contextmanager
+def running(fake: FakeServer) -> Iterator[str]:
+    """Serve ``fake`` on a free loopback port until the block ends; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert thread.is_alive(), "the fake server stopped"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        assert time.monotonic() < deadline, "the fake server did not start"
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -1,0 +1,152 @@
+"""The vLLM and SGLang clients against FakeVLLMServer / FakeSGLangServer (real HTTP servers on
+loopback with those engines' 0.33.0 / 0.5.23 routes; a GPU-only edge), and real jobs that roll
+out on them through ``engine.urls``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.integration.fake_engines import FakeSGLangServer, FakeVLLMServer, running
+from tiderl.engine.clients import EngineRequestError, SGLangClient, VLLMClient
+from tiderl.engine.config import SERVED_MODEL_NAME
+from tiderl.engine.request import SamplingParams
+from tiderl.launch.job import run_local
+from tiderl.models.init import write_random_checkpoint
+from tiderl.profile import load_profile
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+PROMPT = list(range(40, 80))  # 40 tokens: a repeat hits 2 full blocks (32)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    for seed in (0, 1):
+        write_random_checkpoint("tiny", root / f"m{seed}", seed=seed)
+    return root
+
+
+def test_vllm_client_reloads_sleeps_wakes_and_tags_versions(models):
+    fake = FakeVLLMServer(models / "m0")
+
+    async def scenario(url: str):
+        async with VLLMClient(url, SERVED_MODEL_NAME) as client:
+            first = await client.generate("a", PROMPT, GREEDY, priority=-1)
+            again = await client.generate("b", PROMPT, GREEDY)
+            await client.update_weights(str(models / "m1"), 3)
+            other = await client.generate("c", PROMPT, GREEDY)
+            metrics = await client.metrics()
+            await client.sleep()
+            with pytest.raises(EngineRequestError, match="the engine is asleep"):
+                await client.generate("d", PROMPT, GREEDY)
+            await client.wake_up(str(models / "m0"), 4)
+            back = await client.generate("e", PROMPT, GREEDY)
+            return first, again, other, metrics, back
+
+    with running(fake) as url:
+        first, again, other, metrics, back = asyncio.run(scenario(url))
+    assert first.version is None  # "default" until the first update names a version
+    assert again.num_cached_tokens == 32 and again.output_ids == first.output_ids
+    assert other.version == 3 and other.num_cached_tokens == 0  # the reload was flushed
+    assert other.output_ids != first.output_ids
+    assert back.version == 4 and back.output_ids == first.output_ids
+    assert metrics.kv_capacity_tokens == 2048 and metrics.prefix_cache_hits == 32
+    completions = [body for path, body in fake.calls if path == "/v1/completions"]
+    assert completions[0]["priority"] == -1 and "priority" not in completions[1]
+    assert completions[0]["return_token_ids"] and completions[0]["return_weight_versions"]
+    update = ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+    assert fake.paths() == ["/v1/completions"] * 2 + update + [
+        "/v1/completions", "/sleep", "/v1/completions", "/wake_up", *update, "/v1/completions"]
+    assert dict(fake.calls)["/sleep"] == {"level": 2, "mode": "wait"}
+    rpc = [body for path, body in fake.calls if path == "/collective_rpc"]
+    assert rpc[0] == {"method": "reload_weights",
+                      "kwargs": {"weights_path": str(models / "m1")}}
+
+
+def test_vllm_keep_on_update_leaves_the_prefix_cache(models):
+    fake = FakeVLLMServer(models / "m0")
+
+    async def scenario(url: str):
+        async with VLLMClient(url, SERVED_MODEL_NAME, flush_on_update=False) as client:
+            await client.generate("a", PROMPT, GREEDY)
+            await client.update_weights(str(models / "m1"), 1)
+            return await client.generate("b", PROMPT, GREEDY)
+
+    with running(fake) as url:
+        assert asyncio.run(scenario(url)).num_cached_tokens == 32
+    assert "/reset_prefix_cache" not in fake.paths()
+
+
+def test_sglang_client_updates_from_disk_releases_and_resumes_memory(models):
+    fake = FakeSGLangServer(models / "m0")
+
+    async def scenario(url: str):
+        async with SGLangClient(url) as client:
+            first = await client.generate("a", PROMPT, GREEDY, priority=-1)
+            await client.update_weights(str(models / "m1"), 2)
+            other = await client.generate("b", PROMPT, GREEDY)
+            metrics = await client.metrics()
+            await client.sleep()
+            await client.wake_up(str(models / "m0"), 5)
+            back = await client.generate("c", PROMPT, GREEDY)
+            seeded = SamplingParams(max_tokens=2, seed=7)
+            return first, other, metrics, back, await client.generate("d", PROMPT, seeded)
+
+    with running(fake) as url:
+        first, other, metrics, back, seeded = asyncio.run(scenario(url))
+    assert first.version is None and other.version == 2 and back.version == 5
+    assert other.num_cached_tokens == 0 and other.output_ids != first.output_ids
+    assert back.output_ids == first.output_ids and len(seeded.output_ids) == 2
+    assert metrics.kv_capacity_tokens == 2048
+    disk = [body for path, body in fake.calls if path == "/update_weights_from_disk"]
+    assert disk == [{"model_path": str(models / "m1"), "weight_version": "2",
+                     "flush_cache": True},
+                    {"model_path": str(models / "m0"), "weight_version": "5",
+                     "flush_cache": True}]
+    generate = [body for path, body in fake.calls if path == "/generate"]
+    assert generate[0]["priority"] == -1 and "priority" not in generate[1]
+    assert generate[-1]["sampling_params"]["sampling_seed"] == 7  # not "seed": a 400 there
+    assert fake.paths()[-4:-2] == ["/resume_memory_occupation", "/update_weights_from_disk"]
+
+
+SMALL = [
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
+    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
+    "runtime.steps=3",
+]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_a_job_rolls_out_on_attached_servers_of_each_backend(tmp_path, models, backend):
+    """3 steps of mode tiderl on one rollout and two actor ranks, each attached to its own
+    fake server: the cold start wakes rank 2's (from the model folder) and puts it back to
+    sleep (ERS may move it again later), every version reaches rank 0's server by disk."""
+    fakes = [(FakeVLLMServer if backend == "vllm" else FakeSGLangServer)(models / "m0")
+             for _ in range(3)]
+    with running(fakes[0]) as u0, running(fakes[1]) as u1, running(fakes[2]) as u2:
+        profile = load_profile("local", [*SMALL, f"engine.backend={backend}",
+                                         f"engine.urls=[{u0}, {u1}, {u2}]",
+                                         f"model.path={models / 'm0'}"])
+        result = run_local(profile, run_root=tmp_path)
+    assert result.exit_code == 0
+    metrics = [json.loads(line) for line in
+               (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["trained_samples"] >= 4 and m["staleness_max"] <= 1 for m in metrics)
+    sleep, wake = (("/sleep", "/wake_up") if backend == "vllm" else
+                   ("/release_memory_occupation", "/resume_memory_occupation"))
+    moves = [path for path in fakes[2].paths() if path in (sleep, wake)]
+    assert moves[:3] == [sleep, wake, sleep]  # asleep at start, the cold start, back
+    assert moves == [sleep, wake] * (len(moves) // 2) + [sleep] * (len(moves) % 2)
+    assert sleep not in fakes[0].paths()  # the rollout rank's server never slept
+    update = "/collective_rpc" if backend == "vllm" else "/update_weights_from_disk"
+    loaded = [json.dumps(body) for path, body in fakes[0].calls if path == update]
+    assert [int(re.search(r"weights/v(\d+)", b).group(1)) for b in loaded] == [1, 2, 3]
+    woken = [json.dumps(body) for path, body in fakes[2].calls if path == update]
+    assert str(models / "m0") in woken[0]  # version 0: the model folder itself

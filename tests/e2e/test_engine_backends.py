@@ -69,6 +69,25 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     assert _all_gone(run_dir) == []
 
 
+def test_ctb_pauses_and_resumes_tasks_on_engine_servers(tmp_path):
+    """A budget of 5% of each server's KV: CTB pauses tasks (the agent unpins them through
+    the server's admin route) and resumes them, and every group is trained or accounted for."""
+    profile = load_profile("local", [*SMALL, "runtime.steps=3", "ers.enabled=false",
+                                     "runtime.rollout_ranks=2", "ctb.budget_fraction=0.05"])
+    paused: list[float] = []
+    result = run_local(profile, run_root=tmp_path,
+                       on_snapshot=lambda snap: paused.append(snap.metrics.get("paused", 0)))
+    assert result.exit_code == 0
+    assert max(paused) > 0  # tasks were paused while the job ran ...
+    events = _read(result.run_dir / "events.jsonl")
+    (stop,) = [e for e in events if e["kind"] == "stop"]
+    groups = stop["groups"]  # ... and none was lost: each trained, dropped or still out
+    assert groups["fed"] == (groups["trained"] + groups["dropped"] + groups["buffered"]
+                             + groups["rolling_out"])
+    metrics = _read(result.run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2] and groups["trained"] >= 3
+
+
 def test_a_killed_engine_server_takes_its_rank_out_and_its_tasks_go_back_to_ctb(tmp_path):
     """SIGKILL the server of one of two rollout ranks after the first step: the launcher stops
     that rank too, the coordinator declares it dead, its tasks start again on the other rank

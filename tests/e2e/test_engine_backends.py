@@ -69,32 +69,17 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     assert _all_gone(run_dir) == []
 
 
-def test_ctb_pauses_and_resumes_tasks_on_engine_servers(tmp_path):
-    """A budget of 5% of each server's KV: CTB pauses tasks (the agent unpins them through
-    the server's admin route) and resumes them, and every group is trained or accounted for."""
-    profile = load_profile("local", [*SMALL, "runtime.steps=3", "ers.enabled=false",
-                                     "runtime.rollout_ranks=2", "ctb.budget_fraction=0.05"])
-    paused: list[float] = []
-    result = run_local(profile, run_root=tmp_path,
-                       on_snapshot=lambda snap: paused.append(snap.metrics.get("paused", 0)))
-    assert result.exit_code == 0
-    assert max(paused) > 0  # tasks were paused while the job ran ...
-    events = _read(result.run_dir / "events.jsonl")
-    (stop,) = [e for e in events if e["kind"] == "stop"]
-    groups = stop["groups"]  # ... and none was lost: each trained, dropped or still out
-    assert groups["fed"] == (groups["trained"] + groups["dropped"] + groups["buffered"]
-                             + groups["rolling_out"])
-    metrics = _read(result.run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2] and groups["trained"] >= 3
-
-
-def test_a_killed_engine_server_takes_its_rank_out_and_its_tasks_go_back_to_ctb(tmp_path):
-    """SIGKILL the server of one of two rollout ranks after the first step: the launcher stops
-    that rank too, the coordinator declares it dead, its tasks start again on the other rank
-    and the job finishes its steps."""
+def test_ctb_pauses_tasks_and_a_killed_server_takes_its_rank_out(tmp_path):
+    """Two rollout ranks whose CTB budget is 5% of their servers' KV: CTB pauses tasks (the
+    agent unpins them through the server's admin route) and resumes them. Then SIGKILL one
+    server after the first step: the launcher stops its rank too, the coordinator declares it
+    dead, its tasks start again on the other rank and the job finishes its steps with every
+    group trained or accounted for."""
     profile = load_profile("local", [*SMALL, "runtime.steps=6", "runtime.rollout_ranks=2",
-                                     "ers.enabled=false", "runtime.collective_timeout_s=10"])
+                                     "ers.enabled=false", "runtime.collective_timeout_s=10",
+                                     "ctb.budget_fraction=0.05"])
     killed: list[int] = []
+    paused: list[float] = []
 
     def kill_engine_1(state: JobState) -> None:
         def run() -> None:
@@ -107,13 +92,20 @@ def test_a_killed_engine_server_takes_its_rank_out_and_its_tasks_go_back_to_ctb(
             killed.append(engine.pid)
         threading.Thread(target=run, daemon=True).start()
 
-    result = run_local(profile, run_root=tmp_path, on_start=kill_engine_1)
+    result = run_local(profile, run_root=tmp_path, on_start=kill_engine_1,
+                       on_snapshot=lambda snap: paused.append(snap.metrics.get("paused", 0)))
     assert killed and result.exit_code == 0
+    assert max(paused) > 0  # tasks were paused while the job ran
     metrics = _read(result.run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(6))
-    (dead,) = [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "rank_dead"]
+    events = _read(result.run_dir / "events.jsonl")
+    (dead,) = [e for e in events if e["kind"] == "rank_dead"]
     assert dead["rank"] == 1 and dead["role"] == "rollout"
     assert metrics[-1]["num_rollout"] == 1 and metrics[-1]["trained_samples"] >= 4
+    (stop,) = [e for e in events if e["kind"] == "stop"]
+    groups = stop["groups"]  # none was lost: each trained, dropped or still out
+    assert groups["fed"] == (groups["trained"] + groups["dropped"] + groups["buffered"]
+                             + groups["rolling_out"])
     assert _all_gone(result.run_dir) == []
 
 

@@ -176,6 +176,9 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
         "--enable-prompt-tokens-details", "--enable-sleep-mode", "--scheduling-policy",
         "priority", "--gpu-memory-utilization", "0.5")
     assert engine1.env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    offload = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=vllm",
+                                                          "engine.host_kv_gib=16"]), "j1", ports)
+    assert offload.processes[1].argv[-2:] == ("--kv-offloading-size", "16.0")
     sglang = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=sglang",
                                                          "engine.enable_prefix_caching=false"]),
                         "j1", ports)

@@ -93,6 +93,9 @@ def test_cross_section_check_names_the_key(tmp_path):
     (["engine.backend=sglang", "model.path=/m"],
      "runtime.device: engine.backend sglang starts its servers on GPUs: set "
      "runtime.device=cuda (or attach running servers with engine.urls)"),
+    (["engine.host_kv_gib=8"], "engine.host_kv_gib: KV offload to host is set for vllm "
+                               "servers only, not 'embedded' (SGLang's hierarchical cache: "
+                               "engine.server_args)"),
     (["engine.gpu_memory_utilization=1.0"],
      "engine.gpu_memory_utilization: expected a fraction in (0, 1), got 1.0"),
     (["engine.kv_on_update=drop"], "engine.kv_on_update: expected one of flush, keep, "

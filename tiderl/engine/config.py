@@ -28,6 +28,8 @@ class EngineConfig:
     server_args: list[str] = field(default_factory=list)  # added to each server's command line
     gpu_memory_utilization: float = 0.5  # vllm / sglang: the GPU share a server takes (it
     # sizes its own KV cache in it; the rank beside it trains on the rest)
+    host_kv_gib: float = 0.0  # vllm: host memory for KV blocks it evicts (0: none), where a
+    # paused task's prefix can wait (--kv-offloading-size)
     keep_versions: int = 2  # weight folders kept on disk per node (the newest)
     kv_on_update: str = "flush"  # flush: no KV of the old weights is hit again; keep: pinned
     # and cached prefixes survive an update (their KV was computed by the previous version)
@@ -53,6 +55,10 @@ class EngineConfig:
                 f"expected a fraction in (0, 1), got {self.gpu_memory_utilization}")
         require_choice(self.kv_on_update, KV_ON_UPDATE, "kv_on_update")
         require_positive(self.keep_versions, "keep_versions")
+        require_non_negative(self.host_kv_gib, "host_kv_gib")
+        require(not self.host_kv_gib or self.backend == "vllm", "host_kv_gib",
+                f"KV offload to host is set for vllm servers only, not {self.backend!r} "
+                "(SGLang's hierarchical cache: engine.server_args)")
         for name in ("kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_new_tokens"):
             require_positive(getattr(self, name), name)

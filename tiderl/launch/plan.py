@@ -139,7 +139,9 @@ def engine_command(profile: Profile, python: str, port: int | str,
                 else "--no-enable-prefix-caching",
                 "--enable-prompt-tokens-details", "--enable-sleep-mode",
                 "--scheduling-policy", "priority",
-                "--gpu-memory-utilization", str(e.gpu_memory_utilization), *e.server_args)
+                "--gpu-memory-utilization", str(e.gpu_memory_utilization),
+                *(("--kv-offloading-size", str(e.host_kv_gib)) if e.host_kv_gib else ()),
+                *e.server_args)
         return argv, {**gpu, "VLLM_SERVER_DEV_MODE": "1"}  # sleep, reload, reset routes
     if e.backend == "sglang":  # sglang 0.5.23: srt/arg_groups/fields/*.py
         argv = (python, "-m", "sglang.launch_server", "--model-path", m.path, *common,

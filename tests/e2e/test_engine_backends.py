@@ -3,6 +3,7 @@ one ``tiderl engine serve`` per rank, each rank drives its own over HTTP (no moc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,8 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tiderl.engine.clients import parse_prometheus
 from tiderl.launch.job import run_local
 from tiderl.launch.local import JobState, LaunchError, group_members, is_running
 from tiderl.profile import load_profile
@@ -38,11 +41,20 @@ def _all_gone(run_dir: Path) -> list[str]:
 def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     """3 steps of mode tiderl, one rollout and two actor ranks, each with its own server. ERS's
     cold start wakes rank 2's server at launch (weights from disk) and puts it back to sleep
-    after step 0; every new version reaches the rollout servers as an HF folder; CTB pins the
-    tasks' KV through the server's admin routes."""
+    after step 0; every new version reaches the rollout servers as an HF folder; CTB's pins
+    reach rank 0's server (its pin counter, read while the job runs)."""
     profile = load_profile("local", [*SMALL, "runtime.steps=3"])
-    result = run_local(profile, run_root=tmp_path)
+    pins: list[float] = []
+
+    def read_pins(snap) -> None:  # rank 0's server, while the job runs
+        ports = JobState.load(next(tmp_path.glob("*/job.json")).parent).info["ports"]
+        with contextlib.suppress(httpx.HTTPError):
+            page = httpx.get(f"http://127.0.0.1:{ports['engine0']}/metrics", timeout=5).text
+            pins.append(parse_prometheus(page)["tiderl:pins"])
+
+    result = run_local(profile, run_root=tmp_path, on_snapshot=read_pins)
     assert result.exit_code == 0 and result.report is not None
+    assert pins and max(pins) > 0  # CTB's pins went to the server's admin route
     run_dir = result.run_dir
     metrics = _read(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -70,11 +82,10 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
 
 
 def test_ctb_pauses_tasks_and_a_killed_server_takes_its_rank_out(tmp_path):
-    """Two rollout ranks whose CTB budget is 5% of their servers' KV: CTB pauses tasks (the
-    agent unpins them through the server's admin route) and resumes them. Then SIGKILL one
-    server after the first step: the launcher stops its rank too, the coordinator declares it
-    dead, its tasks start again on the other rank and the job finishes its steps with every
-    group trained or accounted for."""
+    """Two rollout ranks whose CTB budget is 5% of their servers' KV: CTB pauses tasks while
+    the job runs. Then SIGKILL one server after the first step: the launcher stops its rank
+    too, the coordinator declares it dead, its tasks start again on the other rank and the job
+    finishes its steps with every group trained, dropped or accounted as still out."""
     profile = load_profile("local", [*SMALL, "runtime.steps=6", "runtime.rollout_ranks=2",
                                      "ers.enabled=false", "runtime.collective_timeout_s=10",
                                      "ctb.budget_fraction=0.05"])

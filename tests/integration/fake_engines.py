@@ -51,6 +51,8 @@ class FakeServer:
         self.engine = LLMEngine(model, config, model.config.eos_token_id)
         self.weight_version = "default"
         self.awaiting_weights = False  # woken from a sleep that discarded them
+        self.running = asyncio.Event()  # cleared while paused (vLLM /pause?mode=keep)
+        self.running.set()
         self.app = FastAPI()
 
         @self.app.exception_handler(ValueError)
@@ -84,9 +86,13 @@ class FakeServer:
             self.engine.update_weights(state, self.engine.version)
 
     async def turn(self, body_prompt: list[int], sampling: SamplingParams, task: str):
+        """One generation and the weight version it started on (requests that arrive while
+        paused wait for the resume, as vLLM's keep mode holds them)."""
+        await self.running.wait()
         if self.awaiting_weights:
             raise ValueError("woken up without weights: reload them first")
-        return await self.engine.generate(task, body_prompt, sampling)
+        version = self.weight_version
+        return await self.engine.generate(task, body_prompt, sampling), version
 
 
 class FakeVLLMServer(FakeServer):
@@ -108,12 +114,12 @@ class FakeVLLMServer(FakeServer):
                                       temperature=body.get("temperature", 1.0),
                                       top_p=body.get("top_p", 1.0),
                                       stop_token_ids=tuple(body.get("stop_token_ids", ())))
-            out = await self.turn(body["prompt"], sampling, f"r{len(self.calls)}")
+            out, version = await self.turn(body["prompt"], sampling, f"r{len(self.calls)}")
             choice = {"index": 0, "text": "", "finish_reason": out.finish_reason,
                       "logprobs": {"token_logprobs": out.logprobs, "tokens": [],
                                    "text_offset": [], "top_logprobs": []},
                       "token_ids": out.output_ids if body.get("return_token_ids") else None,
-                      "weight_versions": ([{"version": self.weight_version, "start": 0,
+                      "weight_versions": ([{"version": version, "start": 0,
                                             "end": len(out.output_ids)}]
                                           if body.get("return_weight_versions") else None)}
             return {"id": "cmpl-1", "object": "text_completion", "model": SERVED_MODEL_NAME,
@@ -166,6 +172,20 @@ class FakeVLLMServer(FakeServer):
             self.weight_version = str(body["new_version"])
             return {"success": True, "new_version": self.weight_version}
 
+        @app.post("/pause")
+        async def pause(mode: str = "abort") -> dict:
+            self.record("/pause", {"mode": mode})
+            if mode != "keep":
+                raise ValueError("this fake pauses in keep mode only")
+            self.running.clear()
+            return {"status": "paused"}
+
+        @app.post("/resume")
+        async def resume() -> dict:
+            self.record("/resume", {})
+            self.running.set()
+            return {"status": "resumed"}
+
         @app.post("/sleep")
         async def sleep(level: int = 1, mode: str = "abort") -> dict:
             self.record("/sleep", {"level": level, "mode": mode})
@@ -202,13 +222,13 @@ class FakeSGLangServer(FakeServer):
                                       temperature=params.get("temperature", 1.0),
                                       top_p=params.get("top_p", 1.0),
                                       stop_token_ids=tuple(params.get("stop_token_ids", ())))
-            out = await self.turn(body["input_ids"], sampling, f"r{len(self.calls)}")
+            out, version = await self.turn(body["input_ids"], sampling, f"r{len(self.calls)}")
             kind = "length" if out.finish_reason == "length" else "stop"
             meta = {"id": "1", "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.output_ids),
                     "cached_tokens": out.num_cached_tokens,
                     "finish_reason": {"type": kind},
-                    "weight_version": self.weight_version}
+                    "weight_version": version}
             if body.get("return_logprob"):
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                                  zip(out.logprobs, out.output_ids, strict=True)]
@@ -219,9 +239,11 @@ class FakeSGLangServer(FakeServer):
             m, usage = self.engine.metrics(), self.engine.token_usage()
             labels = f'model_name="{SERVED_MODEL_NAME}",tp_rank="0"'
             hit = m.prefix_cache_hits / m.prefix_cache_queries if m.prefix_cache_queries else 0
-            lines = [
-                f"sglang:num_running_reqs{{{labels}}} {m.num_requests_running}",
-                f"sglang:num_queue_reqs{{{labels}}} {m.num_requests_waiting}",
+            lines = [  # priority scheduling: the total (priority="") and one level
+                f'sglang:num_running_reqs{{{labels},priority=""}} {m.num_requests_running}',
+                f'sglang:num_running_reqs{{{labels},priority="0"}} {m.num_requests_running}',
+                f'sglang:num_queue_reqs{{{labels},priority=""}} {m.num_requests_waiting}',
+                f'sglang:num_queue_reqs{{{labels},priority="0"}} {m.num_requests_waiting}',
                 f"sglang:token_usage{{{labels}}} {m.kv_cache_usage_perc}",
                 f"sglang:cache_hit_rate{{{labels}}} {hit}",
                 f"sglang:max_total_num_tokens{{{labels}}} {usage.num_total_tokens}"]

@@ -59,7 +59,8 @@ def test_vllm_client_reloads_sleeps_wakes_and_tags_versions(models):
     completions = [body for path, body in fake.calls if path == "/v1/completions"]
     assert completions[0]["priority"] == -1 and "priority" not in completions[1]
     assert completions[0]["return_token_ids"] and completions[0]["return_weight_versions"]
-    update = ["/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+    update = ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
+              "/resume"]
     assert fake.paths() == ["/v1/completions"] * 2 + update + [
         "/v1/completions", "/sleep", "/v1/completions", "/wake_up", *update, "/v1/completions"]
     assert dict(fake.calls)["/sleep"] == {"level": 2, "mode": "wait"}

@@ -287,6 +287,26 @@ def test_sglang_client_calls_and_errors():
         asyncio.run(failing())
 
 
+def test_sglang_priority_levels_are_left_out_of_the_totals():
+    """Under priority scheduling SGLang exports a count once as the total (priority="") and
+    again per level; summing every label set would count each request twice."""
+    page = (f'sglang:num_running_reqs{{model_name="{MODEL}",priority=""}} 5.0\n'
+            f'sglang:num_running_reqs{{model_name="{MODEL}",priority="-1"}} 2.0\n'
+            f'sglang:num_running_reqs{{model_name="{MODEL}",priority="0"}} 3.0\n'
+            f'sglang:num_queue_reqs{{model_name="{MODEL}",priority=""}} 4.0\n'
+            f'sglang:num_queue_reqs{{model_name="{MODEL}",priority="0"}} 4.0\n'
+            f'sglang:max_total_num_tokens{{model_name="{MODEL}"}} 65536.0\n')
+
+    async def scenario():
+        routes = {("GET", "/metrics"): (200, page)}
+        async with SGLangClient("http://engine", http=mock_http(routes, [])) as client:
+            return await client.metrics()
+
+    m = asyncio.run(scenario())
+    assert (m.num_requests_running, m.num_requests_waiting, m.kv_capacity_tokens) == (
+        5.0, 4.0, 65536.0)
+
+
 def test_embedded_client_runs_the_in_process_engine():
     from tiderl.engine.config import EngineConfig
     from tiderl.engine.llm_engine import LLMEngine

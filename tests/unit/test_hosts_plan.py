@@ -6,7 +6,7 @@ import pytest
 
 from tiderl.core.types import Role
 from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts, parse_hosts
-from tiderl.launch.plan import plan_local, plan_nodes
+from tiderl.launch.plan import Endpoints, plan_local, plan_nodes
 from tiderl.profile import load_profile
 
 PORTS = dict(zip(PORT_NAMES, (5001, 5002, 5003, 5004, 5005), strict=True))
@@ -179,6 +179,12 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
     offload = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=vllm",
                                                           "engine.host_kv_gib=16"]), "j1", ports)
     assert offload.processes[1].argv[-2:] == ("--kv-offloading-size", "16.0")
+    masked = plan_local(load_profile("local", [*base, "engine.backend=vllm"]), "/py", "/run",
+                        Endpoints("127.0.0.1", "http://127.0.0.1:5004", "127.0.0.1", ports),
+                        "4,5")
+    # rank 1's cuda:1 is physical GPU 5: its server must be there too
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in masked.processes if p.kind == "engine"] == [
+        "4", "5"]
     sglang = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=sglang",
                                                          "engine.enable_prefix_caching=false"]),
                         "j1", ports)
@@ -188,7 +194,7 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
         "--host", "127.0.0.1", "--port", "6000", "--served-model-name", "tiderl",
         "--dtype", "float32", "--random-seed", "0", "--max-running-requests", "48",
         "--enable-metrics", "--enable-memory-saver", "--enable-priority-scheduling",
-        "--schedule-low-priority-values-first", "--disable-radix-cache",
-        "--mem-fraction-static", "0.5")
-    assert engine0.env == {"CUDA_VISIBLE_DEVICES": "0"}
+        "--schedule-low-priority-values-first", "--default-priority-value", "0",
+        "--disable-radix-cache", "--mem-fraction-static", "0.5", "--base-gpu-id", "0")
+    assert engine0.env == {}  # --base-gpu-id counts the devices it inherits, as the rank
     assert sglang.ranks[0].argv[-2:] == ("--engine-url", "http://127.0.0.1:6000")

@@ -25,7 +25,8 @@ def test_a_version_is_a_loadable_hf_folder_and_only_the_newest_stay(tmp_path):
     for version in (2, 3):
         export_version(state, model.config, tokenizer, tmp_path, version, keep=2)
     assert versions(tmp_path) == [2, 3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]  # no tmp
+    left = sorted(p.name for p in tmp_path.iterdir())  # no temporary folder left behind
+    assert left == [".v00000002.lock", ".v00000003.lock", "v00000002", "v00000003"]
 
 
 def test_a_version_another_rank_of_the_node_wrote_is_used_as_it_is(tmp_path):

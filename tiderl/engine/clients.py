@@ -272,11 +272,17 @@ class VLLMClient(_HTTPClient):
     async def update_weights(self, weights: Any, version: int) -> None:
         if isinstance(weights, dict):
             raise NotSupported("VLLMClient.update_weights: pass a checkpoint folder path")
-        await self._post("/collective_rpc", {"method": "reload_weights",
-                                             "kwargs": {"weights_path": str(weights)}})
-        if self.flush_on_update:
-            await self.flush()
-        await self._post("/update_weight_version", {"new_version": str(version)})
+        # paused (requests in flight keep their place): no token is sampled between the
+        # reload and its version tag, and none from the old KV after the flush
+        _json_or_raise(await self.http.post("/pause", params={"mode": "keep"}))
+        try:
+            await self._post("/collective_rpc", {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": str(weights)}})
+            await self._post("/update_weight_version", {"new_version": str(version)})
+            if self.flush_on_update:
+                await self.flush()
+        finally:
+            _json_or_raise(await self.http.post("/resume"))
 
     async def flush(self) -> None:
         """Reset the prefix cache. vLLM refuses while requests hold blocks, unless it may
@@ -404,6 +410,15 @@ class SGLangClient(_HTTPClient):
     async def wake_up(self, weights: Any, version: int) -> None:
         await self._post("/resume_memory_occupation")
         await self.update_weights(weights, version)  # the released weights are gone
+
+    async def metrics(self) -> ClientMetrics:
+        """With priority scheduling SGLang exports each count once per priority level beside
+        the total (``priority=""``): the levels are left out of the sums."""
+        response = await self.http.get("/metrics")
+        _json_or_raise(response, parse=False)
+        text = "\n".join(line for line in response.text.splitlines()
+                         if not re.search(r'priority="[^"]+"', line))
+        return metrics_from_prometheus(parse_prometheus(text, FRACTIONS), self.metric_prefix)
 
 
 def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:

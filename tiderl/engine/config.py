@@ -54,7 +54,8 @@ class EngineConfig:
         require(0.0 < self.gpu_memory_utilization < 1.0, "gpu_memory_utilization",
                 f"expected a fraction in (0, 1), got {self.gpu_memory_utilization}")
         require_choice(self.kv_on_update, KV_ON_UPDATE, "kv_on_update")
-        require_positive(self.keep_versions, "keep_versions")
+        require(self.keep_versions >= 2, "keep_versions",  # a server may load the one before
+                f"expected at least 2, got {self.keep_versions}")
         require_non_negative(self.host_kv_gib, "host_kv_gib")
         require(not self.host_kv_gib or self.backend == "vllm", "host_kv_gib",
                 f"KV offload to host is set for vllm servers only, not {self.backend!r} "

@@ -53,6 +53,7 @@ class KVCacheManager:
         self._pins: dict[str, list[KVCacheBlock]] = {}
         self.num_prefix_cache_queries = 0  # tokens looked up (prompt of each scheduled request)
         self.num_prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.num_pins = 0  # pins taken (a task's context held between its turns)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> KVCacheManager:
@@ -187,6 +188,7 @@ class KVCacheManager:
         if task_id not in self._pins:
             self._pins[task_id] = self._lookup_task_context(task_id)
             self.pool.touch(self._pins[task_id])
+            self.num_pins += 1
         return len(self._pins[task_id])
 
     def unpin(self, task_id: str) -> None:

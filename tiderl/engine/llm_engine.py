@@ -61,6 +61,7 @@ class EngineMetrics:
     num_preemptions: int
     prompt_tokens_computed: int  # prompt positions computed (prefills and recomputes)
     decode_tokens: int  # output tokens sampled
+    num_pins: int = 0  # pins taken
 
 
 class LLMEngine:
@@ -85,7 +86,7 @@ class LLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._asleep = False
-        self._shapes: dict[torch.nn.Parameter, torch.Size] = {}  # while asleep
+        self._shapes: dict[str, tuple[torch.nn.Parameter, torch.Size]] = {}  # while asleep
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, engine_config: EngineConfig) -> LLMEngine:
@@ -282,8 +283,8 @@ class LLMEngine:
                                       "flight (finish or abort them first)")
             self.scheduler.kv_cache.drop_all()
             self.runner.kv_cache = None
-            for param in self.model.parameters():
-                self._shapes[param] = param.shape
+            for name, param in self.model.named_parameters():
+                self._shapes[name] = (param, param.shape)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self._asleep = True
 
@@ -293,20 +294,26 @@ class LLMEngine:
         if not self._asleep:
             self.update_weights(state_dict, version)
             return
-        names = set(self.model.state_dict())
+        expected = {name: shape for name, (_, shape) in self._shapes.items()}
         if self.model.config.tie_word_embeddings:
-            names.discard("lm_head.weight")
-        missing = sorted(names - set(state_dict))
-        if missing:
-            raise ValueError(f"wake_up: the weights lack {missing[:3]} ({len(missing)} in all)")
-        with self._lock:
-            for param, shape in self._shapes.items():
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        missing = sorted(set(expected) - set(state_dict))
+        unknown = sorted(set(state_dict) - set(expected))
+        wrong = sorted(k for k, v in state_dict.items()
+                       if k in expected and tuple(v.shape) != tuple(expected[k]))
+        for what, names in (("lack", missing), ("have unknown", unknown),
+                            ("have wrong shapes for", wrong)):
+            if names:  # checked before anything is allocated: it stays asleep
+                raise ValueError(f"wake_up: the weights {what} {names[:3]} ({len(names)} in all)")
+        with self._lock, torch.no_grad():  # one hold: no step sees it half awake
+            for name, (param, shape) in self._shapes.items():
                 param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+                param.copy_(state_dict[name])
             self._shapes.clear()
             num_blocks = self.scheduler.kv_cache.pool.num_blocks
             self.runner.kv_cache = self.model.new_kv_cache(num_blocks, self.config.block_size)
+            self.version = version
             self._asleep = False
-        self._load(state_dict, version)
 
     def metrics(self) -> EngineMetrics:
         with self._lock:
@@ -319,4 +326,4 @@ class LLMEngine:
             num_requests_waiting=stats.num_requests_waiting,
             num_preemptions=stats.num_preemptions,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            decode_tokens=self.decode_tokens)
+            decode_tokens=self.decode_tokens, num_pins=self.scheduler.kv_cache.num_pins)

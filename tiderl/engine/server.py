@@ -82,6 +82,7 @@ class EngineCollector:
             ("num_preemptions", m.num_preemptions, "Requests preempted (recompute)."),
             ("prompt_tokens_computed", m.prompt_tokens_computed, "Prompt tokens prefilled."),
             ("decode_tokens", m.decode_tokens, "Tokens sampled."),
+            ("pins", m.num_pins, "Pins taken (a task's context held between its turns)."),
         )
         for name, value, doc in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -139,7 +140,8 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
     ports = {name: free_port() for name in (*PORT_NAMES, *engine_port_names(profile))}
     ep = local_endpoints(profile, ports)
-    plan = plan_local(profile, sys.executable, str(run_dir), ep)
+    plan = plan_local(profile, sys.executable, str(run_dir), ep,
+                      os.environ.get("CUDA_VISIBLE_DEVICES"))
     prepare_run_dir(profile, plan, run_dir)
     state = JobState(job_id, str(run_dir), time.time(),
                      info=job_info(profile, ep, launcher_pid=launcher_pid))
@@ -186,15 +188,22 @@ def follow_job(executor: Executor, state: JobState, keys,
                 if record.kind == "engine" and last is not None:
                     if record.pid not in handled:
                         handled.add(record.pid)
-                        _lose_rank_of(executor, record, code)
+                        _lose_rank_of(executor, record, code, last)
                 elif record.kind == "engine" or (code != 0 and record.kind == "env") or (
                         record.kind == "rank" and last is None):
                     raise LaunchError(exit_line(record, code))
 
 
-def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int) -> None:
-    """A rank's engine server died: the rank goes too, and the coordinator handles a dead rank
-    (a rollout rank's tasks start again elsewhere)."""
+def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int,
+                  last: Snapshot) -> None:
+    """A rank's engine server died. A rank rolling out on it goes too, and the coordinator
+    handles a dead rank (its tasks start again elsewhere); a trainer rank (its server asleep)
+    trains on, but cannot roll out again: a move of it to rollout fails that boundary."""
+    role = last.roles.get(engine.rank if engine.rank is not None else -1, "")
+    if role != "rollout" and executor.state.info.get("mode") != "sync":  # sync: all roll out
+        log.warning("%s; rank %s (%s) goes on without it", exit_line(engine, code),
+                    engine.rank, role or "unknown role")
+        return
     log.warning("%s; stopping rank %s with it", exit_line(engine, code), engine.rank)
     for record in executor.state.processes:
         if record.kind == "rank" and record.rank == engine.rank:

@@ -113,9 +113,11 @@ def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
     return f"http://127.0.0.1:{ep.ports[f'engine{rank}']}"
 
 
-def engine_command(profile: Profile, python: str, port: int | str,
-                   device: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The command line and added environment of one engine server on the loopback."""
+def engine_command(profile: Profile, python: str, port: int | str, device: str,
+                   visible: str | None = None) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The command line and added environment of one engine server on the loopback, on the
+    rank's device (``cuda:i``: the i-th of the ``visible`` devices the node's processes
+    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank)."""
     e, m = profile.engine, profile.model
     if e.backend == "http":
         model = ("--model", m.path) if m.path else ("--size", m.size, "--seed", str(m.seed))
@@ -127,7 +129,7 @@ def engine_command(profile: Profile, python: str, port: int | str,
                 "--prefix-caching" if e.enable_prefix_caching else "--no-prefix-caching",
                 "--kv-on-update", e.kv_on_update, *e.server_args)
         return argv, {"OMP_NUM_THREADS": str(profile.runtime.threads_per_rank)}
-    gpu = {"CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")}  # the rank's own device
+    index = device.removeprefix("cuda:")
     common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",
               SERVED_MODEL_NAME, "--dtype", m.dtype)
     if e.backend == "vllm":  # vllm 0.33: vllm/engine/arg_utils.py, entrypoints/cli/serve.py
@@ -142,15 +144,20 @@ def engine_command(profile: Profile, python: str, port: int | str,
                 "--gpu-memory-utilization", str(e.gpu_memory_utilization),
                 *(("--kv-offloading-size", str(e.host_kv_gib)) if e.host_kv_gib else ()),
                 *e.server_args)
-        return argv, {**gpu, "VLLM_SERVER_DEV_MODE": "1"}  # sleep, reload, reset routes
+        mask = visible.split(",") if visible else []
+        physical = mask[int(index)] if index.isdigit() and int(index) < len(mask) else index
+        return argv, {"CUDA_VISIBLE_DEVICES": physical,  # vLLM takes the device from it
+                      "VLLM_SERVER_DEV_MODE": "1"}  # sleep, reload, reset routes
     if e.backend == "sglang":  # sglang 0.5.23: srt/arg_groups/fields/*.py
         argv = (python, "-m", "sglang.launch_server", "--model-path", m.path, *common,
                 "--random-seed", str(m.seed), "--max-running-requests", str(e.max_num_seqs),
                 "--enable-metrics", "--enable-memory-saver",
                 "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+                "--default-priority-value", "0",
                 *(() if e.enable_prefix_caching else ("--disable-radix-cache",)),
-                "--mem-fraction-static", str(e.gpu_memory_utilization), *e.server_args)
-        return argv, gpu
+                "--mem-fraction-static", str(e.gpu_memory_utilization),
+                "--base-gpu-id", index, *e.server_args)  # of the inherited visible devices
+        return argv, {}
     raise ValueError(f"engine.backend {e.backend!r}: no server command line")
 
 
@@ -189,9 +196,11 @@ def _rank_env(spec: ProcessSpec) -> dict[str, str]:
 
 
 def plan_local(profile: Profile, python: str | None = None, run_dir: str | None = None,
-               ep: Endpoints | None = None) -> LaunchPlan:
+               ep: Endpoints | None = None, visible_devices: str | None = None) -> LaunchPlan:
     """Every process on this machine; rank r gets ``cuda:r`` on GPU profiles, else CPU threads.
-    With ``python``, ``run_dir`` and ``ep``, each process carries its command line."""
+    With ``python``, ``run_dir`` and ``ep``, each process carries its command line
+    (``visible_devices``: the launcher's ``CUDA_VISIBLE_DEVICES``, which every process
+    inherits)."""
     rt = profile.runtime
     env = [] if profile.env.url else [ProcessSpec(name="env", kind="env")]
     slots = _cpu_slots(profile, [LOCAL_HOST] * rt.num_ranks)
@@ -205,7 +214,8 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
                  ProcessSpec(name="coordinator", kind="coordinator"), *ranks]
     if python is None or run_dir is None or ep is None:
         return LaunchPlan(processes=tuple(processes))
-    return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}) for p in processes))
+    return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}, visible_devices)
+                            for p in processes))
 
 
 def _engines(profile: Profile, ranks: list[ProcessSpec]) -> list[ProcessSpec]:
@@ -217,10 +227,12 @@ def _engines(profile: Profile, ranks: list[ProcessSpec]) -> list[ProcessSpec]:
 
 
 def _command(spec: ProcessSpec, profile: Profile, python: str, run_dir: str, ep: Endpoints,
-             node_env: Mapping[str, str]) -> ProcessSpec:
-    """``spec`` with its command line and environment."""
+             node_env: Mapping[str, str], visible: str | None) -> ProcessSpec:
+    """``spec`` with its command line and environment (``visible``: the node's inherited
+    ``CUDA_VISIBLE_DEVICES``)."""
     if spec.kind == "engine":
-        argv, env = engine_command(profile, python, ep.ports[spec.name], spec.device or "cpu")
+        argv, env = engine_command(profile, python, ep.ports[spec.name], spec.device or "cpu",
+                                   visible)
         return replace(spec, argv=argv, env={**node_env, **env}, run_dir=run_dir)
     if spec.kind == "rank":
         spec = replace(spec, engine_url=engine_url(profile, spec.rank or 0, ep))
@@ -288,5 +300,6 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
     for spec in specs:
         node = hosts.node(spec.host)
         processes.append(_command(spec, profile, node.python,
-                                  node_run_dir(node.workdir, job_id), ep, node.env))
+                                  node_run_dir(node.workdir, job_id), ep, node.env,
+                                  node.env.get("CUDA_VISIBLE_DEVICES")))
     return LaunchPlan(tuple(processes))

@@ -199,16 +199,18 @@ def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
     if hosts.port_base is not None:
         return {name: hosts.port_base + i for i, name in enumerate((*PORT_NAMES, *engines))}
     # bind where each is served: bus, pub and metrics on the coordinator's node, the
-    # environment service on its node, the gloo rendezvous on rank 0's
-    ports = dict(zip(("bus", "pub", "metrics"), sessions[hosts.coordinator].free_ports(3),
-                     strict=True))
+    # environment service on its node, the gloo rendezvous on rank 0's, each engine server on
+    # its rank's; one probe per node, so that no two of a node's ports are the same
+    wanted: dict[str, list[str]] = {hosts.coordinator: ["bus", "pub", "metrics"]}
     env_node = env_service(hosts, profile)[0]
-    ports["env"] = sessions[env_node].free_ports(1)[0] if env_node is not None else 0
-    ports["dist"] = sessions[rank_nodes[0]].free_ports(1)[0]
-    for node in dict.fromkeys(rank_nodes):  # each engine server on its rank's node
-        names = [name for name, host in zip(engines, rank_nodes, strict=False) if host == node]
-        if names:
-            ports.update(zip(names, sessions[node].free_ports(len(names)), strict=True))
+    if env_node is not None:
+        wanted.setdefault(env_node, []).append("env")
+    wanted.setdefault(rank_nodes[0], []).append("dist")
+    for name, node in zip(engines, rank_nodes, strict=False):
+        wanted.setdefault(node, []).append(name)
+    ports = {"env": 0}
+    for node, names in wanted.items():
+        ports.update(zip(names, sessions[node].free_ports(len(names)), strict=True))
     return ports
 
 

@@ -18,9 +18,11 @@ environment session, the turns so far, the next context), from which another ran
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import httpx
 from tokenizers import Tokenizer
 
 from tiderl.core.types import Trajectory, Turn
@@ -28,6 +30,7 @@ from tiderl.engine.clients import EngineClient
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
 
+T = TypeVar("T")
 RESUMED_PRIORITY = -1  # a task CTB resumed goes first where the engine schedules by priority
 
 
@@ -63,6 +66,18 @@ class TaskCarry:
     session: str
     turns: list[Turn]
     next_context: list[int]
+
+
+class EngineUnreachableError(Exception):
+    """The engine did not answer (a server that is gone): no task can go on here."""
+
+
+async def _reach(call: Awaitable[T]) -> T:
+    """An engine call; no answer at all (a 4xx or 5xx is one) is EngineUnreachableError."""
+    try:
+        return await call
+    except httpx.TransportError as exc:
+        raise EngineUnreachableError(f"engine unreachable: {exc!r}") from exc
 
 
 class TaskDetachedError(Exception):
@@ -116,7 +131,7 @@ class AgentLoop:
         if gate.is_set():
             return False
         if self.pin:
-            await self.engine.unpin(task_id)
+            await _reach(self.engine.unpin(task_id))
         await self.env.pause(session)
         await gate.wait()
         if task_id not in self._detached:
@@ -143,24 +158,24 @@ class AgentLoop:
         trajectory = Trajectory(task.task_id, task.group_id, reward=0.0, turns=list(carry.turns))
         context = [t for turn in trajectory.turns for t in (*turn.context_ids, *turn.output_ids)]
         new_context = list(carry.next_context)
-        ended = True
+        ended, engine_gone = True, False
         try:
             while len(trajectory.turns) < self.max_turns:
                 resumed = await self._wait_if_paused(task.task_id, session)
                 if task.task_id in self._detached:
                     ended = False
                     if self.pin:
-                        await self.engine.unpin(task.task_id)
+                        await _reach(self.engine.unpin(task.task_id))
                     await self.env.pause(session)
                     raise TaskDetachedError(task.task_id, TaskCarry(session, trajectory.turns,
                                                                new_context))
                 prompt = context + new_context
                 if len(prompt) + self.sampling.max_tokens > self.max_context_tokens:
                     break
-                out = await self.engine.generate(task.task_id, prompt, self.sampling,
-                                                 RESUMED_PRIORITY if resumed else 0)
+                out = await _reach(self.engine.generate(task.task_id, prompt, self.sampling,
+                                                        RESUMED_PRIORITY if resumed else 0))
                 if self.pin:
-                    await self.engine.pin(task.task_id)
+                    await _reach(self.engine.pin(task.task_id))
                 version = out.version if out.version is not None else self.version()
                 trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version))
                 context = prompt + out.output_ids
@@ -173,11 +188,14 @@ class AgentLoop:
                     trajectory.reward = step.reward
                     break
                 new_context = self._encode(step.observation)
+        except EngineUnreachableError:
+            engine_gone = True
+            raise
         finally:
             self._running.pop(task.task_id, None)
             self._detached.discard(task.task_id)
             if ended:
-                if self.pin:
+                if self.pin and not engine_gone:
                     await self.engine.unpin(task.task_id)
                 await self.env.end(session)
         return trajectory

@@ -148,7 +148,7 @@ class ServerEngine(RankEngine):
             else:
                 await self.update(state, version)
         else:
-            folder = str(state) if isinstance(state, Path) else self._export(state, version)
+            folder = str(state) if isinstance(state, Path) else await self._export(state, version)
             await self._client.wake_up(folder, version)
             self.asleep = False
             log.info("engine server %s: awake, version %d from %s", self._client.base_url,
@@ -157,14 +157,16 @@ class ServerEngine(RankEngine):
         self._base = await self._counters()
 
     async def update(self, state: dict[str, torch.Tensor], version: int) -> None:
-        folder = self._export(state, version)
+        folder = await self._export(state, version)
         await self._client.update_weights(folder, version)
         self.version = version
         log.info("engine server %s: version %d from %s", self._client.base_url, version, folder)
 
-    def _export(self, state: dict[str, torch.Tensor], version: int) -> str:
-        folder = export_version(state, self.model_config, self.tokenizer, self.weights_root,
-                                version, self.config.keep_versions)
+    async def _export(self, state: dict[str, torch.Tensor], version: int) -> str:
+        """The version's folder (off the event loop: heartbeats go on while it is written)."""
+        folder = await asyncio.to_thread(export_version, state, self.model_config,
+                                         self.tokenizer, self.weights_root, version,
+                                         self.config.keep_versions)
         return str(folder.resolve())
 
     async def _usage(self, m: ClientMetrics) -> tuple[int, int]:

@@ -50,7 +50,14 @@ from tiderl.launch.affinity import pin_to_slot
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
-from tiderl.runtime.agent import AgentLoop, AgentTask, TaskCarry, TaskDetachedError, TurnEvent
+from tiderl.runtime.agent import (
+    AgentLoop,
+    AgentTask,
+    EngineUnreachableError,
+    TaskCarry,
+    TaskDetachedError,
+    TurnEvent,
+)
 from tiderl.runtime.bus import (
     Ack,
     AdmitTask,
@@ -96,6 +103,7 @@ log = logging.getLogger("tiderl.rank")
 FALLBACK_POLL_S = 0.05
 COORDINATOR_LOST_S = 15.0  # at least: a rank exits when its coordinator is gone this long
 EXIT_COORDINATOR_LOST = 3
+EXIT_ENGINE_LOST = 4
 IDLE_SAMPLE_S = 0.05  # the bus reader is edge-triggered: a slow poll catches a missed edge
 
 
@@ -140,6 +148,7 @@ class RankDaemon:
         self.queries_before = self.hits_before = 0  # prefix counters of engines dropped earlier
         self.streams: dict[int, StreamedStep] = {}
         self.commands: asyncio.Queue = asyncio.Queue()
+        self._updating = asyncio.Lock()  # engine weight updates, one at a time
         self.bus: BusClient | None = None
         self.env = HTTPEnvClient(args.env_url) if args.env_url else None
         self._stopping: asyncio.Event | None = None
@@ -158,7 +167,11 @@ class RankDaemon:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.groups[ranks] = group
-        model, self.tokenizer = self._initial_model()
+        # a rank with an engine server that starts in rollout needs the model only for its
+        # shapes (and the server needs the device's memory): on the CPU
+        on_server = self.profile.engine.uses_server and self.role is Role.ROLLOUT \
+            and not self.is_sync
+        model, self.tokenizer = self._initial_model(torch.device("cpu") if on_server else None)
         self.model_config = model.config
         self.layout = param_layout(model)
         self.optimizer_layout = optimizer_layout(model)
@@ -179,8 +192,9 @@ class RankDaemon:
         if self._needs_ref(self.role):
             self._make_ref()
 
-    def _initial_model(self) -> tuple[Qwen2ForCausalLM, object]:
-        return model_from_config(self.profile.model, self.device)
+    def _initial_model(self, device: torch.device | None = None
+                       ) -> tuple[Qwen2ForCausalLM, object]:
+        return model_from_config(self.profile.model, device or self.device)
 
     def _needs_ref(self, role: Role) -> bool:
         if self.profile.trainer.kl_beta == 0:
@@ -220,7 +234,8 @@ class RankDaemon:
         if self.server is not None:
             if state is None:  # the initial weights: the model folder, or the seeded model's
                 path = self.profile.model.path
-                state = Path(path) if path else self._initial_model()[0].state_dict()
+                state = (Path(path) if path
+                         else self._initial_model(torch.device("cpu"))[0].state_dict())
             await self.server.start(version, state)
             self._attach(self.server)
             return
@@ -306,12 +321,14 @@ class RankDaemon:
             await asyncio.sleep(rt.heartbeat_s)
 
     async def _metrics(self) -> RankMetrics:
-        stats = EngineStats()
-        if self.engine is not None:
-            try:
-                stats = await self.engine.stats()
+        stats, engine = EngineStats(), self.engine
+        if engine is not None:
+            try:  # bounded: a slow server must not hold back the next heartbeat
+                stats = await asyncio.wait_for(engine.stats(), self.profile.runtime.heartbeat_s)
             except Exception as exc:  # a server that does not answer: this beat has no stats
-                log.warning("rank %d: engine stats: %s", self.rank, exc)
+                log.warning("rank %d: engine stats: %s", self.rank, exc or type(exc).__name__)
+            if self.engine is not engine:  # it left rollout meanwhile: its stint is counted
+                stats = EngineStats()
         queries, hits = stats.prefix_queries, stats.prefix_hits
         return RankMetrics(rank=self.rank, role=self.role.value,
                            kv_tokens_used=stats.used_tokens,
@@ -380,6 +397,10 @@ class RankDaemon:
                 session=exc.carry.session, turns=turns, next_context=exc.carry.next_context)))
         except asyncio.CancelledError:
             raise
+        except EngineUnreachableError as exc:  # the rank cannot roll out: it goes, its tasks
+            log.error("rank %d: %s; exiting, so that its tasks go back to CTB", self.rank, exc)
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_LOST)
         except Exception as exc:  # an environment or engine failure ends the task with reward 0
             log.warning("rank %d: task %s failed: %s", self.rank, task.task_id, exc)
             self._finish(task, Trajectory(task.task_id, task.group_id, reward=0.0))
@@ -388,7 +409,10 @@ class RankDaemon:
         finally:
             self.tasks.pop(task.task_id, None)
             self.eval_tasks.discard(task.task_id)
-            await self._apply_pending_weights()
+            try:  # weights held back by this rank's last evaluation task
+                await self._apply_pending_weights()
+            except Exception:
+                log.exception("rank %d: loading held-back weights failed", self.rank)
 
     def _finish(self, task: AgentTask, trajectory: Trajectory) -> None:
         self._send(TaskFinished(rank=self.rank, task_id=task.task_id, group_id=task.group_id,
@@ -414,12 +438,20 @@ class RankDaemon:
         self.pending_weights = None
 
     async def _apply_pending_weights(self) -> None:
-        """New weights wait while an evaluation task runs here (its version is anchored)."""
-        if self.pending_weights is None or self.eval_tasks or self.engine is None:
-            return
-        state, version = self.pending_weights
-        self.pending_weights = None
-        await self.engine.update(state, version)
+        """New weights wait while an evaluation task runs here (its version is anchored). One
+        update at a time, the newest last: a boundary's and an evaluation's end may both ask;
+        a failed update stays pending (unless a newer one came) and is raised."""
+        async with self._updating:
+            while self.pending_weights is not None and not self.eval_tasks \
+                    and self.engine is not None:
+                state, version = pending = self.pending_weights
+                self.pending_weights = None
+                try:
+                    await self.engine.update(state, version)
+                except Exception:
+                    if self.pending_weights is None:
+                        self.pending_weights = pending
+                    raise
 
     # -- trainer ---------------------------------------------------------------------------------
 

@@ -5,15 +5,16 @@
                                    tokenizer.json
 
 A version is written into a hidden folder beside its place and renamed into it, so a reader sees
-the whole version or nothing. Ranks of one node share the folder: the first to finish renames
-its copy into place, the others find it there and drop theirs. After each export the newest
-``keep`` versions stay and older ones are removed (a server still loading one is at most one
-version behind: keep at least 2).
+the whole version or nothing. Ranks of one node share the folder: the first to take the
+version's lock file (``flock``, released if the writer dies) writes it, the others wait and find
+it there. After each export the newest ``keep`` versions stay and older ones are removed (a
+server still loading one is at most one version behind: keep at least 2).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -38,17 +39,15 @@ def export_version(state: dict[str, torch.Tensor], config: Qwen2Config, tokenize
     """Write ``state`` as version ``version``'s folder under ``root`` (unless a rank of this
     node already did) and prune to the newest ``keep``; returns the folder."""
     final = version_dir(root, version)
-    if not final.is_dir():
-        tmp = Path(root) / f".{final.name}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_state_dict(state, config, tmp, max_shard_bytes)
-        tokenizer.save(str(tmp / TOKENIZER_FILE))
-        try:
-            tmp.rename(final)
-        except OSError:  # another rank of this node renamed its copy first
-            if not final.is_dir():
-                raise
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with open(Path(root) / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a rank of this node writing it: wait for it
+        if not final.is_dir():
+            tmp = Path(root) / f".{final.name}.{os.getpid()}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
+            save_state_dict(state, config, tmp, max_shard_bytes)
+            tokenizer.save(str(tmp / TOKENIZER_FILE))
+            tmp.rename(final)
     prune(root, keep)
     return final
 
@@ -66,3 +65,4 @@ def prune(root: str | Path, keep: int) -> None:
     for version in versions(root)[:-keep]:
         with contextlib.suppress(FileNotFoundError):  # a rank of this node removed it first
             shutil.rmtree(version_dir(root, version))
+            (Path(root) / f".{version_dir(root, version).name}.lock").unlink()

@@ -47,7 +47,7 @@ from tiderl.models.init import init_model
 from tiderl.models.vocab import VOCAB
 from tiderl.runtime.bus import MicroBatchData, StepClosed, TrainStep
 from tiderl.runtime.bus.messages import TrainSampleData, decode, encode
-from tiderl.runtime.rank import micro_batch_of, step_done
+from tiderl.runtime.rank_wire import micro_batch_of, step_done
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import ColocatedExecutor, StreamedStep

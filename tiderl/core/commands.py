@@ -76,6 +76,17 @@ class StepOutcome:
     solved_frac: float | None = None
     eval_reward: float | None = None
 
+    def actor_figures(self, actor_ranks: tuple[int, ...]
+                      ) -> tuple[float | None, float | None, int | None]:
+        """The step's loss (the mean over its actor ranks), grad norm (the lowest actor
+        rank's) and trained loss tokens (every actor reports the step's total); None where
+        no actor reported one."""
+        actors = sorted((r for r in self.reports if r.rank in actor_ranks), key=lambda r: r.rank)
+        losses = [r.loss for r in actors if r.loss is not None]
+        return (sum(losses) / len(losses) if losses else None,
+                actors[0].grad_norm if actors else None,
+                max((r.loss_tokens for r in actors if r.loss_tokens is not None), default=None))
+
 
 @dataclass(frozen=True, slots=True)
 class ManualRequest:

@@ -78,16 +78,31 @@ def _exporter(host: str, port: int) -> MetricsExporter | None:
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from tiderl.launch.affinity import parse_slot
-    from tiderl.runtime.rank import RankArgs, main
+    """Run one rank to its Shutdown."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from tiderl.launch.affinity import parse_slot, pin_to_slot
+    from tiderl.runtime.rank import RankArgs, RankDaemon
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
-    main(RankArgs(rank=args.rank, world_size=len(roles), run_dir=args.run_dir, bus=args.bus,
-                  dist_init=args.dist, env_url=args.env_url, role=roles[args.rank],
-                  device=args.device, threads=args.threads,
-                  cpu_slot=parse_slot(args.cpu_slot) if args.cpu_slot else None,
-                  engine_url=args.engine_url), profile, roles)
+    slot = parse_slot(args.cpu_slot) if args.cpu_slot else None
+    if slot is not None:  # first: torch's threads start on the pinned cores
+        cores = pin_to_slot(*slot)
+        logging.getLogger("tiderl.rank").info("rank %d pinned to cores %s (slot %d/%d)",
+                                              args.rank, ",".join(map(str, cores)), *slot)
+    daemon = RankDaemon(RankArgs(
+        rank=args.rank, world_size=len(roles), run_dir=args.run_dir, bus=args.bus,
+        dist_init=args.dist, env_url=args.env_url, role=roles[args.rank], device=args.device,
+        threads=args.threads, cpu_slot=slot, engine_url=args.engine_url), profile)
+    daemon.setup(roles)
+    try:
+        asyncio.run(daemon.run())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

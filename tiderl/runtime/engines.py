@@ -124,8 +124,9 @@ class ServerEngine(RankEngine):
     def client(self) -> EngineClient:
         return self._client
 
-    async def wait_up(self, timeout_s: float = SERVER_UP_TIMEOUT_S) -> None:
-        """Until the server answers /health (the launcher stops the job if it exits)."""
+    async def wait_up(self, serving: bool, timeout_s: float = SERVER_UP_TIMEOUT_S) -> None:
+        """Until the server answers /health (the launcher stops the job if it exits); then it
+        serves (the rank rolls out) or goes to sleep until the rank joins rollout."""
         deadline = time.monotonic() + timeout_s
         while not await self._client.is_up():
             if time.monotonic() > deadline:
@@ -133,6 +134,10 @@ class ServerEngine(RankEngine):
                                    f"/health within {timeout_s:.0f} s")
             await asyncio.sleep(SERVER_POLL_S)
         self._base = await self._counters()
+        if not serving:
+            await self.sleep()
+        log.info("engine server %s up (%s)", self._client.base_url,
+                 "serving" if serving else "asleep")
 
     async def sleep(self) -> None:
         await self._client.sleep()

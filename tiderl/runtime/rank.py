@@ -42,11 +42,10 @@ import torch.distributed as dist
 
 from tiderl.core.rank_sets import trainer_sets
 from tiderl.core.system import StepMode
-from tiderl.core.types import MicroBatch, Role, SeqRef, Trajectory, Turn
+from tiderl.core.types import Role, Trajectory
 from tiderl.engine.clients import server_client
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import HTTPEnvClient
-from tiderl.launch.affinity import pin_to_slot
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
@@ -62,7 +61,6 @@ from tiderl.runtime.bus import (
     Ack,
     AdmitTask,
     BusClient,
-    CarryData,
     DetachTask,
     Heartbeat,
     Hello,
@@ -72,26 +70,21 @@ from tiderl.runtime.bus import (
     ResumeTask,
     Shutdown,
     StepClosed,
-    StepDone,
     SyncWeights,
     TaskDetached,
     TaskFinished,
     TrainStep,
-    TurnData,
     TurnReport,
     load_job_keys,
     rank_identity,
 )
 from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
-from tiderl.trainer.batch import TrainSample
+from tiderl.runtime.rank_wire import carry_data, carry_of, micro_batch_of, step_done, turn_data
 from tiderl.trainer.checkpoint import save_checkpoint
 from tiderl.trainer.executors import (
     ColocatedExecutor,
     DecoupledExecutor,
-    StepData,
-    StepResult,
     StreamedStep,
-    phase_times,
 )
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import init_rank
@@ -256,21 +249,12 @@ class RankDaemon:
 
     # -- the event loop --------------------------------------------------------------------------
 
-    async def _start_server(self) -> None:
-        """Before Hello: this rank's server answers; it serves (version 0) when the rank rolls
-        out, else it sleeps until the rank joins rollout."""
-        assert self.server is not None
-        await self.server.wait_up()
-        if self.is_sync or self.role is Role.ROLLOUT:
-            self._attach(self.server)
-        else:
-            await self.server.sleep()
-        log.info("rank %d: engine server %s up (%s)", self.rank, self.args.engine_url,
-                 "serving" if self.engine is not None else "asleep")
-
     async def run(self) -> None:
-        if self.server is not None:
-            await self._start_server()
+        if self.server is not None:  # before Hello: it serves version 0, or sleeps meanwhile
+            serving = self.is_sync or self.role is Role.ROLLOUT
+            await self.server.wait_up(serving)
+            if serving:
+                self._attach(self.server)
         keys = load_job_keys(self.args.run_dir / "keys")
         self.bus = BusClient(self.args.bus, keys, rank_identity(self.rank))
         self._stopping = asyncio.Event()
@@ -379,9 +363,7 @@ class RankDaemon:
                            error=f"rank {self.rank} is not a rollout rank"))
             return
         task = AgentTask(msg.task_id, msg.group_id, msg.env, msg.task or None, msg.seed, msg.eval)
-        carry = None if msg.carry is None else TaskCarry(
-            msg.carry.session, [Turn(t.context_ids, t.output_ids, t.logprobs, t.version)
-                                for t in msg.carry.turns], msg.carry.next_context)
+        carry = None if msg.carry is None else carry_of(msg.carry)
         if msg.eval:
             self.eval_tasks.add(msg.task_id)
         self.agent.pin = msg.pin and self.agent.engine.supports_pins
@@ -392,9 +374,8 @@ class RankDaemon:
         try:
             trajectory = await self.agent.run(task, carry)
         except TaskDetachedError as exc:
-            turns = [_turn_data(t) for t in exc.carry.turns]
-            self._send(TaskDetached(rank=self.rank, task_id=task.task_id, carry=CarryData(
-                session=exc.carry.session, turns=turns, next_context=exc.carry.next_context)))
+            self._send(TaskDetached(rank=self.rank, task_id=task.task_id,
+                                    carry=carry_data(exc.carry)))
         except asyncio.CancelledError:
             raise
         except EngineUnreachableError as exc:  # the rank cannot roll out: it goes, its tasks
@@ -417,7 +398,7 @@ class RankDaemon:
     def _finish(self, task: AgentTask, trajectory: Trajectory) -> None:
         self._send(TaskFinished(rank=self.rank, task_id=task.task_id, group_id=task.group_id,
                                 reward=float(trajectory.reward or 0.0),
-                                turns=[_turn_data(t) for t in trajectory.turns],
+                                turns=[turn_data(t) for t in trajectory.turns],
                                 num_tokens=trajectory.num_tokens))
 
     def _on_turn(self, event: TurnEvent) -> None:
@@ -604,48 +585,7 @@ class RankDaemon:
 
 # -- helpers -------------------------------------------------------------------------------------
 
-def micro_batch_of(msg: MicroBatchData) -> tuple[MicroBatch, list[TrainSample]]:
-    """A micro-batch as it came on the bus, as the executors take it."""
-    samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
-                           tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
-    return MicroBatch(msg.mb_id, tuple(SeqRef(s.seq_id, s.num_tokens) for s in samples)), samples
-
-
-def step_done(rank: int, step: int, result: StepResult, data: StepData,
-              version: int | None = None) -> StepDone:
-    """What a trainer rank reports for its share of a step. ``loss_tokens``: the step's trained
-    (loss-mask) tokens over all its micro-batches and ranks, the same on every trainer rank."""
-    means = result.loss.means()
-    if version is None:
-        version = result.step.version if result.step is not None else 0
-    return StepDone(
-        rank=rank, step=step, version=version, mode=result.mode.value,
-        loss=float(means.get("loss", 0.0)), loss_tokens=int(data.num_loss_tokens),
-        grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
-        stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)})
-
-
 def _ranks_with(roles: list[Role], role: Role, is_sync: bool) -> tuple[int, ...]:
     if is_sync:
         return tuple(range(len(roles)))
     return tuple(r for r, x in enumerate(roles) if x is role)
-
-
-def _turn_data(turn: Turn) -> TurnData:
-    return TurnData(context_ids=list(turn.context_ids), output_ids=list(turn.output_ids),
-                    logprobs=list(turn.logprobs), version=turn.version)
-
-
-def main(args: RankArgs, profile: Profile, roles: list[Role]) -> None:
-    """Run one rank to its Shutdown (``python -m tiderl.runtime rank``)."""
-    if args.cpu_slot is not None:  # first: torch's threads start on the pinned cores
-        cores = pin_to_slot(*args.cpu_slot)
-        log.info("rank %d pinned to cores %s (slot %d/%d)", args.rank,
-                 ",".join(map(str, cores)), *args.cpu_slot)
-    daemon = RankDaemon(args, profile)
-    daemon.setup(roles)
-    try:
-        asyncio.run(daemon.run())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -24,7 +24,6 @@ from tiderl.core.commands import (
     GroupSpec,
     JoinRollout,
     LeaveRollout,
-    ManualReply,
     ManualRequest,
     PlanRefused,
     RecordStep,
@@ -43,13 +42,7 @@ from tiderl.core.step_control.inputs import (
     ers_input,
     learn_passes,
 )
-from tiderl.core.step_control.manual import (
-    SYNC_REFUSAL,
-    WITHDRAWN,
-    after_release,
-    check_manual,
-    planned_roles,
-)
+from tiderl.core.step_control.manual import ManualPlans, planned_roles
 from tiderl.core.step_control.rollout import RolloutControl
 from tiderl.core.step_control.state import Evaluation, GroupCount, OpenStep, PendingBoundary, Phase
 from tiderl.core.system import StepMode, SystemSpec
@@ -66,7 +59,7 @@ from tiderl.core.types import (
 )
 
 
-class StepController:
+class StepController(ManualPlans):
     """See the module docstring. ``source`` turns a :class:`GroupSpec` into the group's tasks
     (the adapter's dataset: environment and seed of each task)."""
 
@@ -254,12 +247,10 @@ class StepController:
         return self._flush()
 
     def engine_capacity(self, rank: int, kv_tokens: int, now: float) -> list[Command]:
-        """A rank's engine holds ``kv_tokens`` of KV (an engine server sizes its own cache):
-        CTB's budget there becomes that capacity's share (``ctb.budget_fraction``)."""
+        """A rank's engine holds ``kv_tokens`` of KV (a server sizes its own): B_r follows."""
         self._at(now)
-        budget = self.config.ctb.rank_budget(kv_tokens)
-        if kv_tokens > 0 and self.rollout.rank_budgets.get(rank) != budget:
-            self.rollout.set_rank_budget(rank, budget)
+        if kv_tokens > 0:
+            self.rollout.set_rank_budget(rank, self.config.ctb.rank_budget(kv_tokens))
         return self._flush()
 
     def rank_dead(self, rank: int, why: str, now: float) -> list[Command]:
@@ -279,46 +270,6 @@ class StepController:
             self.boundary.forget(rank)
         self._maybe_retire(now)
         self._maybe_complete(now)
-        return self._flush()
-
-    def submit_manual(self, request: ManualRequest, now: float) -> list[Command]:
-        """An operator's layout: refused, or pending until the next post-update boundary (a
-        newer request replaces it)."""
-        self._at(now)
-        result = self._check_manual(request, is_request=True)
-        if isinstance(result, str):
-            self._out.append(ManualReply(request, request.key, "refused", self.step,
-                                         reason=result))
-            return self._flush()
-        if self.manual_pending is not None:
-            old = self.manual_pending[0]
-            why = f"replaced by a newer manual plan ({request.describe()})"
-            self._out.append(ManualReply(old, old.key, "refused", self.step, reason=why))
-        self.manual_pending = (request, result)
-        self._out.append(ManualReply(request, request.key, "accepted", self.step,
-                                     roles=tuple(self._planned(result.changes)),
-                                     mode=result.mode))
-        return self._flush()
-
-    def release_manual(self, key: object, now: float) -> list[Command]:
-        """``--auto``: drop a pending plan and end the hold."""
-        self._at(now)
-        if self.system.is_sync:
-            self._out.append(ManualReply(None, key, "refused", self.step,
-                                         reason=SYNC_REFUSAL))
-            return self._flush()
-        dropped, self.manual_pending = self.manual_pending, None
-        if dropped is not None:
-            self._out.append(ManualReply(dropped[0], dropped[0].key, "refused", self.step,
-                                         reason=WITHDRAWN))
-        was_held, self.is_manual_held = self.is_manual_held, False
-        if was_held and self.ers is None:
-            self.plan_reason = None  # no plan lays the next steps out
-        then = after_release(self.system, self.ers is not None)
-        self._out.append(ManualReply(dropped[0] if dropped else None, key, "released",
-                                     self.step, reason=then, version=self.version,
-                                     roles=tuple(self.roles), mode=self.ra2p_mode,
-                                     was_held=was_held))
         return self._flush()
 
     # ------------------------------------------------------------------ the boundary
@@ -531,39 +482,6 @@ class StepController:
         self._out.append(GroupDropped(group.group_id, DropReason.STALE, group.oldest_version,
                                       self.buffer.open_batch))
 
-    # ------------------------------------------------------------------ manual plans
-
-    def _check_manual(self, request: ManualRequest, is_request: bool = False
-                      ) -> ScalingPlan | str:
-        return check_manual(request, system=self.system, step=self.step,
-                            num_steps=self.config.num_steps, roles=self.roles,
-                            ra2p_mode=self.ra2p_mode, batch_ideal=self.batch_ideal,
-                            limits=self.config.limits, is_request=is_request)
-
-    def _apply_manual(self, now: float) -> bool:
-        """At a post-update boundary: the pending plan, checked again, is its boundary (and then
-        held). True if it sent the boundary."""
-        pending, self.manual_pending = self.manual_pending, None
-        if pending is None:
-            return False
-        request = pending[0]
-        result = self._check_manual(request)
-        if isinstance(result, str):  # the job changed since (a rank died)
-            reason = f"at the boundary of version {self.version}: {result}"
-            self._out.append(ManualReply(request, request.key, "refused", self.step,
-                                         reason=reason, is_at_boundary=True))
-            return False
-        roles = self._planned(result.changes)
-        self.ra2p_mode, self.plan_reason = result.mode, result.reason
-        self.is_manual_held = True
-        if self.ers is not None:
-            self.ers.reset()  # its hysteresis and phase memory were about the old layout
-        self._boundary(now, roles, result.reason)
-        self._out.append(ManualReply(request, request.key, "applied", self.step,
-                                     version=self.version, roles=tuple(roles),
-                                     mode=result.mode, is_at_boundary=True))
-        return True
-
     # ------------------------------------------------------------------ the record
 
     def _record(self, current: OpenStep, outcome: StepOutcome, now: float) -> StepRecord:
@@ -571,9 +489,7 @@ class StepController:
         self.trained_samples += current.samples
         self.groups.trained_ids |= current.group_ids
         start = current.start
-        actors = sorted((r for r in outcome.reports if r.rank in start.actor_ranks),
-                        key=lambda r: r.rank)
-        losses = [r.loss for r in actors if r.loss is not None]
+        loss, grad_norm, loss_tokens = outcome.actor_figures(start.actor_ranks)
         twt = sum(r.wait_s for r in outcome.reports)
         twt += (current.opened_at - current.ready_at) * len(start.ranks)
         rwt, saturated, generating_share = self.rollout.interval()
@@ -593,11 +509,9 @@ class StepController:
             staleness_max=self.buffer.max_staleness_seen.get(start.step, 0),
             reward_mean=outcome.reward_mean, solved_frac=outcome.solved_frac,
             eval_reward=outcome.eval_reward,
-            loss=sum(losses) / len(losses) if losses else None,
-            grad_norm=actors[0].grad_norm if actors else None, batch_size=current.samples,
+            loss=loss, grad_norm=grad_norm, batch_size=current.samples,
             ers_reason=self.plan_reason.value if self.plan_reason is not None else None,
-            trained_loss_tokens=max((r.loss_tokens for r in actors if r.loss_tokens is not None),
-                                    default=None), rollout_saturated_s=saturated,
+            trained_loss_tokens=loss_tokens, rollout_saturated_s=saturated,
             generating_share=generating_share)
 
     # ------------------------------------------------------------------ plumbing

@@ -1,0 +1,48 @@
+"""A rank's data in the bus's shapes and back: micro-batches in, a step's report out, a task's
+turns and carry both ways (the rank daemon's conversions, in one place)."""
+
+from __future__ import annotations
+
+from tiderl.core.types import MicroBatch, SeqRef, Turn
+from tiderl.runtime.agent import TaskCarry
+from tiderl.runtime.bus import CarryData, MicroBatchData, StepDone, TurnData
+from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.executors import StepData, StepResult, phase_times
+
+
+def micro_batch_of(msg: MicroBatchData) -> tuple[MicroBatch, list[TrainSample]]:
+    """A micro-batch as it came on the bus, as the executors take it."""
+    samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
+                           tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
+    return MicroBatch(msg.mb_id, tuple(SeqRef(s.seq_id, s.num_tokens) for s in samples)), samples
+
+
+def step_done(rank: int, step: int, result: StepResult, data: StepData,
+              version: int | None = None) -> StepDone:
+    """What a trainer rank reports for its share of a step. ``loss_tokens``: the step's trained
+    (loss-mask) tokens over all its micro-batches and ranks, the same on every trainer rank."""
+    means = result.loss.means()
+    if version is None:
+        version = result.step.version if result.step is not None else 0
+    return StepDone(
+        rank=rank, step=step, version=version, mode=result.mode.value,
+        loss=float(means.get("loss", 0.0)), loss_tokens=int(data.num_loss_tokens),
+        grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
+        stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)})
+
+
+def turn_data(turn: Turn) -> TurnData:
+    return TurnData(context_ids=list(turn.context_ids), output_ids=list(turn.output_ids),
+                    logprobs=list(turn.logprobs), version=turn.version)
+
+
+def carry_data(carry: TaskCarry) -> CarryData:
+    """A task leaving this rank (its carry) as the bus takes it."""
+    return CarryData(session=carry.session, turns=[turn_data(t) for t in carry.turns],
+                     next_context=carry.next_context)
+
+
+def carry_of(data: CarryData) -> TaskCarry:
+    """A task coming to this rank from another, as its agent loop takes it."""
+    return TaskCarry(data.session, [Turn(t.context_ids, t.output_ids, t.logprobs, t.version)
+                                    for t in data.turns], data.next_context)

@@ -87,3 +87,20 @@ def test_exited_reports_exit_codes(tmp_path):
 def test_loading_a_missing_job_is_one_line(tmp_path):
     with pytest.raises(LaunchError, match="no such job"):
         JobState.load(tmp_path / "nope")
+
+
+def test_a_jobs_ports_are_distinct_free_and_outside_the_ephemeral_range():
+    """An outgoing connection (the launcher's own health polls) takes its local port from the
+    ephemeral range; a port picked there could be gone before its daemon binds it."""
+    import socket
+    from pathlib import Path
+
+    from tiderl.launch.job import listen_ports
+
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+                 .split())
+    ports = listen_ports(12)
+    assert len(set(ports)) == 12 and not any(low <= p <= high for p in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free to listen on

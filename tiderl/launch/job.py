@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +99,30 @@ def local_endpoints(profile: Profile, ports: dict[str, int]) -> Endpoints:
 
 
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports free to listen on now, outside the kernel's ephemeral range: a
+    port from that range could be taken by an outgoing connection (the launcher's own health
+    polls) between this pick and the bind of the daemon it is given."""
+    try:
+        low, high = (int(x) for x in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    candidates = [p for p in range(10000, 65536) if not low <= p <= high]
+    random.shuffle(candidates)
+    found: list[int] = []
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise LaunchError(f"no {count} free ports to listen on outside {low}-{high}")
 
 
 def check_here(profile: Profile) -> None:
@@ -133,12 +159,11 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
     and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate.
     ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher."""
-    from tiderl.trainer.spawn import free_port  # torch: not for the CLI's job commands
-
     check_here(profile)
     job_id = job_id or new_job_id(profile)
     run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
-    ports = {name: free_port() for name in (*PORT_NAMES, *engine_port_names(profile))}
+    names = (*PORT_NAMES, *engine_port_names(profile))
+    ports = dict(zip(names, listen_ports(len(names)), strict=True))
     ep = local_endpoints(profile, ports)
     plan = plan_local(profile, sys.executable, str(run_dir), ep,
                       os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -183,8 +183,11 @@ class _HTTPClient(EngineClient):
     async def metrics(self) -> ClientMetrics:
         response = await self.http.get("/metrics")
         _json_or_raise(response, parse=False)
-        values = parse_prometheus(response.text, FRACTIONS)
-        return metrics_from_prometheus(values, self.metric_prefix)
+        return self._metrics_of(response.text)
+
+    def _metrics_of(self, text: str) -> ClientMetrics:
+        """A ``/metrics`` page as ClientMetrics (a backend adds what its names leave out)."""
+        return metrics_from_prometheus(parse_prometheus(text, FRACTIONS), self.metric_prefix)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -300,12 +303,8 @@ class VLLMClient(_HTTPClient):
         _json_or_raise(await self.http.post("/wake_up"))
         await self.update_weights(weights, version)  # level 2 discarded them
 
-    async def metrics(self) -> ClientMetrics:
-        response = await self.http.get("/metrics")
-        _json_or_raise(response, parse=False)
-        values = parse_prometheus(response.text, FRACTIONS)
-        m = metrics_from_prometheus(values, self.metric_prefix)
-        return replace(m, kv_capacity_tokens=vllm_kv_capacity(response.text))
+    def _metrics_of(self, text: str) -> ClientMetrics:
+        return replace(super()._metrics_of(text), kv_capacity_tokens=vllm_kv_capacity(text))
 
 
 def vllm_kv_capacity(text: str) -> float | None:
@@ -411,14 +410,11 @@ class SGLangClient(_HTTPClient):
         await self._post("/resume_memory_occupation")
         await self.update_weights(weights, version)  # the released weights are gone
 
-    async def metrics(self) -> ClientMetrics:
+    def _metrics_of(self, text: str) -> ClientMetrics:
         """With priority scheduling SGLang exports each count once per priority level beside
         the total (``priority=""``): the levels are left out of the sums."""
-        response = await self.http.get("/metrics")
-        _json_or_raise(response, parse=False)
-        text = "\n".join(line for line in response.text.splitlines()
-                         if not re.search(r'priority="[^"]+"', line))
-        return metrics_from_prometheus(parse_prometheus(text, FRACTIONS), self.metric_prefix)
+        return super()._metrics_of("\n".join(
+            line for line in text.splitlines() if not re.search(r'priority="[^"]+"', line)))
 
 
 def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:

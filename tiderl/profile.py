@@ -68,6 +68,9 @@ class Profile:
             require(bool(engine.urls) or self.runtime.device == "cuda", "runtime.device",
                     f"engine.backend {engine.backend} starts its servers on GPUs: set "
                     "runtime.device=cuda (or attach running servers with engine.urls)")
+        require(self.trainer.backend != "megatron" or self.runtime.device == "cuda",
+                "runtime.device", "trainer.backend megatron runs on GPUs only (megatron-core's "
+                "forward needs CUDA): set runtime.device=cuda, or use ddp or fsdp2")
 
 
 class ProfileError(Exception):

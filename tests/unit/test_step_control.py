@@ -348,7 +348,7 @@ def test_sync_systems_and_the_last_step_refuse_manual_plans():
 
 def test_the_layout_limits_refuse_a_plan_and_keep_the_roles():
     c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
-             limits=LayoutLimits(fixed_actor_backend="fsdp2"))
+             limits=LayoutLimits(fixed_actor_backend="megatron"))
     out = c.launch(0.0)
     assert kinds(out)[0] == "PlanRefused"
     assert only(out, Boundary)[0].roles == (R, A, A)
@@ -436,7 +436,7 @@ def test_a_layout_not_measured_is_costed_from_the_other_with_the_ref_share_scale
 
 def test_a_refused_plan_leaves_ers_as_it_was():
     c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
-             limits=LayoutLimits(fixed_actor_backend="fsdp2"))
+             limits=LayoutLimits(fixed_actor_backend="megatron"))
     c.launch(0.0)  # the cold start's move is refused: no phase layout to restore later
     assert c.ers.state.saved_roles is None
 

@@ -71,5 +71,5 @@ def control_config(profile: Profile) -> StepControlConfig:
         max_new_tokens=profile.engine.max_new_tokens, eval_every=rt.eval_every,
         eval_groups=rt.eval_groups, checkpoint_every=trainer.checkpoint_every,
         limits=LayoutLimits(grouped_ranks=rt.num_ranks,
-                            fixed_actor_backend="" if trainer.backend == "ddp" else
-                            trainer.backend))
+                            fixed_actor_backend="megatron" if trainer.backend == "megatron"
+                            else ""))

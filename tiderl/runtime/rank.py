@@ -86,7 +86,7 @@ from tiderl.trainer.executors import (
     DecoupledExecutor,
     StreamedStep,
 )
-from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.parallel import backend_class, make_backend
 from tiderl.trainer.spawn import init_rank
 from tiderl.trainer.sync import load_weights, param_layout, sync_params
 from tiderl.trainer.worker import ActorWorker, RefWorker, optimizer_layout
@@ -160,6 +160,10 @@ class RankDaemon:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.groups[ranks] = group
+        if self.profile.trainer.backend == "megatron":  # a collective over the world, at set-up
+            from tiderl.trainer.megatron import init_model_parallel
+
+            init_model_parallel(self.profile.model.seed)
         # a rank with an engine server that starts in rollout needs the model only for its
         # shapes (and the server needs the device's memory): on the CPU
         on_server = self.profile.engine.uses_server and self.role is Role.ROLLOUT \
@@ -211,11 +215,20 @@ class RankDaemon:
         if state is not None:
             load_weights(model, state)
         backend = make_backend(self.profile.trainer.backend, model, self._group(self.actor_set))
-        self.actor = ActorWorker(backend, self.profile.trainer, self.version)
+        self.actor = ActorWorker(backend, self.profile.trainer, self.version,
+                                 total_steps=self.profile.runtime.steps)
+
+    @property
+    def _gathers(self) -> bool:
+        return backend_class(self.profile.trainer.backend).gathers
+
+    @property
+    def _rewraps(self) -> bool:
+        return backend_class(self.profile.trainer.backend).rewraps
 
     def _rewrap_actor(self) -> None:
         """The actor set changed: wrap the same module and optimizer for the new group."""
-        assert self.actor is not None
+        assert self.actor is not None and self._rewraps
         model = self.actor.backend.model
         self.actor.backend = make_backend(self.profile.trainer.backend, model,
                                           self._group(self.actor_set))
@@ -511,7 +524,8 @@ class RankDaemon:
         if self.is_sync:  # every rank trained the same update: its engine takes its own weights
             if cmd.version > 0:
                 assert self.actor is not None and self.engine is not None
-                self.pending_weights = (self.actor.backend.full_state_dict(), cmd.version)
+                state = await asyncio.to_thread(self.actor.backend.full_state_dict)
+                self.pending_weights = (state, cmd.version)
                 await self._apply_pending_weights()
             self.version = cmd.version
             self._ack(cmd)
@@ -520,22 +534,45 @@ class RankDaemon:
             await self._leave_rollout()  # (not again when a failed boundary is sent again)
         if cmd.checkpoint and self.role is Role.ACTOR:
             await asyncio.to_thread(self._save_checkpoint, cmd)
+        # a backend that cannot wrap its module for another group (FSDP2) builds every actor of
+        # a new actor set afresh: each gets the weights and the optimizer state, as a joiner does
+        rebuilt = () if self._rewraps or new_actors == self.actor_set else new_actors
+        receivers = set(cmd.joiners) | set(rebuilt)
         state = None
         if cmd.version > 0:
-            group = self._group(tuple(cmd.members))
-            source = self.actor.backend.full_state_dict() if self.rank == cmd.src_rank else None
-            result = await asyncio.to_thread(
-                sync_params, source, self.layout, cmd.version if source is not None else None,
-                src=cmd.src_rank, group=group, device=self.device)
-            state = result.state
-            if cmd.joiners:
-                await asyncio.to_thread(self._sync_optimizer, cmd, group)
+            state = await asyncio.to_thread(self._sync_weights, cmd, bool(receivers),
+                                            self.rank in receivers)
         self.version = cmd.version
-        await self._take_role(new, new_actors, state, cmd)
+        await self._take_role(new, new_actors, state, cmd, rebuild=self.rank in rebuilt)
         self._ack(cmd)
 
+    def _sync_weights(self, cmd: SyncWeights, with_optimizer: bool,
+                      takes_optimizer: bool) -> dict[str, torch.Tensor]:
+        """The boundary's collectives, in one order on every rank: the actors gather the
+        source's full weights (and AdamW state) where the backend shards them, then the source
+        broadcasts them to the members. Returns the weights of ``version``."""
+        is_src = self.rank == cmd.src_rank
+        gathers = self._gathers and self.actor is not None  # every old actor joins the gather
+        source = optimizer = None
+        if gathers or is_src:
+            assert self.actor is not None
+            source = self.actor.backend.full_state_dict(keep=is_src)
+            if with_optimizer:
+                optimizer = self.actor.optimizer_state(keep=is_src)
+        group = self._group(tuple(cmd.members))
+        result = sync_params(source if is_src else None, self.layout,
+                             cmd.version if is_src else None, src=cmd.src_rank, group=group,
+                             device=self.device)
+        if with_optimizer:
+            moments = sync_params(optimizer if is_src else None, self.optimizer_layout,
+                                  cmd.version if is_src else None, src=cmd.src_rank,
+                                  group=group, device=self.device)
+            self._joined_optimizer = moments.state if takes_optimizer else None
+        return result.state
+
     async def _take_role(self, new: Role, new_actors: tuple[int, ...],
-                   state: dict[str, torch.Tensor] | None, cmd: SyncWeights) -> None:
+                         state: dict[str, torch.Tensor] | None, cmd: SyncWeights, *,
+                         rebuild: bool = False) -> None:
         changed = new_actors != self.actor_set
         self.actor_set = new_actors
         if new is Role.ROLLOUT:
@@ -545,9 +582,10 @@ class RankDaemon:
                 self.pending_weights = (state, self.version)
                 await self._apply_pending_weights()
         if new is Role.ACTOR:
-            if self.actor is None:
+            if self.actor is None or rebuild:
+                self.actor = None  # the old shards go before the new model is built
                 self._make_actor(None, state)
-                if self.rank in cmd.joiners and self._joined_optimizer is not None:
+                if self._joined_optimizer is not None:
                     self.actor.load_optimizer_state(self._joined_optimizer)
             elif changed:
                 self._rewrap_actor()
@@ -567,17 +605,6 @@ class RankDaemon:
         assert self.actor is not None
         save_checkpoint(cmd.checkpoint, self.actor.backend, self.actor.optimizer, cmd.version,
                         {"step": cmd.version})
-
-    def _sync_optimizer(self, cmd: SyncWeights, group: dist.ProcessGroup) -> None:
-        """The source actor's AdamW state to the new actors (a broadcast over the members)."""
-        source = None
-        if self.rank == cmd.src_rank:
-            assert self.actor is not None
-            source = self.actor.optimizer_state()
-        result = sync_params(source, self.optimizer_layout,
-                             cmd.version if source is not None else None,
-                             src=cmd.src_rank, group=group, device=self.device)
-        self._joined_optimizer = result.state if self.rank in cmd.joiners else None
 
     def _ack(self, cmd) -> None:
         self._send(Ack(rank=self.rank, ref=cmd.seq, ok=True))

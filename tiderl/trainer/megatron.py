@@ -261,11 +261,18 @@ class MegatronBackend:
     def reduce_gradients(self) -> None:
         pass  # torch DDP reduced them in the step's last backward
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return mcore_to_hf(mcore_weights(self.gpt), self.config)
+    gathers = False  # TP = PP = 1: every rank holds the whole model
+    rewraps = False  # its actor set is fixed for the job (ERS moves that change it are refused)
+
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        return mcore_to_hf(mcore_weights(self.gpt), self.config) if keep else {}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         load_mcore_state_dict(self.gpt, hf_to_mcore(state, self.config))
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Under megatron's names (the fused ``linear_qkv`` ...), not HF's."""
+        return self.gpt.named_parameters()

@@ -11,8 +11,13 @@ A backend owns the model of one worker on the ranks of its process group. The wo
   backend accumulates every micro-batch locally and ``reduce_gradients()`` all-reduces them once,
   in one flat buffer, before the optimizer step (nothing to wait for while data streams in);
 - ``reduce_gradients()``: that reduction (a no-op for a backend that reduces in backward);
-- ``full_state_dict()`` / ``load_full_state_dict()``: whole tensors under HF names (a collective
-  for FSDP2: every rank of the group must call it);
+- ``full_state_dict(keep=True)`` / ``load_full_state_dict()``: whole tensors under HF names. For
+  a backend that ``gathers`` (FSDP2) it is a collective: every rank of the group calls it, one
+  parameter at a time is all-gathered, and only a rank with ``keep`` holds the result (on the
+  CPU); the others get an empty dict;
+- ``rewraps``: whether the backend can wrap its same module again for a new group (DDP,
+  Megatron); FSDP2 cannot (``fully_shard`` applies once), so a new actor set builds a fresh model
+  from the full weights and shards it over the new group;
 - ``parameters()`` for the optimizer, ``module`` for checkpoints.
 
 Gradient reduction averages over the group (DDP and FSDP2 both divide by its size); the actor
@@ -48,11 +53,16 @@ class TrainBackend(Protocol):
 
     def reduce_gradients(self) -> None: ...
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    gathers: bool
+    rewraps: bool
+
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]: ...
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -60,21 +70,26 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 
 class _DenseBackend:
-    """Shared by DDP and FSDP2: the Qwen2 dense forward through the wrapper."""
+    """Shared by DDP and FSDP2: the Qwen2 forward through the wrapper."""
 
     def __init__(self, model: Qwen2ForCausalLM, module: nn.Module,
                  group: dist.ProcessGroup | None):
-        self.model = model  # the unwrapped Qwen2 (for its config)
+        self.model = model  # the unwrapped Qwen2 (its config and HF-named parameters)
         self.module = module
         self.group = group
 
     reduces_in_backward = True
+    gathers = False
+    rewraps = True
 
     def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         return token_logprobs(self.module, input_ids, loss_mask)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.model.named_parameters()
 
     def reduce_gradients(self) -> None:
         pass
@@ -125,8 +140,10 @@ class DDPBackend(_DenseBackend):
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The live tensors (no copy): sync or save them before the next optimizer step."""
+        if not keep:
+            return {}
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -135,21 +152,30 @@ class DDPBackend(_DenseBackend):
 
 
 class FSDP2Backend(_DenseBackend):
-    """``fully_shard`` on each decoder layer, then on the root, over a 1-D mesh of the group."""
+    """``fully_shard`` on each decoder layer, then on the root, over a 1-D mesh of the group.
+
+    On a GPU the parameters are gathered in bfloat16 for the forward and the gradients
+    reduce-scattered in float32 (``MixedPrecisionPolicy``); the sharded master weights and
+    AdamW's state stay float32. On the CPU everything stays float32."""
 
     name = "fsdp2"
+    gathers = True
+    rewraps = False
 
     def __init__(self, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None,
                  trainable: bool):
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         del trainable  # a frozen model is sharded too: FSDP2 saves its memory as well
         group = group or dist.group.WORLD
         mesh = DeviceMesh.from_group(group, model.device.type)
+        policy = MixedPrecisionPolicy()
+        if model.device.type == "cuda" and model.dtype == torch.float32:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         super().__init__(model, model, group)
 
     @contextlib.contextmanager
@@ -161,11 +187,9 @@ class FSDP2Backend(_DenseBackend):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        return get_model_state_dict(self.module, options=options)
+    def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Every rank of the group must call this; see :func:`gather_full`."""
+        return gather_full(self.module.state_dict(), keep)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -173,15 +197,56 @@ class FSDP2Backend(_DenseBackend):
         set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
 
 
-def make_backend(name: str, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None = None,
-                 *, trainable: bool = True) -> TrainBackend:
-    """Wrap ``model`` (already on its device) for the ranks of ``group`` (None: the world)."""
-    if name == "ddp":
-        return DDPBackend(model, group, trainable)
-    if name == "fsdp2":
-        return FSDP2Backend(model, group, trainable)
+def gather_full(state: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+    """Whole tensors of a (partly) sharded state dict, one entry at a time: each ``DTensor`` is
+    all-gathered over its mesh (a collective: every rank of the mesh calls this with the same
+    keys) and, where ``keep``, moved to the CPU before the next one is gathered, so a device
+    holds at most one whole tensor beyond its shards. Plain tensors pass through (detached).
+    Where not ``keep`` the result is empty. Entries that share one tensor (tied embeddings) are
+    gathered once."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) in seen:
+            if keep:
+                out[name] = seen[id(tensor)]
+            continue
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if keep:
+            whole = whole.detach().cpu()
+            seen[id(tensor)] = out[name] = whole
+        else:
+            seen[id(tensor)] = whole.new_empty(0)
+    return out
+
+
+def shard_like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out as ``param`` is: this rank's shard as a ``DTensor`` on ``param``'s mesh
+    (cut locally, no communication: every rank holds the same whole tensor), or ``whole`` on
+    ``param``'s device for a plain parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return whole.to(param.device)
+
+
+def backend_class(name: str) -> type:
+    """The class of backend ``name`` (for what a rank must know of it before it has one)."""
     if name == "megatron":
         from tiderl.trainer.megatron import MegatronBackend
 
-        return MegatronBackend(model, group, trainable)
-    raise ValueError(f"unknown trainer backend {name!r}; expected one of {', '.join(BACKENDS)}")
+        return MegatronBackend
+    classes = {"ddp": DDPBackend, "fsdp2": FSDP2Backend}
+    if name not in classes:
+        raise ValueError(f"unknown trainer backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    return classes[name]
+
+
+def make_backend(name: str, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None = None,
+                 *, trainable: bool = True) -> TrainBackend:
+    """Wrap ``model`` (already on its device) for the ranks of ``group`` (None: the world)."""
+    return backend_class(name)(model, group, trainable)

@@ -23,7 +23,7 @@ from torch import nn
 from tiderl.trainer.batch import PackedBatch
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.loss import LossStats, grpo_loss_sum
-from tiderl.trainer.parallel import TrainBackend, group_size
+from tiderl.trainer.parallel import TrainBackend, gather_full, group_size, shard_like
 from tiderl.trainer.sync import Layout, state_layout
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -65,13 +65,18 @@ class StepStats:
     version: int
     loss_tokens: int
     grad_norm: float
+    lr: float = 0.0
 
 
 class ActorWorker:
-    def __init__(self, backend: TrainBackend, config: TrainerConfig, version: int = 0):
+    """``total_steps``: the job's optimizer steps, the horizon of a cosine schedule."""
+
+    def __init__(self, backend: TrainBackend, config: TrainerConfig, version: int = 0,
+                 total_steps: int = 0):
         self.backend = backend
         self.config = config
         self.version = version
+        self.total_steps = total_steps
         self.optimizer = torch.optim.AdamW(backend.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
 
@@ -117,32 +122,38 @@ class ActorWorker:
                 param.grad.mul_(scale)
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        lr = self.config.lr_at(self.version, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
-        return StepStats(self.version, global_loss_tokens, float(grad_norm))
+        return StepStats(self.version, global_loss_tokens, float(grad_norm), lr)
 
-
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """The AdamW state under :func:`optimizer_layout`'s names; a parameter not stepped yet
-        has zero moments and step 0."""
+    def optimizer_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The AdamW state under :func:`optimizer_layout`'s names, whole tensors; a parameter not
+        stepped yet has zero moments and step 0. With a backend that ``gathers`` (FSDP2: sharded
+        moments) this is a collective over the group and only a rank with ``keep`` gets it."""
         state: dict[str, torch.Tensor] = {}
-        for name, param in self.backend.model.named_parameters():
+        for name, param in self.backend.named_parameters():
             slot = self.optimizer.state.get(param, {})
             for key in ADAMW_MOMENTS:
-                state[f"{name}.{key}"] = slot[key].float() if key in slot else torch.zeros(
+                state[f"{name}.{key}"] = slot[key] if key in slot else torch.zeros(
                     param.shape, dtype=torch.float32, device=param.device)
             step = slot.get("step", torch.tensor(0.0))
             state[f"{name}.step"] = torch.as_tensor(step, dtype=torch.float32).reshape(())
-        return state
+        if self.backend.gathers:
+            state = gather_full(state, keep)
+        return {k: v.float() for k, v in state.items()} if keep else {}
 
     def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Install an :meth:`optimizer_state` (as received from another actor) in place."""
-        for name, param in self.backend.model.named_parameters():
+        """Install an :meth:`optimizer_state` (as received from another actor) in place; each
+        moment is laid out as its parameter is (this rank's shard under FSDP2)."""
+        for name, param in self.backend.named_parameters():
             self.optimizer.state[param] = {
                 "step": state[f"{name}.step"].clone().cpu(),
-                **{key: state[f"{name}.{key}"].to(param.device, param.dtype).clone()
+                **{key: shard_like(state[f"{name}.{key}"].to(param.dtype), param).clone()
                    for key in ADAMW_MOMENTS},
             }

@@ -75,6 +75,7 @@ def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
     dist.destroy_process_group()  # the daemon joins its own world, as in a job
     profile = load_profile("local", [f"trainer.backend={backend}", "trainer.lr=1e-3",
                                      "trainer.kl_beta=0", f"runtime.num_ranks={WORLD}",
+                                     f"trainer.activation_checkpointing={backend == 'fsdp2'}",
                                      "runtime.rollout_ranks=1", "runtime.steps=3"])
     args = RankArgs(rank=ctx.rank, world_size=WORLD, run_dir=Path(run_dir), bus="",
                     dist_init=f"tcp://127.0.0.1:{port}", env_url="", role=START[ctx.rank])

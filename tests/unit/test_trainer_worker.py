@@ -4,7 +4,9 @@ rank builds alone, loading, and the broadcast between two real rank processes (g
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -97,3 +99,26 @@ def test_a_joining_rank_gets_the_sources_optimizer_state_over_the_broadcast() ->
     source, joiner = run_ranks(_join_rank, 2, timeout_s=120)
     assert source.keys() == joiner.keys()
     assert all(torch.equal(joiner[k], source[k]) for k in source)
+
+
+def test_the_lr_schedule_warms_up_then_follows_a_cosine_to_its_floor() -> None:
+    config = TrainerConfig(lr=1.0, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    rates = [config.lr_at(step, 10) for step in range(10)]
+    assert rates[:3] == [0.5, 1.0, 1.0]  # warm-up, then the cosine from its top
+    assert rates[-1] == pytest.approx(0.1)  # the last step runs at the floor
+    assert all(a > b for a, b in itertools.pairwise(rates[2:]))
+    assert rates[6] == dataclasses.replace(config).lr_at(6, 10)  # a function of the step alone
+    constant = TrainerConfig(lr=0.3, warmup_steps=3)
+    assert [constant.lr_at(s, 10) for s in (0, 2, 3, 9)] == pytest.approx([0.1, 0.3, 0.3, 0.3])
+
+
+def test_each_optimizer_step_runs_at_the_rate_of_its_version_also_on_a_joiner() -> None:
+    config = dataclasses.replace(CONFIG, lr_schedule="cosine", warmup_steps=1)
+    actor = ActorWorker(make_backend("ddp", init_model("tiny", seed=0)), config, total_steps=6)
+    for seed in range(3):
+        _step(actor, seed)
+        assert actor.optimizer.param_groups[0]["lr"] == config.lr_at(actor.version - 1, 6)
+    joiner = ActorWorker(make_backend("ddp", init_model("tiny", seed=0)), config, version=3,
+                         total_steps=6)
+    _step(joiner, 9)  # its first step is the job's fourth: the rate of version 3
+    assert joiner.optimizer.param_groups[0]["lr"] == config.lr_at(3, 6) < config.lr

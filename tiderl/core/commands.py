@@ -163,7 +163,8 @@ class RecordStep:
 class Boundary:
     """Every live rank (``members``) takes ``roles`` and joins the broadcast of ``version`` from
     ``src_rank`` (an actor that stays one); ``joiners`` (new actors) also get the optimizer state.
-    Version 0 is the launch plan: roles only, no weights move."""
+    Version 0 is the launch plan: roles only, no weights move. ``checkpoint``: the actors save
+    one first; ``export``: the source writes the weights as an HF folder."""
 
     version: int
     roles: tuple[Role, ...]
@@ -173,7 +174,8 @@ class Boundary:
     joiners: tuple[int, ...]
     reason: PlanReason | None
     checkpoint: bool = False
-    is_final: bool = False  # after the last step: weights and checkpoint only
+    export: bool = False
+    is_final: bool = False  # after the last step: weights, checkpoint and export only
 
     def changes(self) -> list[tuple[int, Role, Role]]:
         return [(rank, old, new) for rank, (old, new) in

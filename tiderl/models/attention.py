@@ -21,6 +21,7 @@ Plain torch gather/scatter, no custom kernels: correct first, fast enough for ti
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,35 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens: list[int]) -> torch.Tensor:
+    """Causal attention within each sequence of a packed row (no padding): sequence ``s`` owns
+    rows ``cu_seqlens[s]:cu_seqlens[s + 1]`` and attends to its own rows only, the
+    block-diagonal causal mask without building it. q [N, H, D], k/v [N, Hkv, D] -> [N, H, D].
+
+    flash-attn's ``flash_attn_varlen_func`` runs it in one kernel on a GPU where it is
+    installed; elsewhere each sequence is one ``scaled_dot_product_attention`` call (cost
+    sum(L_s^2), not (sum L_s)^2), which on the CPU is exact and cheap for short sequences."""
+    if q.is_cuda and _flash_varlen is not None and q.dtype in (torch.float16, torch.bfloat16):
+        bounds = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in itertools.pairwise(cu_seqlens))
+        return _flash_varlen(q, k, v, bounds, bounds, longest, longest, causal=True)
+    gqa = q.shape[1] != k.shape[1]
+    # 4-D [1, H, L, D]: with 3-D inputs SDPA falls back to its math kernel on the CPU, which
+    # materialises the [H, L, L] weights (and keeps them for backward)
+    out = [F.scaled_dot_product_attention(
+        *(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+        is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
+        for a, b in itertools.pairwise(cu_seqlens)]
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+try:  # optional: flash-attn's varlen kernel (GPU)
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+except ImportError:
+    _flash_varlen = None
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

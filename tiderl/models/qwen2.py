@@ -6,10 +6,13 @@ ones (``model.layers.N.self_attn.q_proj.weight`` ...), so a Qwen2 / Qwen2.5 chec
 dict loads as is. The numerics follow transformers' ``Qwen2ForCausalLM`` (norms in float32,
 rotary tables in float32 cast to the activation dtype).
 
-Two forward paths share every weight:
+Three forward paths share every weight:
 
-- :meth:`Qwen2ForCausalLM.forward`: dense, whole sequences [batch, seq], causal (training,
-  reference model, tests);
+- :meth:`Qwen2ForCausalLM.forward`: dense, whole sequences [batch, seq], causal (tests, the
+  reference for the others);
+- the same method with ``cu_seqlens``: sequences packed into one row without padding, each
+  attending to itself only; with ``targets`` it returns only the log-probabilities of those
+  next tokens, computed a chunk of rows at a time (the trainer: :func:`packed_token_logprobs`);
 - :meth:`Qwen2ForCausalLM.forward_paged`: packed new tokens of many sequences over a paged KV
   cache (the engine: chunked prefill and batched decode); layout in :mod:`.attention`.
 """
@@ -22,12 +25,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tiderl.models.attention import (
     PagedBatch,
     dense_attention,
     new_kv_cache,
     paged_attention,
+    varlen_attention,
     write_kv,
 )
 
@@ -156,6 +161,12 @@ class Attention(nn.Module):
         out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(x.shape))
 
+    def forward_varlen(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                       cu_seqlens: list[int]) -> torch.Tensor:
+        """Packed: x [num_tokens, hidden], positions [num_tokens] (from 0 in each sequence)."""
+        q, k, v = self._qkv(x, positions, rotary)
+        return self.o_proj(varlen_attention(q, k, v, cu_seqlens).reshape(x.shape))
+
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                       kv_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """Paged: x [num_tokens, hidden], positions [num_tokens]."""
@@ -178,14 +189,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """``checkpointed``: in a backward pass the layer's activations are recomputed instead of
+    kept (activation checkpointing); inside the layer's call, so the hooks of a wrapper on the
+    layer (FSDP2's unshard) run once, outside the recomputed part."""
+
     def __init__(self, config: Qwen2Config, layer: int):
         super().__init__()
         self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.checkpointed = False
 
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, attend, use_reentrant=False)
+        return self._forward(x, attend)
+
+    def _forward(self, x: torch.Tensor, attend) -> torch.Tensor:
         x = x + attend(self.self_attn, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -230,22 +251,52 @@ class Qwen2ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, input_ids: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
+                cu_seqlens: list[int] | None = None, targets: torch.Tensor | None = None,
+                target_rows: torch.Tensor | None = None,
+                chunk_tokens: int = 1024) -> torch.Tensor:
         """Dense causal forward: input_ids [B, T] -> logits [B, T, vocab].
 
         Sequences in a batch are right-padded (padding after the real tokens never changes the
         logits of real tokens under a causal mask). ``positions`` defaults to 0..T-1.
+
+        Packed (``cu_seqlens``): input_ids and positions [N] hold sequences back to back,
+        sequence s in rows ``cu_seqlens[s]:cu_seqlens[s + 1]``, positions from 0 in each. With
+        ``targets`` and ``target_rows`` [M] it returns [M] float32: the log-probability of
+        ``targets[i]`` after row ``target_rows[i]``, computed ``chunk_tokens`` rows at a time,
+        each chunk's logits recomputed in backward rather than kept (no [N, vocab] tensor).
+        Without them it returns the packed logits [N, vocab].
         """
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            positions = positions.expand_as(input_ids)
         rotary = self.model.rotary
+        if cu_seqlens is None:
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+                positions = positions.expand_as(input_ids)
 
-        def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
-            return attn(x, positions, rotary)
+            def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+                return attn(x, positions, rotary)
 
-        return self.lm_head(self.model.hidden_states(input_ids, attend))
+            return self.lm_head(self.model.hidden_states(input_ids, attend))
+        assert positions is not None, "a packed forward needs each token's position"
+
+        def attend_varlen(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+            return attn.forward_varlen(x, positions, rotary, cu_seqlens)
+
+        hidden = self.model.hidden_states(input_ids, attend_varlen)
+        if targets is None or target_rows is None:
+            return self.lm_head(hidden)
+        picked = hidden[target_rows]
+        parts = [checkpoint(self._target_logprobs, picked[i:i + chunk_tokens],
+                            targets[i:i + chunk_tokens], use_reentrant=False)
+                 if torch.is_grad_enabled() else
+                 self._target_logprobs(picked[i:i + chunk_tokens], targets[i:i + chunk_tokens])
+                 for i in range(0, len(targets), chunk_tokens)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, batch: PagedBatch,
@@ -279,7 +330,7 @@ def token_logprobs(model: Qwen2ForCausalLM, input_ids: torch.Tensor,
     tokens) -> [B, T] float32 where ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``
     for t >= 1; ``out[:, 0]`` and masked positions are 0. Differentiable.
     """
-    logits = model(input_ids)[:, :-1].float()
+    logits = model(input_ids)[:, :-1].float()  # all of [B, T, vocab]: the reference path
     targets = input_ids[:, 1:]
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logprobs = picked - torch.logsumexp(logits, dim=-1)
@@ -287,3 +338,36 @@ def token_logprobs(model: Qwen2ForCausalLM, input_ids: torch.Tensor,
     if loss_mask is not None:
         out = out * loss_mask.to(out.dtype)
     return out
+
+
+def packed_token_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                          chunk_tokens: int = 1024) -> torch.Tensor:
+    """:func:`token_logprobs` without padding and without the [B, T, vocab] logits: the same
+    [B, T] result (``out[b, t]`` where ``loss_mask[b, t]``, 0 elsewhere), from one packed
+    forward of each row up to its last loss token (later tokens cannot change an earlier
+    logprob under the causal mask) and the lm_head over loss positions only, in chunks.
+
+    ``model`` is a :class:`Qwen2ForCausalLM` or a wrapper that forwards its call (DDP, FSDP2).
+    A batch without loss tokens still runs one token through every weight, so a rank with
+    nothing to train joins its backend's gradient reduction with zero gradients."""
+    batch, width = input_ids.shape
+    device = input_ids.device
+    mask = loss_mask != 0
+    mask[:, 0] = False  # the first token has no logprob
+    rows, cols = mask.nonzero(as_tuple=True)
+    if rows.numel() == 0:  # nothing to train: one token, weight 0
+        out = model(input_ids[:1, :1].reshape(1), torch.zeros(1, dtype=torch.long, device=device),
+                    cu_seqlens=[0, 1], targets=input_ids[:1, 0], target_rows=torch.zeros(
+                        1, dtype=torch.long, device=device))
+        return out.new_zeros(batch, width) + 0.0 * out.sum()
+    positions = torch.arange(width, device=device)
+    last = torch.where(mask, positions, -1).amax(dim=1)  # per row; -1: no loss token
+    lengths = (last + 1).clamp(min=0)
+    keep = positions.unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]: the packed tokens
+    starts = torch.cumsum(lengths, 0) - lengths
+    cu_seqlens = [0, *torch.cumsum(lengths[lengths > 0], 0).tolist()]
+    picked = model(input_ids[keep], positions.expand(batch, width)[keep], cu_seqlens=cu_seqlens,
+                   targets=input_ids[rows, cols], target_rows=starts[rows] + cols - 1,
+                   chunk_tokens=chunk_tokens)
+    out = picked.new_zeros(batch, width)
+    return out.index_put((rows, cols), picked)

@@ -39,12 +39,13 @@ class BoundaryLink:
         self.failed: dict[int, FailedBroadcast] = {}  # version -> the failed attempt
         self.resent: set[int] = set()  # versions sent again already
 
-    def send(self, boundary: Boundary, checkpoint_dir: str) -> None:
+    def send(self, boundary: Boundary, checkpoint_dir: str, export_dir: str) -> None:
         self._send_all(b.SyncWeights(
             seq=0, version=boundary.version, src_rank=boundary.src_rank,
             roles=[role.value for role in boundary.roles], members=list(boundary.members),
             joiners=list(boundary.joiners),
-            checkpoint=checkpoint_dir if boundary.checkpoint else ""))
+            checkpoint=checkpoint_dir if boundary.checkpoint else "",
+            export=export_dir if boundary.export else ""))
 
     def _send_all(self, sync: b.SyncWeights) -> None:
         for rank in sync.members:

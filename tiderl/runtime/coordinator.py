@@ -332,7 +332,8 @@ class Coordinator:
             self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
                            step=self.controller.step, version=boundary.version,
                            reason=boundary.reason.value if boundary.reason else None)
-        self.link.send(boundary, str(self.log.run_dir / "checkpoints"))
+        self.link.send(boundary, str(self.log.run_dir / "checkpoints"),
+                       str(self.log.run_dir / "hf"))
 
     def _dropped(self, command: c.GroupDropped) -> None:
         for i in range(self.profile.runtime.group_size):

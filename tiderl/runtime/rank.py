@@ -86,6 +86,7 @@ from tiderl.trainer.executors import (
     DecoupledExecutor,
     StreamedStep,
 )
+from tiderl.trainer.export import step_dir, write_folder
 from tiderl.trainer.parallel import backend_class, make_backend
 from tiderl.trainer.spawn import init_rank
 from tiderl.trainer.sync import load_weights, param_layout, sync_params
@@ -202,8 +203,7 @@ class RankDaemon:
         if self.ref is None:
             model, _ = self._initial_model()
             # the frozen Ref runs on its rank alone: no collective ties it to the actor group
-            self.ref = RefWorker(make_backend(self.profile.trainer.backend, model,
-                                              self._group((self.rank,)), trainable=False))
+            self.ref = RefWorker(self._backend(model, (self.rank,), trainable=False))
 
     def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return self.groups[tuple(sorted(ranks))]
@@ -214,7 +214,7 @@ class RankDaemon:
             model, _ = self._initial_model()
         if state is not None:
             load_weights(model, state)
-        backend = make_backend(self.profile.trainer.backend, model, self._group(self.actor_set))
+        backend = self._backend(model, self.actor_set)
         self.actor = ActorWorker(backend, self.profile.trainer, self.version,
                                  total_steps=self.profile.runtime.steps)
 
@@ -229,9 +229,15 @@ class RankDaemon:
     def _rewrap_actor(self) -> None:
         """The actor set changed: wrap the same module and optimizer for the new group."""
         assert self.actor is not None and self._rewraps
-        model = self.actor.backend.model
-        self.actor.backend = make_backend(self.profile.trainer.backend, model,
-                                          self._group(self.actor_set))
+        self.actor.backend = self._backend(self.actor.backend.model, self.actor_set)
+
+    def _backend(self, model: Qwen2ForCausalLM, ranks: tuple[int, ...], *,
+                 trainable: bool = True):
+        trainer = self.profile.trainer
+        return make_backend(trainer.backend, model, self._group(ranks), trainable=trainable,
+                            chunk_tokens=trainer.logits_chunk_tokens,
+                            activation_checkpointing=trainable
+                            and trainer.activation_checkpointing)
 
     async def _start_engine(self, version: int,
                             state: dict[str, torch.Tensor] | None = None) -> None:
@@ -525,6 +531,7 @@ class RankDaemon:
             if cmd.version > 0:
                 assert self.actor is not None and self.engine is not None
                 state = await asyncio.to_thread(self.actor.backend.full_state_dict)
+                await self._export(cmd, state)
                 self.pending_weights = (state, cmd.version)
                 await self._apply_pending_weights()
             self.version = cmd.version
@@ -542,9 +549,21 @@ class RankDaemon:
         if cmd.version > 0:
             state = await asyncio.to_thread(self._sync_weights, cmd, bool(receivers),
                                             self.rank in receivers)
+            await self._export(cmd, state)
         self.version = cmd.version
         await self._take_role(new, new_actors, state, cmd, rebuild=self.rank in rebuilt)
         self._ack(cmd)
+
+    async def _export(self, cmd: SyncWeights, state: dict[str, torch.Tensor]) -> None:
+        """The source writes ``hf/step-N`` when the boundary asks (before any rank trains on:
+        a DDP source's state is its live weights)."""
+        if not cmd.export or self.rank != cmd.src_rank:
+            return
+        assert self.model_config is not None
+        folder = step_dir(cmd.export, cmd.version)
+        await asyncio.to_thread(write_folder, state, self.model_config, self.tokenizer, folder,
+                                self.profile.trainer.export_shard_mb << 20)
+        log.info("rank %d: exported version %d to %s", self.rank, cmd.version, folder)
 
     def _sync_weights(self, cmd: SyncWeights, with_optimizer: bool,
                       takes_optimizer: bool) -> dict[str, torch.Tensor]:

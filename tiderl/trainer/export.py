@@ -1,8 +1,10 @@
-"""A policy version as an HF-format folder, for engine servers that load weights from disk
-(``engine.weight_sync: disk``):
+"""A policy version as an HF-format folder: for engine servers that load weights from disk
+(``engine.weight_sync: disk``), and every ``trainer.export_every`` steps and at the end of a job
+for the user (loadable by transformers, ``tiderl engine serve`` and vLLM / SGLang):
 
     runs/<job>/weights/v00000003/  config.json  model.safetensors (or shards + index)
                                    tokenizer.json
+    runs/<job>/hf/step-00000004/   the same files; kept (not pruned)
 
 A version is written into a hidden folder beside its place and renamed into it, so a reader sees
 the whole version or nothing. Ranks of one node share the folder: the first to take the
@@ -39,16 +41,28 @@ def export_version(state: dict[str, torch.Tensor], config: Qwen2Config, tokenize
     """Write ``state`` as version ``version``'s folder under ``root`` (unless a rank of this
     node already did) and prune to the newest ``keep``; returns the folder."""
     final = version_dir(root, version)
-    Path(root).mkdir(parents=True, exist_ok=True)
-    with open(Path(root) / f".{final.name}.lock", "w") as lock:
+    write_folder(state, config, tokenizer, final, max_shard_bytes)
+    prune(root, keep)
+    return final
+
+
+def step_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"step-{version:08d}"
+
+
+def write_folder(state: dict[str, torch.Tensor], config: Qwen2Config, tokenizer: Tokenizer,
+                 final: Path, max_shard_bytes: int | None = None) -> Path:
+    """``state`` as the HF folder ``final``, unless it is there already: written beside it and
+    renamed into place under a lock file (``flock``) that writers of one node share."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a rank of this node writing it: wait for it
         if not final.is_dir():
-            tmp = Path(root) / f".{final.name}.{os.getpid()}.tmp"
+            tmp = final.parent / f".{final.name}.{os.getpid()}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             save_state_dict(state, config, tmp, max_shard_bytes)
             tokenizer.save(str(tmp / TOKENIZER_FILE))
             tmp.rename(final)
-    prune(root, keep)
     return final
 
 

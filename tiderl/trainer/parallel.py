@@ -3,7 +3,9 @@
 A backend owns the model of one worker on the ranks of its process group. The workers only call:
 
 - ``logprobs(input_ids, loss_mask)``: per-token logprobs of the next token (differentiable for a
-  trainable backend), ``[B, T]`` as :func:`tiderl.models.qwen2.token_logprobs` defines them;
+  trainable backend), ``[B, T]`` as :func:`tiderl.models.qwen2.token_logprobs` defines them.
+  DDP and FSDP2 compute them packed (no padding) and over loss positions only, in chunks of
+  ``chunk_tokens`` (:func:`tiderl.models.qwen2.packed_token_logprobs`);
 - ``grad_sync(enabled)``: a context in which backward accumulates locally (``enabled=False``:
   FSDP2 ``set_requires_gradient_sync(False)``) or reduces across the group;
 - ``reduces_in_backward``: whether the step's last backward reduces the gradients (FSDP2,
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiderl.models.qwen2 import Qwen2ForCausalLM, token_logprobs
+from tiderl.models.qwen2 import Qwen2ForCausalLM, packed_token_logprobs
 
 BACKENDS = ("ddp", "fsdp2", "megatron")
 
@@ -77,13 +79,14 @@ class _DenseBackend:
         self.model = model  # the unwrapped Qwen2 (its config and HF-named parameters)
         self.module = module
         self.group = group
+        self.chunk_tokens = 1024
 
     reduces_in_backward = True
     gathers = False
     rewraps = True
 
     def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(self.module, input_ids, loss_mask)
+        return packed_token_logprobs(self.module, input_ids, loss_mask, self.chunk_tokens)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -247,6 +250,14 @@ def backend_class(name: str) -> type:
 
 
 def make_backend(name: str, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None = None,
-                 *, trainable: bool = True) -> TrainBackend:
-    """Wrap ``model`` (already on its device) for the ranks of ``group`` (None: the world)."""
-    return backend_class(name)(model, group, trainable)
+                 *, trainable: bool = True, chunk_tokens: int = 1024,
+                 activation_checkpointing: bool = False) -> TrainBackend:
+    """Wrap ``model`` (already on its device) for the ranks of ``group`` (None: the world).
+    ``chunk_tokens``: loss positions per lm_head chunk; ``activation_checkpointing``: each
+    decoder layer recomputed in backward (DDP, FSDP2: set before the wrap)."""
+    if activation_checkpointing:
+        for layer in model.model.layers:
+            layer.checkpointed = True
+    backend = backend_class(name)(model, group, trainable)
+    backend.chunk_tokens = chunk_tokens
+    return backend

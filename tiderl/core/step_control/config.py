@@ -60,7 +60,8 @@ class StepControlConfig:
     """``ctb`` is used as given under TideRL with CTB, else as the request-level baseline;
     ``ers`` gives every system its batch bounds and plans only under TideRL with ERS;
     ``rank_budget`` is CTB's B_r; ``max_new_tokens`` the generation cap of one turn (the
-    footprint rule); ``checkpoint_every`` asks the actors for a checkpoint at those versions."""
+    footprint rule); ``checkpoint_every`` asks the actors for a checkpoint at those versions,
+    ``export_every`` for an HF folder of the weights (both also after the last step)."""
 
     system: SystemSpec
     num_steps: int
@@ -74,4 +75,5 @@ class StepControlConfig:
     eval_every: int = 0
     eval_groups: int = 0
     checkpoint_every: int = 0
+    export_every: int = 0
     limits: LayoutLimits = field(default_factory=LayoutLimits)

@@ -321,12 +321,14 @@ class StepController(ManualPlans):
                 self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now)))
         self.roles = list(new)
         self.buffer.num_dp_ranks = max(1, len(self._actors(new)))  # what comes next is cut for it
-        every = self.config.checkpoint_every
-        is_due = bool(every and self.version and self.version % every == 0)  # not the launch's
+        def is_due(every: int) -> bool:  # not the launch's boundary
+            return bool(is_final or (every and self.version and self.version % every == 0))
+
         members = tuple(r for r in range(len(new)) if r not in self.dead)
         self._out.append(Boundary(
             self.version, new, old, members, keep[0], tuple(sorted(new_actors - old_actors)),
-            reason, checkpoint=is_final or is_due, is_final=is_final))
+            reason, checkpoint=is_due(self.config.checkpoint_every),
+            export=is_due(self.config.export_every), is_final=is_final))
         if is_final:
             return
         rollout = {r for r in members if new[r] is Role.ROLLOUT or self.system.is_sync}

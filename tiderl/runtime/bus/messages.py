@@ -227,6 +227,7 @@ class SyncWeights(Message, kw_only=True):
     members: list[int]  # the live ranks taking part in the broadcasts (a dead one is left out)
     joiners: list[int] = []
     checkpoint: str = ""  # a folder: the actors save a checkpoint of ``version`` there first
+    export: str = ""  # a folder: the source writes the weights there as hf/step-N (HF format)
 
 
 class TrainSampleData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

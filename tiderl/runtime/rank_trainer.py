@@ -1,0 +1,182 @@
+"""A rank's trainer side, mixed into :class:`tiderl.runtime.rank.RankDaemon`: its Actor and Ref
+workers on the trainer backend, the RA2P executor of each step, and its part in a boundary's
+collectives (the gather of sharded weights, the broadcasts, the HF export, the checkpoint).
+
+Every collective here runs in a worker thread (``asyncio.to_thread``), so the rank's event loop
+keeps sending heartbeats while a gather or a broadcast blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from tiderl.core.system import StepMode
+from tiderl.core.types import Role
+from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.profile import Profile
+from tiderl.runtime.bus import StepDone, SyncWeights, TrainStep
+from tiderl.runtime.rank_wire import step_done
+from tiderl.trainer.checkpoint import save_checkpoint
+from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
+from tiderl.trainer.export import step_dir, write_folder
+from tiderl.trainer.parallel import backend_class, make_backend
+from tiderl.trainer.sync import Layout, load_weights, sync_params
+from tiderl.trainer.worker import ActorWorker, RefWorker
+
+log = logging.getLogger("tiderl.rank")
+
+
+class TrainerRoles:
+    """The trainer half of a rank daemon (what it needs of the daemon is declared here)."""
+
+    profile: Profile
+    rank: int
+    is_sync: bool
+    version: int
+    device: torch.device
+    tokenizer: object
+    model_config: object
+    layout: Layout | None
+    optimizer_layout: Layout | None
+    actor_set: tuple[int, ...]
+    actor: ActorWorker | None
+    ref: RefWorker | None
+    streams: dict[int, StreamedStep]
+    _joined_optimizer: dict[str, torch.Tensor] | None
+
+    def _initial_model(self, device: torch.device | None = None
+                       ) -> tuple[Qwen2ForCausalLM, object]:
+        raise NotImplementedError
+
+    def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        raise NotImplementedError
+
+    def _send(self, msg: StepDone) -> None:
+        raise NotImplementedError
+
+    def _needs_ref(self, role: Role) -> bool:
+        if self.profile.trainer.kl_beta == 0:
+            return False
+        return self.is_sync or role in (Role.REF, Role.ACTOR)
+
+    def _make_ref(self) -> None:
+        if self.ref is None:
+            model, _ = self._initial_model()
+            # the frozen Ref runs on its rank alone: no collective ties it to the actor group
+            self.ref = RefWorker(self._backend(model, (self.rank,), trainable=False))
+
+    def _make_actor(self, model: Qwen2ForCausalLM | None,
+                    state: dict[str, torch.Tensor] | None) -> None:
+        if model is None:
+            model, _ = self._initial_model()
+        if state is not None:
+            load_weights(model, state)
+        backend = self._backend(model, self.actor_set)
+        self.actor = ActorWorker(backend, self.profile.trainer, self.version,
+                                 total_steps=self.profile.runtime.steps)
+
+    @property
+    def _gathers(self) -> bool:
+        return backend_class(self.profile.trainer.backend).gathers
+
+    @property
+    def _rewraps(self) -> bool:
+        return backend_class(self.profile.trainer.backend).rewraps
+
+    def _rewrap_actor(self) -> None:
+        """The actor set changed: wrap the same module and optimizer for the new group."""
+        assert self.actor is not None and self._rewraps
+        self.actor.backend = self._backend(self.actor.backend.model, self.actor_set)
+
+    def _backend(self, model: Qwen2ForCausalLM, ranks: tuple[int, ...], *,
+                 trainable: bool = True):
+        trainer = self.profile.trainer
+        return make_backend(trainer.backend, model, self._group(ranks), trainable=trainable,
+                            chunk_tokens=trainer.logits_chunk_tokens,
+                            activation_checkpointing=trainable
+                            and trainer.activation_checkpointing)
+
+    async def _train(self, cmd: TrainStep) -> None:
+        stream = self.streams[cmd.step]
+        executor = self._executor(cmd)
+        if executor is None:  # not in this step's trainer set
+            self.streams.pop(cmd.step, None)
+            return
+        result = await asyncio.to_thread(executor.run_step, stream, stream, time.time())
+        self.streams.pop(cmd.step, None)
+        if result.step is not None:
+            self.version = result.step.version
+        done = step_done(self.rank, cmd.step, result, stream, self.version)
+        log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
+                 done.mode, done.loss_tokens, done.loss, done.seconds)
+        self._send(done)
+
+    def _executor(self, cmd: TrainStep) -> DecoupledExecutor | ColocatedExecutor | None:
+        """This rank's executor of the step's mode; None when it is not in the step's ranks."""
+        if cmd.mode is StepMode.DECOUPLED:
+            return self._decoupled_executor(cmd)
+        if self.rank not in cmd.actor_ranks:
+            return None
+        assert self.actor is not None, f"rank {self.rank} has no actor for step {cmd.step}"
+        return ColocatedExecutor.for_mode(cmd.mode, self.ref, self.actor,
+                                          max_aggregate=cmd.max_aggregate,
+                                          group=self._group(tuple(cmd.actor_ranks)),
+                                          device=self.device)
+
+    def _decoupled_executor(self, cmd: TrainStep) -> DecoupledExecutor | None:
+        if self.rank not in cmd.ref_ranks and self.rank not in cmd.actor_ranks:
+            return None
+        is_ref = self.rank in cmd.ref_ranks
+        use_ref = self.profile.trainer.kl_beta > 0  # no KL term: no Ref pass at all
+        if is_ref and use_ref:
+            self._make_ref()
+        group = self._group(tuple(cmd.actor_ranks)) if not is_ref else None
+        return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
+                                 ref=self.ref if is_ref and use_ref else None,
+                                 actor=None if is_ref else self.actor,
+                                 actor_group=group, device=self.device, use_ref=use_ref)
+
+    async def _export(self, cmd: SyncWeights, state: dict[str, torch.Tensor]) -> None:
+        """The source writes ``hf/step-N`` when the boundary asks (before any rank trains on:
+        a DDP source's state is its live weights)."""
+        if not cmd.export or self.rank != cmd.src_rank:
+            return
+        assert self.model_config is not None
+        folder = step_dir(cmd.export, cmd.version)
+        await asyncio.to_thread(write_folder, state, self.model_config, self.tokenizer, folder,
+                                self.profile.trainer.export_shard_mb << 20)
+        log.info("rank %d: exported version %d to %s", self.rank, cmd.version, folder)
+
+    def _sync_weights(self, cmd: SyncWeights, with_optimizer: bool,
+                      takes_optimizer: bool) -> dict[str, torch.Tensor]:
+        """The boundary's collectives, in one order on every rank: the actors gather the
+        source's full weights (and AdamW state) where the backend shards them, then the source
+        broadcasts them to the members. Returns the weights of ``version``."""
+        is_src = self.rank == cmd.src_rank
+        gathers = self._gathers and self.actor is not None  # every old actor joins the gather
+        source = optimizer = None
+        if gathers or is_src:
+            assert self.actor is not None
+            source = self.actor.backend.full_state_dict(keep=is_src)
+            if with_optimizer:
+                optimizer = self.actor.optimizer_state(keep=is_src)
+        group = self._group(tuple(cmd.members))
+        result = sync_params(source if is_src else None, self.layout,
+                             cmd.version if is_src else None, src=cmd.src_rank, group=group,
+                             device=self.device)
+        if with_optimizer:
+            moments = sync_params(optimizer if is_src else None, self.optimizer_layout,
+                                  cmd.version if is_src else None, src=cmd.src_rank,
+                                  group=group, device=self.device)
+            self._joined_optimizer = moments.state if takes_optimizer else None
+        return result.state
+
+    def _save_checkpoint(self, cmd: SyncWeights) -> None:
+        assert self.actor is not None
+        save_checkpoint(cmd.checkpoint, self.actor.backend, self.actor.optimizer, cmd.version,
+                        {"step": cmd.version})

@@ -71,6 +71,15 @@ class Profile:
         require(self.trainer.backend != "megatron" or self.runtime.device == "cuda",
                 "runtime.device", "trainer.backend megatron runs on GPUs only (megatron-core's "
                 "forward needs CUDA): set runtime.device=cuda, or use ddp or fsdp2")
+        tp, rt = self.trainer.tensor_parallel, self.runtime
+        if tp > 1:  # megatron's TP groups are blocks of consecutive ranks: actors fill blocks
+            for name in ("num_ranks", "rollout_ranks"):
+                require(getattr(rt, name) % tp == 0, f"runtime.{name}",
+                        f"expected a multiple of trainer.tensor_parallel ({tp}), "
+                        f"got {getattr(rt, name)}")
+            require(self.ra2p.mode == "colocated" or rt.mode != "tiderl", "ra2p.mode",
+                    "trainer.tensor_parallel > 1 runs the Ref beside its actors: set "
+                    "ra2p.mode=colocated (a Ref rank of its own would need a TP group)")
 
 
 class ProfileError(Exception):

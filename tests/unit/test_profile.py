@@ -162,3 +162,27 @@ def test_exponent_floats_without_a_dot_are_floats():
     assert profile.trainer.lr == 0.01 and profile.ctb.budget_fraction == 0.5
     with pytest.raises(ProfileError, match=r"trainer\.lr: expected float, got"):
         load_profile("local", ["trainer.lr=fast"])
+
+
+MEGATRON = ["trainer.backend=megatron", "runtime.device=cuda", "ra2p.mode=colocated"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.backend=megatron"], "runtime.device: trainer.backend megatron runs on GPUs only "
+                                   "(megatron-core's forward needs CUDA): set runtime.device=cuda"
+                                   ", or use ddp or fsdp2"),
+    (["trainer.tensor_parallel=2"], "trainer.tensor_parallel: expected 1 with backend ddp "
+                                    "(tensor parallelism is the megatron backend's), got 2"),
+    ([*MEGATRON, "trainer.tensor_parallel=2", "runtime.rollout_ranks=1"],
+     "runtime.rollout_ranks: expected a multiple of trainer.tensor_parallel (2), got 1"),
+    ([*MEGATRON[:2], "trainer.tensor_parallel=2"],
+     "ra2p.mode: trainer.tensor_parallel > 1 runs the Ref beside its actors: set "
+     "ra2p.mode=colocated (a Ref rank of its own would need a TP group)"),
+])
+def test_trainer_backend_settings_are_checked_against_the_job(overrides, message):
+    assert error_of(load_profile, "local", overrides) == f"--set: {message}"
+
+
+def test_a_tensor_parallel_megatron_job_on_whole_tp_blocks_is_accepted():
+    profile = load_profile("local", [*MEGATRON, "trainer.tensor_parallel=2"])
+    assert profile.trainer.tensor_parallel == 2

@@ -201,6 +201,22 @@ def test_a_cold_start_lends_the_trainer_until_batch_0_is_ready_then_step_0_train
         "phase_end", ("rollout", "actor", "actor"), 2)
 
 
+def test_micro_batches_are_cut_for_the_model_replicas_under_tensor_parallelism():
+    # two actors that hold one TP = 2 replica train as one data-parallel rank
+    for tp in (1, 2):
+        c = make(System.TIDERL, (R, R, A, A), tensor_parallel=tp,
+                 ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+        c.launch(0.0)
+        assert c.buffer.num_dp_ranks == 2 // tp
+        dispatched = []
+        for i in range(4):
+            out = c.group_ready(f"g{i}", Ready(f"g{i}", 0, tokens=600), 1.0 + i)
+            dispatched += [d.mb for d in only(out, Dispatch)]
+        # formed as for the other tests' one rank (a group, then the last two one by one) when
+        # the two actors are one replica; for two data-parallel ranks without TP
+        assert [len(mb.sequences) for mb in dispatched] == ([2, 2] if tp == 1 else [2, 1, 1])
+
+
 def test_micro_batches_wait_for_their_step_and_are_cut_for_its_actor_ranks():
     # stream: batch 1 arrives while step 0 trains on rank 2 alone; a manual plan then gives
     # the trainer two ranks, so step 1 takes batch 1 cut for two

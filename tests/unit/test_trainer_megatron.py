@@ -125,6 +125,23 @@ def test_conversion_round_trips_bit_exactly(variant, dtype):
     assert all(torch.equal(back[k], v) and back[k].dtype == dtype for k, v in state.items())
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tp_slices_merge_back_bit_exactly_and_cut_whole_query_groups(tp):
+    model = init_model("tiny")
+    whole = mg.hf_to_mcore(model.state_dict(), model.config)
+    shards = [mg.tp_shard(whole, tp, rank) for rank in range(tp)]
+    merged = mg.tp_merge(shards)
+    assert sorted(merged) == sorted(whole)
+    assert all(torch.equal(merged[k], v) for k, v in whole.items())
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    rows = (model.config.num_attention_heads // model.config.num_key_value_heads + 2) \
+        * model.config.head_dim  # one query group: its query heads, k and v
+    assert shards[-1][qkv].shape[0] == rows * model.config.num_key_value_heads // tp
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    gate, _ = whole[fc1].chunk(2)
+    assert torch.equal(shards[0][fc1][:gate.shape[0] // tp], gate[:gate.shape[0] // tp])
+
+
 def test_qkv_rows_are_grouped_per_key_value_head():
     """Megatron's layout, spelled out: group g holds its query heads, then k_g, then v_g."""
     config = init_model("tiny").config  # 4 query heads, 2 kv heads, head_dim 32

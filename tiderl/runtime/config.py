@@ -70,7 +70,7 @@ def control_config(profile: Profile) -> StepControlConfig:
         rank_budget=profile.ctb.rank_budget(profile.engine.kv_cache_tokens),
         max_new_tokens=profile.engine.max_new_tokens, eval_every=rt.eval_every,
         eval_groups=rt.eval_groups, checkpoint_every=trainer.checkpoint_every,
-        export_every=trainer.export_every,
+        export_every=trainer.export_every, tensor_parallel=trainer.tensor_parallel,
         limits=LayoutLimits(grouped_ranks=rt.num_ranks,
                             fixed_actor_backend="megatron" if trainer.backend == "megatron"
                             else ""))

@@ -126,6 +126,7 @@ class RankDaemon(TrainerRoles):
         self.layout = None  # weight-sync layout (every rank builds the same model)
         self.optimizer_layout = None  # optimizer-state sync layout, from the same model
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # megatron TP > 1
         self.actor_set: tuple[int, ...] = ()
         self.actor: ActorWorker | None = None
         self.ref: RefWorker | None = None
@@ -159,10 +160,18 @@ class RankDaemon(TrainerRoles):
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.groups[ranks] = group
-        if self.profile.trainer.backend == "megatron":  # a collective over the world, at set-up
+        if self.profile.trainer.backend == "megatron":  # collectives over the world, at set-up
             from tiderl.trainer.megatron import init_model_parallel
 
-            init_model_parallel(self.profile.model.seed)
+            tp = self.profile.trainer.tensor_parallel
+            init_model_parallel(self.profile.model.seed, tp)
+            # the data-parallel groups of the (fixed) actor set: the actors of one TP index
+            actors = _ranks_with(initial_roles, Role.ACTOR, self.is_sync)
+            for index in range(tp if tp > 1 else 0):
+                ranks = tuple(r for r in actors if r % tp == index)
+                group = dist.new_group(list(ranks), timeout=timeout)
+                if self.rank in ranks:
+                    self.dp_groups[ranks] = group
         # a rank with an engine server that starts in rollout needs the model only for its
         # shapes (and the server needs the device's memory): on the CPU
         on_server = self.profile.engine.uses_server and self.role is Role.ROLLOUT \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class TrainerRoles:
     actor: ActorWorker | None
     ref: RefWorker | None
     streams: dict[int, StreamedStep]
+    dp_groups: dict[tuple[int, ...], dist.ProcessGroup]
     _joined_optimizer: dict[str, torch.Tensor] | None
 
     def _initial_model(self, device: torch.device | None = None
@@ -55,6 +57,14 @@ class TrainerRoles:
 
     def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         raise NotImplementedError
+
+    def _dp_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """The data-parallel group of this rank among ``ranks``: all of them, or under
+        megatron TP the ones of this rank's TP index (TP groups: consecutive ranks)."""
+        tp = self.profile.trainer.tensor_parallel
+        if tp == 1 or len(ranks) == 1:
+            return self._group(ranks)
+        return self.dp_groups[tuple(r for r in sorted(ranks) if r % tp == self.rank % tp)]
 
     def _send(self, msg: StepDone) -> None:
         raise NotImplementedError
@@ -81,10 +91,6 @@ class TrainerRoles:
                                  total_steps=self.profile.runtime.steps)
 
     @property
-    def _gathers(self) -> bool:
-        return backend_class(self.profile.trainer.backend).gathers
-
-    @property
     def _rewraps(self) -> bool:
         return backend_class(self.profile.trainer.backend).rewraps
 
@@ -96,7 +102,7 @@ class TrainerRoles:
     def _backend(self, model: Qwen2ForCausalLM, ranks: tuple[int, ...], *,
                  trainable: bool = True):
         trainer = self.profile.trainer
-        return make_backend(trainer.backend, model, self._group(ranks), trainable=trainable,
+        return make_backend(trainer.backend, model, self._dp_group(ranks), trainable=trainable,
                             chunk_tokens=trainer.logits_chunk_tokens,
                             activation_checkpointing=trainable
                             and trainer.activation_checkpointing)
@@ -125,7 +131,7 @@ class TrainerRoles:
         assert self.actor is not None, f"rank {self.rank} has no actor for step {cmd.step}"
         return ColocatedExecutor.for_mode(cmd.mode, self.ref, self.actor,
                                           max_aggregate=cmd.max_aggregate,
-                                          group=self._group(tuple(cmd.actor_ranks)),
+                                          group=self.actor.backend.group,
                                           device=self.device)
 
     def _decoupled_executor(self, cmd: TrainStep) -> DecoupledExecutor | None:
@@ -135,7 +141,7 @@ class TrainerRoles:
         use_ref = self.profile.trainer.kl_beta > 0  # no KL term: no Ref pass at all
         if is_ref and use_ref:
             self._make_ref()
-        group = self._group(tuple(cmd.actor_ranks)) if not is_ref else None
+        group = self.actor.backend.group if self.actor is not None and not is_ref else None
         return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
                                  ref=self.ref if is_ref and use_ref else None,
                                  actor=None if is_ref else self.actor,
@@ -158,7 +164,8 @@ class TrainerRoles:
         source's full weights (and AdamW state) where the backend shards them, then the source
         broadcasts them to the members. Returns the weights of ``version``."""
         is_src = self.rank == cmd.src_rank
-        gathers = self._gathers and self.actor is not None  # every old actor joins the gather
+        # every old actor joins the gather of a sharded backend (FSDP2, megatron under TP)
+        gathers = self.actor is not None and self.actor.backend.gathers
         source = optimizer = None
         if gathers or is_src:
             assert self.actor is not None
@@ -178,5 +185,6 @@ class TrainerRoles:
 
     def _save_checkpoint(self, cmd: SyncWeights) -> None:
         assert self.actor is not None
-        save_checkpoint(cmd.checkpoint, self.actor.backend, self.actor.optimizer, cmd.version,
-                        {"step": cmd.version})
+        part = getattr(self.actor.backend, "checkpoint_part", "")  # megatron TP: per index
+        save_checkpoint(Path(cmd.checkpoint) / part, self.actor.backend, self.actor.optimizer,
+                        cmd.version, {"step": cmd.version})

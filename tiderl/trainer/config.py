@@ -14,6 +14,7 @@ LR_SCHEDULES = ("constant", "cosine")
 @dataclass(frozen=True)
 class TrainerConfig:
     backend: str = "ddp"
+    tensor_parallel: int = 1  # megatron: TP ranks per model replica (consecutive ranks)
     lr: float = 1e-4
     lr_schedule: str = "constant"  # or cosine: to min_lr_ratio * lr at the job's last step
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps (both schedules)
@@ -33,11 +34,14 @@ class TrainerConfig:
         require_choice(self.backend, BACKENDS, "backend")
         require_choice(self.lr_schedule, LR_SCHEDULES, "lr_schedule")
         require_positive(self.lr, "lr")
-        for name in ("export_shard_mb", "logits_chunk_tokens"):
+        for name in ("export_shard_mb", "logits_chunk_tokens", "tensor_parallel"):
             require_positive(getattr(self, name), name)
         for name in ("weight_decay", "grad_clip", "kl_beta", "adv_eps", "checkpoint_every",
                      "export_every", "warmup_steps"):
             require_non_negative(getattr(self, name), name)
+        require(self.tensor_parallel == 1 or self.backend == "megatron", "tensor_parallel",
+                f"expected 1 with backend {self.backend} (tensor parallelism is the megatron "
+                f"backend's), got {self.tensor_parallel}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
                 f"expected a number in [0, 1], got {self.min_lr_ratio!r}")
         require(0 < self.clip_eps < 1, "clip_eps",

@@ -5,8 +5,9 @@ level, so this module (and the conversion's docs) load without it. Building a ``
 converting weights work on CPU; its forward does not (megatron-core 0.16 allocates the causal mask
 and the attention buffer with ``torch.cuda``), so :class:`MegatronBackend` needs CUDA.
 
-The model uses ``get_gpt_layer_local_spec`` (plain PyTorch modules, no Transformer Engine), with
-tensor and pipeline parallel 1. Its parameter names (megatron-core 0.16.1) against ours (HF)::
+The model uses ``get_gpt_layer_local_spec`` (plain PyTorch modules, no Transformer Engine),
+pipeline parallel 1 and tensor parallel ``trainer.tensor_parallel``. Its parameter names
+(megatron-core 0.16.1) against ours (HF)::
 
     model.embed_tokens.weight              embedding.word_embeddings.weight
     model.layers.N.input_layernorm.weight  decoder.layers.N.input_layernorm.weight
@@ -22,6 +23,12 @@ tensor and pipeline parallel 1. Its parameter names (megatron-core 0.16.1) again
 heads, then k_g, then v_g (``SelfAttention.get_query_key_value_tensors`` views the output as
 [groups, (heads_per_group + 2) * head_dim] and splits it). ``linear_fc1`` is [gate; up]
 (``MLP.glu`` chunks it in two and activates the first half).
+
+Under tensor parallelism each TP rank holds a slice (:func:`tp_shard`, :func:`tp_merge`): the
+column-parallel ``linear_qkv`` (whole query groups per rank, as the grouped layout puts them
+contiguously), ``word_embeddings`` and ``output_layer`` (vocabulary rows) split their rows;
+``linear_fc1`` splits gate and up each and stacks the rank's halves; the row-parallel
+``linear_proj`` and ``linear_fc2`` split their columns; the norms are whole on every rank.
 """
 
 from __future__ import annotations
@@ -85,8 +92,11 @@ def qwen2_transformer_config(config: Qwen2Config, *, params_dtype: torch.dtype =
 
 
 def build_gpt_model(config: Qwen2Config, *, params_dtype: torch.dtype = torch.float32,
-                    use_cpu_initialization: bool = False) -> GPTModel:
-    """An uninitialised ``GPTModel`` with our architecture; needs ``init_model_parallel``."""
+                    use_cpu_initialization: bool = False,
+                    parallel_output: bool = True) -> GPTModel:
+    """An uninitialised ``GPTModel`` with our architecture; needs ``init_model_parallel``.
+    Under TP its logits are this rank's vocabulary slice unless ``parallel_output`` is False
+    (then gathered over the TP group: every rank gets all of them)."""
     _require_megatron()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -97,22 +107,24 @@ def build_gpt_model(config: Qwen2Config, *, params_dtype: torch.dtype = torch.fl
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=config.rope_theta,
-        share_embeddings_and_output_weights=config.tie_word_embeddings)
+        share_embeddings_and_output_weights=config.tie_word_embeddings,
+        parallel_output=parallel_output)
 
 
-def init_model_parallel(seed: int = 0) -> None:
-    """Megatron's global groups with tensor and pipeline parallel 1, once per process.
+def init_model_parallel(seed: int = 0, tensor_parallel_size: int = 1) -> None:
+    """Megatron's global groups, pipeline parallel 1, once per process: TP groups are blocks of
+    ``tensor_parallel_size`` consecutive ranks of the world.
 
     ``initialize_model_parallel`` is a collective over the whole world (it creates its groups
     with ``new_group``), so every rank must call this together, e.g. at start-up where the
-    runtime creates its other groups. Its data-parallel group is the world; the backend reduces
-    gradients over its own group with torch DDP, so that group does not matter here.
+    runtime creates its other groups. Its data-parallel group spans the world; the backend
+    reduces gradients over its own group with torch DDP, so that group does not matter here.
     """
     _require_megatron()
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
     if torch.cuda.is_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         # The local attention forks the tracker's stream around its (zero) dropout.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -192,6 +204,44 @@ def mcore_to_hf(state: dict[str, torch.Tensor], config: Qwen2Config) -> dict[str
     return out
 
 
+_COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight",
+                    "linear_qkv.bias")
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_GLU = "linear_fc1.weight"
+
+
+def tp_shard(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """TP rank ``rank``'s slice of whole ``GPTModel`` weights (:func:`hf_to_mcore` output)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(_GLU):
+            gate, up = tensor.chunk(2)
+            tensor = torch.cat((gate.chunk(tp)[rank], up.chunk(tp)[rank]))
+        elif name.endswith(_ROW_PARALLEL):
+            tensor = tensor.chunk(tp, dim=1)[rank]
+        elif name.endswith(_COLUMN_PARALLEL):
+            tensor = tensor.chunk(tp)[rank]
+        out[name] = tensor.contiguous()
+    return out
+
+
+def tp_merge(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`tp_shard`: the TP ranks' slices, in rank order, as whole weights."""
+    out = {}
+    for name, first in shards[0].items():
+        parts = [shard[name] for shard in shards]
+        if name.endswith(_GLU):
+            halves = [part.chunk(2) for part in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        elif name.endswith(_ROW_PARALLEL):
+            out[name] = torch.cat(parts, dim=1)
+        elif name.endswith(_COLUMN_PARALLEL):
+            out[name] = torch.cat(parts)
+        else:
+            out[name] = first
+    return out
+
+
 def mcore_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     """A ``GPTModel``'s state dict without megatron's ``_extra_state`` entries (None here: they
     hold Transformer Engine FP8 metadata, which the local spec does not have)."""
@@ -209,17 +259,22 @@ def load_mcore_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> 
 
 
 class MegatronBackend:
-    """Our Qwen2's weights in a megatron-core ``GPTModel`` (local spec, TP = PP = 1), data
-    parallel over ``group`` with torch ``DistributedDataParallel``.
+    """Our Qwen2's weights in a megatron-core ``GPTModel`` (local spec, PP = 1, TP as
+    :func:`init_model_parallel` set it), data parallel over ``group`` with torch
+    ``DistributedDataParallel``. Under TP, ``group`` is the data-parallel group (the actors with
+    this rank's TP index) and each rank holds its TP slice of every weight.
 
     Why torch DDP and not megatron's own: megatron's ``DistributedDataParallel`` accumulates into
     ``param.main_grad`` buffers (``.grad`` stays None) and reduces them only when
     ``finish_grad_sync()`` is called, which only megatron's optimizer does. Our workers step a
     plain ``torch.optim.AdamW`` on ``parameters()`` after backward, exactly as with the DDP
-    backend; with TP = PP = 1 megatron's wrapper would add nothing else.
+    backend. A TP-sliced parameter's gradient is this rank's slice (megatron's layers reduce
+    over the TP group in their backward), so DDP over the data-parallel group is all it needs;
+    clipping takes the norm over the whole model (:meth:`clip_grad_norm`).
     """
 
     name = "megatron"
+    rewraps = False  # its actor set is fixed for the job (ERS moves that change it are refused)
 
     def __init__(self, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None,
                  trainable: bool):
@@ -230,17 +285,34 @@ class MegatronBackend:
         if not dist.is_initialized():
             raise RuntimeError("the megatron backend needs torch.distributed initialised "
                                "(tiderl.trainer.spawn.init_rank)")
+        from megatron.core import parallel_state
+
         self.config = model.config
         self.group = group
         torch.cuda.set_device(model.device)  # megatron puts its buffers on the current device
-        init_model_parallel()
-        self.gpt = build_gpt_model(self.config, params_dtype=model.dtype)
-        load_mcore_state_dict(self.gpt, hf_to_mcore(model.state_dict(), self.config))
+        init_model_parallel()  # (a no-op after the rank's set-up made the groups)
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.gpt = build_gpt_model(self.config, params_dtype=model.dtype,
+                                   parallel_output=self.tp == 1)
+        self.load_full_state_dict(model.state_dict())
         self.module: nn.Module = self.gpt
         if trainable:
             self.module = nn.parallel.DistributedDataParallel(
                 self.gpt, device_ids=[model.device.index], process_group=group,
                 broadcast_buffers=False)
+
+    @property
+    def gathers(self) -> bool:
+        """Under TP the whole weights are a gather over the TP group (every TP peer calls)."""
+        return self.tp > 1
+
+    @property
+    def checkpoint_part(self) -> str:
+        """The sub-folder of a checkpoint this rank's data-parallel group writes ("" at TP 1):
+        each TP index saves its slices as its own DCP checkpoint."""
+        return f"tp{self.tp_rank}" if self.tp > 1 else ""
 
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -261,14 +333,19 @@ class MegatronBackend:
     def reduce_gradients(self) -> None:
         pass  # torch DDP reduced them in the step's last backward
 
-    gathers = False  # TP = PP = 1: every rank holds the whole model
-    rewraps = False  # its actor set is fixed for the job (ERS moves that change it are refused)
-
     def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        return mcore_to_hf(mcore_weights(self.gpt), self.config) if keep else {}
+        """HF-named whole weights; under TP a gather over the TP group (every peer calls), the
+        result kept (on the CPU) only where ``keep``."""
+        weights = mcore_weights(self.gpt)
+        if self.tp > 1:
+            weights = _gather_tp(weights, self.tp, self.tp_group, keep)
+        return mcore_to_hf(weights, self.config) if keep else {}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_mcore_state_dict(self.gpt, hf_to_mcore(state, self.config))
+        weights = hf_to_mcore(state, self.config)
+        if self.tp > 1:
+            weights = tp_shard(weights, self.tp, self.tp_rank)
+        load_mcore_state_dict(self.gpt, weights)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -276,3 +353,49 @@ class MegatronBackend:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Under megatron's names (the fused ``linear_qkv`` ...), not HF's."""
         return self.gpt.named_parameters()
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Clip by the norm of the whole model's gradient (:func:`tp_grad_norm` under TP), so
+        every TP peer scales by the same factor and the replicated norms stay equal."""
+        if self.tp == 1:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        wanted = {id(p) for p in params}
+        norm = tp_grad_norm([(n, p) for n, p in self.gpt.named_parameters() if id(p) in wanted],
+                            self.tp_group)
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+        return norm
+
+
+def is_tp_sliced(name: str) -> bool:
+    """Whether ``GPTModel`` parameter ``name`` is sliced over the TP group (:func:`tp_shard`'s
+    rule; megatron's own ``tensor_model_parallel`` marks are set only by its initialisers,
+    which a model loaded from weights skips)."""
+    return name.endswith((_GLU, *_ROW_PARALLEL, *_COLUMN_PARALLEL))
+
+
+def tp_grad_norm(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None) -> float:
+    """The L2 norm of the whole model's gradient from this TP rank's ``GPTModel`` parameters:
+    the squares of the sliced ones summed over the TP ``group`` (a collective), the replicated
+    ones' (the norms, equal on every peer) counted once."""
+    grads = [(is_tp_sliced(name), p.grad) for name, p in named if p.grad is not None]
+    squares = torch.zeros(2, dtype=torch.float32, device=grads[0][1].device)
+    for sliced, grad in grads:  # [sliced, replicated]
+        squares[0 if sliced else 1] += grad.float().pow(2).sum()
+    sliced_sum = squares[:1].clone()
+    dist.all_reduce(sliced_sum, group=group)
+    return float((sliced_sum[0] + squares[1]).sqrt())
+
+
+def _gather_tp(weights: dict[str, torch.Tensor], tp: int, group: dist.ProcessGroup,
+               keep: bool) -> dict[str, torch.Tensor]:
+    """Every TP peer's slices, one weight at a time, merged (:func:`tp_merge`) where ``keep``."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name, tensor in weights.items():
+        parts = [torch.empty_like(tensor) for _ in range(tp)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        if keep:
+            for peer, part in enumerate(parts):
+                shards[peer][name] = part.cpu()
+    return tp_merge(shards) if keep else {}

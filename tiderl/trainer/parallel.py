@@ -66,6 +66,8 @@ class TrainBackend(Protocol):
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float: ...
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -93,6 +95,12 @@ class _DenseBackend:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.model.named_parameters()
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Clip to ``max_norm`` by the global norm, which it returns (FSDP2's sharded gradients
+        give a ``DTensor`` norm over the mesh)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def reduce_gradients(self) -> None:
         pass

@@ -121,16 +121,14 @@ class ActorWorker:
             for param in params:
                 param.grad.mul_(scale)
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.backend.clip_grad_norm(params, max_norm)
         lr = self.config.lr_at(self.version, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-            grad_norm = grad_norm.full_tensor()
-        return StepStats(self.version, global_loss_tokens, float(grad_norm), lr)
+        return StepStats(self.version, global_loss_tokens, grad_norm, lr)
 
     def optimizer_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The AdamW state under :func:`optimizer_layout`'s names, whole tensors; a parameter not

@@ -76,4 +76,5 @@ class StepControlConfig:
     eval_groups: int = 0
     checkpoint_every: int = 0
     export_every: int = 0
+    tensor_parallel: int = 1  # actors per model replica: micro-batches are cut for the replicas
     limits: LayoutLimits = field(default_factory=LayoutLimits)

@@ -140,7 +140,7 @@ class StepController(ManualPlans):
         self.t0 = self.trainer_free_at = now
         self.rollout.restart_clock(now)
         self.tracker.start_step(now)
-        self.buffer.num_dp_ranks = max(1, len(self._actors(tuple(self.roles))))
+        self.buffer.num_dp_ranks = self._dp_ranks(tuple(self.roles))
         self.phase = Phase.BOUNDARY
         if self.ers is not None:
             self._plan(now, is_launch=True)
@@ -320,7 +320,7 @@ class StepController(ManualPlans):
             if src is Role.ROLLOUT and dst is not Role.ROLLOUT and rank in self.book.ranks:
                 self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now)))
         self.roles = list(new)
-        self.buffer.num_dp_ranks = max(1, len(self._actors(new)))  # what comes next is cut for it
+        self.buffer.num_dp_ranks = self._dp_ranks(new)  # what comes next is cut for it
         def is_due(every: int) -> bool:  # not the launch's boundary
             return bool(is_final or (every and self.version and self.version % every == 0))
 
@@ -335,6 +335,10 @@ class StepController(ManualPlans):
         joining = {r for r in members if new[r] is Role.ROLLOUT and old[r] is not Role.ROLLOUT}
         self.boundary = PendingBoundary(self.version, set(members),
                                         rollout if self.version > 0 else set(), joining)
+
+    def _dp_ranks(self, roles: tuple[Role, ...]) -> int:
+        """Data-parallel ranks of the actors: each model replica spans ``tensor_parallel``."""
+        return max(1, len(self._actors(roles)) // self.config.tensor_parallel)
 
     def _actors(self, roles: tuple[Role, ...]) -> set[int]:
         return {r for r, role in enumerate(roles) if role is Role.ACTOR or self.system.is_sync}
@@ -418,9 +422,9 @@ class StepController(ManualPlans):
     def _open_step(self, now: float) -> None:
         self.phase = Phase.TRAINING
         start = self._layout_step(self.signals(now))  # TPRM of the arrivals so far
-        self.buffer.num_dp_ranks = len(start.actor_ranks)
-        waiting = self.buffer.recut(self.step, self.waiting.pop(self.step, []),
-                                    len(start.actor_ranks))
+        self.buffer.num_dp_ranks = dp_ranks = max(1, len(start.actor_ranks)
+                                                  // self.config.tensor_parallel)
+        waiting = self.buffer.recut(self.step, self.waiting.pop(self.step, []), dp_ranks)
         self.tracker.start_step(now)
         ready_at = now if self.system.is_sync else self.trainer_free_at  # sync: rolling out
         self.current = OpenStep(start, now, ready_at, self.tracker.step_ras)

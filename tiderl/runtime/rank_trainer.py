@@ -77,7 +77,8 @@ class TrainerRoles:
     def _make_ref(self) -> None:
         if self.ref is None:
             model, _ = self._initial_model()
-            # the frozen Ref runs on its rank alone: no collective ties it to the actor group
+            # the frozen Ref runs on its rank alone (under megatron TP on its TP block): no
+            # collective ties it to the actor group
             self.ref = RefWorker(self._backend(model, (self.rank,), trainable=False))
 
     def _make_actor(self, model: Qwen2ForCausalLM | None,

@@ -31,7 +31,7 @@ from tiderl.trainer.synthetic import synthetic_samples
 from tiderl.trainer.timeline import Event, overlap_seconds
 from tiderl.trainer.worker import ActorWorker, RefWorker
 
-CONFIG = TrainerConfig(lr=1e-3, kl_beta=0.05)
+CONFIG = TrainerConfig(lr=0.1, kl_beta=0.05)  # each step runs at lr (the schedule sets it)
 VOCAB = 1568
 
 
@@ -43,7 +43,7 @@ def _actor(backend: str, group=None) -> ActorWorker:
     """An actor whose update is its (normalised, clipped) gradient: SGD keeps the comparison
     linear, where AdamW's g/sqrt(v) would magnify last-bit differences of near-zero gradients."""
     actor = ActorWorker(make_backend(backend, init_model("tiny", seed=0), group), CONFIG)
-    actor.optimizer = torch.optim.SGD(actor.backend.parameters(), lr=0.1)
+    actor.optimizer = torch.optim.SGD(actor.backend.parameters(), lr=CONFIG.lr)
     return actor
 
 

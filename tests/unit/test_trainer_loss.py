@@ -141,13 +141,13 @@ def test_deferred_loss_gradients_equal_ordinary_gradients():
 def test_optimizer_step_normalises_by_the_global_loss_tokens():
     samples = synthetic_samples(4, vocab_size=1568, min_tokens=16, max_tokens=32, seed=5)
     batch = pack(samples)
-    config = TrainerConfig(kl_beta=0.0, grad_clip=0.0, lr=1e-3)
+    config = TrainerConfig(kl_beta=0.0, grad_clip=0.0, lr=1.0)  # the rate each step runs at
     model = init_model("tiny", seed=0)
     reference = copy.deepcopy(model)
 
     actor = ActorWorker(make_backend("ddp", model), config)
     # SGD makes the update the gradient itself (AdamW would hide a scale error)
-    actor.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    actor.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     actor.train(batch, None, sync=True)
     stats = actor.optimizer_step(global_loss_tokens=3 * batch.num_loss_tokens)
     assert (stats.version, actor.version) == (1, 1)

@@ -69,7 +69,9 @@ class StepStats:
 
 
 class ActorWorker:
-    """``total_steps``: the job's optimizer steps, the horizon of a cosine schedule."""
+    """``total_steps``: the job's optimizer steps, the horizon of a cosine schedule. Each
+    ``optimizer_step`` sets the optimizer's learning rate to the schedule's rate of its version
+    (``TrainerConfig.lr_at``), whatever optimizer is installed."""
 
     def __init__(self, backend: TrainBackend, config: TrainerConfig, version: int = 0,
                  total_steps: int = 0):

@@ -49,11 +49,15 @@ def _cuda_free_megatron() -> None:
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoRngTracker()
 
 
-def _rank(ctx: RankContext, tied: bool) -> dict:
-    from megatron.core import parallel_state
-
+def _rank(ctx: RankContext, variants: tuple[bool, ...]) -> dict[bool, dict]:
     _cuda_free_megatron()
     mg.init_model_parallel(0, TP)
+    return {tied: _tp_model(tied) for tied in variants}
+
+
+def _tp_model(tied: bool) -> dict:
+    from megatron.core import parallel_state
+
     model = _model(tied)
     gpt = mg.build_gpt_model(model.config, use_cpu_initialization=True, parallel_output=False)
     whole = mg.hf_to_mcore(model.state_dict(), model.config)
@@ -73,10 +77,15 @@ def _rank(ctx: RankContext, tied: bool) -> dict:
             "shapes": {k: tuple(v.shape) for k, v in mg.mcore_weights(gpt).items()}}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_tp2_gpt_model_on_our_slices_is_our_qwen2(tied):
+@pytest.fixture(scope="module")
+def tp_ranks() -> list[dict[bool, dict]]:
     pytest.importorskip("megatron.core")
-    ranks = run_ranks(_rank, TP, tied, timeout_s=180)
+    return run_ranks(_rank, TP, (False, True), timeout_s=180)  # one world for both variants
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_tp2_gpt_model_on_our_slices_is_our_qwen2(tp_ranks, tied):
+    ranks = [rank[tied] for rank in tp_ranks]
     model = _model(tied)
     ids = torch.randint(0, model.config.vocab_size, (2, 11),
                         generator=torch.Generator().manual_seed(0))

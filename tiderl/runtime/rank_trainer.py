@@ -22,9 +22,9 @@ from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
 from tiderl.runtime.bus import StepDone, SyncWeights, TrainStep
 from tiderl.runtime.rank_wire import step_done
-from tiderl.trainer.checkpoint import save_checkpoint
+from tiderl.trainer.checkpoint import save_checkpoint, step_dir
 from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
-from tiderl.trainer.export import step_dir, write_folder
+from tiderl.trainer.export import write_folder
 from tiderl.trainer.parallel import backend_class, make_backend
 from tiderl.trainer.sync import Layout, load_weights, sync_params
 from tiderl.trainer.worker import ActorWorker, RefWorker
@@ -186,6 +186,6 @@ class TrainerRoles:
 
     def _save_checkpoint(self, cmd: SyncWeights) -> None:
         assert self.actor is not None
-        part = getattr(self.actor.backend, "checkpoint_part", "")  # megatron TP: per index
-        save_checkpoint(Path(cmd.checkpoint) / part, self.actor.backend, self.actor.optimizer,
-                        cmd.version, {"step": cmd.version})
+        backend = self.actor.backend  # megatron under TP: a sub-folder per TP index
+        save_checkpoint(Path(cmd.checkpoint) / backend.checkpoint_part, backend,
+                        self.actor.optimizer, cmd.version, {"step": cmd.version})

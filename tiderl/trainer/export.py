@@ -46,10 +46,6 @@ def export_version(state: dict[str, torch.Tensor], config: Qwen2Config, tokenize
     return final
 
 
-def step_dir(root: str | Path, version: int) -> Path:
-    return Path(root) / f"step-{version:08d}"
-
-
 def write_folder(state: dict[str, torch.Tensor], config: Qwen2Config, tokenizer: Tokenizer,
                  final: Path, max_shard_bytes: int | None = None) -> Path:
     """``state`` as the HF folder ``final``, unless it is there already: written beside it and

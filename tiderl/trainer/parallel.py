@@ -57,6 +57,7 @@ class TrainBackend(Protocol):
 
     gathers: bool
     rewraps: bool
+    checkpoint_part: str  # the sub-folder of a checkpoint this rank's group writes ("": none)
 
     def full_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]: ...
 
@@ -86,6 +87,7 @@ class _DenseBackend:
     reduces_in_backward = True
     gathers = False
     rewraps = True
+    checkpoint_part = ""
 
     def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         return packed_token_logprobs(self.module, input_ids, loss_mask, self.chunk_tokens)

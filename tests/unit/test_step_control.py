@@ -36,6 +36,8 @@ from tiderl.core.step_control import (
     StepControlError,
     StepController,
     initial_roles,
+    restore,
+    resume_point,
     task_id,
 )
 from tiderl.core.step_control.inputs import MeasuredPasses, layout_timings
@@ -154,15 +156,16 @@ def test_an_async_step_retires_a_stale_group_with_its_batch():
     assert c.phase is Phase.WAITING
     # g2 ran on version 0: one version too old for batch 1 at staleness 0
     out = c.group_ready("g2", Ready("g2", 0), 6.0)
-    assert out == [GroupDropped("g2", "stale", 0, 1)]
+    # its samples leave the window at once, and a group takes its place
+    assert out == [GroupDropped("g2", "stale", 0, 1), Retire(2, 10), feed("g4", step=1)]
     c.group_ready("g3", Ready("g3", 1), 7.0)
-    out = c.group_ready("g4", Ready("g4", 1), 8.0)  # not fed yet: any ready group counts here
+    out = c.group_ready("g4", Ready("g4", 1), 8.0)
     assert kinds(out) == ["StartStep", "Dispatch", "CloseStep"]
     out = c.step_done(outcome(1, 1), 9.0)
     assert record_of(out).discarded_tokens_total == 200
     c.boundary_acked(1, 2, 9.5)
     out = c.boundary_acked(0, 2, 9.5)
-    assert out[0] == Retire(6, 14)  # 4 trained + the 2 discarded samples leave the window
+    assert out[0] == Retire(4, 14)  # the 4 trained samples (the discarded ones left before)
 
 
 # --------------------------------------------------------------------------- ERS phases
@@ -313,6 +316,75 @@ def test_a_dead_rollout_rank_leaves_the_boundary_and_its_tasks_go_back_to_ctb():
     assert c.rank_dead(1, "again", 3.5) == []
     assert c.rank_dead(2, "its bus connection is gone", 4.0) == [
         Abort("trainer rank 2 is gone (its bus connection is gone)")]
+
+
+def test_a_failed_group_frees_the_staleness_window_at_once():
+    """At staleness 0 the window holds one batch: if a failed group's samples left it only at
+    the next boundary, the batch they were to fill could never complete (the job hung)."""
+    c = make(System.ASYNC, (R, A), staleness=0, batch=4)
+    c.launch(0.0)
+    out = c.group_ready("g0", None, 1.0)  # a task of g0 produced no turn
+    assert out == [GroupDropped("g0", "a task produced no turn", None, 0), Retire(2, 6),
+                   feed("g2")]
+    c.group_ready("g1", Ready("g1", 0), 2.0)
+    out = c.group_ready("g2", Ready("g2", 0), 3.0)
+    assert kinds(out)[:1] == ["StartStep"]  # batch 0 completes with the replacement
+
+
+def test_the_last_rollout_rank_dying_closes_the_batch_and_a_trainer_rank_moves_to_rollout():
+    c = make(System.STREAM, (R, A, A), steps=4, batch=4)
+    c.launch(0.0)
+    c.group_ready("g0", Ready("g0", 0), 1.0)  # half of batch 0: the step streams it
+    out = c.rank_dead(0, "missed heartbeats", 2.0)
+    assert kinds(out) == ["LeaveRollout", "Dispatch", "CloseStep"]  # closed with 2 samples
+    out = c.step_done(outcome(0, 1, 2), 3.0)
+    assert record_of(out).trained_samples == 2
+    (boundary,) = only(out, Boundary)
+    assert boundary.roles == (IDLE, A, R) and boundary.reason is PlanReason.NO_ROLLOUT
+    c.boundary_acked(1, 1, 3.5)
+    out = c.boundary_acked(2, 1, 3.5)
+    assert JoinRollout(2, BUDGET) in out and c.rollout_ranks() == [2]
+
+
+def test_the_last_rollout_rank_dying_with_an_empty_batch_stops_the_job():
+    c = make(System.STREAM, (R, A), steps=4)
+    c.launch(0.0)
+    out = c.rank_dead(0, "missed heartbeats", 2.0)
+    assert out[-1] == Abort("no rollout rank is left (rank 0 was the last) and batch 0 holds "
+                            "no group")
+
+
+def test_a_resumed_controller_goes_on_from_the_checkpoint_boundary():
+    """Ready groups come back in ready order with their samples, groups in flight run again,
+    the feed goes on at the same index, and the rollout ranks join once they have the weights."""
+    c = make(System.STREAM, (R, A), steps=6, staleness=1, batch=4, checkpoint_every=1)
+    c.launch(0.0)
+    for g in ("g0", "g1"):
+        c.group_ready(g, Ready(g, 0), 1.0)
+    c.group_ready("g2", Ready("g2", 0), 1.5)  # ready for batch 1; g3 still rolls out
+    out = c.step_done(outcome(0, 1), 2.0)
+    (boundary,) = only(out, Boundary)
+    assert boundary.checkpoint
+    point = resume_point(c, 2.0)
+    assert (point.version, point.ready, [s.group_id for s in point.in_flight],
+            point.num_fed) == (1, ("g2",), ["g3"], 4)
+    fresh = make(System.STREAM, (R, A), steps=6, staleness=1, batch=4, checkpoint_every=1)
+    out = restore(fresh, point, [Ready("g2", 0)], 10.0)
+    (boundary,) = only(out, Boundary)
+    assert (boundary.version, boundary.roles, boundary.checkpoint) == (1, (R, A), False)
+    assert only(out, FeedGroups) == [FeedGroups((GroupSpec("g3", 3, False, 0),), False)]
+    assert fresh.rollout_ranks() == [0] and 0 not in fresh.book.ranks  # joins after its ack
+    assert fresh.t0 == 8.0  # the job's clock goes on from the boundary's 2 s
+    fresh.boundary_acked(1, 1, 10.5)
+    out = fresh.boundary_acked(0, 1, 11.0)
+    assert JoinRollout(0, BUDGET) in out
+    assert only(out, Retire) == [Retire(4, 12)] and only(out, FeedGroups) == [feed("g4", "g5",
+                                                                               step=1)]
+    out = fresh.group_ready("g3", Ready("g3", 1), 12.0)  # batch 1: g2 (restored) and g3
+    assert kinds(out) == ["Dispatch", "CloseStep"]
+    out = fresh.step_done(outcome(1, 1), 13.0)
+    assert fresh.groups.trained_ids == {"g0", "g1", "g2", "g3"}
+    assert record_of(out).trained_tokens_total == 800
 
 
 # --------------------------------------------------------------------------- manual plans

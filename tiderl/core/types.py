@@ -260,6 +260,7 @@ class PlanReason(str, Enum):
     TRIAL = "trial"  # a signal-driven move is being measured: its layout is held
     REVERT = "revert"  # the measured move did not raise goodput: it is undone
     PREDICTED = "predicted"  # the predictive planner's split (``ers.planner: predictive``)
+    NO_ROLLOUT = "no_rollout"  # the last rollout rank died: a trainer rank moves to rollout
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,10 @@ from tiderl.core.step_control.config import (
     task_id,
 )
 from tiderl.core.step_control.controller import StepController
+from tiderl.core.step_control.resume import ResumePoint, restore, resume_point
 from tiderl.core.step_control.rollout import RolloutControl, RolloutWait
 from tiderl.core.step_control.state import Phase
 
-__all__ = ["LayoutLimits", "Phase", "RolloutControl", "RolloutWait", "StepControlConfig",
-           "StepControlError", "StepController", "initial_roles", "task_id"]
+__all__ = ["LayoutLimits", "Phase", "ResumePoint", "RolloutControl", "RolloutWait",
+           "StepControlConfig", "StepControlError", "StepController", "initial_roles", "restore",
+           "resume_point", "task_id"]

@@ -107,6 +107,7 @@ class StepController(ManualPlans):
         self.evaluation = Evaluation(config.eval_every, config.eval_groups)
         self.is_eval_hold = False  # the post-update boundary waits for the evaluation's groups
         self.groups = GroupCount()
+        self.fed_specs: dict[str, GroupSpec] = {}  # training groups fed, not yet back
         self._kv_mark = (0, 0)
         self._out: list[Command] = []
 
@@ -167,11 +168,14 @@ class StepController(ManualPlans):
         if group_id in self.evaluation.in_flight:
             if self.evaluation.finish(group_id):
                 self._eval_drained(now)
-        elif group is None:
+            return self._flush()
+        self.fed_specs.pop(group_id, None)
+        if group is None:
             self.groups.failed += 1
-            self.failed_samples += self.config.group_size  # out of the staleness window too
+            self.failed_samples += self.config.group_size
             self._out.append(GroupDropped(group_id, DropReason.NO_TURN, None,
                                           self.buffer.open_batch))
+            self._free_window(self.config.group_size, now)
         else:
             self.groups.ready += 1
             self.buffer.add_group(group, now)
@@ -238,7 +242,7 @@ class StepController(ManualPlans):
         pending.awaiting.discard(rank)
         if rank in pending.joining:
             pending.joining.discard(rank)
-            if self.roles[rank] is Role.ROLLOUT and rank not in self.dead:
+            if rank in self.rollout_ranks():
                 self._join(rank, now)
         if rank in pending.syncing:
             pending.syncing.discard(rank)
@@ -270,7 +274,26 @@ class StepController(ManualPlans):
             self.boundary.forget(rank)
         self._maybe_retire(now)
         self._maybe_complete(now)
+        self._check_rollout_left(rank)
         return self._flush()
+
+    def _check_rollout_left(self, last: int) -> None:
+        """No rollout rank is left (``last`` was the last): no group can come, so the open
+        batch closes with the groups it holds (a smaller batch, as ERS's elastic one) and the
+        next boundary moves a trainer rank to rollout (:meth:`_boundary`). A batch that holds
+        no group cannot train: the job stops (it resumes from its last checkpoint)."""
+        if self.rollout_ranks() or self.system.is_sync or self.phase in (Phase.BOUNDARY,
+                                                                          Phase.FINISHED):
+            return  # a boundary in flight: checked again when the step opens (_want_step)
+        buffer = self.buffer
+        if buffer.open_batch != self.step:
+            return  # the step's batch is complete already; the boundary after it moves a rank
+        held = buffer.assigned_samples
+        if held == 0:
+            self._out.append(Abort(f"no rollout rank is left (rank {last} was the last) and "
+                                   f"batch {self.step} holds no group"))
+            return
+        buffer.set_batch_size(self.step, held, self._now)
 
     # ------------------------------------------------------------------ the boundary
 
@@ -309,7 +332,11 @@ class StepController(ManualPlans):
         self._boundary(now, roles, plan.reason)
 
     def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None,
-                  is_final: bool = False) -> None:
+                  is_final: bool = False, is_resume: bool = False) -> None:
+        """``is_resume``: the launch of a resumed job (:mod:`.resume`): every rank gets the
+        weights of ``version``, and the rollout ranks take tasks once they have them."""
+        if not is_final and self._lacks_rollout(roles):
+            roles, reason = self._with_rollout(roles), PlanReason.NO_ROLLOUT
         old, new = tuple(self.roles), tuple(roles)
         old_actors = self._actors(old)
         new_actors = self._actors(new)
@@ -321,8 +348,9 @@ class StepController(ManualPlans):
                 self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now)))
         self.roles = list(new)
         self.buffer.num_dp_ranks = self._dp_ranks(new)  # what comes next is cut for it
-        def is_due(every: int) -> bool:  # not the launch's boundary
-            return bool(is_final or (every and self.version and self.version % every == 0))
+        def is_due(every: int) -> bool:  # not the launch's boundary, nor a resume's
+            return bool(is_final or (not is_resume and every and self.version
+                                     and self.version % every == 0))
 
         members = tuple(r for r in range(len(new)) if r not in self.dead)
         self._out.append(Boundary(
@@ -332,9 +360,39 @@ class StepController(ManualPlans):
         if is_final:
             return
         rollout = {r for r in members if new[r] is Role.ROLLOUT or self.system.is_sync}
-        joining = {r for r in members if new[r] is Role.ROLLOUT and old[r] is not Role.ROLLOUT}
+        joining = set(rollout) if is_resume else {
+            r for r in members if new[r] is Role.ROLLOUT and old[r] is not Role.ROLLOUT}
         self.boundary = PendingBoundary(self.version, set(members),
                                         rollout if self.version > 0 else set(), joining)
+
+    def _lacks_rollout(self, roles: list[Role]) -> bool:
+        return not self.system.is_sync and not any(
+            role is Role.ROLLOUT for r, role in enumerate(roles) if r not in self.dead)
+
+    def _with_rollout(self, roles: list[Role]) -> list[Role]:
+        """``roles`` with a trainer rank moved to rollout, as no live rank rolls out (the last
+        died): a Ref rank if there is one, else the last actor of several, as the layout limits
+        allow; with none to spare the job stops."""
+        alive = [r for r in range(len(roles)) if r not in self.dead]
+        actors = [r for r in alive if roles[r] is Role.ACTOR]
+        candidates = [r for r in alive if roles[r] is Role.REF] + actors[1:][::-1]
+        for rank in candidates:
+            moved = list(roles)
+            moved[rank] = Role.ROLLOUT
+            if self.config.limits.refusal(roles, moved) is None:
+                return moved
+        self._out.append(Abort("no rollout rank is left and no trainer rank can move to "
+                               "rollout"))
+        return roles
+
+    def _free_window(self, num_samples: int, now: float) -> None:
+        """Samples that will never train (a failed or stale group) leave the staleness window
+        at once: held to the next boundary, they could hold it forever, since that boundary
+        may wait for the very batch they were to fill."""
+        self.book.retire(num_samples)
+        self.num_retired += num_samples
+        self._out.append(Retire(num_samples, self.book.train_admission_limit))
+        self._feed(now)
 
     def _dp_ranks(self, roles: tuple[Role, ...]) -> int:
         """Data-parallel ranks of the actors: each model replica spans ``tensor_parallel``."""
@@ -380,6 +438,7 @@ class StepController(ManualPlans):
         specs = []
         while self.num_fed < horizon:
             specs.append(GroupSpec(f"g{self.num_fed}", self.num_fed, False, self.step))
+            self.fed_specs[specs[-1].group_id] = specs[-1]
             self.rollout.add_group(self.source(specs[-1]), now)
             self.num_fed += 1
         if specs:
@@ -402,6 +461,11 @@ class StepController(ManualPlans):
         its batch is complete; a synchronous step also waits for an evaluation to end (its
         engines are the trainer's GPUs)."""
         is_eval_blocking = self.system.is_sync and bool(self.evaluation.in_flight)
+        if not self.rollout_ranks() and not self.system.is_sync:
+            self.phase = Phase.WAITING
+            self._check_rollout_left(-1)
+            if self.step not in self.closed:
+                return
         if self.is_cold_start and self.step in self.closed:
             self._end_cold_start(now)
         elif not self.is_cold_start and not is_eval_blocking \
@@ -487,6 +551,7 @@ class StepController(ManualPlans):
         self.groups.stale += 1
         self._out.append(GroupDropped(group.group_id, DropReason.STALE, group.oldest_version,
                                       self.buffer.open_batch))
+        self._free_window(group.num_samples, self._now)
 
     # ------------------------------------------------------------------ the record
 

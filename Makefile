@@ -5,13 +5,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test
+.PHONY: run test chaos
 
 run: $(VENV)/.installed
 	$(VENV)/bin/tiderl launch
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest
+
+chaos: $(VENV)/.installed-dev
+	$(PY) -m pytest -m chaos tests/chaos
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -162,7 +162,7 @@ def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
 
 
 def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):
-    with coordinator(tmp_path) as (job, ranks, _):
+    with coordinator(tmp_path) as (job, ranks, clock):
         job.launch()
         job.schedule_round()
         before = (dict(job.controller.book.tasks), job.controller.phase)
@@ -176,5 +176,71 @@ def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):
         assert (dict(job.controller.book.tasks), job.controller.phase) == before
         assert job.controller.book.tasks["g0.1"].footprint == 512  # still the default estimate
         job.schedule_round()  # and the job goes on
+        # a failed step: fatal, once the heartbeats had time to name a rank that died in it
+        ranks.send(1, Ack(rank=1, ref=12345, ok=False, error="out of memory"))
+        clock.now += job.link.window_s + 0.5
+        beat(ranks)
         with pytest.raises(CoordinatorError, match="rank 1 failed: out of memory"):
-            ranks.send(1, Ack(rank=1, ref=12345, ok=False, error="out of memory"))
+            job.check_liveness()
+
+
+def beat(ranks: Ranks) -> None:
+    for rank in range(len(ranks.clients)):
+        ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
+
+
+def test_a_step_failing_because_a_peer_died_names_the_dead_rank(tmp_path):
+    with coordinator(tmp_path) as (job, ranks, clock):
+        job.launch()
+        ranks.send(2, Ack(rank=2, ref=999, ok=False, error="[gloo] Connection closed by peer"))
+        clock.now += job.link.window_s - 0.5  # rank 1 (an actor) went silent: killed
+        for rank in (0, 2):
+            ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
+        with pytest.raises(CoordinatorError, match=r"trainer rank 1 is gone \(missed heartb"):
+            job.check_liveness()
+
+
+def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tmp_path):
+    with coordinator(tmp_path) as (job, ranks, clock):
+        job.launch()
+
+        def broken(*_):
+            raise ValueError("a bug in a handler")
+
+        job._on_step_done = broken
+        job.handle_safely(*ranks_recv(ranks, 1, StepDone(rank=1, step=0, mode="colocated",
+                                                          loss=0.0, grad_norm=0.0,
+                                                          loss_tokens=0, version=1,
+                                                          seconds=0.0, stats={})))
+        (error,) = events(tmp_path, "handler_error")
+        assert error["message"] == "StepDone" and "a bug in a handler" in error["error"]
+        job._declare_dead(0, "missed heartbeats")  # the rollout rank, stopped (SIGSTOP)
+        ranks.drain(0)
+        ranks.send(0, finished(0, "g0.0", 1.0))  # ... and back (SIGCONT): nothing counts
+        assert "g0" not in job.controller.groups.trained_ids and not job.groups["g0"].finished
+        assert [type(m).__name__ for m in ranks.drain(0)] == ["Shutdown"]
+        (dropped,) = events(tmp_path, "message_dropped")
+        assert dropped["why"] == "the rank was declared dead"
+
+
+def test_the_watchdog_speaks_when_nothing_moves_and_stops_the_job_later(tmp_path):
+    with coordinator(tmp_path, "runtime.watchdog_s=10") as (job, ranks, clock):
+        job.launch()
+        for _ in range(2):
+            clock.now += 10.5
+            beat(ranks)  # alive, but no work comes back
+            job.check_liveness()
+        (alarm, again) = events(tmp_path, "watchdog")
+        assert alarm["idle_s"] == 10.5 and again["idle_s"] == 21.0
+        assert alarm["phase"] in ("boundary", "training", "waiting")
+        clock.now += 10.5
+        beat(ranks)
+        with pytest.raises(CoordinatorError, match="no progress for 32 s"):
+            job.check_liveness()
+
+
+def ranks_recv(ranks: Ranks, rank: int, msg) -> tuple:
+    ranks.clients[rank].send(msg)
+    got = ranks.server.recv(5.0)
+    assert got is not None
+    return got

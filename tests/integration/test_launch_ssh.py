@@ -98,7 +98,7 @@ def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
     _assert_nothing_left(state)
     status = tiderl("status", state.job_id, "--run-root", str(tmp_path / "runs"), "--json")
     payload = json.loads(status.stdout)
-    assert payload["state"] == "ended" and payload["steps"] == "3/3"
+    assert payload["state"] == "done" and payload["steps"] == "3/3"
     assert {p["state"] for p in payload["processes"]} <= {"gone", "zombie (ended)"}
 
 

@@ -68,16 +68,17 @@ def _job_summary(state: JobState, strict: bool = False
         with sessions(state) as nodes:
             states = process_states(state, nodes)
             steps = _steps(state, nodes)
+            ended = _ended(state, nodes)
     except LaunchError:
         if strict:
             raise
-        states, steps = {}, _steps(state, None)
+        states, steps, ended = {}, _steps(state, None), _ended(state, None)
     running = sum(alive(letter) for letter in states.values())
     total = len(state.processes)
     if not states and is_remote(state):
         word = "unreachable"
     else:
-        word = "running" if running == total and total else "ended" if not running else "partial"
+        word = "running" if running == total and total else ended if not running else "partial"
     return {"job": state.job_id, "mode": state.info.get("mode", ""),
             "started": f"{datetime.fromtimestamp(state.created):%Y-%m-%d %H:%M:%S}",
             "where": ", ".join(state.info["nodes"]) if is_remote(state) else "local",
@@ -91,6 +92,23 @@ def _steps(state: JobState, nodes: dict | None) -> str:
     except LaunchError:
         done = 0
     return f"{done}/{state.info.get('steps', '?')}"
+
+
+ENDED = {"ok": "done", "failed": "failed", "stopped": "stopped", "interrupted": "interrupted"}
+
+
+def _ended(state: JobState, nodes: dict | None) -> str:
+    """How a job that runs no more ended, from its last ``stop`` event: done, failed,
+    stopped (SIGTERM, ``tiderl stop``), interrupted (Ctrl-C), or crashed (none: its
+    coordinator was killed)."""
+    from tiderl.launch.job import last_stop
+
+    try:
+        stop = last_stop(job_file(state, "events.jsonl", nodes).parent)
+    except LaunchError:
+        stop = {}
+    return ENDED.get(stop.get("state", "ok" if stop.get("reason") == "done" else ""),
+                     "crashed")
 
 
 def _describe(letter: str | None) -> str:

@@ -30,14 +30,28 @@ def launch(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved profile and plan."),
     run_root: Path | None = typer.Option(None, "--run-root",
                                          help="Folder of run folders (default: runtime.run_dir)."),
+    resume: str | None = typer.Option(
+        None, "--resume", metavar="JOB",
+        help="Go on with a stopped or killed job (a job id, a run folder, or 'latest') from its "
+             "newest complete checkpoint, with its own profile (--set may change "
+             "runtime.steps and other keys that keep the job's shape)."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Start the environment service, the coordinator and the rank daemons of one job (this
     machine by default, or the nodes of hosts.yaml over SSH), follow it with a progress line
     and print where its report is.
 
-    Ctrl-C or SIGTERM stop every process of the job, on every node."""
-    resolved = load_profile(profile, overrides or [])
+    Ctrl-C or SIGTERM stop every process of the job, on every node; a job that stops before
+    its last step resumes with --resume."""
+    resumed = None
+    if resume is not None:
+        if nodes is not None:
+            raise CLIError("tiderl launch: --resume runs on this machine only (not with "
+                           "--nodes yet)", EXIT_USAGE)
+        resumed = _resumable(resume, run_root)
+        resolved = _resumed_profile(resumed, overrides or [])
+    else:
+        resolved = load_profile(profile, overrides or [])
     hosts = None
     if nodes is not None:
         try:
@@ -60,7 +74,48 @@ def launch(
     if dry_run:
         out.result(_payload(resolved, plan), lambda console: _render(console, resolved, plan))
         return
-    _run(resolved, hosts, run_root, out)
+    _run(resolved, hosts, run_root, out, resumed)
+
+
+SHAPE_KEYS = (("runtime", "mode"), ("runtime", "num_ranks"), ("runtime", "group_size"),
+              ("trainer", "backend"), ("trainer", "tensor_parallel"), ("model", "size"),
+              ("model", "path"))
+
+
+def _resumable(job: str, run_root: Path | None) -> Path:
+    """The run folder ``--resume`` names, if no process of it runs."""
+    from tiderl.launch.local import JobState, LaunchError, is_running
+    from tiderl.launch.registry import job_dir, list_jobs
+    from tiderl.runtime.resume import CHECKPOINTS, step_folders
+
+    try:
+        if job == "latest":
+            jobs = [s for s in list_jobs(run_root) if step_folders(Path(s.run_dir, CHECKPOINTS))]
+            if not jobs:
+                raise LaunchError(f"no job with a checkpoint in {run_root or 'runs'}/")
+            folder = Path(jobs[-1].run_dir)
+        else:
+            folder = job_dir(job, run_root)
+        state = JobState.load(folder)
+    except LaunchError as exc:
+        raise CLIError(f"tiderl launch --resume: {exc}", EXIT_USAGE) from None
+    alive = [p.name for p in state.processes if p.host == "localhost" and is_running(p.pid)]
+    if alive:
+        raise CLIError(f"tiderl launch --resume: job {state.job_id} is running ({', '.join(alive)}"
+                       f"); stop it first (tiderl stop {state.job_id})", EXIT_USAGE)
+    return folder
+
+
+def _resumed_profile(run_dir: Path, overrides: list[str]) -> Profile:
+    """The job's own profile with ``overrides``, which may not change the job's shape."""
+    own = load_profile(str(run_dir / "profile.yaml"))
+    new = load_profile(str(run_dir / "profile.yaml"), overrides)
+    for section, key in SHAPE_KEYS:
+        was, now = getattr(getattr(own, section), key), getattr(getattr(new, section), key)
+        if was != now:
+            raise CLIError(f"tiderl launch --resume: {section}.{key} is {was!r} in the job, "
+                           f"--set makes it {now!r}: a resumed job keeps its shape", EXIT_USAGE)
+    return new
 
 
 def _port_placeholders(hosts: Hosts, profile: Profile) -> dict[str, int | str]:
@@ -70,7 +125,8 @@ def _port_placeholders(hosts: Hosts, profile: Profile) -> dict[str, int | str]:
     return {name: f"<{name}-port>" for name in names}
 
 
-def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Output) -> None:
+def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Output,
+         resume: Path | None = None) -> None:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -106,7 +162,7 @@ def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Outp
         kwargs = {"run_root": run_root, "on_snapshot": on_snapshot, "on_start": on_start,
                   "launcher_pid": os.getpid()}
         try:
-            result = (run_local(profile, **kwargs) if hosts is None
+            result = (run_local(profile, resume=resume, **kwargs) if hosts is None
                       else run_ssh(profile, hosts, **kwargs))
         finally:
             progress.stop()
@@ -123,8 +179,13 @@ def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Outp
                "exit_code": result.exit_code,
                "last": dict(result.last.metrics) if result.last else None}
     if result.exit_code != 0:
-        raise CLIError(f"tiderl launch: the coordinator failed (exit {result.exit_code}); "
-                       f"see {result.run_dir}/logs/coordinator.log")
+        from tiderl.launch.job import last_stop
+
+        stop = last_stop(result.run_dir)
+        why = stop.get("reason") or f"the coordinator failed (exit {result.exit_code})"
+        hint = f"; {stop['resume']}" if stop.get("resume") else ""
+        raise CLIError(f"tiderl launch: job {result.job_id} stopped: {why}{hint} "
+                       f"(see {result.run_dir}/logs/coordinator.log)")
     out.result(payload, lambda console: console.print(
         f"done: {result.job_id}  report: {result.report}"))
 

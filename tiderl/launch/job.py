@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -41,11 +42,19 @@ from tiderl.launch.local import (
 from tiderl.launch.plan import Endpoints, LaunchPlan, engine_port_names, plan_local
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
+from tiderl.runtime.resume import (
+    CHECKPOINTS,
+    latest_complete,
+    read_job_state,
+    write_resume_request,
+)
+from tiderl.trainer.checkpoint_meta import CheckpointError
 
 log = logging.getLogger("tiderl.launch")
 
 ENV_START_TIMEOUT_S = 60.0
 RANK_EXIT_GRACE_S = 60.0
+ENV_RESTARTS = 3  # a job's environment service is started again this many times at most
 
 
 class Executor(Protocol):
@@ -86,6 +95,35 @@ def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path) -> None:
                                                          sort_keys=False))
     (run_dir / "roles.json").write_text(json.dumps([p.role.value for p in plan.ranks]))
     make_job_keys(run_dir / "keys")
+
+
+def prepare_resume(profile: Profile, run_dir: Path) -> None:
+    """A killed or stopped job's folder, made ready to go on from its newest complete
+    checkpoint (LaunchError when there is none, or when it is already at its last step): the
+    profile (with any new overrides), the checkpoint's role layout, new bus keys (no process
+    of the old run may speak to the new one) and ``resume.json``. Metrics, events and logs
+    are appended to."""
+    try:
+        choice = latest_complete(run_dir / CHECKPOINTS, profile.trainer.tensor_parallel)
+    except CheckpointError as exc:
+        raise LaunchError(f"cannot resume {run_dir.name}: {exc}") from None
+    for skipped in choice.skipped:
+        log.warning("passed over checkpoint %s", skipped)
+    state = read_job_state(choice.folder)
+    if state.point.version >= profile.runtime.steps:
+        raise LaunchError(f"job {run_dir.name} is complete: step {state.point.version} of "
+                          f"{profile.runtime.steps} (--set runtime.steps=N trains on)")
+    if len(state.point.roles) != profile.runtime.num_ranks:
+        raise LaunchError(f"checkpoint {choice.folder} is of {len(state.point.roles)} ranks, "
+                          f"the profile has runtime.num_ranks {profile.runtime.num_ranks}")
+    (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile),
+                                                         sort_keys=False))
+    (run_dir / "roles.json").write_text(json.dumps([r.value for r in state.point.roles]))
+    shutil.rmtree(run_dir / "keys", ignore_errors=True)
+    make_job_keys(run_dir / "keys")
+    write_resume_request(run_dir, choice.folder)
+    log.info("resuming %s from %s (step %d)", run_dir.name, choice.folder.name,
+             state.point.version)
 
 
 def local_commands(plan: LaunchPlan) -> list[ProcessCommand]:
@@ -137,11 +175,14 @@ def check_here(profile: Profile) -> None:
                           f"({NVIDIA_DRIVER} is missing)")
 
 
-def wait_for_env(url: str, executor: Executor) -> None:
+def wait_for_env(url: str, executor: Executor, ended: set[int] = frozenset()) -> None:
+    """Until the service at ``url`` answers /health; LaunchError if a process of the job
+    (other than the ``ended`` pids, handled already) exits meanwhile."""
     deadline = time.monotonic() + ENV_START_TIMEOUT_S
     while time.monotonic() < deadline:
         for record, code in executor.exited():
-            raise LaunchError(exit_line(record, code))
+            if record.pid not in ended:
+                raise LaunchError(exit_line(record, code))
         try:
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                 return
@@ -155,19 +196,26 @@ def wait_for_env(url: str, executor: Executor) -> None:
 def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | None = None,
               on_snapshot: Callable[[Snapshot], None] | None = None,
               on_start: Callable[[JobState], None] | None = None,
-              launcher_pid: int | None = None) -> JobResult:
+              launcher_pid: int | None = None, resume: Path | None = None) -> JobResult:
     """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
     and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate.
-    ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher."""
+    ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher.
+    ``resume``: the run folder of a job to go on with (see :func:`prepare_resume`)."""
     check_here(profile)
-    job_id = job_id or new_job_id(profile)
-    run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
+    if resume is not None:
+        run_dir, job_id = resume, resume.name
+    else:
+        job_id = job_id or new_job_id(profile)
+        run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
     names = (*PORT_NAMES, *engine_port_names(profile))
     ports = dict(zip(names, listen_ports(len(names)), strict=True))
     ep = local_endpoints(profile, ports)
     plan = plan_local(profile, sys.executable, str(run_dir), ep,
                       os.environ.get("CUDA_VISIBLE_DEVICES"))
-    prepare_run_dir(profile, plan, run_dir)
+    if resume is not None:
+        prepare_resume(profile, run_dir)
+    else:
+        prepare_run_dir(profile, plan, run_dir)
     state = JobState(job_id, str(run_dir), time.time(),
                      info=job_info(profile, ep, launcher_pid=launcher_pid))
     state.save()
@@ -181,7 +229,13 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
         executor.start([c for c in commands if c.kind != "env"])
         if on_start is not None:
             on_start(state)
-        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
+
+        def restart_env(ended: set[int]) -> None:
+            executor.start(env_cmds)
+            wait_for_env(f"http://127.0.0.1:{ports['env']}", executor, ended)
+
+        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot,
+                                restart_env if env_cmds else None)
     finally:
         executor.stop(grace_s=5.0)
     report = run_dir / "report.md"
@@ -189,15 +243,20 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
 
 
 def follow_job(executor: Executor, state: JobState, keys,
-            on_snapshot: Callable[[Snapshot], None] | None) -> tuple[int, Snapshot | None]:
+               on_snapshot: Callable[[Snapshot], None] | None,
+               restart_env: Callable[[set[int]], None] | None = None
+               ) -> tuple[int, Snapshot | None]:
     """Until the coordinator exits: snapshots to ``on_snapshot``. Once the job is up (the
     coordinator's first snapshot), a rank that dies is the coordinator's to handle (it misses
     heartbeats: a rollout rank is left out, a trainer rank stops the job), and so is a rank
-    whose engine server died: the launcher kills the rank too. Before, a rank or an engine
-    server that exits, and at any time the environment service failing, end the job with
-    LaunchError naming the process and its log's last line."""
+    whose engine server died: the launcher kills the rank too; an environment service that
+    dies is started again (``restart_env``, at most ENV_RESTARTS times: the tasks it served
+    fail and their groups are counted dropped). Before, a rank, an engine server or the
+    environment service that exits ends the job with LaunchError naming the process and its
+    log's last line."""
     last: Snapshot | None = None
     handled: set[int] = set()
+    env_restarts = 0
     with Subscriber(state.info["pub"], keys) as sub:
         while True:
             msg = sub.recv(0.25)
@@ -210,12 +269,19 @@ def follow_job(executor: Executor, state: JobState, keys,
                     if code == 0:
                         let_ranks_exit(executor)
                     return code, last
+                if record.pid in handled:
+                    continue
                 if record.kind == "engine" and last is not None:
-                    if record.pid not in handled:
-                        handled.add(record.pid)
-                        _lose_rank_of(executor, record, code, last)
-                elif record.kind == "engine" or (code != 0 and record.kind == "env") or (
-                        record.kind == "rank" and last is None):
+                    handled.add(record.pid)
+                    _lose_rank_of(executor, record, code, last)
+                elif record.kind == "env" and last is not None and restart_env is not None \
+                        and env_restarts < ENV_RESTARTS:
+                    handled.add(record.pid)
+                    env_restarts += 1
+                    log.warning("%s; starting it again (%d of %d)", exit_line(record, code),
+                                env_restarts, ENV_RESTARTS)
+                    restart_env(handled)
+                elif record.kind in ("engine", "env") or (record.kind == "rank" and last is None):
                     raise LaunchError(exit_line(record, code))
 
 
@@ -233,6 +299,23 @@ def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int,
     for record in executor.state.processes:
         if record.kind == "rank" and record.rank == engine.rank:
             executor.kill(record)
+
+
+def last_stop(run_dir: Path) -> dict:
+    """The job's last ``stop`` event ({} if it has none: it never got that far, or its
+    coordinator was killed)."""
+    try:
+        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if event.get("kind") == "stop":
+            return event
+    return {}
 
 
 def exit_line(record: ProcessRecord, code: int) -> str:

@@ -42,6 +42,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     from tiderl.runtime.bus import BusServer, load_job_keys
     from tiderl.runtime.coordinator import Coordinator, CoordinatorError
     from tiderl.runtime.report import write_report
+    from tiderl.runtime.resume import resume_hint, resume_request
     from tiderl.runtime.run_log import RunLog
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
@@ -49,21 +50,34 @@ def _coordinator(args: argparse.Namespace) -> int:
     keys = load_job_keys(args.run_dir / "keys")
     exporter = _exporter(profile.runtime.bus_host, args.metrics_port)
     run_log = RunLog(args.run_dir, time.monotonic, exporter)
+    logger = logging.getLogger("tiderl.coordinator")
+    code = 0
     with BusServer(keys, profile.runtime.bus_host, args.port, args.pub_port) as server:
-        coordinator = Coordinator(profile, server, roles, run_log, time.monotonic)
+        coordinator = Coordinator(profile, server, roles, run_log, time.monotonic,
+                                  resume=resume_request(args.run_dir))
         try:
             coordinator.run()
-        except CoordinatorError as exc:
-            run_log.event("stop", reason=str(exc))
-            logging.getLogger("tiderl.coordinator").error("%s", exc)
-            return 1
+        except CoordinatorError as exc:  # the job cannot go on: it stops, resumable
+            hint = resume_hint(args.run_dir, profile.trainer.tensor_parallel,
+                               profile.runtime.run_dir)
+            run_log.event("stop", reason=str(exc), state="failed", resume=hint,
+                          groups=coordinator.controller.groups.as_dict())
+            logger.error("%s%s", exc, f"; {hint}" if hint else "")
+            code = 1
+        except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C, `tiderl stop` (SIGTERM)
+            state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+            hint = resume_hint(args.run_dir, profile.trainer.tensor_parallel,
+                               profile.runtime.run_dir)
+            run_log.event("stop", reason=state, state=state, resume=hint,
+                          groups=coordinator.controller.groups.as_dict())
+            code = 130 if state == "interrupted" else 143
         finally:
             run_log.close()
             if exporter is not None:
                 exporter.close()
     path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}")
-    logging.getLogger("tiderl.coordinator").info("report: %s", path)
-    return 0
+    logger.info("report: %s", path)
+    return code
 
 
 def _exporter(host: str, port: int) -> MetricsExporter | None:

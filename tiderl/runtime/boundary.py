@@ -5,6 +5,9 @@
     Ack failed (a member died in the broadcast): wait for the heartbeats to say who ──>
         a member is dead: the same roles and version again, to the live members, once
         every member alive past the heartbeat window: the job fails (a real error)
+    Ack failed for another command (a training step): the job fails, but only after the
+    heartbeat window, so that a rank that died in the step's collective is the one named
+    (its peers' "connection closed" errors are its consequence, not the cause)
 
 The broadcast is a collective: a member that dies in it fails it for all. The step controller
 only counts acknowledgements; which answer belongs to which attempt is this link's business.
@@ -38,6 +41,7 @@ class BoundaryLink:
         self.superseded: set[int] = set()  # seqs of an attempt sent again without a dead member
         self.failed: dict[int, FailedBroadcast] = {}  # version -> the failed attempt
         self.resent: set[int] = set()  # versions sent again already
+        self.step_failures: list[tuple[float, b.Ack]] = []  # (deadline, answer)
 
     def send(self, boundary: Boundary, checkpoint_dir: str, export_dir: str) -> None:
         self._send_all(b.SyncWeights(
@@ -63,7 +67,8 @@ class BoundaryLink:
         if msg.ok:
             return (entry[0], entry[1].version) if entry is not None else None
         if entry is None:
-            raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
+            self.step_failures.append((now + self.window_s, msg))
+            return None
         sync = entry[1]
         self.superseded.add(msg.ref)
         self.failed.setdefault(sync.version, FailedBroadcast(sync, now + self.window_s,
@@ -77,6 +82,9 @@ class BoundaryLink:
 
     def check(self, dead: set[int], now: float) -> list[int]:
         """Resend failed broadcasts a member of which died; the versions resent."""
+        for deadline, msg in self.step_failures:
+            if now > deadline:
+                raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
         resent = []
         for version, failed in list(self.failed.items()):
             if set(failed.sync.members) & dead:

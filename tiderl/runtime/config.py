@@ -36,6 +36,10 @@ class RuntimeConfig:
     heartbeat_s: float = 1.0
     heartbeat_misses: int = 5
     collective_timeout_s: float = 120.0  # a broadcast a rank died in fails after this
+    checkpoint_every: int = 5  # steps between job checkpoints (0: only at the end)
+    checkpoint_keep: int = 2  # the newest complete checkpoints kept
+    watchdog_s: float = 300.0  # no progress this long (at least): a watchdog event
+    watchdog_factor: float = 5.0  # ... or this many mean step times, if longer
 
     def __post_init__(self) -> None:
         require_choice(self.mode, SYSTEM_CHOICES, "mode")
@@ -43,10 +47,12 @@ class RuntimeConfig:
         require_choice(self.device, DEVICES, "device")
         require_choice(self.cpu_affinity, CPU_AFFINITIES, "cpu_affinity")
         for name in ("num_ranks", "threads_per_rank", "steps", "group_size", "heartbeat_s",
-                     "heartbeat_misses", "eval_groups", "collective_timeout_s"):
+                     "heartbeat_misses", "eval_groups", "collective_timeout_s",
+                     "checkpoint_keep", "watchdog_s", "watchdog_factor"):
             require_positive(getattr(self, name), name)
         require_non_negative(self.max_staleness, "max_staleness")
         require_non_negative(self.eval_every, "eval_every")
+        require_non_negative(self.checkpoint_every, "checkpoint_every")
         if self.mode == "sync":  # one colocated set: every rank rolls out, then trains
             require(self.rollout_ranks == self.num_ranks, "rollout_ranks",
                     f"expected num_ranks ({self.num_ranks}) in mode sync, got {self.rollout_ranks}")
@@ -69,7 +75,7 @@ def control_config(profile: Profile) -> StepControlConfig:
         max_staleness=rt.max_staleness, ctb=profile.ctb, ra2p=ra2p, ers=profile.ers,
         rank_budget=profile.ctb.rank_budget(profile.engine.kv_cache_tokens),
         max_new_tokens=profile.engine.max_new_tokens, eval_every=rt.eval_every,
-        eval_groups=rt.eval_groups, checkpoint_every=trainer.checkpoint_every,
+        eval_groups=rt.eval_groups, checkpoint_every=rt.checkpoint_every,
         export_every=trainer.export_every, tensor_parallel=trainer.tensor_parallel,
         limits=LayoutLimits(grouped_ranks=rt.num_ranks,
                             fixed_actor_backend="megatron" if trainer.backend == "megatron"

@@ -18,14 +18,16 @@ enters the controller as ``now``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from tiderl.core import commands as c
 from tiderl.core.grpo import group_advantages
 from tiderl.core.records import reward_summary
-from tiderl.core.step_control import StepController, task_id
+from tiderl.core.step_control import StepController, restore, resume_point, task_id
 from tiderl.core.types import Role, Trajectory, Turn
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
 from tiderl.profile import Profile
@@ -35,20 +37,32 @@ from tiderl.runtime.bus import BusSendError, BusServer, HeartbeatMonitor, rank_i
 from tiderl.runtime.config import control_config
 from tiderl.runtime.rebalance import RebalanceDesk
 from tiderl.runtime.records import CoordinatorError, Dataset, GroupRun
-from tiderl.runtime.run_log import RunLog
+from tiderl.runtime.resume import (
+    CHECKPOINTS,
+    JobState,
+    ReadyGroupState,
+    prune,
+    read_job_state,
+    write_job_state,
+)
+from tiderl.runtime.run_log import EventThrottle, RunLog
 from tiderl.runtime.tasks import TaskRouter
 from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.checkpoint_meta import step_dir
 
 log = logging.getLogger("tiderl.coordinator")
 
 ROUND_S = 0.02  # bus poll / CTB round interval
 HELLO_TIMEOUT_S = 600.0
+STALL_STOP_FACTOR = 3  # the job stops after this many watchdog windows without progress
 
 
 class Coordinator:
     def __init__(self, profile: Profile, server: BusServer, roles: list[Role], run_log: RunLog,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, resume: Path | None = None) -> None:
+        """``resume``: the checkpoint folder a resumed job goes on from (None: a fresh job)."""
         self.profile, self.server, self.log, self.clock = profile, server, run_log, clock
+        self.resume_from = resume
         rt = profile.runtime
         self.dataset = Dataset(profile)
         self.controller = StepController(control_config(profile), roles, self.dataset.group,
@@ -70,6 +84,10 @@ class Coordinator:
         self.step_rewards: list[float] = []
         self.eval_rewards: dict[int, list[float]] = {}
         self.eval_done: dict[int, float] = {}
+        self.step_groups: set[str] = set()  # the open step's groups, as dispatched
+        self.progress_at = clock()  # the last report of work done (the watchdog's)
+        self.stalled_s = 0.0  # the watchdog's last alarm (0: none since the last progress)
+        self.throttle = EventThrottle(run_log.event)
         self.is_finished = False
 
     # ---------------------------------------------------------------- the run
@@ -80,7 +98,7 @@ class Coordinator:
         while not self.is_finished:
             got = self.server.recv(ROUND_S)
             while got is not None and not self.is_finished:
-                self.handle(*got)
+                self.handle_safely(*got)
                 got = self.server.recv(0)
             self.schedule_round()
             self.check_liveness()
@@ -89,12 +107,40 @@ class Coordinator:
         self._finish()
 
     def launch(self) -> None:
-        """Every rank said Hello: the job's clock starts and the controller launches it."""
+        """Every rank said Hello: the job's clock starts and the controller launches it (or,
+        resuming, goes on from its checkpoint)."""
         now = self.clock()
+        self.progress_at = now
+        if self.resume_from is not None:
+            self._resume(self.resume_from, now)
+            return
         self.log.t0 = now
         self.log.event("launch", mode=self.profile.runtime.mode,
                        roles=[r.value for r in self.controller.roles])
         self._apply(self.controller.launch(now))
+
+    def _resume(self, folder: Path, now: float) -> None:
+        """The checkpoint's ready groups come back with their samples; its groups in flight
+        run again (tiderl.core.step_control.resume says why)."""
+        state = read_job_state(folder)
+        ready = []
+        for group in state.ready:
+            run = self.dataset.run(c.GroupSpec(group.group_id, group.index, False, group.step))
+            run.samples = [TrainSample(d.seq_id, tuple(d.input_ids), tuple(d.loss_mask),
+                                       tuple(d.logprobs), d.advantage, d.version)
+                           for d in group.samples]
+            for sample, reward in zip(run.samples, group.rewards, strict=True):
+                self.samples[sample.seq_id] = sample
+                self.rewards[sample.seq_id] = reward
+            ready.append(run)
+        point = state.point
+        self.log.t0 = now - point.elapsed_s
+        self.log.event("resume", version=point.version, elapsed_s=round(point.elapsed_s, 3),
+                       checkpoint=str(folder),
+                       roles=[r.value for r in point.roles],
+                       ready=[g.group_id for g in state.ready],
+                       rerun=[s.group_id for s in point.in_flight])
+        self._apply(restore(self.controller, point, ready, now))
 
     def schedule_round(self) -> None:
         """One CTB round, its decisions sent to the ranks."""
@@ -112,12 +158,12 @@ class Coordinator:
                                        f"{timeout:.0f} s (see their logs)")
             got = self.server.recv(1.0)
             if got is not None:
-                self.handle(*got)
+                self.handle_safely(*got)
 
     def _finish(self) -> None:
         for rank in range(len(self.controller.roles)):
             self._send(rank, b.Shutdown(seq=self._next_seq(), reason="job done"))
-        self.log.event("stop", reason="done", steps=self.controller.step,
+        self.log.event("stop", reason="done", state="ok", steps=self.controller.step,
                        groups=self.controller.groups.as_dict())
         self._publish()
 
@@ -142,6 +188,18 @@ class Coordinator:
 
     # ---------------------------------------------------------------- messages in
 
+    def handle_safely(self, identity: bytes, msg: b.Message) -> None:
+        """:meth:`handle`, surviving any error but the job's own end: the message is dropped
+        with an event (one a minute per kind of failure, with a count)."""
+        try:
+            self.handle(identity, msg)
+        except CoordinatorError:
+            raise
+        except Exception as exc:  # the loop must outlive any one message
+            log.exception("handling a %s from %r failed", type(msg).__name__, identity)
+            self.throttle.event("handler_error", f"{type(msg).__name__}/{type(exc).__name__}",
+                                message=type(msg).__name__, error=f"{exc}"[:300])
+
     def handle(self, identity: bytes, msg: b.Message) -> None:
         now = self.clock()
         if isinstance(msg, b.Rebalance):  # a CLI peer: its CURVE key proved it is the job's
@@ -150,10 +208,16 @@ class Coordinator:
         rank = getattr(msg, "rank", None)
         if rank is None or identity != rank_identity(rank) or \
                 not 0 <= rank < len(self.controller.roles):
-            log.warning("bus: dropped a %s from %r (not a rank of this job)", type(msg).__name__,
-                        identity)
+            self.throttle.event("message_dropped", f"{type(msg).__name__}/{identity!r}",
+                                message=type(msg).__name__, sender=repr(identity)[:80],
+                                why="not a rank of this job")
+            return
+        if rank in self.controller.dead:  # declared dead (stopped too long): it goes for good
+            self._stop_zombie(rank, msg)
             return
         self.heartbeats.beat(rank, now)
+        if isinstance(msg, b.TurnReport | b.TaskFinished | b.StepDone | b.Ack):
+            self.progress_at, self.stalled_s = now, 0.0
         rollout = self.controller.rollout
         if isinstance(msg, b.Hello):
             self.alive.add(rank)
@@ -183,6 +247,15 @@ class Coordinator:
         elif not isinstance(msg, b.Heartbeat):
             log.warning("bus: rank %d sent a %s, which only the coordinator sends", rank,
                         type(msg).__name__)
+
+    def _stop_zombie(self, rank: int, msg: b.Message) -> None:
+        """A rank declared dead speaks again (a SIGSTOP longer than the heartbeats allow, then
+        SIGCONT): its tasks went elsewhere, so nothing it says counts; it is told to exit."""
+        self.throttle.event("message_dropped", f"dead/{rank}", message=type(msg).__name__,
+                            sender=f"rank {rank}", why="the rank was declared dead")
+        with contextlib.suppress(BusSendError):  # gone for good already
+            self.server.send(rank_identity(rank), b.Shutdown(
+                seq=self._next_seq(), reason="this rank was declared dead"))
 
     def _on_finished(self, msg: b.TaskFinished, now: float) -> None:
         group = self.groups.get(msg.group_id)
@@ -240,6 +313,9 @@ class Coordinator:
         eval_reward = None
         for eval_step in sorted(self.eval_done):
             eval_reward = self.eval_done.pop(eval_step)
+        self.log.event("trained", step=start.step, groups=sorted(
+            self.step_groups, key=lambda g: (len(g), g)))
+        self.step_groups = set()
         reward_mean, solved_frac = reward_summary(self.step_rewards)
         outcome = c.StepOutcome(
             start.step, tuple(self.reports[r] for r in start.ranks), kv_queries=queries,
@@ -256,6 +332,33 @@ class Coordinator:
         for rank in self.heartbeats.dead(now):
             self._declare_dead(rank, "missed heartbeats")
         self._check_boundaries(now)
+        self._check_progress(now)
+
+    def watchdog_s(self) -> float:
+        """How long the job may go without a report of work done before the watchdog speaks:
+        ``runtime.watchdog_factor`` mean step times, at least ``runtime.watchdog_s``."""
+        rt, records = self.profile.runtime, self.controller.records
+        mean = records[-1].end_s / len(records) if records else 0.0
+        return max(rt.watchdog_s, rt.watchdog_factor * mean)
+
+    def _check_progress(self, now: float) -> None:
+        """No turn, task, step or acknowledgement for a watchdog window: an event naming what
+        the step cycle waits for; after STALL_STOP_FACTOR windows the job stops (it resumes
+        from its last checkpoint), never a silent hang."""
+        idle, window = now - self.progress_at, self.watchdog_s()
+        if idle < window or idle - self.stalled_s < window:
+            return
+        self.stalled_s = idle
+        ctl = self.controller
+        waits = {"phase": ctl.phase.value, "step": ctl.step, "tasks_new": ctl.book.num_new,
+                 "tasks_active": ctl.book.num_active, "tasks_paused": ctl.book.num_paused,
+                 "rollout_ranks": ctl.rollout_ranks(),
+                 "awaiting": sorted(ctl.boundary.awaiting) if ctl.boundary else []}
+        self.log.event("watchdog", idle_s=round(idle, 1), window_s=round(window, 1), **waits)
+        log.error("no progress for %.0f s (%s)", idle, waits)
+        if idle >= STALL_STOP_FACTOR * window:
+            raise CoordinatorError(f"no progress for {idle:.0f} s (the step cycle is in phase "
+                                   f"{ctl.phase.value} at step {ctl.step})")
 
     def _check_boundaries(self, now: float) -> None:
         for version in self.link.check(self.controller.dead, now):
@@ -318,6 +421,7 @@ class Coordinator:
                 max_aggregate=command.max_aggregate)
         elif isinstance(command, c.Dispatch):
             samples = [self.samples.pop(s.seq_id) for s in command.mb.sequences]
+            self.step_groups.update(s.seq_id.rsplit(".", 1)[0] for s in samples)
             self.step_rewards += [self.rewards.pop(s.seq_id) for s in samples]
             msg = b.MicroBatchData(seq=self._next_seq(), step=command.step, mb_id=command.index,
                                    samples=[_sample_data(s) for s in samples])
@@ -328,12 +432,29 @@ class Coordinator:
             self._send(rank, msg)
 
     def _boundary(self, boundary: c.Boundary) -> None:
+        root = self.log.run_dir / CHECKPOINTS
+        if boundary.checkpoint:  # job.json first: the actors' meta.json completes the folder
+            folder = step_dir(root, boundary.version)
+            for old in prune(root, self.profile.runtime.checkpoint_keep,
+                             self.profile.trainer.tensor_parallel, folder):
+                log.info("removed checkpoint %s", old)
+            write_job_state(folder, self._job_state())
         for rank, src, dst in boundary.changes():
             self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
                            step=self.controller.step, version=boundary.version,
                            reason=boundary.reason.value if boundary.reason else None)
-        self.link.send(boundary, str(self.log.run_dir / "checkpoints"),
-                       str(self.log.run_dir / "hf"))
+        self.link.send(boundary, str(root), str(self.log.run_dir / "hf"))
+
+    def _job_state(self) -> JobState:
+        point = resume_point(self.controller, self.clock())
+        size = self.profile.runtime.group_size
+        ready = []
+        for group_id in point.ready:
+            ids = [task_id(group_id, i) for i in range(size)]
+            ready.append(ReadyGroupState(group_id, int(group_id[1:]), 0,
+                                         [_sample_data(self.samples[i]) for i in ids],
+                                         [self.rewards[i] for i in ids]))
+        return JobState(point, ready)
 
     def _dropped(self, command: c.GroupDropped) -> None:
         for i in range(self.profile.runtime.group_size):

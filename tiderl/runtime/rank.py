@@ -83,6 +83,7 @@ from tiderl.runtime.bus import (
 from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
 from tiderl.runtime.rank_trainer import TrainerRoles
 from tiderl.runtime.rank_wire import carry_data, carry_of, micro_batch_of, turn_data
+from tiderl.runtime.resume import resume_request
 from tiderl.trainer.executors import (
     StreamedStep,
 )
@@ -196,6 +197,9 @@ class RankDaemon(TrainerRoles):
             model = None
         if self._needs_ref(self.role):
             self._make_ref()
+        resume = resume_request(self.args.run_dir)
+        if resume is not None:
+            self._resume(resume)
 
     def _initial_model(self, device: torch.device | None = None
                        ) -> tuple[Qwen2ForCausalLM, object]:

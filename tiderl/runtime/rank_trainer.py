@@ -22,7 +22,7 @@ from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
 from tiderl.runtime.bus import StepDone, SyncWeights, TrainStep
 from tiderl.runtime.rank_wire import step_done
-from tiderl.trainer.checkpoint import save_checkpoint, step_dir
+from tiderl.trainer.checkpoint import load_checkpoint, save_checkpoint, step_dir
 from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
 from tiderl.trainer.export import write_folder
 from tiderl.trainer.parallel import backend_class, make_backend
@@ -183,6 +183,18 @@ class TrainerRoles:
                                   group=group, device=self.device)
             self._joined_optimizer = moments.state if takes_optimizer else None
         return result.state
+
+    def _resume(self, folder: Path) -> None:
+        """A resumed job: each actor loads its part of the checkpoint (weights, AdamW state,
+        RNG; the LR schedule follows the version). The other ranks get the weights at the
+        resumed job's first boundary, broadcast from an actor like any update."""
+        if self.actor is None:
+            return
+        backend = self.actor.backend
+        meta = load_checkpoint(folder / backend.checkpoint_part, backend, self.actor.optimizer)
+        self.version = self.actor.version = meta.version
+        log.info("rank %d: resumed from %s (version %d%s)", self.rank, folder, meta.version,
+                 "" if meta.rng_restored else ", RNG not restored: another world size")
 
     def _save_checkpoint(self, cmd: SyncWeights) -> None:
         assert self.actor is not None

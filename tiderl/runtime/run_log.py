@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiderl.coordinator")
 
 SNAPSHOT_S = 0.5
+
+
+class EventThrottle:
+    """Events of one kind and key at most once per ``every_s`` (a flood of bad messages must not
+    flood events.jsonl), each with the count of those held back since the last."""
+
+    def __init__(self, emit: Callable[..., None], every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.emit, self.every_s, self.clock = emit, every_s, clock
+        self._quiet_until: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], int] = {}
+
+    def event(self, kind: str, key: str, **fields: object) -> None:
+        slot, now = (kind, key), self.clock()
+        if now < self._quiet_until.get(slot, float("-inf")):
+            self._held[slot] = self._held.get(slot, 0) + 1
+            return
+        if len(self._quiet_until) > 1024:  # bound what a key-cycling sender can take
+            self._quiet_until.clear()
+            self._held.clear()
+        self._quiet_until[slot] = now + self.every_s
+        self.emit(kind, **fields, repeats=self._held.pop(slot, 0))
 
 
 class RunLog:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,27 +29,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from tiderl.trainer.checkpoint_meta import (
+    META_FILE,
+    STEP_PATTERN,
+    CheckpointError,
+    CheckpointMeta,
+    latest_checkpoint,
+    read_meta,
+    step_dir,
+)
 from tiderl.trainer.parallel import TrainBackend
 
-META_FILE = "meta.json"
-STEP_PATTERN = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or unreadable; the message names its path."""
-
-
-@dataclass(frozen=True)
-class CheckpointMeta:
-    version: int
-    extra: dict[str, Any] = field(default_factory=dict)
-    world_size: int = 1
-    backend: str = ""
-    rng_restored: bool = False  # False when loaded on another world size (RNG is per rank)
-
-
-def step_dir(path: str | Path, version: int) -> Path:
-    return Path(path) / f"step-{version:08d}"
+__all__ = ["META_FILE", "STEP_PATTERN", "CheckpointError", "CheckpointMeta", "latest_checkpoint",
+           "load_checkpoint", "read_meta", "save_checkpoint", "step_dir"]
 
 
 def save_checkpoint(path: str | Path, backend: TrainBackend, optimizer: torch.optim.Optimizer,
@@ -74,9 +64,12 @@ def save_checkpoint(path: str | Path, backend: TrainBackend, optimizer: torch.op
                  process_group=backend.group)
     torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
     _barrier(backend.group)
-    if rank == 0:
+    if rank == 0:  # write, fsync, rename: the marker is whole or absent
         tmp = folder / f"{META_FILE}.tmp"
-        tmp.write_text(meta_text + "\n")
+        with open(tmp, "w") as handle:
+            handle.write(meta_text + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, folder / META_FILE)
     _barrier(backend.group)  # no rank returns before the checkpoint is complete
     return folder
@@ -102,30 +95,6 @@ def load_checkpoint(path: str | Path, backend: TrainBackend,
     if restore_rng:
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return CheckpointMeta(meta.version, meta.extra, meta.world_size, meta.backend, restore_rng)
-
-
-def read_meta(folder: str | Path) -> CheckpointMeta:
-    """The meta of a complete checkpoint; ``CheckpointError`` when there is none at ``folder``."""
-    meta_file = Path(folder) / META_FILE
-    if not meta_file.is_file():
-        what = "does not exist" if not Path(folder).exists() else "has no meta.json (incomplete)"
-        raise CheckpointError(f"no complete checkpoint at {folder}: the folder {what}")
-    try:
-        data = json.loads(meta_file.read_text())
-        return CheckpointMeta(int(data["version"]), dict(data["extra"]), int(data["world_size"]),
-                              str(data["backend"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"unreadable {meta_file}: {exc}") from None
-
-
-def latest_checkpoint(path: str | Path) -> Path | None:
-    """The complete checkpoint under ``path`` with the highest version, or None."""
-    root = Path(path)
-    if not root.is_dir():
-        return None
-    complete = [(int(match.group(1)), child) for child in root.iterdir()
-                if (match := STEP_PATTERN.match(child.name)) and (child / META_FILE).is_file()]
-    return max(complete)[1] if complete else None
 
 
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -24,7 +24,6 @@ class TrainerConfig:
     clip_eps: float = 0.2  # PPO clip range on the behaviour-logprob ratio
     kl_beta: float = 0.01  # k3 KL to the ref model; 0 skips the ref
     adv_eps: float = 1e-6
-    checkpoint_every: int = 0  # steps; 0 = only at the end
     export_every: int = 0  # steps: an HF folder runs/<job>/hf/step-N; 0 = only at the end
     export_shard_mb: int = 2048  # safetensors shard size of those folders
     logits_chunk_tokens: int = 1024  # loss positions per lm_head chunk (recomputed in backward)
@@ -36,7 +35,7 @@ class TrainerConfig:
         require_positive(self.lr, "lr")
         for name in ("export_shard_mb", "logits_chunk_tokens", "tensor_parallel"):
             require_positive(getattr(self, name), name)
-        for name in ("weight_decay", "grad_clip", "kl_beta", "adv_eps", "checkpoint_every",
+        for name in ("weight_decay", "grad_clip", "kl_beta", "adv_eps",
                      "export_every", "warmup_steps"):
             require_non_negative(getattr(self, name), name)
         require(self.tensor_parallel == 1 or self.backend == "megatron", "tensor_parallel",

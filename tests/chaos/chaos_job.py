@@ -1,0 +1,176 @@
+"""A real job to break: ``tiderl launch`` as its own process on a small profile, the faults an
+operator meets (kill -9, SIGSTOP) sent to its processes by PID, and the checks every chaos test
+ends with: the job's groups are each trained once or counted, and no process of it is left."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.integration.running_job import SMALL_JOB
+from tests.integration.serving import tiderl_command
+from tiderl.launch.local import (
+    JOB_FILE,
+    JobState,
+    LaunchError,
+    group_members,
+    is_running,
+    stop_processes,
+)
+
+# A step every few seconds; a checkpoint every 2 steps; the watchdog near enough to see
+CHAOS_JOB = [*SMALL_JOB, "runtime.checkpoint_every=2", "runtime.watchdog_s=30"]
+JOB_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Launch:
+    run_root: Path
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def state(self) -> JobState:
+        """The job's state once every rank is started (following the launcher)."""
+        def started() -> JobState | None:
+            for path in self.run_root.glob(f"*/{JOB_FILE}"):
+                with contextlib.suppress(LaunchError):
+                    state = JobState.load(path.parent)
+                    if any(p.kind == "rank" for p in state.processes):
+                        return state
+            return None
+        return self.until(started, "every process started")
+
+    def until(self, ready: Callable[[], object], what: str,
+              timeout_s: float = JOB_TIMEOUT_S) -> object:
+        """Poll ``ready`` until it returns a truthy value; fails as soon as the launcher exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = ready()
+            if value:
+                return value
+            assert self.proc.poll() is None, f"the launcher ended before {what}:\n{self.output}"
+            time.sleep(0.2)
+        raise AssertionError(f"not {what} within {timeout_s:.0f} s")
+
+    def wait(self, timeout_s: float = JOB_TIMEOUT_S) -> int:
+        return self.proc.wait(timeout_s)
+
+
+def launch(run_root: Path, *overrides: str, steps: int = 6, resume: str | None = None) -> Launch:
+    run_root.mkdir(parents=True, exist_ok=True)
+    log = run_root / f"launcher-{time.monotonic_ns()}.log"
+    argv = [*tiderl_command(), "launch", "--run-root", str(run_root)]
+    if resume is not None:
+        argv += ["--resume", resume]
+    else:
+        argv += ["--set", f"runtime.steps={steps}"]
+        for item in (*CHAOS_JOB, *overrides):
+            argv += ["--set", item]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return Launch(run_root, proc, log)
+
+
+@contextlib.contextmanager
+def chaos(run_root: Path):
+    """Yields a list the test appends its launches to; on exit every launcher and every process
+    of the job is stopped, whatever the test did."""
+    launches: list[Launch] = []
+    try:
+        yield launches
+    finally:
+        for launched in launches:
+            if launched.proc.poll() is None:
+                os.killpg(launched.proc.pid, signal.SIGKILL)
+                launched.proc.wait()
+        for path in run_root.glob(f"*/{JOB_FILE}"):
+            with contextlib.suppress(LaunchError):
+                stop_processes(JobState.load(path.parent).processes, grace_s=1.0)
+
+
+def steps_done(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def checkpoint_of(run_dir: Path, version: int) -> Path | None:
+    """The step folder of ``version`` once the actors completed it (meta.json written)."""
+    folder = run_dir / "checkpoints" / f"step-{version:08d}"
+    return folder if (folder / "meta.json").exists() and (folder / "job.json").exists() else None
+
+
+def process(state: JobState, name: str):
+    return next(p for p in state.processes if p.name == name)
+
+
+def kill(state: JobState, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(process(state, name).pid, sig)
+
+
+def kill_job(state: JobState) -> None:
+    """kill -9 of the whole job: its launcher and every process, at once."""
+    launcher = state.info.get("launcher_pid")
+    for pid in [launcher, *(p.pid for p in state.processes)]:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def events(run_dir: Path, *kinds: str) -> list[dict]:
+    out = []
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line a kill cut short
+            event = json.loads(line)
+            if not kinds or event["kind"] in kinds:
+                out.append(event)
+    return out
+
+
+def lineage(run_dir: Path) -> list[dict]:
+    """The events of the run the final model descends from: a resume discards what the run
+    before it did after the checkpoint it resumed from."""
+    kept: list[dict] = []
+    for event in events(run_dir):
+        if event["kind"] == "resume":
+            kept = [e for e in kept if e["time_s"] <= event["elapsed_s"]
+                    and (e["kind"] != "trained" or e["step"] < event["version"])]
+        kept.append(event)
+    return kept
+
+
+def assert_each_group_once(run_dir: Path) -> dict:
+    """No group trained twice; every group fed is trained, dropped (and counted), or left over
+    at the end (buffered or rolling out): none skipped. Returns the last stop event."""
+    kept = lineage(run_dir)
+    trained = [g for e in kept if e["kind"] == "trained" for g in e["groups"]]
+    assert len(trained) == len(set(trained)), f"a group trained twice: {sorted(trained)}"
+    dropped = {e["group"] for e in kept if e["kind"] == "dropped_group"}
+    assert not dropped & set(trained)
+    (stop,) = [e for e in kept if e["kind"] == "stop"][-1:]
+    counts = stop["groups"]
+    assert counts["trained"] == len(trained)
+    assert counts["dropped"] == len(dropped)
+    fed = {f"g{i}" for i in range(counts["fed"])}
+    assert set(trained) | dropped <= fed
+    left = counts["buffered"] + counts["rolling_out"]
+    assert len(fed - set(trained) - dropped) == left, (counts, sorted(fed - set(trained)))
+    return stop
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    state = JobState.load(run_dir)
+    for record in state.processes:
+        assert not is_running(record.pid), f"{record.name} (pid {record.pid}) still runs"
+        assert group_members(record.pid) == [], f"children of {record.name} still run"

@@ -1,0 +1,239 @@
+"""Kill or stop each process of a real job, as an operator would, and check what the docs
+promise (docs/runtime.md, "Faults and resume"): the job goes on, or stops with the line that
+resumes it, and after the resume every group is trained once or counted, and nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.chaos_job import (
+    assert_each_group_once,
+    assert_nothing_left,
+    chaos,
+    checkpoint_of,
+    events,
+    kill,
+    kill_job,
+    launch,
+    steps_done,
+)
+from tests.integration.serving import tiderl_command
+from tiderl.launch.local import JobState, is_running
+
+STEPS = 6
+
+
+def roles_now(run_dir: Path) -> list[str]:
+    """The layout of the last step (ERS moves ranks between steps)."""
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return json.loads(rows[-1])["roles"]
+
+
+def resume_and_finish(jobs: list, run_root: Path, run_dir: Path) -> dict:
+    resumed = launch(run_root, resume=run_dir.name)
+    jobs.append(resumed)
+    assert resumed.wait() == 0, resumed.output
+    assert steps_done(run_dir) >= STEPS
+    stop = assert_each_group_once(run_dir)
+    assert stop["state"] == "ok" and stop["steps"] == STEPS
+    assert_nothing_left(run_dir)
+    return stop
+
+
+def test_a_rollout_rank_killed_with_another_left_the_job_goes_on(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path, "runtime.num_ranks=4", "runtime.rollout_ranks=2",
+                     "ers.enabled=false")
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "rank0")
+        assert job.wait() == 0, job.output
+        (dead,) = events(run_dir, "rank_dead")
+        assert dead["rank"] == 0
+        assert assert_each_group_once(run_dir)["steps"] == STEPS
+        assert_nothing_left(run_dir)
+
+
+def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
+    """The open batch closes with what it holds and the next boundary moves a trainer rank to
+    rollout; if the batch held nothing, the job stops with its resume line instead."""
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path, "ers.enabled=false", "runtime.mode=async")
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: steps_done(run_dir) >= 2, "step 2")
+        kill(state, "rank0")  # the one rollout rank
+        code = job.wait()
+        if code == 0:
+            (moved,) = [e for e in events(run_dir, "role_change") if e["dst"] == "rollout"]
+            assert moved["reason"] == "no_rollout"
+            assert_each_group_once(run_dir)
+            assert_nothing_left(run_dir)
+        else:
+            assert "no rollout rank is left" in job.output and "--resume" in job.output
+            resume_and_finish(jobs, tmp_path, run_dir)
+
+
+@pytest.mark.parametrize("role", ["actor", "ref"])
+def test_a_trainer_rank_killed_stops_the_job_with_its_resume_line(tmp_path, role):
+    extra = ("ra2p.mode=decoupled", "runtime.num_ranks=4") if role == "ref" else ()
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path, "ers.enabled=false", *extra)
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
+        victim = roles_now(run_dir).index(role)
+        kill(state, f"rank{victim}")
+        killed_at = time.monotonic()
+        assert job.wait() == 1
+        assert time.monotonic() - killed_at < 60  # heartbeats, not a hang
+        (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
+        assert f"trainer rank {victim} is gone" in line  # the dead rank, not a survivor
+        assert f"tiderl launch --resume {run_dir.name}" in line or "--resume" in line
+        assert_nothing_left(run_dir)
+        status = subprocess.run([*tiderl_command(), "status", run_dir.name, "--run-root",
+                                 str(tmp_path), "--json"], capture_output=True, text=True,
+                                timeout=60)
+        assert json.loads(status.stdout)["state"] == "failed"
+        resume_and_finish(jobs, tmp_path, run_dir)
+
+
+def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path)
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
+        kill_job(JobState.load(run_dir))
+        job.wait()
+        time.sleep(0.5)
+        assert_nothing_left(run_dir)
+        stop = resume_and_finish(jobs, tmp_path, run_dir)
+        (resume,) = events(run_dir, "resume")
+        assert resume["version"] >= 2
+        assert stop["groups"]["trained"] >= STEPS  # every step trained at least one group
+        steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
+                 .splitlines()]
+        assert steps[-1] == STEPS - 1 and set(range(STEPS)) <= set(steps)
+
+
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path, steps=8)
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: checkpoint_of(run_dir, 4), "the checkpoint of step 4")
+        kill_job(JobState.load(run_dir))
+        job.wait()
+        shard = next((run_dir / "checkpoints" / "step-00000004").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # cut short
+        resumed = launch(tmp_path, resume=run_dir.name)
+        jobs.append(resumed)
+        assert resumed.wait() == 0, resumed.output
+        assert "passed over checkpoint step-00000004" in resumed.output
+        (resume,) = events(run_dir, "resume")
+        assert resume["version"] == 2
+        assert_each_group_once(run_dir)
+        assert_nothing_left(run_dir)
+
+
+def test_the_coordinator_killed_the_ranks_exit_and_the_job_resumes(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path)
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
+        kill(state, "coordinator")
+        assert job.wait() != 0
+        ranks = [p for p in JobState.load(run_dir).processes if p.kind == "rank"]
+        job_deadline = time.monotonic() + 60
+        while any(is_running(p.pid) for p in ranks) and time.monotonic() < job_deadline:
+            time.sleep(0.5)
+        assert_nothing_left(run_dir)
+        status = subprocess.run([*tiderl_command(), "status", run_dir.name, "--run-root",
+                                 str(tmp_path), "--json"], capture_output=True, text=True,
+                                timeout=60)
+        assert json.loads(status.stdout)["state"] == "crashed"
+        resume_and_finish(jobs, tmp_path, run_dir)
+
+
+def test_the_environment_service_killed_is_started_again(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path)
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "env")
+        assert job.wait() == 0, job.output
+        assert "starting it again (1 of 3)" in job.output
+        stop = assert_each_group_once(run_dir)
+        assert stop["steps"] == STEPS
+        assert_nothing_left(run_dir)
+
+
+def test_a_rollout_rank_stopped_past_its_heartbeats_is_left_out_and_told_to_go(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path, "runtime.num_ranks=4", "runtime.rollout_ranks=2",
+                     "ers.enabled=false")
+        jobs.append(job)
+        state = job.state()
+        run_dir = Path(state.run_dir)
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "rank0", signal.SIGSTOP)
+        job.until(lambda: events(run_dir, "rank_dead"), "rank 0 declared dead", timeout_s=60)
+        kill(state, "rank0", signal.SIGCONT)
+        assert job.wait() == 0, job.output
+        assert "this rank was declared dead" in (run_dir / "logs" / "rank0.log").read_text()
+        assert_each_group_once(run_dir)
+        assert_nothing_left(run_dir)
+
+
+def test_a_rank_killed_while_starting_fails_the_launch_naming_it(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job = launch(tmp_path)
+        jobs.append(job)
+        state = job.state()  # every process started: none has said Hello yet
+        kill(state, "rank1")
+        killed_at = time.monotonic()
+        assert job.wait() == 1
+        assert time.monotonic() - killed_at < 30
+        (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
+        assert "rank1 exited with code -9" in line
+        assert_nothing_left(Path(state.run_dir))
+
+
+def test_a_full_disk_while_checkpointing_stops_the_job_resumable(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.strip()}")
+    try:
+        with chaos(mount) as jobs:
+            job = launch(mount, steps=20)  # each checkpoint ~17 MB: the second one fills it
+            jobs.append(job)
+            state = job.state()
+            run_dir = Path(state.run_dir)
+            assert job.wait() == 1
+            (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
+            assert "No space left on device" in line and "--resume" in line, line
+            assert checkpoint_of(run_dir, 2)  # the complete one the line names
+            assert_nothing_left(run_dir)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

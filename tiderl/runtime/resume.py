@@ -1,0 +1,196 @@
+"""A job's checkpoints as a whole, and resuming a job from one.
+
+    runs/<job>/checkpoints/step-00000012/
+        job.json          the coordinator's: the step cycle's ResumePoint and the ready groups'
+                          samples (written first, at the boundary: write, fsync, rename)
+        meta.json, .metadata, *.distcp, rng-rank*.pt
+                          the actors' DCP checkpoint (tiderl.trainer.checkpoint; meta.json last)
+                          — under megatron TP one such folder per TP index (tp0/, tp1/, ...)
+    runs/<job>/resume.json    {"checkpoint": ...}: written by ``tiderl launch --resume``; the
+                              coordinator and the ranks of the resumed job read it
+
+A checkpoint is complete when job.json and every part's meta.json are there and its DCP files
+are as long as their metadata says (a crash or a full disk mid-save leaves one that is not, and
+it is never loaded: the one before it is). The coordinator keeps the newest
+``runtime.checkpoint_keep`` complete ones and removes the rest as it starts the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from tiderl.core.step_control import ResumePoint
+from tiderl.runtime.bus import TrainSampleData
+from tiderl.trainer.checkpoint_meta import META_FILE, STEP_PATTERN, CheckpointError, read_meta
+
+JOB_STATE = "job.json"
+RESUME_FILE = "resume.json"
+CHECKPOINTS = "checkpoints"
+
+
+class ReadyGroupState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A ready group of the checkpoint: its dataset index, samples and rewards (task order)."""
+
+    group_id: str
+    index: int
+    step: int
+    samples: list[TrainSampleData]
+    rewards: list[float]
+
+
+class JobState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    point: ResumePoint
+    ready: list[ReadyGroupState]
+    schema: int = 1
+
+
+def write_job_state(folder: Path, state: JobState) -> Path:
+    """``folder/job.json``, atomically: a crash leaves the old file or none, never half."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / JOB_STATE
+    _write_atomic(path, msgspec.json.encode(state))
+    return path
+
+
+def read_job_state(folder: Path) -> JobState:
+    path = folder / JOB_STATE
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=JobState)
+    except FileNotFoundError:
+        raise CheckpointError(f"no complete checkpoint at {folder}: {JOB_STATE} is missing") \
+            from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"unreadable {path}: {exc}") from None
+
+
+def parts(folder: Path, tensor_parallel: int) -> list[Path]:
+    """The folders the actors' DCP checkpoints are in: the step folder, or one per TP index."""
+    return [folder] if tensor_parallel == 1 else [folder / f"tp{i}"
+                                                   for i in range(tensor_parallel)]
+
+
+def check_complete(folder: Path, tensor_parallel: int) -> int:
+    """The version of a complete checkpoint at ``folder``; CheckpointError naming what is
+    missing or short otherwise."""
+    state = read_job_state(folder)
+    for part in parts(folder, tensor_parallel):
+        meta = read_meta(part)
+        if meta.version != state.point.version:
+            raise CheckpointError(f"{part / META_FILE} is of version {meta.version}, "
+                                  f"{JOB_STATE} of {state.point.version}")
+        _check_dcp_files(part)
+    return state.point.version
+
+
+def _check_dcp_files(part: Path) -> None:
+    """Every DCP storage file is there and as long as the metadata's last byte in it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(part)).read_metadata()
+    except Exception as exc:  # whatever makes the metadata unreadable: not loadable
+        raise CheckpointError(f"unreadable DCP metadata in {part}: {exc}") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in needed.items():
+        path = part / name
+        size = path.stat().st_size if path.is_file() else -1
+        if size < end:
+            what = "missing" if size < 0 else f"{size} bytes, its metadata needs {end}"
+            raise CheckpointError(f"incomplete checkpoint at {part}: {name} is {what}")
+
+
+def step_folders(root: Path) -> list[Path]:
+    """The ``step-N`` folders under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), child) for child in root.iterdir()
+             if (m := STEP_PATTERN.match(child.name)) and child.is_dir()]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+@dataclass(frozen=True)
+class Choice:
+    folder: Path
+    version: int
+    skipped: tuple[str, ...]  # newer checkpoints passed over, each with why
+
+
+def latest_complete(root: Path, tensor_parallel: int) -> Choice:
+    """The newest complete checkpoint under ``root`` (the ones passed over, and why)."""
+    skipped = []
+    for folder in step_folders(root):
+        try:
+            version = check_complete(folder, tensor_parallel)
+        except (CheckpointError, OSError) as exc:
+            skipped.append(f"{folder.name}: {exc}")
+            continue
+        return Choice(folder, version, tuple(skipped))
+    why = "; ".join(skipped) if skipped else "there is none"
+    raise CheckpointError(f"no complete checkpoint under {root} ({why})")
+
+
+def prune(root: Path, keep: int, tensor_parallel: int, starting: Path) -> list[Path]:
+    """Before the checkpoint ``starting`` is written: keep the newest ``keep - 1`` complete
+    ones, remove the older and the incomplete ones. Returns the removed folders."""
+    removed, kept = [], 0
+    for folder in step_folders(root):
+        if folder == starting:
+            continue
+        try:
+            check_complete(folder, tensor_parallel)
+            is_complete = True
+        except (CheckpointError, OSError):
+            is_complete = False
+        if is_complete and kept < keep - 1:
+            kept += 1
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def resume_hint(run_dir: Path, tensor_parallel: int, default_root: str = "runs") -> str:
+    """The line that resumes this job from its newest complete checkpoint ("" if none)."""
+    try:
+        choice = latest_complete(run_dir / CHECKPOINTS, tensor_parallel)
+    except CheckpointError:
+        return ""
+    is_default = run_dir.parent.resolve() == Path(default_root).resolve()
+    job = run_dir.name if is_default else str(run_dir)
+    return (f"resume it from {choice.folder.name} (step {choice.version}) with: "
+            f"tiderl launch --resume {job}")
+
+
+def write_resume_request(run_dir: Path, folder: Path) -> None:
+    _write_atomic(run_dir / RESUME_FILE, json.dumps({"checkpoint": str(folder)}).encode())
+
+
+def resume_request(run_dir: Path) -> Path | None:
+    """The checkpoint this job resumes from (None: a fresh job)."""
+    path = run_dir / RESUME_FILE
+    if not path.is_file():
+        return None
+    return Path(json.loads(path.read_text())["checkpoint"])
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

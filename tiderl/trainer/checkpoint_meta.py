@@ -1,0 +1,55 @@
+"""The torch-free half of :mod:`tiderl.trainer.checkpoint`: folder names, the ``meta.json``
+marker of a complete checkpoint and reading it (what the launcher and the coordinator need,
+without importing torch)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+META_FILE = "meta.json"
+STEP_PATTERN = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable; the message names its path."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    version: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    backend: str = ""
+    rng_restored: bool = False  # False when loaded on another world size (RNG is per rank)
+
+
+def step_dir(path: str | Path, version: int) -> Path:
+    return Path(path) / f"step-{version:08d}"
+
+
+def read_meta(folder: str | Path) -> CheckpointMeta:
+    """The meta of a complete checkpoint; ``CheckpointError`` when there is none at ``folder``."""
+    meta_file = Path(folder) / META_FILE
+    if not meta_file.is_file():
+        what = "does not exist" if not Path(folder).exists() else "has no meta.json (incomplete)"
+        raise CheckpointError(f"no complete checkpoint at {folder}: the folder {what}")
+    try:
+        data = json.loads(meta_file.read_text())
+        return CheckpointMeta(int(data["version"]), dict(data["extra"]), int(data["world_size"]),
+                              str(data["backend"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"unreadable {meta_file}: {exc}") from None
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The complete checkpoint under ``path`` with the highest version, or None."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    complete = [(int(match.group(1)), child) for child in root.iterdir()
+                if (match := STEP_PATTERN.match(child.name)) and (child / META_FILE).is_file()]
+    return max(complete)[1] if complete else None

@@ -25,8 +25,10 @@ from tiderl.launch.local import (
     stop_processes,
 )
 
-# A step every few seconds; a checkpoint every 2 steps; the watchdog near enough to see
-CHAOS_JOB = [*SMALL_JOB, "runtime.checkpoint_every=2", "runtime.watchdog_s=30"]
+# A step every few seconds; a checkpoint every 2 steps; a collective a rank died in fails
+# after 20 s (then goes out again without it); the watchdog near enough to see
+CHAOS_JOB = [*SMALL_JOB, "runtime.checkpoint_every=2", "runtime.collective_timeout_s=20",
+             "runtime.watchdog_s=30"]
 JOB_TIMEOUT_S = 300.0
 
 
@@ -41,13 +43,14 @@ class Launch:
         return self.log.read_text() if self.log.exists() else ""
 
     def state(self) -> JobState:
-        """The job's state once every rank is started (following the launcher)."""
+        """The job's state once every process is started (the launcher says "job <id>: ..."
+        then), following the launcher."""
         def started() -> JobState | None:
+            if "logs in " not in self.output:
+                return None
             for path in self.run_root.glob(f"*/{JOB_FILE}"):
                 with contextlib.suppress(LaunchError):
-                    state = JobState.load(path.parent)
-                    if any(p.kind == "rank" for p in state.processes):
-                        return state
+                    return JobState.load(path.parent)
             return None
         return self.until(started, "every process started")
 

@@ -224,7 +224,8 @@ def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tm
 
 
 def test_the_watchdog_speaks_when_nothing_moves_and_stops_the_job_later(tmp_path):
-    with coordinator(tmp_path, "runtime.watchdog_s=10") as (job, ranks, clock):
+    with coordinator(tmp_path, "runtime.watchdog_s=10", "runtime.collective_timeout_s=5"
+                     ) as (job, ranks, clock):
         job.launch()
         for _ in range(2):
             clock.now += 10.5

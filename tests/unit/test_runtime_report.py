@@ -153,3 +153,28 @@ def test_a_line_reads_back_as_the_same_line():
         assert StepRecord.from_dict(row).to_dict() == row
         assert (row["version"], row["step_s"], row["mode"]) == (record.step + 1, 10.0,
                                                                record.mode.value)
+
+
+def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
+    metrics = _metrics()
+    redone = metrics[:4] + metrics[2:]  # steps 2 and 3 ran, were lost to a kill, ran again
+    _write_jsonl(tmp_path / "metrics.jsonl", [m.to_dict() for m in redone])
+    _write_jsonl(tmp_path / "events.jsonl", [
+        {"time_s": 0.0, "kind": "launch"},
+        {"time_s": 9.0, "kind": "rank_dead", "rank": 0, "role": "rollout",
+         "why": "missed heartbeats"},
+        {"time_s": 9.5, "kind": "dropped_group", "group": "g3", "reason": "stale"},
+        {"time_s": 20.0, "kind": "resume", "version": 2, "elapsed_s": 20.0, "ready": ["g8"],
+         "rerun": ["g9", "g10"]},
+        {"time_s": 21.0, "kind": "message_dropped", "repeats": 4},
+        {"time_s": 61.0, "kind": "stop", "reason": "done", "state": "ok"},
+    ])
+    text = write_report(tmp_path).read_text()
+    steps = [line for line in text.splitlines() if line.startswith("| 2 | ")]
+    assert len(steps) == 1  # the step table shows each step once
+    assert "| trained tokens | 900 |" in text
+    assert "Ended: ok: done." in text
+    assert "| resumed from step 2 | 1 ready groups restored, 2 rolling out run again |" in text
+    assert "| rank 0 (rollout) dead | missed heartbeats |" in text
+    assert "| groups dropped: stale | 1 |" in text
+    assert "| message dropped | 5 |" in text

@@ -350,8 +350,20 @@ def test_the_last_rollout_rank_dying_with_an_empty_batch_stops_the_job():
     c = make(System.STREAM, (R, A), steps=4)
     c.launch(0.0)
     out = c.rank_dead(0, "missed heartbeats", 2.0)
-    assert out[-1] == Abort("no rollout rank is left (rank 0 was the last) and batch 0 holds "
-                            "no group")
+    assert out[-1] == Abort("no rollout rank is left (rank 0 was the last) and step 0 is open "
+                            "on a batch with no group")
+
+
+def test_the_last_rollout_rank_dying_before_its_batch_moves_a_trainer_rank_at_once():
+    c = make(System.ASYNC, (R, A, A), steps=4)  # whole batches: step 0 waits for its batch
+    c.launch(0.0)
+    out = c.rank_dead(0, "missed heartbeats", 1.0)
+    (boundary,) = only(out, Boundary)  # no update: the roles only
+    assert (boundary.version, boundary.roles, boundary.reason) == (0, (IDLE, A, R),
+                                                                   PlanReason.NO_ROLLOUT)
+    c.boundary_acked(1, 0, 1.5)
+    assert JoinRollout(2, BUDGET) in c.boundary_acked(2, 0, 1.5)
+    assert c.rollout_ranks() == [2] and c.phase is Phase.WAITING
 
 
 def test_a_resumed_controller_goes_on_from_the_checkpoint_boundary():

@@ -43,6 +43,7 @@ from tiderl.runtime.resume import (
     ReadyGroupState,
     prune,
     read_job_state,
+    space_shortfall,
     write_job_state,
 )
 from tiderl.runtime.run_log import EventThrottle, RunLog
@@ -336,10 +337,13 @@ class Coordinator:
 
     def watchdog_s(self) -> float:
         """How long the job may go without a report of work done before the watchdog speaks:
-        ``runtime.watchdog_factor`` mean step times, at least ``runtime.watchdog_s``."""
+        ``runtime.watchdog_factor`` mean step times, at least ``runtime.watchdog_s``, and more
+        than a collective may block when a member died in it (the broadcast then fails after
+        ``collective_timeout_s`` and goes out again without it: that is progress to come)."""
         rt, records = self.profile.runtime, self.controller.records
         mean = records[-1].end_s / len(records) if records else 0.0
-        return max(rt.watchdog_s, rt.watchdog_factor * mean)
+        return max(rt.watchdog_s, rt.watchdog_factor * mean,
+                   rt.collective_timeout_s + self.link.window_s)
 
     def _check_progress(self, now: float) -> None:
         """No turn, task, step or acknowledgement for a watchdog window: an event naming what
@@ -438,6 +442,10 @@ class Coordinator:
             for old in prune(root, self.profile.runtime.checkpoint_keep,
                              self.profile.trainer.tensor_parallel, folder):
                 log.info("removed checkpoint %s", old)
+            shortfall = space_shortfall(root, folder)
+            if shortfall:  # stop before the actors fill the disk mid-save
+                raise CoordinatorError(f"no disk space for checkpoint {folder.name}: "
+                                       f"{shortfall}")
             write_job_state(folder, self._job_state())
         for rank, src, dst in boundary.changes():
             self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,

@@ -108,7 +108,10 @@ def summarize(metrics: list[StepRecord]) -> Row:
 def write_report(run_dir: Path, *, title: str | None = None) -> Path:
     """Write the three PNGs (when there are steps) and `report.md` into `run_dir`."""
     run_dir = Path(run_dir)
-    metrics = read_records(run_dir / "metrics.jsonl")
+    # a resumed job appended the steps it trained again after its checkpoint: the last run's
+    # record of each step is the one its model descends from
+    metrics = list({m.step: m for m in read_records(run_dir / "metrics.jsonl")}.values())
+    metrics.sort(key=lambda m: m.step)
     events = read_jsonl(run_dir / "events.jsonl")
     if metrics:
         _plot_goodput_reward(metrics, run_dir / IMAGES[0])
@@ -182,7 +185,37 @@ def _events_section(events: list[Row]) -> list[str]:
     lines = ["## Events", "", f"Event counts: {kinds}.", "", "Role changes:", ""]
     lines += [f"- t={_fmt(e['time_s'], 1)} s, step {e.get('step')}: rank {e.get('rank')} "
               f"{e.get('src')} -> {e.get('dst')}" for e in changes] or ["- none"]
-    return [*lines, ""]
+    return [*lines, "", *_faults_section(events)]
+
+
+def _faults_section(events: list[Row]) -> list[str]:
+    """How the job ended, and what went wrong on the way (docs/runtime.md, Faults)."""
+    stops = [e for e in events if e["kind"] == "stop"]
+    ended = (f"{stops[-1].get('state', 'ok')}: {stops[-1].get('reason')}" if stops
+             else "no stop event (the coordinator was killed)")
+    lines = ["## Faults", "", f"Ended: {ended}."]
+    if stops and stops[-1].get("resume"):
+        lines.append(f"To go on: {stops[-1]['resume']}.")
+    lines.append("")
+    drops = Counter(e.get("reason") for e in events if e["kind"] == "dropped_group")
+    rows = [(f"resumed from step {e.get('version')}",
+             f"{len(e.get('ready', []))} ready groups restored, "
+             f"{len(e.get('rerun', []))} rolling out run again") for e in events
+            if e["kind"] == "resume"]
+    rows += [(f"rank {e.get('rank')} ({e.get('role')}) dead", e.get("why", ""))
+             for e in events if e["kind"] == "rank_dead"]
+    rows += [(f"groups dropped: {reason}", str(n)) for reason, n in drops.items()]
+    rows += [(f"watchdog at {_fmt(e['time_s'], 1)} s",
+              f"no progress for {e.get('idle_s')} s in phase {e.get('phase')}")
+             for e in events if e["kind"] == "watchdog"]
+    for kind in ("message_dropped", "handler_error"):
+        count = sum(1 + e.get("repeats", 0) for e in events if e["kind"] == kind)
+        if count:
+            rows.append((kind.replace("_", " "), str(count)))
+    if not rows:
+        return [*lines, "None.", ""]
+    return [*lines, "| fault | detail |", "|---|---|",
+            *(f"| {what} | {detail} |" for what, detail in rows), ""]
 
 
 def _plot_goodput_reward(metrics: list[StepRecord], path: Path) -> None:

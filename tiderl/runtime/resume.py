@@ -170,6 +170,20 @@ def resume_hint(run_dir: Path, tensor_parallel: int, default_root: str = "runs")
             f"tiderl launch --resume {job}")
 
 
+def space_shortfall(root: Path, starting: Path) -> str:
+    """Why the checkpoint ``starting`` would not fit under ``root`` ("" if it would, or if
+    there is no checkpoint before it to size it by): it needs what the newest one took."""
+    previous = [f for f in step_folders(root) if f != starting]
+    if not previous:
+        return ""
+    need = sum(f.stat().st_size for f in previous[0].rglob("*") if f.is_file())
+    free = shutil.disk_usage(root).free
+    if free >= need * 1.1:
+        return ""
+    return (f"{free / 2**20:.1f} MiB free at {root}, the last checkpoint took "
+            f"{need / 2**20:.1f} MiB")
+
+
 def write_resume_request(run_dir: Path, folder: Path) -> None:
     _write_atomic(run_dir / RESUME_FILE, json.dumps({"checkpoint": str(folder)}).encode())
 

@@ -278,10 +278,12 @@ class StepController(ManualPlans):
         return self._flush()
 
     def _check_rollout_left(self, last: int) -> None:
-        """No rollout rank is left (``last`` was the last): no group can come, so the open
-        batch closes with the groups it holds (a smaller batch, as ERS's elastic one) and the
-        next boundary moves a trainer rank to rollout (:meth:`_boundary`). A batch that holds
-        no group cannot train: the job stops (it resumes from its last checkpoint)."""
+        """No rollout rank is left (``last`` was the last; -1: not known here): no group can
+        come, so the open batch closes with the groups it holds (a smaller batch, as ERS's
+        elastic one) and the boundary after its step moves a trainer rank to rollout
+        (:meth:`_boundary`). A batch with no group: with no step open, a boundary without an
+        update moves the rank now; a step open on it cannot train, and the job stops (it
+        resumes from its last checkpoint)."""
         if self.rollout_ranks() or self.system.is_sync or self.phase in (Phase.BOUNDARY,
                                                                           Phase.FINISHED):
             return  # a boundary in flight: checked again when the step opens (_want_step)
@@ -289,11 +291,15 @@ class StepController(ManualPlans):
         if buffer.open_batch != self.step:
             return  # the step's batch is complete already; the boundary after it moves a rank
         held = buffer.assigned_samples
-        if held == 0:
-            self._out.append(Abort(f"no rollout rank is left (rank {last} was the last) and "
-                                   f"batch {self.step} holds no group"))
-            return
-        buffer.set_batch_size(self.step, held, self._now)
+        if held:
+            buffer.set_batch_size(self.step, held, self._now)
+        elif self.current is None:
+            self.phase = Phase.BOUNDARY
+            self._boundary(self._now, self.roles, PlanReason.NO_ROLLOUT)
+        else:
+            which = f" (rank {last} was the last)" if last >= 0 else ""
+            self._out.append(Abort(f"no rollout rank is left{which} and step {self.step} is "
+                                   f"open on a batch with no group"))
 
     # ------------------------------------------------------------------ the boundary
 

@@ -38,7 +38,7 @@ REPORT = TurnReport(rank=0, task_id="task-000123", tokens=48, context_tokens=307
 
 def measure_as_rank(endpoint: str, keys_dir: str, round_trips: int, seconds: float) -> dict:
     """The DEALER side (its own process): RTT percentiles, then echoed msg/s."""
-    keys = load_job_keys(keys_dir) if keys_dir != "none" else None
+    keys = load_job_keys(keys_dir, 0) if keys_dir != "none" else None
     with BusClient(endpoint, keys, rank_identity(0)) as bus:
         rtts = []
         for i in range(200 + round_trips):
@@ -68,7 +68,7 @@ def measure_as_rank(endpoint: str, keys_dir: str, round_trips: int, seconds: flo
 def run(curve: bool, round_trips: int, seconds: float) -> dict:
     """Serve echoes here while a rank process measures; returns its figures."""
     with tempfile.TemporaryDirectory() as tmp:
-        keys = make_job_keys(Path(tmp) / "keys") if curve else None
+        keys = make_job_keys(Path(tmp) / "keys", 1) if curve else None
         keys_arg = str(Path(tmp) / "keys") if curve else "none"
         with BusServer(keys) as server:
             proc = subprocess.Popen([sys.executable, __file__, "--rank", server.endpoint,

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from tests.integration.serving import tiderl_command
 from tiderl.launch.job import run_local
@@ -22,7 +23,6 @@ from tiderl.runtime.bus import (
     Hello,
     JobKeys,
     load_job_keys,
-    make_job_keys,
     rank_identity,
 )
 
@@ -58,10 +58,9 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     knocked = threading.Event()
 
     def knock(state: JobState) -> None:
-        def run() -> None:  # it knows the server's public key, not the job's client key
-            job = load_job_keys(Path(state.run_dir) / "keys")
-            own = make_job_keys(tmp_path / "stranger-keys")
-            stranger = JobKeys(job.server_public, own.client_public, own.client_secret)
+        def run() -> None:  # it knows the server's public key, not a key of the job
+            job = load_job_keys(Path(state.run_dir) / "keys", 0)
+            stranger = JobKeys(job.server_public, "rank-0", *zmq.curve_keypair())
             metrics = Path(state.run_dir) / "metrics.jsonl"
             with BusClient(state.info["bus"], stranger, rank_identity(0)) as client:
                 client.send(Hello(rank=0, pid=1, host="x", role="rollout", device="cpu"))

@@ -85,7 +85,7 @@ def _job_bus(job: str, run_root: Path | None):
 
     try:
         state = resolve_job(job, run_root)
-        keys = load_job_keys(Path(state.run_dir) / "keys")
+        keys = load_job_keys(Path(state.run_dir) / "keys", "operator")
     except (LaunchError, BusKeyError) as exc:
         raise CLIError(f"tiderl rebalance: {exc}") from exc
     endpoint = state.info.get("bus")

@@ -108,7 +108,7 @@ def find_target(job: str | None, run_root: Path | None, bus: str | None,
                            EXIT_USAGE)
         keys_dir = Path(state.run_dir) / "keys"
     try:
-        keys = load_job_keys(keys_dir)
+        keys = load_job_keys(keys_dir, "operator")
     except BusKeyError as exc:
         raise CLIError(f"tiderl top: {exc}") from None
     return Target(state.job_id if state else bus, bus, keys, state)

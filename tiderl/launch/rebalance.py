@@ -4,8 +4,9 @@
               <── RebalanceReply "refused" | "accepted" (| "applied" for --auto)
               <── after "accepted", at the next boundary: "applied" | "refused"
 
-The CURVE keys prove the request is the job's; the identity (``ctl-<pid>-<random>``) is where the
-answers go, so several requests at once each hear their own.
+The operator's CURVE key proves the request is the operator's (the bus server takes a Rebalance
+from that key only); the identity (``ctl-<pid>-<random>``) is where the answers go, so several
+requests at once each hear their own.
 """
 
 from __future__ import annotations

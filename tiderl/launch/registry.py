@@ -4,8 +4,8 @@ job id (a folder in the run root, ``runtime.run_dir`` by default) or the path of
 A job's ``job.json`` (written by the launcher, local or SSH) holds its processes and its
 endpoints: ``info["bus"]`` (the coordinator's ROUTER), ``info["pub"]`` (its PUB, what ``top``
 reads) and ``info["metrics"]`` (its Prometheus ``/metrics`` URL). The launcher's run folder holds
-the job's full bus keys (``keys/``), so a CLI client on the launcher's machine joins the bus with
-them.
+every key of the job (``keys/``), the operator's pair among them, so a CLI client on the
+launcher's machine (``top``, ``rebalance``) joins the bus as the operator.
 """
 
 from __future__ import annotations

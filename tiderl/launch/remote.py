@@ -5,8 +5,10 @@
     2. ports: ``ports.base`` of hosts.yaml, or free ports probed on the nodes that bind them
     3. the plan (pure, :func:`tiderl.launch.plan.plan_nodes`); the local run folder as for a
        local job (profile, roles, keys, job.json with the nodes, PIDs and log paths)
-    4. push to each node's ``<workdir>/runs/<job>/``: profile.yaml, roles.json and the bus keys
-       (0600 in a 0700 folder; ``server.secret`` to the coordinator's node only)
+    4. push to each node's ``<workdir>/runs/<job>/``: profile.yaml, roles.json and the keys it
+       needs (0600 in a 0700 folder, :func:`node_keys`): ``server.public``, the pairs of its own
+       ranks, the HTTP secret; ``server.secret`` and every public key to the coordinator's node
+       only; ``operator.secret`` (top, rebalance, the follower) stays on the launcher's machine
     5. start the environment service (wait for its /health), the coordinator and the ranks,
        detached (:mod:`tiderl.launch.ssh`); follow the coordinator's PUB snapshots
     6. at the end, or on any failure, Ctrl-C or SIGTERM: stop every process on every node, then
@@ -48,7 +50,13 @@ from tiderl.launch.plan import (
 from tiderl.launch.ssh import NodeError, NodeSession, open_sessions
 from tiderl.profile import Profile
 from tiderl.runtime.bus import Snapshot, load_job_keys
-from tiderl.runtime.bus.keys import CLIENT_PUBLIC, CLIENT_SECRET, SERVER_PUBLIC, SERVER_SECRET
+from tiderl.runtime.bus.keys import (
+    HTTP_SECRET,
+    OPERATOR,
+    SERVER_PUBLIC,
+    SERVER_SECRET,
+    peer_name,
+)
 
 log = logging.getLogger("tiderl.launch")
 
@@ -154,7 +162,13 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
         executor.start([p for p in plan.processes if p.kind != "env"])
         if on_start is not None:
             on_start(state)
-        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot)
+
+        def restart_env(ended: set[int]) -> None:
+            executor.start(env)
+            wait_for_env(ep.env_url, executor, ended)
+
+        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys", "operator"),
+                                on_snapshot, restart_env if env else None)
     finally:
         _clean_up(executor, state, sessions)
     report = run_dir / "report.md"
@@ -216,17 +230,33 @@ def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
 
 def _push(plan: LaunchPlan, hosts: Hosts, run_dir: Path,
           sessions: dict[str, NodeSession]) -> None:
-    """The run folder's files each node's daemons read; the server secret to one node only."""
+    """The run folder's files each node's daemons read, and the keys of :func:`node_keys`."""
     keys = run_dir / "keys"
     for name in plan.hosts:
         remote = next(p.run_dir for p in plan.processes if p.host == name)
         files = {f"{remote}/{f}": ((run_dir / f).read_bytes(), 0o644)
                  for f in ("profile.yaml", "roles.json")}
-        secrets = [SERVER_PUBLIC, CLIENT_PUBLIC, CLIENT_SECRET]
-        if name == hosts.coordinator:
-            secrets.append(SERVER_SECRET)
-        files.update({f"{remote}/keys/{f}": ((keys / f).read_bytes(), 0o600) for f in secrets})
+        files.update({f"{remote}/keys/{f}": ((keys / f).read_bytes(), 0o600)
+                      for f in node_keys(plan, name, hosts.coordinator)})
         sessions[name].push(files, dirs=[remote, f"{remote}/keys", f"{remote}/logs"])
+
+
+def node_keys(plan: LaunchPlan, node: str, coordinator: str) -> list[str]:
+    """The files of the job's keys folder that ``node`` gets: ``server.public``; the pairs of
+    its ranks; the HTTP secret where a rank, an engine server or the environment service runs;
+    on the coordinator's node ``server.secret`` and every peer's public key. No node gets
+    another node's rank secrets, and ``operator.secret`` stays on the launcher's machine."""
+    here = [p for p in plan.processes if p.host == node]
+    names = [SERVER_PUBLIC]
+    for spec in here:
+        if spec.kind == "rank" and spec.rank is not None:
+            names += [f"{peer_name(spec.rank)}.public", f"{peer_name(spec.rank)}.secret"]
+    if any(p.kind in ("rank", "engine", "env", "coordinator") for p in here):
+        names.append(HTTP_SECRET)
+    if node == coordinator:
+        names += [SERVER_SECRET, f"{OPERATOR}.public",
+                  *(f"{peer_name(p.rank)}.public" for p in plan.ranks if p.rank is not None)]
+    return list(dict.fromkeys(names))
 
 
 def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:

@@ -1,9 +1,19 @@
 """The ZeroMQ bus between the coordinator, the rank daemons and ``tiderl top`` (CurveZMQ)."""
 
 from tiderl.runtime.bus.heartbeat import HeartbeatMonitor
-from tiderl.runtime.bus.keys import BusKeyError, JobKeys, load_job_keys, make_job_keys
+from tiderl.runtime.bus.keys import (
+    OPERATOR,
+    BusKeyError,
+    JobKeys,
+    ServerKeys,
+    load_job_keys,
+    make_job_keys,
+    peer_name,
+)
 from tiderl.runtime.bus.messages import (
     MESSAGES,
+    OPERATOR_MESSAGES,
+    RANK_MESSAGES,
     SCHEMA_VERSION,
     Ack,
     AdmitTask,
@@ -38,6 +48,7 @@ from tiderl.runtime.bus.sockets import (
     BusError,
     BusSendError,
     BusServer,
+    DropCounts,
     Subscriber,
     rank_identity,
     set_curve_client,
@@ -46,6 +57,9 @@ from tiderl.runtime.bus.sockets import (
 
 __all__ = [
     "MESSAGES",
+    "OPERATOR",
+    "OPERATOR_MESSAGES",
+    "RANK_MESSAGES",
     "SCHEMA_VERSION",
     "Ack",
     "AdmitTask",
@@ -57,6 +71,7 @@ __all__ = [
     "BusServer",
     "CarryData",
     "DetachTask",
+    "DropCounts",
     "Heartbeat",
     "HeartbeatMonitor",
     "Hello",
@@ -68,6 +83,7 @@ __all__ = [
     "Rebalance",
     "RebalanceReply",
     "ResumeTask",
+    "ServerKeys",
     "Shutdown",
     "Snapshot",
     "StepClosed",
@@ -84,6 +100,7 @@ __all__ = [
     "encode",
     "load_job_keys",
     "make_job_keys",
+    "peer_name",
     "rank_identity",
     "set_curve_client",
     "set_curve_server",

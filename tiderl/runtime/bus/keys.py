@@ -1,73 +1,151 @@
 """CurveZMQ key material of one job, made at launch into ``runs/<job>/keys/``.
 
-Two keypairs, each key one Z85 text file (40 characters and a newline)::
+One keypair per peer, each key one Z85 text file (40 characters and a newline)::
 
-    server.public  server.secret      the coordinator's; server.secret never leaves its host
-    client.public  client.secret      ONE pair shared by every peer of the job (ranks, top, CLI)
+    server.public    server.secret      the coordinator's; server.secret never leaves its host
+    rank-<r>.public  rank-<r>.secret    rank r's, for each rank of the job
+    operator.public  operator.secret    the launcher's follower, ``tiderl top`` and ``rebalance``
+    http.secret                         not a bus key: the job's HTTP tokens (tiderl.auth)
 
-A single client pair keeps authentication a set-membership test (is this the job's key?) and
-lets the launcher push the same three files (all but server.secret) to every host: a rank's
-keys folder holds ``server.public`` and the client pair only, and :func:`load_job_keys` then
-returns a ``server_secret`` of None. Files are created 0600 (exclusively, so a relaunch never
-swaps keys under running peers) in a 0700 folder.
+A key proves who its holder is: the coordinator's ZAP handler names each admitted key's owner
+("rank-3", "operator") and the bus server checks every message against that name (a rank speaks
+only as itself, the operator only sends operator messages; :mod:`tiderl.runtime.bus.gatekeeper`).
+So a peer's host holds its own pair only: the SSH launcher pushes ``server.public`` and the pairs
+of the ranks on each node, ``server.secret`` and every ``*.public`` to the coordinator's node,
+and keeps ``operator.secret`` on the launcher's machine. ``http.secret`` is shared on purpose
+(every node with a rank, an engine server or the environment service): a bearer token is one
+value that all of them present or check.
+
+:func:`load_job_keys` gives a peer its :class:`JobKeys` and the coordinator its
+:class:`ServerKeys` (its pair and every peer's public key). Files are created 0600, exclusively
+(a relaunch never swaps keys under running peers), in a 0700 folder.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, overload
 
 import zmq
 
 log = logging.getLogger(__name__)
 
 SERVER_PUBLIC, SERVER_SECRET = "server.public", "server.secret"
-CLIENT_PUBLIC, CLIENT_SECRET = "client.public", "client.secret"
+HTTP_SECRET = "http.secret"
+OPERATOR = "operator"  # the peer name of the operator pair (top, rebalance, the launcher)
+COORDINATOR = "coordinator"  # load_job_keys' peer for the server's side
+_RANK_NAME = re.compile(r"rank-(0|[1-9][0-9]*)")
 
 
 class BusKeyError(RuntimeError):
     """Key material missing, unreadable or malformed."""
 
 
+def peer_name(peer: int | str) -> str:
+    """The name of a peer's key files and ZAP User-Id: ``rank-<r>`` for rank r, or "operator"
+    (a rank's name is also its ROUTER identity, :func:`sockets.rank_identity`)."""
+    if isinstance(peer, int) and not isinstance(peer, bool) and peer >= 0:
+        return f"rank-{peer}"
+    if peer == OPERATOR:
+        return OPERATOR
+    raise BusKeyError(f"bus keys: no peer {peer!r} (a rank number >= 0 or {OPERATOR!r})")
+
+
+def rank_of(name: str) -> int | None:
+    """The rank a peer name belongs to (``rank-3`` -> 3); None for the operator."""
+    match = _RANK_NAME.fullmatch(name)
+    return None if match is None else int(match.group(1))
+
+
 @dataclass(frozen=True)
 class JobKeys:
-    """Z85-encoded (40-byte) CURVE keys of a job; ``server_secret`` only on the coordinator."""
+    """One peer's Z85 (40-byte) keys: the coordinator's public key and the peer's own pair."""
 
     server_public: bytes
-    client_public: bytes
-    client_secret: bytes
-    server_secret: bytes | None = None
+    peer: str  # "rank-<r>" or "operator"
+    public: bytes
+    secret: bytes
 
     def __repr__(self) -> str:  # keep secrets out of logs and tracebacks
-        return f"JobKeys(server_public={self.server_public!r}, client_public=" \
-               f"{self.client_public!r}, has_server_secret={self.server_secret is not None})"
+        return f"JobKeys(peer={self.peer!r}, public={self.public!r})"
 
 
-def make_job_keys(keys_dir: str | Path) -> JobKeys:
-    """Generate the job's server and client keypairs into ``keys_dir`` (0700, files 0600)."""
+@dataclass(frozen=True)
+class ServerKeys:
+    """The coordinator's: its own pair and every peer's public key (peer name -> Z85 key)."""
+
+    server_public: bytes
+    server_secret: bytes
+    peers: dict[str, bytes]
+
+    def __repr__(self) -> str:
+        return f"ServerKeys(server_public={self.server_public!r}, peers={sorted(self.peers)})"
+
+
+def make_job_keys(keys_dir: str | Path, num_ranks: int) -> ServerKeys:
+    """Generate the server pair, one pair per rank, the operator pair and the HTTP secret into
+    ``keys_dir`` (0700, files 0600); the coordinator's view of them."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise BusKeyError(f"make_job_keys: num_ranks must be an int >= 1, got {num_ranks!r}")
     folder = Path(keys_dir)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder.chmod(0o700)
     server_public, server_secret = zmq.curve_keypair()
-    client_public, client_secret = zmq.curve_keypair()
-    for name, key in ((SERVER_PUBLIC, server_public), (SERVER_SECRET, server_secret),
-                      (CLIENT_PUBLIC, client_public), (CLIENT_SECRET, client_secret)):
+    peers: dict[str, bytes] = {}
+    files = [(SERVER_PUBLIC, server_public), (SERVER_SECRET, server_secret),
+             (HTTP_SECRET, secrets.token_hex(32).encode())]
+    for name in [*(peer_name(r) for r in range(num_ranks)), OPERATOR]:
+        public, secret = zmq.curve_keypair()
+        peers[name] = public
+        files += [(f"{name}.public", public), (f"{name}.secret", secret)]
+    for name, key in files:
         _write_private(folder / name, key)
-    return JobKeys(server_public=server_public, client_public=client_public,
-                   client_secret=client_secret, server_secret=server_secret)
+    return ServerKeys(server_public=server_public, server_secret=server_secret, peers=peers)
 
 
-def load_job_keys(keys_dir: str | Path) -> JobKeys:
-    """The keys in ``keys_dir``; ``server_secret`` is None where that file is absent (a rank)."""
+@overload
+def load_job_keys(keys_dir: str | Path, peer: Literal["coordinator"]) -> ServerKeys: ...
+
+
+@overload
+def load_job_keys(keys_dir: str | Path, peer: int | Literal["operator"]) -> JobKeys: ...
+
+
+def load_job_keys(keys_dir: str | Path, peer: int | str) -> JobKeys | ServerKeys:
+    """The keys of ``peer`` in ``keys_dir``: a rank number or "operator" (a :class:`JobKeys`),
+    or "coordinator" (:class:`ServerKeys`: ``server.secret`` and every ``<peer>.public``)."""
     folder = Path(keys_dir)
-    secret_path = folder / SERVER_SECRET
-    return JobKeys(server_public=_read_key(folder / SERVER_PUBLIC),
-                   client_public=_read_key(folder / CLIENT_PUBLIC),
-                   client_secret=_read_key(folder / CLIENT_SECRET),
-                   server_secret=_read_key(secret_path) if secret_path.exists() else None)
+    server_public = _read_key(folder / SERVER_PUBLIC)
+    if peer == COORDINATOR:
+        return ServerKeys(server_public=server_public,
+                          server_secret=_read_key(folder / SERVER_SECRET),
+                          peers=_peer_publics(folder))
+    name = peer_name(peer)
+    return JobKeys(server_public=server_public, peer=name,
+                   public=_read_key(folder / f"{name}.public"),
+                   secret=_read_key(folder / f"{name}.secret"))
+
+
+def _peer_publics(folder: Path) -> dict[str, bytes]:
+    peers: dict[str, bytes] = {}
+    for path in sorted(folder.glob("*.public")):
+        name = path.name.removesuffix(".public")
+        if name == "server":
+            continue
+        if name != OPERATOR and rank_of(name) is None:
+            raise BusKeyError(f"bus key {path}: not a peer's key (rank-<r>.public or "
+                              f"{OPERATOR}.public)")
+        peers[name] = _read_key(path)
+    if not peers:
+        raise BusKeyError(f"bus keys {folder}: no peer's public key (rank-<r>.public, "
+                          f"{OPERATOR}.public); the coordinator would admit no one")
+    return peers
 
 
 def _write_private(path: Path, key: bytes) -> None:

@@ -8,10 +8,13 @@ receive and consumes it on send; callers of :mod:`sockets` never see it)::
 The kind frame comes first and alone so a SUB socket can filter on it (ZeroMQ matches
 subscriptions against the first frame) and a router can dispatch without decoding. The version
 has its own frame so a peer of another TideRL version is refused with a clear line before the
-payload is looked at. Kinds are grouped by direction: 0x01-0x1f rank or CLI → coordinator,
-0x20-0x3f coordinator → rank or CLI, 0x40- coordinator PUB. Rank messages carry ``rank`` (the
-coordinator checks it against the sender's identity); CLI messages (``Rebalance``) do not: the
-CURVE key already proves the sender is the job's, and the answer goes to its identity.
+payload is looked at. Kinds are grouped by sender: 0x01-0x0f rank → coordinator
+(:data:`RANK_MESSAGES`), 0x10-0x1f operator CLI → coordinator (:data:`OPERATOR_MESSAGES`),
+0x20-0x3f coordinator → rank or CLI, 0x40- coordinator PUB. Rank messages carry ``rank``: the bus
+server drops one whose ``rank`` or ROUTER identity is not its CURVE key's rank, and the
+coordinator checks it against the identity again. Operator messages (``Rebalance``) do not: the
+operator key proves the sender, and the answer goes to its identity. Whose key may send which
+group is the bus server's rule (:func:`tiderl.runtime.bus.gatekeeper.refusal`).
 
 Any violation (wrong frame count, unknown kind, other schema version, a payload that does not
 decode into the kind's struct) raises :class:`BusProtocolError` with one line naming the kind,
@@ -320,12 +323,20 @@ MESSAGES: tuple[type[Message], ...] = (
 )
 
 
+RANK_MESSAGES: tuple[type[Message], ...] = tuple(m for m in MESSAGES if 0x01 <= m.kind <= 0x0F)
+OPERATOR_MESSAGES: tuple[type[Message], ...] = tuple(
+    m for m in MESSAGES if 0x10 <= m.kind <= 0x1F)
+
+
 def _by_kind(messages: tuple[type[Message], ...]) -> dict[int, type[Message]]:
     table: dict[int, type[Message]] = {}
     for cls in messages:
         if not 0 <= cls.kind <= 0xFF or cls.kind in table:
             raise RuntimeError(f"bus message {cls.__name__}: kind {cls.kind:#04x} is not a "
                                "free byte")
+        if (cls in RANK_MESSAGES) != ("rank" in cls.__struct_fields__) and cls.kind < 0x20:
+            raise RuntimeError(f"bus message {cls.__name__}: kinds 0x01-0x0f (a rank's) "
+                               "have a rank field, 0x10-0x1f (the operator's) none")
         table[cls.kind] = cls
     return table
 

@@ -2,35 +2,51 @@
 
 ::
 
-    rank daemons   DEALER id=b"rank-<r>" ──┐ reports, heartbeats, acks
-    tiderl CLI     DEALER                ──┤            ▼
-                                           └─► ROUTER ─► BusServer.recv() ─► coordinator loop
-                                   commands ◄── ROUTER ◄── BusServer.send(identity, msg)
-    tiderl top     SUB ◄── PUB ◄── BusServer.publish(Snapshot)
+    rank daemons   DEALER id=b"rank-<r>", key rank-<r> ──┐ reports, heartbeats, acks
+    tiderl CLI     DEALER id=b"ctl-…", key operator     ──┤            ▼
+                          └─► ROUTER ─► BusServer.recv(): decode, gatekeeper.refusal ─► coordinator
+                  commands ◄── ROUTER ◄── BusServer.send(identity, msg)
+    tiderl top     SUB, key operator ◄── PUB ◄── BusServer.publish(Snapshot)
 
-    BusServer's gatekeeper thread: ZAP handler (admits the job's client key only) + a reader of
-    the ROUTER/PUB monitor events (logs peers that fail before ZAP, e.g. plain non-CURVE ones).
+    BusServer's gatekeeper thread (:mod:`tiderl.runtime.bus.gatekeeper`): the ZAP handler (admits
+    the job's keys, naming each one's owner) + a reader of the ROUTER/PUB monitor events (logs
+    peers that fail before ZAP, e.g. plain non-CURVE ones).
 
 Each object owns its ``zmq.Context`` (no process-wide singleton): only one ZAP handler may bind
 per context, and terminating an owned context on close is what makes close bounded (LINGER).
 Sends never block: a full queue or an unknown ROUTER identity raises :class:`BusSendError` so the
-coordinator decides what a stuck or missing rank means. Received frames that break the wire format
-are logged and dropped; ``recv`` keeps waiting for the next valid message until its timeout.
+coordinator decides what a stuck or missing rank means. Received frames that break the wire format,
+and messages a key may not send (another rank's identity or ``rank``, a kind not its owner's), are
+dropped, counted (:attr:`BusServer.drops`) and logged, at most once a minute per sender and
+reason; ``recv`` keeps waiting for the next valid message until its timeout.
+
+A ROUTER identity is held by one connection at a time (``router_handover`` off): a peer that
+claims an identity in use is ignored by ZeroMQ for good (nothing it sends is ever read; the live
+one is served on). The identity is free again once the ROUTER has seen its connection end, which
+happens in a ``recv`` call (the coordinator's loop makes one every round): a restarted rank gets
+back in. A rank that reconnected before that is the ignored one (its link looks up, the
+coordinator misses its heartbeats), so the coordinator's end notices a dead link first: its ZMTP
+heartbeat times out after SERVER_LINK_TIMEOUT_MS, the ranks' after LINK_TIMEOUT_MS.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import os
-import threading
 import time
+from dataclasses import dataclass
 
 import zmq
-from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from tiderl.runtime.bus.keys import BusKeyError, JobKeys
+from tiderl.runtime.bus.gatekeeper import (
+    PUB_DOMAIN,
+    ROUTER_DOMAIN,
+    Gatekeeper,
+    LogThrottle,
+    refusal,
+)
+from tiderl.runtime.bus.keys import BusKeyError, JobKeys, ServerKeys
 from tiderl.runtime.bus.messages import BusProtocolError, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -38,10 +54,8 @@ log = logging.getLogger(__name__)
 LINGER_MS = 200  # bounds close(): enough to flush a last report on a LAN, never a hang
 QUEUE_HWM = 100_000  # per peer, commands and reports; a queue this deep means a stuck peer
 SNAPSHOT_HWM = 100  # snapshots are droppable: a slow `tiderl top` must not grow the coordinator
-ZAP_DOMAIN = b"tiderl"
-_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ's ZAP spec (RFC 27)
 LINK_PING_MS, LINK_TIMEOUT_MS = 1000, 5000  # a client's ZMTP heartbeat to the coordinator
-REJECTION_LOG_S = 60.0  # a rejected plain peer reconnects every ~0.1 s: one warning a minute
+SERVER_LINK_TIMEOUT_MS = 3000  # the coordinator's to each client: its end goes first
 
 
 class BusError(RuntimeError):
@@ -57,44 +71,55 @@ def rank_identity(rank: int) -> bytes:
     return f"rank-{rank}".encode()
 
 
-def set_curve_server(sock: zmq.Socket, keys: JobKeys) -> None:
-    """Make ``sock`` a CURVE server with the job's server pair (the coordinator's sockets)."""
-    if keys.server_secret is None:
-        raise BusKeyError("these job keys have no server.secret: only the coordinator's host "
-                          "holds it")
+def set_curve_server(sock: zmq.Socket, keys: ServerKeys, zap_domain: bytes = ROUTER_DOMAIN
+                     ) -> None:
+    """Make ``sock`` a CURVE server with the job's server pair (the coordinator's sockets);
+    ``zap_domain`` tells the gatekeeper which socket a peer knocks on."""
+    _require_server_keys(keys)
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
     sock.curve_server = True
-    sock.zap_domain = ZAP_DOMAIN
+    sock.zap_domain = zap_domain
+
+
+def _require_server_keys(keys: object) -> None:
+    if not isinstance(keys, ServerKeys):
+        raise BusKeyError(f"a bus server needs the coordinator's keys (load_job_keys(dir, "
+                          f"'coordinator')), not {type(keys).__name__}")
 
 
 def set_curve_client(sock: zmq.Socket, keys: JobKeys) -> None:
-    """Make ``sock`` a CURVE client of the job's coordinator, with the job's client pair."""
+    """Make ``sock`` a CURVE client of the job's coordinator, with the peer's own pair."""
     sock.curve_serverkey = keys.server_public
-    sock.curve_publickey = keys.client_public
-    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
 
 
-def _receive(sock: zmq.Socket, timeout_s: float | None, source: str | None
-             ) -> tuple[bytes, Message] | None:
-    """Next valid message as (ROUTER identity or b"", message); None after ``timeout_s``.
-
-    ``source`` None means the first frame is a ROUTER identity (and names the sender)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def _next_frames(sock: zmq.Socket, deadline: float | None, copy: bool = True) -> list | None:
+    """The next multipart message on ``sock``, or None once ``deadline`` (monotonic) passed."""
     while True:
         try:  # the hot path: a message is already queued, skip the poll
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            return sock.recv_multipart(zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             wait_ms = -1 if deadline is None else max(0, round(
                 (deadline - time.monotonic()) * 1000))
             if not sock.poll(wait_ms):
                 return None
-            continue
-        identity = frames.pop(0) if source is None else b""
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _receive(sock: zmq.Socket, timeout_s: float | None, source: str) -> Message | None:
+    """The next valid message from the coordinator's side, or None after ``timeout_s``."""
+    deadline = _deadline(timeout_s)
+    while (frames := _next_frames(sock, deadline)) is not None:
         try:
-            return identity, decode(frames)
+            return decode(frames)
         except BusProtocolError as exc:
-            log.warning("bus: dropped a message from %s: %s", source or repr(identity), exc)
+            log.warning("bus: dropped a message from %s: %s", source, exc)
+    return None
 
 
 def _send(sock: zmq.Socket, frames: list[bytes], what: str, peer: str) -> None:
@@ -110,139 +135,89 @@ def _send(sock: zmq.Socket, frames: list[bytes], what: str, peer: str) -> None:
             from None
 
 
-class _Gatekeeper(threading.Thread):
-    """ZAP handler admitting only the job's client key, and logger of pre-ZAP rejections.
+@dataclass
+class DropCounts:
+    """The messages :meth:`BusServer.recv` dropped, by why."""
 
-    ZeroMQ asks the ZAP handler about every CURVE peer that knows the server key; a peer that
-    fails earlier (a plain client: mechanism mismatch) never reaches ZAP, so the sockets'
-    monitor events are read here too, to log that rejection as well."""
+    malformed: int = 0  # broke the wire format (messages.decode)
+    forged: int = 0  # not sent as their key's owner: another rank's identity or ``rank``
+    forbidden: int = 0  # a kind their key may not send (a rank's Rebalance, the operator's Hello)
 
-    def __init__(self, ctx: zmq.Context, client_public: bytes) -> None:
-        super().__init__(name="tiderl-bus-gatekeeper", daemon=True)
-        self._ctx = ctx
-        self._client_key = z85.decode(client_public)
-        self._zap = ctx.socket(zmq.REP)
-        self._zap.linger = 0
-        self._zap.bind(_ZAP_ENDPOINT)  # bound before any server socket can see a peer
-        stop_endpoint = f"inproc://tiderl-gatekeeper-stop-{id(self)}"
-        self._stop_tx = ctx.socket(zmq.PAIR)
-        self._stop_tx.bind(stop_endpoint)
-        self._stop_rx = ctx.socket(zmq.PAIR)
-        self._stop_rx.connect(stop_endpoint)
-        self._monitors: dict[zmq.Socket, str] = {}
-        self._quiet_until: dict[str, float] = {}  # rejection -> end of its quiet period
-        self._suppressed: dict[str, int] = {}
-
-    def watch(self, sock: zmq.Socket, endpoint: str) -> None:
-        """Log handshake failures on ``sock`` (bound at ``endpoint``); call before start()."""
-        monitor_endpoint = f"inproc://tiderl-monitor-{id(sock)}"
-        # Both: when a plain peer spots the mechanism mismatch first and hangs up, this side
-        # sees only a connection lost mid-handshake (NO_DETAIL), not the PROTOCOL error.
-        sock.monitor(monitor_endpoint, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        monitor = self._ctx.socket(zmq.PAIR)
-        monitor.connect(monitor_endpoint)
-        self._monitors[monitor] = endpoint
-
-    def run(self) -> None:
-        """Serve until close(); the sockets moved to this thread at start() and die here."""
-        poller = zmq.Poller()
-        for sock in (self._stop_rx, self._zap, *self._monitors):
-            poller.register(sock, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if self._stop_rx in ready:
-                    return
-                if self._zap in ready:
-                    self._answer(self._zap.recv_multipart())
-                for monitor, endpoint in self._monitors.items():
-                    if monitor in ready:
-                        self._report(recv_monitor_message(monitor), endpoint)
-        finally:
-            for sock in (self._stop_rx, self._zap, *self._monitors):
-                sock.close(0)
-
-    def close(self) -> None:
-        self._stop_tx.send(b"")
-        self.join()
-        self._stop_tx.close(0)
-
-    def _answer(self, request: list[bytes]) -> None:
-        """One ZAP request: [version, request id, domain, address, identity, mechanism, creds]."""
-        request_id, address, mechanism = request[1], request[3], request[5]
-        credentials = request[6:]
-        admitted = mechanism == b"CURVE" and credentials == [self._client_key]
-        if not admitted:
-            reason = (f"unknown CURVE key {z85.encode(credentials[0])[:8].decode()}…"
-                      if mechanism == b"CURVE" and credentials
-                      else f"mechanism {mechanism.decode(errors='replace')}")
-            self._warn(f"bus: rejected a peer from {address.decode(errors='replace')} "
-                       f"({reason})")
-        self._zap.send_multipart([b"1.0", request_id, b"200" if admitted else b"400",
-                                  b"OK" if admitted else b"not a key of this job",
-                                  b"job-peer" if admitted else b"", b""])
-
-    def _report(self, event: dict, endpoint: str) -> None:
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            reason = f"{os.strerror(event['value'])}; a peer without CURVE?"
-        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            reason = "the peer does not use CURVE"
-        else:
-            reason = f"ZMTP protocol error {event['value']:#x}"
-        self._warn(f"bus: rejected a peer on {endpoint} (handshake failed: {reason})")
-
-    def _warn(self, line: str) -> None:
-        """Log ``line`` at most once per REJECTION_LOG_S, with a count of the repeats held back."""
-        now = time.monotonic()
-        if now < self._quiet_until.get(line, 0.0):
-            self._suppressed[line] = self._suppressed.get(line, 0) + 1
-            return
-        repeats = self._suppressed.pop(line, 0)
-        log.warning("%s%s", line, f" (and {repeats} times in the last {REJECTION_LOG_S:.0f} s)"
-                    if repeats else "")
-        if len(self._quiet_until) > 1024:  # bound the memory a key-cycling prober can take
-            self._quiet_until.clear()
-            self._suppressed.clear()
-        self._quiet_until[line] = now + REJECTION_LOG_S
+    @property
+    def total(self) -> int:
+        return self.malformed + self.forged + self.forbidden
 
 
 class BusServer:
     """The coordinator's end: a ROUTER for commands and reports, a PUB for snapshots.
 
     ``port``/``pub_port`` 0 pick free ports; :attr:`endpoint` and :attr:`pub_endpoint` say which.
-    ``keys`` None runs without CURVE, for the benchmark baseline only, and only on loopback."""
+    ``keys`` None runs without CURVE (so no peer is known by its key, and only the wire format
+    is checked), for the benchmark baseline and tests only, and only on loopback."""
 
-    def __init__(self, keys: JobKeys | None, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, keys: ServerKeys | None, host: str = "127.0.0.1", port: int = 0,
                  pub_port: int = 0) -> None:
         if keys is None and not ipaddress.ip_address(host).is_loopback:
             raise BusError(f"bus: refusing to bind {host} without CURVE keys (loopback only)")
+        if keys is not None:
+            _require_server_keys(keys)  # before any socket exists
         self._ctx = zmq.Context()
-        self._gatekeeper = None if keys is None else _Gatekeeper(self._ctx, keys.client_public)
-        self._router = self._bind(zmq.ROUTER, keys, host, port, QUEUE_HWM)
+        self.gatekeeper = None if keys is None else Gatekeeper(self._ctx, keys)
+        self.drops = DropCounts()
+        self._throttle = LogThrottle(log)
+        self._router = self._bind(zmq.ROUTER, keys, host, port, QUEUE_HWM, ROUTER_DOMAIN)
         self._router.router_mandatory = True  # unknown identity: an error, not a silent drop
-        self._router.router_handover = True  # a restarted rank takes its identity back
-        self._pub = self._bind(zmq.PUB, keys, host, pub_port, SNAPSHOT_HWM)
+        self._router.router_handover = False  # a live rank's identity cannot be taken over
+        self._router.heartbeat_ivl = LINK_PING_MS  # and a dead link frees it (module docstring)
+        self._router.heartbeat_timeout = SERVER_LINK_TIMEOUT_MS
+        self._pub = self._bind(zmq.PUB, keys, host, pub_port, SNAPSHOT_HWM, PUB_DOMAIN)
         self.endpoint = self._router.last_endpoint.decode()
         self.pub_endpoint = self._pub.last_endpoint.decode()
-        if self._gatekeeper is not None:
-            self._gatekeeper.watch(self._router, self.endpoint)
-            self._gatekeeper.watch(self._pub, self.pub_endpoint)
-            self._gatekeeper.start()
+        if self.gatekeeper is not None:
+            self.gatekeeper.watch(self._router, self.endpoint)
+            self.gatekeeper.watch(self._pub, self.pub_endpoint)
+            self.gatekeeper.start()
 
-    def _bind(self, kind: int, keys: JobKeys | None, host: str, port: int,
-              hwm: int) -> zmq.Socket:
+    def _bind(self, kind: int, keys: ServerKeys | None, host: str, port: int, hwm: int,
+              zap_domain: bytes) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.linger = LINGER_MS
         sock.sndhwm = sock.rcvhwm = hwm
         if keys is not None:
-            set_curve_server(sock, keys)
+            set_curve_server(sock, keys, zap_domain)
         sock.bind(f"tcp://{host}:{port or '*'}")
         return sock
 
     def recv(self, timeout_s: float | None) -> tuple[bytes, Message] | None:
         """(sender identity, message), or None after ``timeout_s`` (None: wait forever)."""
-        return _receive(self._router, timeout_s, source=None)
+        deadline = _deadline(timeout_s)
+        checked = self.gatekeeper is not None
+        while (frames := _next_frames(self._router, deadline, copy=not checked)) is not None:
+            owner = None
+            if checked:  # the ZAP User-Id: which key's connection this came on
+                owner = frames[-1].get("User-Id")
+                frames = [frame.bytes for frame in frames]
+            got = self._admit(owner, frames.pop(0), frames)
+            if got is not None:
+                return got
+        return None
+
+    def _admit(self, owner: str | None, identity: bytes, frames: list[bytes]
+               ) -> tuple[bytes, Message] | None:
+        try:
+            msg = decode(frames)
+        except BusProtocolError as exc:
+            self.drops.malformed += 1
+            self._throttle.warn(f"{owner or identity!r}: malformed",
+                                f"bus: dropped a message from {identity!r}: {exc}")
+            return None
+        why = None if owner is None else refusal(owner, identity, msg)
+        if why is None:
+            return identity, msg
+        setattr(self.drops, why.category, getattr(self.drops, why.category) + 1)
+        self._throttle.warn(f"{owner}: {why.reason}", f"bus: dropped a {type(msg).__name__} "
+                                                      f"from {identity!r}: {why.reason}")
+        return None
 
     def send(self, identity: bytes, msg: Message) -> None:
         """Send ``msg`` to the peer ``identity``; BusSendError if unknown or its queue is full."""
@@ -255,11 +230,11 @@ class BusServer:
     def close(self) -> None:
         """Close the sockets first (so no peer is admitted without ZAP), then the gatekeeper."""
         for sock in (self._router, self._pub):
-            if self._gatekeeper is not None:
+            if self.gatekeeper is not None:
                 sock.disable_monitor()
             sock.close()
-        if self._gatekeeper is not None:
-            self._gatekeeper.close()
+        if self.gatekeeper is not None:
+            self.gatekeeper.close()
         self._ctx.term()
 
     def __enter__(self) -> BusServer:
@@ -334,8 +309,7 @@ class BusClient(_Peer):
 
     def recv(self, timeout_s: float | None) -> Message | None:
         """The next command, or None after ``timeout_s`` (None: wait forever)."""
-        got = _receive(self._sock, timeout_s, source="the coordinator")
-        return None if got is None else got[1]
+        return _receive(self._sock, timeout_s, source="the coordinator")
 
     def fileno(self) -> int:
         """ZeroMQ's notification descriptor, for an event loop's reader: edge-triggered, so a
@@ -353,5 +327,4 @@ class Subscriber(_Peer):
 
     def recv(self, timeout_s: float | None) -> Message | None:
         """The next published message, or None after ``timeout_s`` (None: wait forever)."""
-        got = _receive(self._sock, timeout_s, source="the coordinator's PUB")
-        return None if got is None else got[1]
+        return _receive(self._sock, timeout_s, source="the coordinator's PUB")

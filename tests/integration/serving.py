@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -26,12 +27,14 @@ def tiderl_command() -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(args: list[str], port: int, log_path: Path,
-            timeout_s: float = 30.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``tiderl *args`` (which must listen on ``port``); yields (base URL, process)."""
+def serving(args: list[str], port: int, log_path: Path, timeout_s: float = 30.0,
+            env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``tiderl *args`` (which must listen on ``port``; ``env`` added to this process's
+    environment); yields (base URL, process)."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
-        proc = subprocess.Popen([*tiderl_command(), *args], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*tiderl_command(), *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
         try:
             _wait_healthy(url, proc, log_path, timeout_s)
             yield url, proc

@@ -169,6 +169,20 @@ def test_bad_input_is_a_json_error_and_the_server_keeps_serving(server):
     assert len(run(server, scenario).output_ids) == 8
 
 
+def test_generation_never_runs_past_the_context(server):
+    """As vLLM: max_tokens is cut to the context left after the prompt; a prompt that fills
+    the context is refused."""
+    prompt = [7] * 4090
+    with httpx.Client(base_url=server["url"], timeout=120) as http:
+        out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 100,
+                                                 "temperature": 0.0}).json()
+        full = http.post("/v1/completions", json={"prompt": [7] * 4096, "max_tokens": 1})
+    assert len(out["choices"][0]["token_ids"]) == 6 and out["choices"][0]["finish_reason"] \
+        == "length"
+    assert out["usage"]["total_tokens"] == 4096  # the tiny model's max_position_embeddings
+    assert full.status_code == 400 and "fill the context" in full.json()["error"]["message"]
+
+
 def test_update_weights_changes_outputs_and_resets_the_prefix_cache(server):
     m0, m1 = str(server["root"] / "m0"), str(server["root"] / "m1")
     prompt = list(range(800, 840))

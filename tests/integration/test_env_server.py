@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.integration.serving import free_port, serving
 from tests.integration.test_cli import assert_one_line_error, tiderl
-from tiderl.env.client import EnvClientError, HTTPEnvClient
+from tiderl.env.client import EnvClientError, HTTPEnvClient, end_sessions_of
 from tiderl.env.guess import GuessEnv
 
 MAX_SESSIONS = 8
@@ -68,18 +68,24 @@ def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
     assert 'tiderl_env_errors_total{route="/end",status="404"}' in text
 
 
-def test_session_limit_is_429_with_retry_after(server):
+def test_a_full_table_evicts_the_longest_idle_session_instead_of_refusing(server):
     async def scenario(client):
         sessions = [(await client.start("guess")).session for _ in range(MAX_SESSIONS)]
+        await client.step(sessions[0], "guess 5")  # s0 is now the most recently active
+        newest = (await client.start("guess")).session  # full: sessions[1] is evicted
         try:
-            response = await client.http.post("/start", json={"env": "guess"})
-            assert response.status_code == 429
-            assert int(response.headers["retry-after"]) >= 1
-            assert response.json()["error"]["type"] == "session_limit"
+            with pytest.raises(EnvClientError, match="unknown") as info:
+                await client.step(sessions[1], "guess 5")
+            assert info.value.status == 404
+            metrics = (await client.http.get("/metrics")).text
         finally:
-            for session in sessions:
+            for session in [sessions[0], *sessions[2:], newest]:
                 await client.end(session)
-    run(server, scenario)
+        return metrics
+
+    metrics = run(server, scenario)
+    assert "tiderl_env_sessions_evicted 1.0" in metrics
+    assert "tiderl_env_sessions_rejected 0.0" in metrics
 
 
 BAD = [
@@ -96,6 +102,9 @@ BAD = [
     ("/observation", b'{"session": "zz", "action": "guess 1"}', 404, "session 'zz': unknown"),
     ("/observation", json.dumps({"session": "s1", "action": "x" * 5000}).encode(), 422,
      "longer than the limit"),
+    ("/start", b'{"env": "guess", "seed": 1e400}', 422, "Number out of range"),
+    ("/start", b'{"env": "guess", "seed": 100000000000000000000}', 422, "$.seed"),
+    ("/start/", b'{"env": "guess"}', 404, "Not Found"),
     ("/end", b'{"session": null}', 422, "Expected `str`, got `null`"),
     ("/pause", b'{"session": ""}', 422, "session: expected 1 to"),
     ("/resume", b'{"session": "zz"}', 404, "unknown"),
@@ -144,3 +153,26 @@ def test_server_is_alive_after_all_of_it(server):
 def test_unknown_env_on_the_command_line_is_one_line_exit_2():
     line = assert_one_line_error(tiderl("env", "serve", "--envs", "guess,nope"), 2)
     assert "nope" in line
+
+
+def test_a_dead_owners_sessions_end_at_once_and_no_one_elses(server):
+    async def scenario(client):
+        mine = [await client.start("guess", "1 9", seed=i) for i in range(2)]
+        client.owner = "rank-2"
+        other = await client.start("guess", "1 9", seed=3)
+        return mine, other
+    async def main():
+        async with HTTPEnvClient(server["url"], retries=1, owner="rank-1") as client:
+            return await scenario(client)
+    mine, other = asyncio.run(main())
+    assert end_sessions_of(server["url"], "rank-1") == 2
+    assert end_sessions_of(server["url"], "rank-1") == 0
+
+    async def after(client):
+        with pytest.raises(EnvClientError) as gone:
+            await client.step(mine[0].session, "guess 1")
+        assert gone.value.status == 404
+        return await client.step(other.session, "guess 1")
+    assert run(server, after).observation  # rank 2's session goes on
+    with pytest.raises(EnvClientError, match="422"):
+        end_sessions_of(server["url"], "")

@@ -6,10 +6,12 @@ calling cache_blocks, as the scheduler does after the model runner ran.
 
 from __future__ import annotations
 
+import pytest
+
 from tiderl.engine import block_pool
 from tiderl.engine.block_pool import ROOT_HASH, hash_block_tokens
 from tiderl.engine.config import EngineConfig
-from tiderl.engine.kv_cache_manager import KVCacheManager, TokenUsage
+from tiderl.engine.kv_cache_manager import KVCacheManager, PinRefused, TokenUsage
 from tiderl.engine.request import Request
 
 BS = 4
@@ -237,3 +239,71 @@ def test_a_child_cached_under_an_evicted_parent_is_not_hit_through_a_colliding_n
     assert pool.cache_full_block(reused, 7, block_pool.ROOT_CACHE_ID, (3, 3, 3, 3))
     assert pool.get_cached_block(7, block_pool.ROOT_CACHE_ID, (3, 3, 3, 3)) is reused
     assert pool.get_cached_block(8, reused.cache_id, (2, 2, 2, 2)) is None
+
+
+def finished(kv, rid, tokens, task):
+    """A turn of ``task`` run and freed: its full blocks are the task's remembered context."""
+    request = req(rid, tokens, task=task)
+    start(kv, request)
+    kv.free(request)
+    return request
+
+
+def test_a_pin_that_leaves_less_than_the_reserve_is_refused_and_changes_nothing():
+    kv = manager(6)
+    finished(kv, "a1", range(9), "a")  # 2 full blocks
+    finished(kv, "b1", range(100, 113), "b")  # 3 full blocks
+    assert kv.pin("a", reserve_blocks=4) == 2  # 6 - 2 = 4 blocks stay out of pins
+    before = kv.token_usage()
+    with pytest.raises(PinRefused, match=r"'b': its 12 tokens would leave 4 of 24 KV tokens "
+                                         r"out of pins, fewer than a request needs \(16\)"):
+        kv.pin("b", reserve_blocks=4)
+    assert kv.token_usage() == before and not kv.is_pinned("b") and kv.num_pins == 1
+    assert kv.pin("b", reserve_blocks=1) == 3  # a smaller reserve: 1 block left
+    assert kv.pin("a", reserve_blocks=6) == 2  # already pinned: unchanged, never refused
+
+
+def test_at_most_one_pinned_task_per_block():
+    kv = manager(3)
+    assert [kv.pin(f"t{i}", reserve_blocks=1) for i in range(3)] == [0, 0, 0]  # no context yet
+    with pytest.raises(PinRefused, match="3 tasks are pinned already, one per KV block"):
+        kv.pin("t3")
+    kv.unpin("t0")
+    assert kv.pin("t3") == 0
+
+
+def test_release_pin_drops_the_oldest_pin_first():
+    kv = manager(8)
+    finished(kv, "a1", range(5), "a")
+    finished(kv, "b1", range(50, 55), "b")
+    kv.pin("a")
+    kv.pin("b")
+    assert kv.release_pin() and not kv.is_pinned("a") and kv.is_pinned("b")
+    assert kv.release_pin() and not kv.release_pin()
+    assert kv.num_pins_released == 2 and kv.token_usage().num_pinned_tokens == 0
+
+
+def test_forget_and_flush_free_the_per_task_state():
+    kv = manager(10)
+    for i in range(4):
+        finished(kv, f"t{i}-0", range(10 * i, 10 * i + 5), f"t{i}")
+    kv.pin("t0")
+    assert kv.task_ids == {"t0", "t1", "t2", "t3"}
+    kv.forget_task("t1")
+    assert kv.task_ids == {"t0", "t2", "t3"}
+    kv.flush()  # unpinned tasks' contexts go with the cached blocks; the pinned one stays
+    assert kv.task_ids == {"t0"} and kv.token_usage().num_pinned_tokens == 4
+    assert kv.pin("t2") == 0  # its context is forgotten: nothing to pin
+    kv.forget_task("t0")
+    kv.forget_task("t2")
+    assert kv.task_ids == set() and kv.token_usage().num_pinned_tokens == 0
+
+
+def test_remembered_contexts_are_bounded_by_the_block_count_oldest_dropped():
+    kv = manager(4)
+    for i in range(7):  # 7 distinct tasks, never forgotten
+        finished(kv, f"t{i}-0", range(10 * i, 10 * i + 5), f"t{i}")
+    assert kv.task_ids == {"t3", "t4", "t5", "t6"}  # max_task_contexts = 4 blocks
+    finished(kv, "t3-1", range(30, 36), "t3")  # written again: now the newest
+    finished(kv, "t7-0", range(70, 75), "t7")
+    assert kv.task_ids == {"t3", "t5", "t6", "t7"}

@@ -70,23 +70,40 @@ def test_paused_session_outlives_the_ttl_and_a_resumed_one_expires_again():
     assert t.expire(now=1000.0 + TTL + 0.1) == ["s1"]
 
 
-def test_concurrency_limit_and_retry_after():
+def test_a_full_table_evicts_the_longest_idle_session_active_before_paused():
+    t = table(max_sessions=3)
+    t.create("guess", "a", now=0.0)
+    t.create("guess", "b", now=1.0)
+    t.create("guess", "c", now=2.0)
+    t.touch("s1", now=3.0)  # s2 is now the longest idle
+    assert t.create("guess", "d", now=4.0).id == "s4"
+    assert sorted(t.sessions) == ["s1", "s3", "s4"] and t.counters.num_evicted == 1
+    with pytest.raises(UnknownSession):
+        t.get("s2", now=4.0)
+    t.pause("s3", now=5.0)  # paused: evicted only when no active session is left to evict
+    t.create("guess", "e", now=6.0)
+    assert sorted(t.sessions) == ["s3", "s4", "s5"]  # s1 (idle since 3.0) went, not s3
+    t.pause("s4", now=7.0)
+    t.pause("s5", now=7.5)
+    t.create("guess", "f", now=8.0)
+    assert sorted(t.sessions) == ["s4", "s5", "s6"]  # all paused: the longest paused went
+    assert (t.counters.num_evicted, t.counters.num_rejected) == (3, 0)
+
+
+def test_sessions_in_a_step_are_never_evicted_and_a_table_of_them_is_429():
     t = table(max_sessions=2)
     t.create("guess", "a", now=0.0)
-    t.create("guess", "b", now=4.0)
-    with pytest.raises(SessionLimit) as info:
-        t.create("guess", "c", now=5.0)
-    assert info.value.retry_after_s == pytest.approx(TTL - 5.0)  # s1 expires first
-    assert t.counters.num_rejected == 1
-    t.end("s1", now=5.0)
-    assert t.create("guess", "c", now=5.0).id == "s3"
-    t.pause("s2", now=6.0)
-    t.pause("s3", now=6.0)
-    with pytest.raises(SessionLimit) as info:  # all paused: nothing will expire soon
-        t.create("guess", "d", now=6.0)
-    assert info.value.retry_after_s == TTL
-    t.end("s2", now=7.0)
-    assert t.create("guess", "d", now=7.0).id == "s4"
+    t.create("guess", "b", now=1.0)
+    first = t.begin_step("s1", now=2.0)
+    second = t.begin_step("s2", now=3.0)
+    with pytest.raises(SessionLimit, match="every one in a step") as info:
+        t.create("guess", "c", now=4.0)
+    assert info.value.retry_after_s == 1.0 and t.counters.num_rejected == 1
+    t.end_step(second, now=5.0)  # s2 is out of its step: evictable again, s1 is not
+    assert t.create("guess", "c", now=6.0).id == "s3"
+    assert sorted(t.sessions) == ["s1", "s3"] and first.num_in_step == 1
+    t.end_step(first, now=7.0)
+    assert t.get("s1", now=7.0).last_active == 7.0  # the step's end counts as activity
 
 
 def test_decode_rejects_bad_bodies_with_clear_messages():
@@ -133,12 +150,13 @@ def test_in_process_client_plays_guess_and_pause_expiry_match_the_table():
             await client.step(a.session, "guess 5")
         assert info.value.status == 409
         b = await client.start("guess")
-        with pytest.raises(EnvClientError) as info:
-            await client.start("guess")
-        assert info.value.status == 429 and info.value.retry_after_s == TTL
+        c = await client.start("guess")  # a full table: b, idle longest and active, evicted
+        with pytest.raises(EnvClientError, match=f"session '{b.session}': unknown") as info:
+            await client.step(b.session, "guess 5")
+        assert info.value.status == 404
         clock.now += TTL + 1
-        with pytest.raises(EnvClientError, match=f"/observation on session '{b.session}'"):
-            await client.step(b.session, "guess 5")  # expired: 404
+        with pytest.raises(EnvClientError, match=f"/observation on session '{c.session}'"):
+            await client.step(c.session, "guess 5")  # expired: 404
         await client.resume(a.session)  # paused through the TTL: still there
         assert (await client.step(a.session, "guess 5")).done is False
         with pytest.raises(EnvClientError, match="unknown environment 'nope'") as info:

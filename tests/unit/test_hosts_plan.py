@@ -86,10 +86,15 @@ def test_ranks_fill_the_nodes_in_order_with_their_commands():
     argv = " ".join(rank2.argv)
     assert "--bus tcp://10.0.0.1:5001" in argv and "--dist tcp://10.0.0.1:5005" in argv
     assert "--env-url http://10.0.0.2:5004" in argv and "--device cuda:1" in argv
-    assert rank2.env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}  # as torchrun
+    keys = {"TIDERL_JOB_KEYS": "/srv/t/runs/j1/keys"}  # its HTTP tokens come from there
+    assert rank2.env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", **keys}
+    assert by_name["env"].env["TIDERL_JOB_KEYS"] == "/srv/t/runs/j1/keys"
+    # the coordinator ends a dead rank's environment sessions: it has the URL and the token
+    assert by_name["coordinator"].env["TIDERL_JOB_KEYS"] == "/srv/t/runs/j1/keys"
     env_argv = " ".join(by_name["env"].argv)
     assert "--host 10.0.0.2 --port 5004" in env_argv
-    assert "--metrics-port 5003" in " ".join(by_name["coordinator"].argv)
+    coordinator = " ".join(by_name["coordinator"].argv)
+    assert "--metrics-port 5003" in coordinator and "--env-url http://10.0.0.2:5004" in coordinator
 
 
 def test_a_running_environment_service_is_used_not_started():
@@ -97,7 +102,7 @@ def test_a_running_environment_service_is_used_not_started():
     plan = plan_nodes(_hosts(env={"url": "http://10.0.0.9:8100/"}), profile, "j1", PORTS)
     assert [p.kind for p in plan.processes][:2] == ["coordinator", "rank"]
     assert "--env-url http://10.0.0.9:8100 " in " ".join(plan.ranks[0].argv) + " "
-    assert plan.ranks[0].env == {"OMP_NUM_THREADS": "1"}  # CPU ranks: their thread count
+    assert plan.ranks[0].env["OMP_NUM_THREADS"] == "1"  # CPU ranks: their thread count
 
 
 def test_without_an_env_section_the_profiles_url_or_the_coordinators_node():
@@ -143,7 +148,8 @@ def test_a_server_backend_gets_an_engine_server_per_rank_on_its_node_and_device(
     assert ("--size tiny --seed 0 --dtype float32 --host 127.0.0.1 --port 6002 "
             "--device cuda:1 --kv-cache-tokens 8192") in engine2
     assert engine2.endswith("--kv-on-update flush --max-num-seqs 8")  # server_args last
-    assert engines[2].env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    assert engines[2].env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
+                              "TIDERL_JOB_KEYS": engines[2].run_dir + "/keys"}
     rank2 = " ".join(plan.ranks[2].argv)
     assert rank2.endswith("--engine-url http://127.0.0.1:6002")  # its own server, loopback
 

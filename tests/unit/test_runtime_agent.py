@@ -120,3 +120,26 @@ def test_a_detached_task_goes_on_from_its_carry_on_another_loop():
     assert trajectory.turns[:played] == carry.turns[:played]
     assert len(trajectory.turns) > played or trajectory.reward is not None
     assert carry.session not in env.service.table.sessions  # ended by the second loop
+
+
+def test_a_refused_pin_leaves_the_task_unpinned_and_an_ended_task_leaves_no_engine_state():
+    engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=256))
+    kv = engine.scheduler.kv_cache
+    loop = AgentLoop(EmbeddedClient(engine), InProcessEnvClient(EnvConfig(envs=["guess"])),
+                     word_tokenizer(), SAMPLING, max_turns=3, max_context_tokens=256, pin=True)
+    pinned_now: list[bool] = []
+    loop.on_turn = lambda event: pinned_now.append(kv.is_pinned(event.task_id))
+
+    async def scenario():
+        free = await loop.run(AgentTask("free", "g", "guess", "1 1000", seed=4))
+        for i in range(kv.pool.num_blocks):  # every block has a pinned task: pins are refused
+            engine.pin(f"hog{i}")
+        blocked = await loop.run(AgentTask("blocked", "g", "guess", "1 1000", seed=4))
+        return free, blocked
+
+    free, blocked = asyncio.run(scenario())
+    turns = len(free.turns)
+    assert turns >= 1 and pinned_now[:2 * turns] == [True] * (2 * turns)  # pinned each turn
+    assert 1 <= len(blocked.turns) <= 3 and blocked.reward is not None  # played on, unpinned
+    assert pinned_now[2 * turns:] == [False] * (2 * len(blocked.turns))
+    assert kv.task_ids == {f"hog{i}" for i in range(kv.pool.num_blocks)}  # the two: forgotten

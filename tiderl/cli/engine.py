@@ -30,6 +30,10 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
     kv_on_update: str = typer.Option("flush", "--kv-on-update",
                                      help="flush or keep the cached KV on a weight update."),
+    admin_token: str | None = typer.Option(
+        None, "--admin-token", envvar="TIDERL_ADMIN_TOKEN", show_envvar=True,
+        help="Bearer token the /tiderl/ admin routes require (without one they answer "
+             "loopback clients only)."),
 ) -> None:
     """OpenAI-compatible /v1/completions with token ids, /metrics, admin routes."""
     if model is not None and not model.is_dir():
@@ -59,4 +63,4 @@ def serve(
     name = model.name if model is not None else f"tiderl-{size}"
     Output().note(f"tiderl engine: {model or name} on http://{host}:{port} "
                   f"(KV pool {kv_cache_tokens} tokens, {device})")
-    serve_app(engine, host, port, tokenizer, model_name=name)
+    serve_app(engine, host, port, tokenizer, model_name=name, admin_token=admin_token)

@@ -21,6 +21,9 @@ def serve(
     max_turns: int = typer.Option(20, "--max-turns", help="Turn cap of every episode."),
     gym: str = typer.Option("", "--gym", help="Also serve a gymnasium env as 'gym': "
                             "ENV_ID or module:factory."),
+    token: str | None = typer.Option(
+        None, "--token", envvar="TIDERL_ENV_TOKEN", show_envvar=True,
+        help="Bearer token every route but /health and /metrics requires (default: none)."),
 ) -> None:
     """Serve /start /observation /end /pause /resume, /health and /metrics over HTTP."""
     from tiderl.core.config import ConfigError
@@ -41,4 +44,4 @@ def serve(
     served = ", ".join(names + (["gym"] if gym else []))
     Output().note(f"tiderl env: {served} on http://{host}:{port} "
                   f"(max {max_sessions} sessions, idle TTL {idle_ttl:g} s)")
-    serve_app(config, host, port, gym=gym or None)
+    serve_app(config, host, port, gym=gym or None, token=token)

@@ -7,7 +7,14 @@
 
 vLLM and SGLang cannot pin a task's KV; with them CTB works through admission alone (keeping the
 sum of active footprints within the budget keeps their prefixes resident). Calls a backend does
-not have raise :class:`NotSupported`. Request bodies and response parsing are pure functions.
+not have raise :class:`NotSupported`; ``forget`` (a task ended: drop its state) is a no-op where
+the engine keeps none. A pin the engine refuses (too little KV left beside the pins; our server
+answers 409) raises :class:`PinRefused`. Request bodies and response parsing are pure functions.
+
+``TideRLHTTPClient`` sends the admin token (``Authorization: Bearer``) of :mod:`tiderl.auth`:
+its ``admin_token`` argument, else ``TIDERL_ADMIN_TOKEN``, else the job's. vLLM has an
+equivalent (``--api-key``, checked on its ``/v1`` routes); the launcher does not set it (its
+servers listen on the loopback only).
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from tiderl.auth import ADMIN, bearer_headers, resolve_token
 from tiderl.engine.config import SERVED_MODEL_NAME
+from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +85,11 @@ class EngineClient(abc.ABC):
 
     async def unpin(self, task_id: str) -> None:
         raise self._no_pins("unpin")
+
+    async def forget(self, task_id: str) -> None:
+        """The task ended: drop its pin and whatever the engine keeps for it (nothing to drop
+        on vLLM and SGLang, which keep no per-task state)."""
+        return None
 
     def _no_pins(self, call: str) -> NotSupported:
         return NotSupported(f"{type(self).__name__}: {call} is not supported by this backend "
@@ -137,6 +151,9 @@ class EmbeddedClient(EngineClient):
     async def unpin(self, task_id: str) -> None:
         self.engine.unpin(task_id)
 
+    async def forget(self, task_id: str) -> None:
+        self.engine.forget(task_id)
+
     async def token_usage(self) -> TokenUsage:
         return self.engine.token_usage()
 
@@ -166,9 +183,11 @@ class _HTTPClient(EngineClient):
     metric_prefix = ""  # the backend's Prometheus namespace
 
     def __init__(self, base_url: str, timeout: float = 600.0,
-                 http: httpx.AsyncClient | None = None) -> None:
+                 http: httpx.AsyncClient | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+        self.http = http or httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
+                                              headers=headers)
 
     async def _post(self, path: str, body: dict | None = None) -> dict:
         return _json_or_raise(await self.http.post(path, json=body or {}))
@@ -193,12 +212,16 @@ class _HTTPClient(EngineClient):
         await self.http.aclose()
 
 
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
 def _json_or_raise(response: httpx.Response, parse: bool = True) -> dict:
     if response.status_code >= 400:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:200]
+        message = _error_message(response)
         error = EngineRequestError if response.status_code < 500 else RuntimeError
         raise error(f"{response.request.method} {response.request.url.path}: "
                     f"{response.status_code}: {message}")
@@ -214,16 +237,28 @@ def _rate(hits: float | None, queries: float | None) -> float | None:
 class TideRLHTTPClient(_HTTPClient):
     metric_prefix = "tiderl:"
 
+    def __init__(self, base_url: str, timeout: float = 600.0,
+                 http: httpx.AsyncClient | None = None,
+                 admin_token: str | None = None) -> None:
+        super().__init__(base_url, timeout, http,
+                         bearer_headers(resolve_token(ADMIN, admin_token)))
+
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        priority: int = 0) -> GenerateResult:
         body = completion_body(prompt_ids, sampling) | {"task_id": task_id}
         return parse_completion(task_id, await self._post("/v1/completions", body))
 
     async def pin(self, task_id: str) -> int:
-        return int((await self._post("/tiderl/pin", {"task_id": task_id}))["num_pinned_tokens"])
+        response = await self.http.post("/tiderl/pin", json={"task_id": task_id})
+        if response.status_code == 409:
+            raise PinRefused(_error_message(response))
+        return int(_json_or_raise(response)["num_pinned_tokens"])
 
     async def unpin(self, task_id: str) -> None:
         await self._post("/tiderl/unpin", {"task_id": task_id})
+
+    async def forget(self, task_id: str) -> None:
+        await self._post("/tiderl/forget", {"task_id": task_id})
 
     async def token_usage(self) -> TokenUsage:
         from tiderl.engine.kv_cache_manager import TokenUsage
@@ -449,11 +484,12 @@ def _int_or_none(value: Any) -> int | None:
 # -- by backend ----------------------------------------------------------------------------------
 
 def server_client(backend: str, base_url: str, timeout: float = 600.0,
-                  flush_on_update: bool = True) -> _HTTPClient:
+                  flush_on_update: bool = True, admin_token: str | None = None) -> _HTTPClient:
     """The client of one ``engine.backend`` server at ``base_url`` (``flush_on_update``:
-    ``engine.kv_on_update`` flush; our server applies it itself)."""
+    ``engine.kv_on_update`` flush; our server applies it itself; ``admin_token``: ours, None
+    for the environment's or the job's, see :mod:`tiderl.auth`)."""
     if backend == "http":
-        return TideRLHTTPClient(base_url, timeout)
+        return TideRLHTTPClient(base_url, timeout, admin_token=admin_token)
     if backend == "vllm":
         return VLLMClient(base_url, SERVED_MODEL_NAME, timeout, flush_on_update=flush_on_update)
     if backend == "sglang":

@@ -8,12 +8,19 @@ A request's blocks are freed in reverse order, so under pressure its tail is evi
 prefix. A pin is a reference held by the task itself: pinned blocks survive with no request of
 the task running, and move to the task's newest context whenever one of its requests is freed.
 
+Per-task state is bounded: a task's remembered context (what a pin looks up) is kept for at
+most ``num_blocks`` tasks, least recently written dropped first; ``forget_task`` (the task ended)
+drops it and the pin, ``flush`` drops every unpinned task's. A pin is refused
+(:class:`PinRefused`) when it would leave fewer blocks out of pins than the caller reserves for
+one request, or when there are as many pinned tasks as blocks.
+
 Invariant: every block's ref_cnt equals the number of running requests whose block table holds
 it plus the number of task pins that hold it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from tiderl.engine import block_pool
@@ -26,6 +33,11 @@ _Content = tuple[int, tuple[int, ...]]  # (block hash, token ids) of one full bl
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class PinRefused(Exception):
+    """A pin that would leave no room for a request (the HTTP server answers 409): the task
+    goes on unpinned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +61,14 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        self._task_context: dict[str, list[_Content]] = {}  # latest freed context per task
-        self._pins: dict[str, list[KVCacheBlock]] = {}
+        self._task_context: OrderedDict[str, list[_Content]] = OrderedDict()  # latest freed
+        # context per task, least recently written first; at most max_task_contexts of them
+        self.max_task_contexts = num_blocks
+        self._pins: dict[str, list[KVCacheBlock]] = {}  # oldest pin first
         self.num_prefix_cache_queries = 0  # tokens looked up (prompt of each scheduled request)
         self.num_prefix_cache_hits = 0  # of those, tokens found in the cache
         self.num_pins = 0  # pins taken (a task's context held between its turns)
+        self.num_pins_released = 0  # pins dropped so that a request could fit (see release_pin)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> KVCacheManager:
@@ -169,7 +184,7 @@ class KVCacheManager:
             self.pool.reindex(block)  # a duplicate stands in for an evicted original
             context.append((block.block_hash, block.token_ids))
         if context:
-            self._task_context[request.task_id] = context
+            self._remember(request.task_id, context)
         if request.task_id in self._pins and context:
             pinned = self._lookup_task_context(request.task_id)
             self.pool.touch(pinned)  # before releasing the old pin: shared blocks stay held
@@ -183,13 +198,29 @@ class KVCacheManager:
 
     # -- pins ------------------------------------------------------------------------------------
 
-    def pin(self, task_id: str) -> int:
-        """Hold the task's latest context (its still-cached prefix); returns the pinned blocks."""
-        if task_id not in self._pins:
-            self._pins[task_id] = self._lookup_task_context(task_id)
-            self.pool.touch(self._pins[task_id])
-            self.num_pins += 1
-        return len(self._pins[task_id])
+    def pin(self, task_id: str, reserve_blocks: int = 0) -> int:
+        """Hold the task's latest context (its still-cached prefix); returns the pinned blocks.
+
+        Refused (:class:`PinRefused`, nothing changed) when fewer than ``reserve_blocks``
+        blocks would stay out of pins, or when every block already has a pinned task. Pinning
+        a pinned task returns its pin unchanged."""
+        if task_id in self._pins:
+            return len(self._pins[task_id])
+        num_blocks = self.pool.num_blocks
+        if len(self._pins) >= num_blocks:
+            raise PinRefused(f"pin {task_id!r}: {len(self._pins)} tasks are pinned already, "
+                             f"one per KV block")
+        blocks = self._lookup_task_context(task_id)
+        num_left = num_blocks - len(self.pinned_block_ids() | {b.block_id for b in blocks})
+        if num_left < reserve_blocks:
+            bs = self.block_size
+            raise PinRefused(f"pin {task_id!r}: its {len(blocks) * bs} tokens would leave "
+                             f"{num_left * bs} of {num_blocks * bs} KV tokens out of pins, "
+                             f"fewer than a request needs ({reserve_blocks * bs})")
+        self._pins[task_id] = blocks
+        self.pool.touch(blocks)
+        self.num_pins += 1
+        return len(blocks)
 
     def unpin(self, task_id: str) -> None:
         """Drop the task's pin: unless a request holds them, its blocks become evictable."""
@@ -197,10 +228,33 @@ class KVCacheManager:
             self._release_pin(task_id)
             del self._pins[task_id]
 
+    def release_pin(self) -> bool:
+        """Drop the oldest pin (a request that can never fit beside the pins needs its
+        blocks); False when there is none."""
+        if not self._pins:
+            return False
+        self.unpin(next(iter(self._pins)))
+        self.num_pins_released += 1
+        return True
+
     def forget_task(self, task_id: str) -> None:
         """The task ended: unpin it and drop its remembered context."""
         self.unpin(task_id)
         self._task_context.pop(task_id, None)
+
+    def flush(self) -> None:
+        """Forget every unreferenced block's content and every unpinned task's context."""
+        self.evict_unreferenced()
+        for task_id in [t for t in self._task_context if t not in self._pins]:
+            del self._task_context[task_id]
+
+    @property
+    def task_ids(self) -> set[str]:
+        """Tasks with state here (a remembered context or a pin)."""
+        return set(self._task_context) | set(self._pins)
+
+    def pinned_block_ids(self) -> set[int]:
+        return {b.block_id for blocks in self._pins.values() for b in blocks}
 
     def is_pinned(self, task_id: str) -> bool:
         return task_id in self._pins
@@ -215,7 +269,7 @@ class KVCacheManager:
     def token_usage(self) -> TokenUsage:
         bs = self.block_size
         num_free = self.pool.num_free_blocks
-        pinned = {b.block_id for blocks in self._pins.values() for b in blocks}
+        pinned = self.pinned_block_ids()
         return TokenUsage(
             num_total_tokens=self.pool.num_blocks * bs,
             num_used_tokens=(self.pool.num_blocks - num_free) * bs,
@@ -256,6 +310,12 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else ROOT_HASH
             hashes.append(block_pool.hash_block_tokens(parent, self._block_tokens(request, i)))
         return hashes
+
+    def _remember(self, task_id: str, context: list[_Content]) -> None:
+        self._task_context[task_id] = context
+        self._task_context.move_to_end(task_id)
+        while len(self._task_context) > self.max_task_contexts:
+            self._task_context.popitem(last=False)
 
     def _lookup_task_context(self, task_id: str) -> list[KVCacheBlock]:
         found: list[KVCacheBlock] = []

@@ -8,8 +8,13 @@
 
 One background asyncio task (started by the first ``generate``) runs ``step`` in a single model
 thread while there is unfinished work and sleeps on an event otherwise. A lock serialises steps
-with every call that touches the scheduler or the weights (pin, unpin, flush, update_weights),
-so those always apply between two steps.
+with every call that touches the scheduler or the weights (pin, unpin, forget, flush,
+update_weights), so those always apply between two steps.
+
+Context length, as vLLM: a prompt must leave room for one output token within the model's
+``max_position_embeddings`` (else ValueError), and ``max_tokens`` is cut to what is left, so no
+request runs past it. Per-task state (a remembered context, a pin) lives until ``forget`` (the
+task ended) or ``flush``, and is bounded by the KV pool's block count either way.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +67,8 @@ class EngineMetrics:
     prompt_tokens_computed: int  # prompt positions computed (prefills and recomputes)
     decode_tokens: int  # output tokens sampled
     num_pins: int = 0  # pins taken
+    num_tasks: int = 0  # tasks with per-task state (a remembered context or a pin)
+    num_pins_released: int = 0  # pins dropped so that a request could fit
 
 
 class LLMEngine:
@@ -118,8 +125,13 @@ class LLMEngine:
 
     def add_request(self, task_id: str, prompt_ids: list[int],
                     sampling: SamplingParams) -> Request:
-        """Validate and queue one turn (the synchronous half of ``generate``)."""
+        """Validate and queue one turn (the synchronous half of ``generate``); ``max_tokens``
+        is cut to the context left after the prompt."""
         self._validate(prompt_ids, sampling)
+        room = self.max_model_len - len(prompt_ids)
+        if sampling.max_tokens > room:
+            sampling = replace(sampling, max_tokens=room)
+        self._validate_kv(prompt_ids, sampling)
         request = Request(f"{task_id}#{next(self._ids)}", task_id, list(prompt_ids), sampling)
         with self._lock:
             if self._asleep:
@@ -163,13 +175,18 @@ class LLMEngine:
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens, longer than max_model_len "
                              f"{self.max_model_len}")
+        if len(prompt_ids) == self.max_model_len:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens fill max_model_len: no "
+                             "room for an output token")
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: outside the vocabulary: {bad[:5]}")
+
+    def _validate_kv(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         total = len(prompt_ids) + sampling.max_tokens
         if total > self.config.kv_cache_tokens:
             raise ValueError(f"prompt + max_tokens = {total} tokens, more than the KV pool "
                              f"holds ({self.config.kv_cache_tokens})")
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: outside the vocabulary: {bad[:5]}")
 
     # -- the step loop ---------------------------------------------------------------------------
 
@@ -222,22 +239,30 @@ class LLMEngine:
     # -- pins, cache, weights --------------------------------------------------------------------
 
     def pin(self, task_id: str) -> int:
-        """Pin the task's cached context; returns the pinned tokens (whole blocks)."""
+        """Pin the task's cached context; returns the pinned tokens (whole blocks).
+        :class:`~tiderl.engine.kv_cache_manager.PinRefused` when it would leave too little of
+        the pool for the largest request in the engine (see ``Scheduler.pin``)."""
         with self._lock:
-            return self.scheduler.kv_cache.pin(task_id) * self.config.block_size
+            return self.scheduler.pin(task_id) * self.config.block_size
 
     def unpin(self, task_id: str) -> None:
         with self._lock:
             self.scheduler.kv_cache.unpin(task_id)
+
+    def forget(self, task_id: str) -> None:
+        """The task ended: drop its pin and its remembered context."""
+        with self._lock:
+            self.scheduler.kv_cache.forget_task(task_id)
 
     def token_usage(self) -> TokenUsage:
         with self._lock:
             return self.scheduler.kv_cache.token_usage()
 
     def flush(self) -> None:
-        """Drop every cached, unreferenced block (held and pinned blocks stay)."""
+        """Drop every cached, unreferenced block (held and pinned blocks stay) and every
+        unpinned task's remembered context."""
         with self._lock:
-            self.scheduler.kv_cache.evict_unreferenced()
+            self.scheduler.kv_cache.flush()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load weights (HF names, any subset; cast to the model's dtype) and set ``version``.
@@ -316,8 +341,10 @@ class LLMEngine:
             self._asleep = False
 
     def metrics(self) -> EngineMetrics:
+        kv = self.scheduler.kv_cache
         with self._lock:
             stats = self.scheduler.stats()
+            num_tasks = len(kv.task_ids)
         return EngineMetrics(
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
@@ -326,4 +353,5 @@ class LLMEngine:
             num_requests_waiting=stats.num_requests_waiting,
             num_preemptions=stats.num_preemptions,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            decode_tokens=self.decode_tokens, num_pins=self.scheduler.kv_cache.num_pins)
+            decode_tokens=self.decode_tokens, num_pins=kv.num_pins, num_tasks=num_tasks,
+            num_pins_released=kv.num_pins_released)

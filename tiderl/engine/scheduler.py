@@ -11,6 +11,10 @@ nothing was preempted, admits waiting requests in FIFO order while the token bud
 limit and the free blocks allow. Prefix-cache hits are skipped: a turn extending a cached context
 computes only its new tokens. ``update`` appends sampled tokens, finishes requests on max_tokens
 or eos, caches newly full blocks and frees finished requests' blocks.
+
+Pins never stop the engine: ``pin`` is refused while it would leave fewer blocks out of pins than
+the largest request in the engine needs, and the head of the queue, if the pins leave it too few
+blocks to finish, releases pins (oldest first) until it can.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tiderl.engine.block_pool import KVCacheBlock
 from tiderl.engine.config import EngineConfig
-from tiderl.engine.kv_cache_manager import KVCacheManager, TokenUsage
+from tiderl.engine.kv_cache_manager import KVCacheManager, TokenUsage, cdiv
 from tiderl.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
@@ -111,6 +116,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pin(self, task_id: str) -> int:
+        """Pin the task's context (blocks); :class:`PinRefused` if that would leave fewer
+        blocks out of pins than the largest request in the engine needs (one block at least)."""
+        reserve = max((self.num_blocks_to_finish(r) for r in self.requests.values()), default=1)
+        return self.kv_cache.pin(task_id, max(1, reserve))
+
+    def num_blocks_to_finish(self, request: Request) -> int:
+        """Blocks the request holds at its last step: KV for all but its last output token."""
+        return cdiv(request.num_prompt_tokens + request.sampling.max_tokens - 1, self.block_size)
+
     # -- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -184,6 +199,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            self._make_room(request, hit_blocks)
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv_cache.allocate(request, num_new, hit_blocks) is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it
@@ -196,6 +212,17 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
+
+    def _make_room(self, request: Request, hit_blocks: list[KVCacheBlock]) -> None:
+        """Release pins, oldest first, while they leave the request too few blocks to finish
+        (it would wait at the head of the queue forever, and everyone behind it with it). The
+        pinned blocks it hits are its own."""
+        need = self.num_blocks_to_finish(request)
+        hit = {b.block_id for b in hit_blocks}
+        num_blocks = self.kv_cache.pool.num_blocks
+        while need > num_blocks - len(self.kv_cache.pinned_block_ids() - hit):
+            if not self.kv_cache.release_pin():
+                return
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -3,12 +3,23 @@ metrics and admin routes.
 
     client ──POST /v1/completions──> build_app ──engine.generate()──> LLMEngine (step loop)
            ──GET /metrics──────────> EngineCollector ──engine.metrics()── (read on each scrape)
-           ──/tiderl/{pin,unpin,usage,update_weights,flush}──> engine admin calls
+           ──/tiderl/{pin,unpin,forget,usage,update_weights,flush}──> engine admin calls
            ──/tiderl/{sleep,wake_up}──> free / reload the weights and the KV cache (ERS moves)
 
+Every route under ``/tiderl/`` is an admin route: with an admin token (``serve``'s
+``admin_token``, else ``TIDERL_ADMIN_TOKEN``, else the job's, see :mod:`tiderl.auth`) it needs
+``Authorization: Bearer TOKEN`` (else 401); without one it answers loopback clients only (else
+403). A job always sets one. ``/v1/*``, ``/health`` and ``/metrics`` are open, as on vLLM
+without ``--api-key``.
+
+A pin that would leave too little of the KV pool for the largest request in the engine is
+refused 409 (``pin_refused``): the task goes on unpinned. A completion without ``task_id`` is
+forgotten when it returns; a task's state otherwise lives until ``/tiderl/forget`` or
+``/tiderl/flush``. ``max_tokens`` is cut to the context left after the prompt (as vLLM).
+
 Bad input (malformed JSON, wrong types, an empty prompt, token ids outside the vocabulary, a
-prompt longer than the context) is answered 400 or 422 with ``{"error": {"message", "type"}}``;
-the server keeps serving.
+prompt that leaves no room in the context, an unknown route, a body over ``MAX_BODY_BYTES``) is
+answered 4xx with ``{"error": {"message", "type"}}``; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -28,7 +39,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.exceptions import HTTPException
 
+from tiderl.auth import ADMIN, ServiceGuard, resolve_token
+from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,6 +51,9 @@ if TYPE_CHECKING:
     from tiderl.engine.llm_engine import LLMEngine
 
 PREFIX = "tiderl:"
+ADMIN_PREFIX = "/tiderl/"
+MAX_BODY_BYTES = 8 << 20  # a 131,072-token prompt is about 1 MiB of JSON
+MAX_TASK_ID_CHARS = 256
 
 
 # -- request and response bodies -----------------------------------------------------------------
@@ -54,13 +71,14 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     logprobs: int | None = None  # any value returns the sampled tokens' logprobs (no top-k)
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
-    task_id: str | None = None  # TideRL extra: the task whose KV a pin keeps
+    task_id: str | None = Field(None, min_length=1, max_length=MAX_TASK_ID_CHARS)  # TideRL
+    # extra: the task whose KV a pin keeps
     stream: bool = False  # accepted only as False
     n: int = 1  # accepted only as 1
 
 
 class TaskBody(BaseModel):
-    task_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1, max_length=MAX_TASK_ID_CHARS)
 
 
 class UpdateWeightsBody(BaseModel):
@@ -83,6 +101,8 @@ class EngineCollector:
             ("prompt_tokens_computed", m.prompt_tokens_computed, "Prompt tokens prefilled."),
             ("decode_tokens", m.decode_tokens, "Tokens sampled."),
             ("pins", m.num_pins, "Pins taken (a task's context held between its turns)."),
+            ("pins_released", m.num_pins_released,
+             "Pins dropped so that a request could fit beside them."),
         )
         for name, value, doc in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
@@ -90,6 +110,7 @@ class EngineCollector:
             ("kv_cache_usage_perc", m.kv_cache_usage_perc, "Fraction of KV blocks referenced."),
             ("num_requests_running", m.num_requests_running, "Requests running."),
             ("num_requests_waiting", m.num_requests_waiting, "Requests waiting."),
+            ("num_tasks", m.num_tasks, "Tasks with per-task state (a context or a pin)."),
             ("weight_version", self.engine.version, "Version of the loaded weights."),
         )
         for name, value, doc in gauges:
@@ -99,7 +120,8 @@ class EngineCollector:
 # -- app -----------------------------------------------------------------------------------------
 
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+    line = " ".join(message.split())  # one line, whatever the exception said
+    return JSONResponse({"error": {"message": line, "type": kind}}, status_code=status)
 
 
 def validate_prompt(engine: LLMEngine, prompt: list[int]) -> None:
@@ -112,18 +134,25 @@ def validate_prompt(engine: LLMEngine, prompt: list[int]) -> None:
     if len(prompt) > engine.max_model_len:
         raise ValueError(f"prompt: {len(prompt)} tokens, longer than the context "
                          f"({engine.max_model_len})")
+    if len(prompt) == engine.max_model_len:
+        raise ValueError(f"prompt: {len(prompt)} tokens fill the context "
+                         f"({engine.max_model_len}): no room for an output token")
 
 
 def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
-              model_name: str = "tiderl") -> FastAPI:
-    """The server's routes over one engine; each app has its own Prometheus registry."""
+              model_name: str = "tiderl", admin_token: str | None = None) -> FastAPI:
+    """The server's routes over one engine; each app has its own Prometheus registry.
+    ``admin_token`` None: the admin routes answer loopback clients only."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await engine.close()
 
-    app = FastAPI(title="TideRL engine", lifespan=lifespan)
+    app = FastAPI(title="TideRL engine", lifespan=lifespan, redirect_slashes=False)
+    app.add_middleware(ServiceGuard, token=admin_token,
+                       is_protected=lambda path: path.startswith(ADMIN_PREFIX),
+                       max_body_bytes=MAX_BODY_BYTES, loopback_without_token=True)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))  # type: ignore[arg-type]
     _add_error_handlers(app)
@@ -146,7 +175,11 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
                                   top_p=body.top_p, seed=body.seed,
                                   stop_token_ids=tuple(body.stop_token_ids))
         task_id = body.task_id or uuid.uuid4().hex
-        out = await engine.generate(task_id, list(body.prompt), sampling)
+        try:
+            out = await engine.generate(task_id, list(body.prompt), sampling)
+        finally:
+            if body.task_id is None:  # nobody can come back for it
+                await asyncio.to_thread(engine.forget, task_id)
         return _completion_response(out, body, model_name, tokenizer)
 
     @app.get("/metrics")
@@ -163,6 +196,11 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
     async def unpin(body: TaskBody) -> dict:
         await asyncio.to_thread(engine.unpin, body.task_id)
         return {"task_id": body.task_id, "pinned": False}
+
+    @app.post("/tiderl/forget")
+    async def forget(body: TaskBody) -> dict:
+        await asyncio.to_thread(engine.forget, body.task_id)
+        return {"task_id": body.task_id, "forgotten": True}
 
     @app.get("/tiderl/usage")
     async def usage() -> dict:
@@ -206,12 +244,14 @@ def _read_weights(path: str) -> dict:
 
 
 def serve(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
-          tokenizer: Tokenizer | None = None, model_name: str = "tiderl") -> None:
-    """Run the app with uvicorn until interrupted (blocks)."""
+          tokenizer: Tokenizer | None = None, model_name: str = "tiderl",
+          admin_token: str | None = None) -> None:
+    """Run the app with uvicorn until interrupted (blocks); the admin token is
+    ``admin_token``, else ``TIDERL_ADMIN_TOKEN``, else the job's (``TIDERL_JOB_KEYS``)."""
     import uvicorn
 
-    uvicorn.run(build_app(engine, tokenizer, model_name), host=host, port=port,
-                log_level="warning")
+    app = build_app(engine, tokenizer, model_name, resolve_token(ADMIN, admin_token))
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def _completion_response(out: Any, body: CompletionRequest, model_name: str,
@@ -254,6 +294,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(PinRefused)
+    async def pin_refused(_: Request, exc: PinRefused) -> JSONResponse:
+        return error_response(409, str(exc), "pin_refused")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Unknown routes, wrong methods, unparsable bodies: the same one-line format."""
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:

@@ -1,9 +1,24 @@
 """Clients of the environment service: one interface, two implementations.
 
-* :class:`HTTPEnvClient`: the protocol over HTTP (httpx), with timeouts and retries with
-  exponential backoff for idempotent calls (/end, /pause, /resume, /health). /start and
-  /observation change state, so they are retried only when the request never reached the server
-  (a refused connection).
+* :class:`HTTPEnvClient`: the protocol over HTTP (httpx), sending the service's token
+  (:mod:`tiderl.auth`). Each attempt has a timeout (``timeout_s``); failed attempts are sent
+  again with exponential backoff (tenacity), ``retries`` times at most, and a call gives up
+  after ``deadline_s`` in all, so a stalled service (SIGSTOP) fails the task instead of hanging
+  it. What is retried:
+
+  ======================================  ============================================
+  call                                    retried on
+  ======================================  ============================================
+  /end, /pause, /resume, /health          connect errors, timeouts, dropped connections, 5xx
+  /start                                  the same (a start that reached a stalled server
+                                          may leave an orphan session: the first the table
+                                          evicts when full, or it expires after the idle TTL)
+  /observation                            connect errors only (the request surely never
+                                          reached the server: a step is not idempotent)
+  ======================================  ============================================
+
+  4xx answers are never retried. After the last attempt the call raises, and the rank ends the
+  task with reward 0 (the coordinator drops its group and counts it).
 * :class:`InProcessEnvClient`: the same calls on an in-process :class:`EnvService` (the embedded
   default): no HTTP, the same session table and the same errors (status codes included).
 
@@ -18,7 +33,9 @@ from typing import Any, TypeVar
 
 import httpx
 import msgspec
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from tiderl.auth import ENV, bearer_headers, resolve_token
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
     ObservationRequest,
@@ -78,23 +95,41 @@ class EnvClient(ABC):
 
 
 KEEPALIVE_EXPIRY_S = 30.0  # below the server's keep-alive (tiderl.env.server), see there
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # never reached it
+
+
+class _Retryable(Exception):
+    """A failed attempt that may be sent again; ``error`` is what the call raises if none is
+    left."""
+
+    def __init__(self, error: EnvClientError):
+        super().__init__(str(error))
+        self.error = error
 
 
 class HTTPEnvClient(EnvClient):
     def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 3,
-                 backoff_s: float = 0.1, max_connections: int = 256,
+                 backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 deadline_s: float = 60.0, token: str | None = None,
+                 max_connections: int = 256, owner: str = "",
                  transport: httpx.AsyncBaseTransport | None = None):
+        """``token`` None: ``TIDERL_ENV_TOKEN``, else the job's, else none (:mod:`tiderl.auth`);
+        ``owner``: sent with each /start (a job's rank: ``rank-3``, see :func:`end_sessions_of`)."""
+        self.owner = owner
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=max_connections,
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s,
-                                      limits=limits, transport=transport)
+                                      limits=limits, transport=transport,
+                                      headers=bearer_headers(resolve_token(ENV, token)))
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.deadline_s = deadline_s
 
     async def start(self, env: str, task: str | None = None, seed: int = 0) -> StartResponse:
-        return await self._post("/start", StartRequest(env, task, seed), StartResponse,
-                                session=None, idempotent=False)
+        return await self._post("/start", StartRequest(env, task, seed, self.owner), StartResponse,
+                                session=None, idempotent=True)
 
     async def step(self, session: str, action: str) -> ObservationResponse:
         return await self._post("/observation", ObservationRequest(session, action),
@@ -132,28 +167,43 @@ class HTTPEnvClient(EnvClient):
 
     async def _send(self, call: str, content: bytes | None, session: str | None, *,
                     idempotent: bool) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
-            try:
-                if content is None:
-                    response = await self.http.get(call)
-                else:
-                    response = await self.http.post(
-                        call, content=content, headers={"content-type": "application/json"})
-            except httpx.ConnectError as exc:  # never reached the server: safe to send again
-                if last:
-                    raise EnvClientError(call, session, None, str(exc) or "connect") from exc
-            except httpx.TransportError as exc:
-                if last or not idempotent:
-                    raise EnvClientError(call, session, None,
-                                         f"{type(exc).__name__}: {exc}") from exc
+        """One call: attempts until an answer, a failure that is not retried, the last attempt
+        or the deadline. ``idempotent`` False: only attempts that never reached the server are
+        sent again."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.retries + 1),
+            wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+            retry=retry_if_exception_type(_Retryable), reraise=True)
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                async for attempt in retrying:
+                    with attempt:
+                        response = await self._attempt(call, content, session, idempotent)
+        except _Retryable as exc:
+            raise exc.error from exc.__cause__
+        except TimeoutError:
+            raise EnvClientError(call, session, None, f"no answer within the call's deadline "
+                                 f"({self.deadline_s:g} s)") from None
+        return response
+
+    async def _attempt(self, call: str, content: bytes | None, session: str | None,
+                       idempotent: bool) -> httpx.Response:
+        try:
+            if content is None:
+                response = await self.http.get(call)
             else:
-                if response.status_code < 400:
-                    return response
-                if response.status_code < 500 or last or not idempotent:
-                    raise _http_error(call, session, response)
-            await asyncio.sleep(self.backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")
+                response = await self.http.post(
+                    call, content=content, headers={"content-type": "application/json"})
+        except httpx.TransportError as exc:
+            error = EnvClientError(call, session, None, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, NOT_SENT) or idempotent:
+                raise _Retryable(error) from exc
+            raise error from exc
+        if response.status_code >= 500 and idempotent:
+            raise _Retryable(_http_error(call, session, response))
+        if response.status_code >= 400:
+            raise _http_error(call, session, response)
+        return response
 
 
 def _http_error(call: str, session: str | None, response: httpx.Response) -> EnvClientError:
@@ -206,3 +256,20 @@ class InProcessEnvClient(EnvClient):
 
 async def _ready(method: Any, session: str) -> SessionResponse:
     return method(SessionRequest(session))
+
+
+def end_sessions_of(url: str, owner: str, *, token: str | None = None,
+                    timeout_s: float = 2.0) -> int:
+    """End every session ``owner`` started on the service at ``url`` (a rank that died: its
+    sessions would otherwise hold the table until they expire); how many. One bounded call: an
+    EnvClientError if the service does not answer."""
+    headers = bearer_headers(resolve_token(ENV, token))
+    try:
+        response = httpx.post(f"{url.rstrip('/')}/end_owner", json={"owner": owner},
+                              headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EnvClientError("/end_owner", None, None, f"{type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise EnvClientError("/end_owner", None, response.status_code, response.text[:200])
+    return int(response.json()["ended"])
+

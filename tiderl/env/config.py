@@ -40,6 +40,8 @@ class EnvConfig:
     max_turns: int = 20
     max_sessions: int = 256
     idle_ttl_s: float = 600.0
+    request_timeout_s: float = 30.0  # one attempt of a rank's call to the service
+    call_deadline_s: float = 60.0  # one call with its retries: past it the task fails
     step_latency: LatencyConfig = field(default_factory=LatencyConfig)
     start_latency: LatencyConfig = field(default_factory=LatencyConfig)
 
@@ -57,3 +59,5 @@ class EnvConfig:
         require_positive(self.max_turns, "max_turns")
         require_positive(self.max_sessions, "max_sessions")
         require_positive(self.idle_ttl_s, "idle_ttl_s")
+        require_positive(self.request_timeout_s, "request_timeout_s")
+        require_positive(self.call_deadline_s, "call_deadline_s")

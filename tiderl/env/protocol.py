@@ -9,19 +9,27 @@ Errors are ``{"error": {"message", "type"}}`` with a 4xx status (see :mod:`tider
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 MAX_ACTION_CHARS = 4096
 MAX_TASK_CHARS = 4096
 MAX_SESSION_CHARS = 128
+Seed = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]  # what a JSON peer can send
+
+
+Owner = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``owner``: who holds the session (a job's rank: ``rank-3``), so that the job can end
+    every session of a rank that died (``/end_owner``) instead of leaving them to expire."""
+
     env: str
     task: str | None = None
-    seed: int = 0
+    seed: Seed = 0
+    owner: Owner = ""
 
 
 class StartResponse(msgspec.Struct):
@@ -51,6 +59,17 @@ class SessionRequest(msgspec.Struct, forbid_unknown_fields=True):
 EndRequest = PauseRequest = ResumeRequest = SessionRequest
 
 
+class OwnerRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of /end_owner: end every session ``owner`` started."""
+
+    owner: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class OwnerResponse(msgspec.Struct):
+    owner: str
+    ended: int
+
+
 class SessionResponse(msgspec.Struct):
     session: str
     state: str  # "ended", "paused" or "active"
@@ -64,6 +83,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ProtocolError(str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed JSON: {exc}", "malformed_json", 400) from exc
+    except RecursionError:  # msgspec's answer to a very deep nesting
+        raise ProtocolError("malformed JSON: nested too deep", "malformed_json", 400) from None
     check_limits(msg)
     return msg
 

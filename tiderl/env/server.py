@@ -1,15 +1,26 @@
 """HTTP server of the environment service (paper App. B.1).
 
     client ──POST /start /observation /end /pause /resume──> build_app ──> EnvService
+    job    ──POST /end_owner──> ends every session a (dead) rank started
            ──GET /health──> liveness and session counts
            ──GET /metrics──> private Prometheus registry (sessions, steps, errors, step latency)
     a sweep task expires idle sessions every few seconds (each request also checks its session)
 
 Bodies are decoded with msgspec (:mod:`tiderl.env.protocol`). Bad input is answered with
-``{"error": {"message", "type"}}``: 400 malformed JSON / unknown env, 404 unknown or expired
-session, 409 a step on a paused or finished session, 422 missing fields, wrong types or an
-action over the length limit, 429 (with ``Retry-After``) when the session table is full.
-The server keeps serving after any of them.
+``{"error": {"message", "type"}}``: 400 malformed JSON (too deep a nesting included) / unknown
+env, 401 no or a wrong token, 404 unknown, expired or evicted session (or an unknown route),
+405 a wrong method, 409 a step on a paused or finished session, 413 a body over
+``MAX_BODY_BYTES``, 422 missing fields, wrong types or an action over the length limit, 429
+(with ``Retry-After: 1``) when the session table is full and every session is in a step. The
+server keeps serving after any of them.
+
+Token: with one (``serve``'s ``token``, else ``TIDERL_ENV_TOKEN``, else the job's, see
+:mod:`tiderl.auth`) every route but ``/health`` and ``/metrics`` needs
+``Authorization: Bearer TOKEN``; without one the service is open (it binds the loopback unless
+told otherwise). A job always sets one.
+
+No lock-out: a full session table evicts the longest-idle session not in a step (active before
+paused; :mod:`tiderl.env.sessions`) instead of refusing every /start until one expires.
 """
 
 from __future__ import annotations
@@ -26,12 +37,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
+from tiderl.auth import ENV, ServiceGuard, resolve_token
 from tiderl.env.config import EnvConfig
-from tiderl.env.protocol import ObservationRequest, SessionRequest, StartRequest, decode
+from tiderl.env.protocol import (
+    ObservationRequest,
+    OwnerRequest,
+    SessionRequest,
+    StartRequest,
+    decode,
+)
 from tiderl.env.service import EnvService, error_status
 
 PREFIX = "tiderl_env_"
+OPEN_ROUTES = ("/health", "/metrics")  # served without the token
+MAX_BODY_BYTES = 1 << 20  # actions and tasks are at most 4,096 characters
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                    10)
 
@@ -48,8 +69,10 @@ class EnvMetrics:
               registry=self.registry).set_function(lambda: table.num_paused)
         Gauge(PREFIX + "sessions_expired", "Sessions expired since start.",
               registry=self.registry).set_function(lambda: table.counters.num_expired)
-        Gauge(PREFIX + "sessions_rejected", "Starts refused at the session limit.",
+        Gauge(PREFIX + "sessions_rejected", "Starts refused: a full table, all in a step.",
               registry=self.registry).set_function(lambda: table.counters.num_rejected)
+        Gauge(PREFIX + "sessions_evicted", "Sessions evicted to make room on a full table.",
+              registry=self.registry).set_function(lambda: table.counters.num_evicted)
         self.starts = Counter(PREFIX + "starts", "Sessions started.", registry=self.registry)
         self.steps = Counter(PREFIX + "steps", "Environment steps.", registry=self.registry)
         self.errors = Counter(PREFIX + "errors", "Requests answered with an error.",
@@ -61,13 +84,15 @@ class EnvMetrics:
 
 def error_response(status: int, message: str, kind: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status,
+    line = " ".join(message.split())  # one line, whatever the exception said
+    return JSONResponse({"error": {"message": line, "type": kind}}, status_code=status,
                         headers=headers)
 
 
 def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
-              gym: str | None = None) -> FastAPI:
-    """The routes over one :class:`EnvService`; ``clock`` drives idle expiry (tests inject one)."""
+              gym: str | None = None, token: str | None = None) -> FastAPI:
+    """The routes over one :class:`EnvService`; ``clock`` drives idle expiry (tests inject one);
+    ``token`` None: open to every client."""
     service = EnvService(config, clock=clock, gym=gym)
     metrics = EnvMetrics(service)
 
@@ -79,8 +104,17 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
 
-    app = FastAPI(title="TideRL environments", lifespan=lifespan)
+    app = FastAPI(title="TideRL environments", lifespan=lifespan, redirect_slashes=False)
     app.state.service = service
+    app.add_middleware(ServiceGuard, token=token,
+                       is_protected=lambda path: path not in OPEN_ROUTES,
+                       max_body_bytes=MAX_BODY_BYTES, loopback_without_token=False)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Unknown routes and wrong methods: the same one-line format."""
+        return error_response(exc.status_code, str(exc.detail),
+                              "not_found" if exc.status_code == 404 else "invalid_request")
 
     async def answer(route: str, call: Callable[[], Awaitable[Any]]) -> Response:
         try:
@@ -121,6 +155,12 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
     session_route("/pause", service.pause)
     session_route("/resume", service.resume)
 
+    @app.post("/end_owner")
+    async def end_owner(request: Request) -> Response:
+        async def call() -> Any:
+            return service.end_owner(decode(await request.body(), OwnerRequest))
+        return await answer("/end_owner", call)
+
     @app.get("/health")
     async def health() -> dict:
         return service.health()
@@ -142,11 +182,13 @@ SERVER_KEEPALIVE_S = 75
 
 
 def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
-          gym: str | None = None) -> None:
-    """Run the app with uvicorn until interrupted (blocks)."""
+          gym: str | None = None, token: str | None = None) -> None:
+    """Run the app with uvicorn until interrupted (blocks); the token is ``token``, else
+    ``TIDERL_ENV_TOKEN``, else the job's (``TIDERL_JOB_KEYS``), else none."""
     import uvicorn
 
+    app = build_app(config, gym=gym, token=resolve_token(ENV, token))
     # Keep idle connections longer than clients do (``KEEPALIVE_EXPIRY_S``): a server closing a
     # kept-alive connection as a client reuses it fails a non-idempotent /observation.
-    uvicorn.run(build_app(config, gym=gym), host=host, port=port, log_level="warning",
+    uvicorn.run(app, host=host, port=port, log_level="warning",
                 access_log=False, timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -1,8 +1,11 @@
 """The environment service without HTTP: environments, the session table, latency models.
 
-    /start ──> EnvService.start ──make_env, reset──> SessionTable.create
+    /start ──> EnvService.start ──make_env, reset──> SessionTable.create (evicts on a full table)
     /observation ──> EnvService.step ──sleep(step latency)──> env.step ──> ObservationResponse
     /end /pause /resume ──> SessionTable
+
+A session is "in a step" from the start of its /observation (latency included) to its answer;
+the table never evicts it meanwhile, and /start is refused (429) only when every session is.
 
 The HTTP server (:mod:`tiderl.env.server`) and :class:`tiderl.env.client.InProcessEnvClient`
 both call it, so the two see the same semantics and the same errors (:func:`error_status`).
@@ -22,6 +25,8 @@ from tiderl.env.latency import LatencyModel
 from tiderl.env.protocol import (
     ObservationRequest,
     ObservationResponse,
+    OwnerRequest,
+    OwnerResponse,
     ProtocolError,
     SessionRequest,
     SessionResponse,
@@ -60,10 +65,7 @@ class EnvService:
 
     async def start(self, req: StartRequest) -> StartResponse:
         registry_name = self.resolve(req.env)
-        self.table.expire(self.clock())
-        if self.table.num_open >= self.table.max_sessions:  # refuse before doing any work
-            self.table.counters.num_rejected += 1
-            raise SessionLimit(self.table.max_sessions, self.table.retry_after_s(self.clock()))
+        self.table.check_room(self.clock())  # refuse before doing any work
         await _sleep(self.start_latency.sample())
         try:
             env = make_env(registry_name, max_turns=self.config.max_turns,
@@ -73,23 +75,30 @@ class EnvService:
             raise ProtocolError(str(exc), "unknown_env", 400) from exc
         except ValueError as exc:  # e.g. a task the environment cannot parse
             raise ProtocolError(f"{req.env}: {exc}", "invalid_task", 400) from exc
-        session = self.table.create(req.env, env, self.clock())
+        session = self.table.create(req.env, env, self.clock(), owner=req.owner)
         return StartResponse(session.id, observation, info)
 
     async def step(self, req: ObservationRequest) -> ObservationResponse:
         self._steppable(req.session)
-        await _sleep(self.step_latency.sample())
-        session = self._steppable(req.session)  # it may have ended during the sleep
-        self.table.touch(req.session, self.clock())
+        in_step = self.table.begin_step(req.session, self.clock())
         try:
-            result = session.env.step(req.action)
-        except ValueError as exc:
-            raise ProtocolError(f"action: {exc}", "invalid_action", 400) from exc
+            await _sleep(self.step_latency.sample())
+            session = self._steppable(req.session)  # it may have ended during the sleep
+            self.table.touch(req.session, self.clock())
+            try:
+                result = session.env.step(req.action)
+            except ValueError as exc:
+                raise ProtocolError(f"action: {exc}", "invalid_action", 400) from exc
+        finally:
+            self.table.end_step(in_step, self.clock())
         session.num_steps += 1
         session.is_done = result.done
         self.num_steps += 1
         return ObservationResponse(result.observation, float(result.reward), result.done,
                                    result.info)
+
+    def end_owner(self, req: OwnerRequest) -> OwnerResponse:
+        return OwnerResponse(req.owner, self.table.end_owner(req.owner))
 
     def end(self, req: SessionRequest) -> SessionResponse:
         self.table.end(req.session, self.clock())

@@ -3,6 +3,11 @@
     create ──> active ──pause──> paused ──resume──> active ──end──> (gone)
                  │  idle longer than the TTL (checked at ``now``)      │
                  └──────────────────────> expired (gone) <─────────────┘ never while paused
+    create on a full table ──> the longest-idle session not in a step is evicted (gone)
+
+A full table never locks new sessions out: ``create`` evicts the session idle longest (active
+ones before paused ones; never one with a step in flight, see ``begin_step``) and refuses
+(:class:`SessionLimit`) only when every session is in a step, which ends within a step's time.
 
 Invariant: ``len(sessions) <= max_sessions``, and no session is returned once it has been idle
 (not paused) for longer than ``idle_ttl_s``. Every method takes ``now``; nothing reads a clock.
@@ -22,11 +27,15 @@ class SessionState(str, Enum):
     PAUSED = "paused"
 
 
-class SessionLimit(Exception):
-    """The table is full (answered 429 with ``Retry-After``)."""
+BUSY_RETRY_AFTER_S = 1.0  # a full table of sessions in a step: one ends within a step's time
 
-    def __init__(self, max_sessions: int, retry_after_s: float):
-        super().__init__(f"session limit reached ({max_sessions} open); retry later")
+
+class SessionLimit(Exception):
+    """The table is full of sessions in a step (answered 429 with ``Retry-After``)."""
+
+    def __init__(self, max_sessions: int, retry_after_s: float = BUSY_RETRY_AFTER_S):
+        super().__init__(f"session limit reached ({max_sessions} open, every one in a step); "
+                         "retry later")
         self.retry_after_s = retry_after_s
 
 
@@ -51,6 +60,8 @@ class Session(Generic[T]):
     state: SessionState = SessionState.ACTIVE
     num_steps: int = 0
     is_done: bool = False  # the episode ended; only /end is left
+    num_in_step: int = 0  # steps in flight (begin_step .. end_step): never evicted meanwhile
+    owner: str = ""  # who started it (a job's rank), for end_owner
 
 
 @dataclass
@@ -59,6 +70,7 @@ class SessionCounters:
     num_ended: int = 0
     num_expired: int = 0
     num_rejected: int = 0
+    num_evicted: int = 0
 
 
 @dataclass
@@ -69,16 +81,38 @@ class SessionTable(Generic[T]):
     counters: SessionCounters = field(default_factory=SessionCounters)
     _next_id: int = 0
 
-    def create(self, env_name: str, env: T, now: float) -> Session[T]:
-        self.expire(now)
+    def create(self, env_name: str, env: T, now: float, owner: str = "") -> Session[T]:
+        """A new session; on a full table the longest-idle one is evicted first
+        (:class:`SessionLimit` when every session is in a step)."""
+        self.check_room(now)
         if len(self.sessions) >= self.max_sessions:
-            self.counters.num_rejected += 1
-            raise SessionLimit(self.max_sessions, self.retry_after_s(now))
+            victim = self._eviction_candidate()
+            assert victim is not None  # check_room found one
+            del self.sessions[victim.id]
+            self.counters.num_evicted += 1
         self._next_id += 1
-        session = Session(f"s{self._next_id}", env_name, env, now)
+        session = Session(f"s{self._next_id}", env_name, env, now, owner=owner)
         self.sessions[session.id] = session
         self.counters.num_created += 1
         return session
+
+    def check_room(self, now: float) -> None:
+        """Expire idle sessions; :class:`SessionLimit` if the table is full and every session
+        is in a step (nothing to evict)."""
+        self.expire(now)
+        if len(self.sessions) >= self.max_sessions and self._eviction_candidate() is None:
+            self.counters.num_rejected += 1
+            raise SessionLimit(self.max_sessions)
+
+    def begin_step(self, session_id: str, now: float) -> Session[T]:
+        """The session is in a step until ``end_step``: touched, and never evicted."""
+        session = self.touch(session_id, now)
+        session.num_in_step += 1
+        return session
+
+    def end_step(self, session: Session[T], now: float) -> None:
+        session.num_in_step -= 1
+        session.last_active = now
 
     def get(self, session_id: str, now: float) -> Session[T]:
         """The session, or :class:`UnknownSession`; an expired one is dropped here."""
@@ -114,6 +148,13 @@ class SessionTable(Generic[T]):
         self._drop(session_id, expired=False)
         return session
 
+    def end_owner(self, owner: str) -> int:
+        """End every session ``owner`` started (its holder died); how many there were."""
+        ids = [s.id for s in self.sessions.values() if s.owner == owner]
+        for session_id in ids:
+            self._drop(session_id, expired=False)
+        return len(ids)
+
     def expire(self, now: float) -> list[str]:
         """Drop every idle session past the TTL (paused ones never); return their ids."""
         gone = [s.id for s in self.sessions.values() if self.is_expired(s, now)]
@@ -125,11 +166,11 @@ class SessionTable(Generic[T]):
         return (session.state is SessionState.ACTIVE
                 and now - session.last_active > self.idle_ttl_s)
 
-    def retry_after_s(self, now: float) -> float:
-        """When the next active session would expire, at least 1 s (for ``Retry-After``)."""
-        active = [s.last_active + self.idle_ttl_s - now for s in self.sessions.values()
-                  if s.state is SessionState.ACTIVE]
-        return max(1.0, min(active, default=self.idle_ttl_s))
+    def _eviction_candidate(self) -> Session[T] | None:
+        """The session idle longest and not in a step, active before paused; None if none."""
+        idle = [s for s in self.sessions.values() if s.num_in_step == 0]
+        return min(idle, key=lambda s: (s.state is SessionState.PAUSED, s.last_active),
+                   default=None)
 
     @property
     def num_open(self) -> int:

@@ -17,6 +17,11 @@ move ranks from the first post-update boundary on.
 On nodes (:func:`plan_nodes`) ranks fill the nodes of hosts.yaml in order, one per device; the
 coordinator and the environment service run where hosts.yaml says. Every daemon reads the run
 folder ``<workdir>/runs/<job>/`` of its node (the launcher pushes the profile and the keys there).
+
+HTTP tokens: the environment service, our engine servers (backend ``http``) and the ranks get
+``TIDERL_JOB_KEYS=<run folder>/keys``, from which each derives the job's tokens
+(:mod:`tiderl.auth`): the servers require them, the ranks' clients send them. Only the folder's
+path is in the plan (and on an SSH command line), never a token.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from tiderl.auth import JOB_KEYS_VAR
 from tiderl.core.step_control import initial_roles as launch_roles
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
@@ -171,7 +177,7 @@ def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
         return (*head, "--host", host, "--port", ports["env"])
     if spec.kind == "coordinator":
         return (*head, "--port", ports["bus"], "--pub-port", ports["pub"],
-                "--metrics-port", ports["metrics"])
+                "--metrics-port", ports["metrics"], "--env-url", ep.env_url)
     pin = ("--cpu-slot", f"{spec.cpu_slot[0]}/{spec.cpu_slot[1]}") if spec.cpu_slot else ()
     engine = ("--engine-url", spec.engine_url) if spec.engine_url else ()
     return (*head, "--rank", str(spec.rank), "--bus", ep.bus,
@@ -193,6 +199,14 @@ def _cpu_slots(profile: Profile, rank_hosts: list[str]) -> list[tuple[int, int] 
 
 def _rank_env(spec: ProcessSpec) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(spec.threads or 1)} if spec.kind == "rank" else {}
+
+
+def _token_env(spec: ProcessSpec, profile: Profile, run_dir: str) -> dict[str, str]:
+    """Where the job's HTTP tokens come from (see the module docstring), for the processes that
+    serve or send them."""
+    uses = spec.kind in ("env", "rank", "coordinator") or (spec.kind == "engine"
+                                            and profile.engine.backend == "http")
+    return {JOB_KEYS_VAR: posixpath.join(run_dir, "keys")} if uses else {}
 
 
 def plan_local(profile: Profile, python: str | None = None, run_dir: str | None = None,
@@ -233,11 +247,14 @@ def _command(spec: ProcessSpec, profile: Profile, python: str, run_dir: str, ep:
     if spec.kind == "engine":
         argv, env = engine_command(profile, python, ep.ports[spec.name], spec.device or "cpu",
                                    visible)
-        return replace(spec, argv=argv, env={**node_env, **env}, run_dir=run_dir)
+        return replace(spec, argv=argv, env={**node_env, **env,
+                                             **_token_env(spec, profile, run_dir)},
+                       run_dir=run_dir)
     if spec.kind == "rank":
         spec = replace(spec, engine_url=engine_url(profile, spec.rank or 0, ep))
     return replace(spec, argv=daemon_command(spec, python, run_dir, ep),
-                   env={**node_env, **_rank_env(spec)}, run_dir=run_dir)
+                   env={**node_env, **_rank_env(spec), **_token_env(spec, profile, run_dir)},
+                   run_dir=run_dir)
 
 
 def node_run_dir(workdir: str, job_id: str) -> str:

@@ -13,11 +13,17 @@ request carries ``RESUMED_PRIORITY``, so engines that schedule by priority run i
 A task can also leave the rank (ERS moved the rank to the trainer): ``detach`` stops it at its
 next turn boundary and ``run`` raises :class:`TaskDetachedError` with a :class:`TaskCarry` (the open
 environment session, the turns so far, the next context), from which another rank's loop goes on.
+
+A pin the engine refuses (:class:`PinRefused`: too little KV left beside the other pins) leaves
+the task unpinned for that turn; it goes on. When a task ends here (done, a cap, a failure, or
+detached), the loop tells the engine to ``forget`` it (its pin and remembered context dropped),
+so the engine's per-task state lives only as long as the task.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -26,11 +32,12 @@ import httpx
 from tokenizers import Tokenizer
 
 from tiderl.core.types import Trajectory, Turn
-from tiderl.engine.clients import EngineClient
+from tiderl.engine.clients import EngineClient, PinRefused
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
 
 T = TypeVar("T")
+log = logging.getLogger("tiderl.agent")
 RESUMED_PRIORITY = -1  # a task CTB resumed goes first where the engine schedules by priority
 
 
@@ -138,6 +145,22 @@ class AgentLoop:
             await self.env.resume(session)  # a detached task's next rank resumes the session
         return True
 
+    async def _pin(self, task_id: str) -> None:
+        """Keep the task's KV until its next turn, unless the engine refuses (then it is not
+        pinned, and goes on)."""
+        try:
+            await _reach(self.engine.pin(task_id))
+        except PinRefused as exc:
+            log.info("task %s goes on unpinned: %s", task_id, exc)
+
+    async def _forget(self, task_id: str) -> None:
+        """The task ended here: the engine drops its state (a failure only leaves it to the
+        engine's own bound)."""
+        try:
+            await self.engine.forget(task_id)
+        except Exception as exc:  # cleanup: never hides why the task ended
+            log.warning("task %s: the engine did not forget it: %r", task_id, exc)
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
@@ -164,8 +187,7 @@ class AgentLoop:
                 resumed = await self._wait_if_paused(task.task_id, session)
                 if task.task_id in self._detached:
                     ended = False
-                    if self.pin:
-                        await _reach(self.engine.unpin(task.task_id))
+                    await self._forget(task.task_id)
                     await self.env.pause(session)
                     raise TaskDetachedError(task.task_id, TaskCarry(session, trajectory.turns,
                                                                new_context))
@@ -175,7 +197,7 @@ class AgentLoop:
                 out = await _reach(self.engine.generate(task.task_id, prompt, self.sampling,
                                                         RESUMED_PRIORITY if resumed else 0))
                 if self.pin:
-                    await _reach(self.engine.pin(task.task_id))
+                    await self._pin(task.task_id)
                 version = out.version if out.version is not None else self.version()
                 trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version))
                 context = prompt + out.output_ids
@@ -195,7 +217,7 @@ class AgentLoop:
             self._running.pop(task.task_id, None)
             self._detached.discard(task.task_id)
             if ended:
-                if self.pin and not engine_gone:
-                    await self.engine.unpin(task.task_id)
+                if not engine_gone:
+                    await self._forget(task.task_id)
                 await self.env.end(session)
         return trajectory

@@ -103,6 +103,23 @@ def chaos(run_root: Path):
                 stop_processes(JobState.load(path.parent).processes, grace_s=1.0)
 
 
+def started(jobs: list[Launch], run_root: Path, *overrides: str, steps: int = 6
+            ) -> tuple[Launch, JobState, Path]:
+    """Launch a job (kept in ``jobs`` for the clean-up); (it, its state once every process is
+    started, its run folder)."""
+    job = launch(run_root, *overrides, steps=steps)
+    jobs.append(job)
+    state = job.state()
+    return job, state, Path(state.run_dir)
+
+
+def status_of(run_root: Path, run_dir: Path) -> str:
+    """``tiderl status``'s word for the job."""
+    out = subprocess.run([*tiderl_command(), "status", run_dir.name, "--run-root",
+                          str(run_root), "--json"], capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)["state"]
+
+
 def steps_done(run_dir: Path) -> int:
     metrics = run_dir / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0

@@ -6,6 +6,7 @@ resumes it, and after the resume every group is trained once or counted, and not
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -22,9 +23,10 @@ from tests.chaos.chaos_job import (
     kill,
     kill_job,
     launch,
+    started,
+    status_of,
     steps_done,
 )
-from tests.integration.serving import tiderl_command
 from tiderl.launch.local import JobState, is_running
 
 STEPS = 6
@@ -49,16 +51,15 @@ def resume_and_finish(jobs: list, run_root: Path, run_dir: Path) -> dict:
 
 def test_a_rollout_rank_killed_with_another_left_the_job_goes_on(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path, "runtime.num_ranks=4", "runtime.rollout_ranks=2",
-                     "ers.enabled=false")
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, state, run_dir = started(jobs, tmp_path, "runtime.num_ranks=4",
+                                      "runtime.rollout_ranks=2", "ers.enabled=false")
         job.until(lambda: steps_done(run_dir) >= 1, "step 1")
         kill(state, "rank0")
         assert job.wait() == 0, job.output
         (dead,) = events(run_dir, "rank_dead")
         assert dead["rank"] == 0
+        (ended,) = events(run_dir, "env_sessions_ended")  # not left to expire
+        assert ended["rank"] == 0 and ended["ended"] is not None
         assert assert_each_group_once(run_dir)["steps"] == STEPS
         assert_nothing_left(run_dir)
 
@@ -67,10 +68,7 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
     """The open batch closes with what it holds and the next boundary moves a trainer rank to
     rollout; if the batch held nothing, the job stops with its resume line instead."""
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path, "ers.enabled=false", "runtime.mode=async")
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", "runtime.mode=async")
         job.until(lambda: steps_done(run_dir) >= 2, "step 2")
         kill(state, "rank0")  # the one rollout rank
         code = job.wait()
@@ -84,17 +82,16 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
             resume_and_finish(jobs, tmp_path, run_dir)
 
 
-@pytest.mark.parametrize("role", ["actor", "ref"])
-def test_a_trainer_rank_killed_stops_the_job_with_its_resume_line(tmp_path, role):
+@pytest.mark.parametrize(("role", "sig"), [("actor", signal.SIGKILL), ("ref", signal.SIGKILL),
+                                          ("actor", signal.SIGSTOP)])
+def test_a_trainer_rank_killed_stops_the_job_with_its_resume_line(tmp_path, role, sig):
+    """kill -9, or SIGSTOP past its heartbeats (it is stopped for good with the job)."""
     extra = ("ra2p.mode=decoupled", "runtime.num_ranks=4") if role == "ref" else ()
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path, "ers.enabled=false", *extra)
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", *extra)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
         victim = roles_now(run_dir).index(role)
-        kill(state, f"rank{victim}")
+        kill(state, f"rank{victim}", sig)
         killed_at = time.monotonic()
         assert job.wait() == 1
         assert time.monotonic() - killed_at < 60  # heartbeats, not a hang
@@ -102,19 +99,13 @@ def test_a_trainer_rank_killed_stops_the_job_with_its_resume_line(tmp_path, role
         assert f"trainer rank {victim} is gone" in line  # the dead rank, not a survivor
         assert f"tiderl launch --resume {run_dir.name}" in line or "--resume" in line
         assert_nothing_left(run_dir)
-        status = subprocess.run([*tiderl_command(), "status", run_dir.name, "--run-root",
-                                 str(tmp_path), "--json"], capture_output=True, text=True,
-                                timeout=60)
-        assert json.loads(status.stdout)["state"] == "failed"
+        assert status_of(tmp_path, run_dir) == "failed"
         resume_and_finish(jobs, tmp_path, run_dir)
 
 
 def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path)
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, _, run_dir = started(jobs, tmp_path)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
         kill_job(JobState.load(run_dir))
         job.wait()
@@ -131,10 +122,7 @@ def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path):
 
 def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path, steps=8)
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, _, run_dir = started(jobs, tmp_path, steps=8)
         job.until(lambda: checkpoint_of(run_dir, 4), "the checkpoint of step 4")
         kill_job(JobState.load(run_dir))
         job.wait()
@@ -152,10 +140,7 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
 
 def test_the_coordinator_killed_the_ranks_exit_and_the_job_resumes(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path)
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, state, run_dir = started(jobs, tmp_path)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
         kill(state, "coordinator")
         assert job.wait() != 0
@@ -164,19 +149,43 @@ def test_the_coordinator_killed_the_ranks_exit_and_the_job_resumes(tmp_path):
         while any(is_running(p.pid) for p in ranks) and time.monotonic() < job_deadline:
             time.sleep(0.5)
         assert_nothing_left(run_dir)
-        status = subprocess.run([*tiderl_command(), "status", run_dir.name, "--run-root",
-                                 str(tmp_path), "--json"], capture_output=True, text=True,
-                                timeout=60)
-        assert json.loads(status.stdout)["state"] == "crashed"
+        assert status_of(tmp_path, run_dir) == "crashed"
         resume_and_finish(jobs, tmp_path, run_dir)
+
+
+def test_the_coordinator_stopped_past_the_ranks_patience_stops_the_job_resumable(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job, state, run_dir = started(jobs, tmp_path)
+        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
+        kill(state, "coordinator", signal.SIGSTOP)
+        ranks = [p for p in state.processes if p.kind == "rank"]
+        job.until(lambda: not any(is_running(p.pid) for p in ranks), "the ranks gone",
+                  timeout_s=90)  # each exits once its link to the coordinator is down 15 s
+        kill(state, "coordinator", signal.SIGCONT)
+        assert job.wait() == 1
+        (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
+        assert "is gone" in line and "--resume" in line, line
+        assert_nothing_left(run_dir)
+        resume_and_finish(jobs, tmp_path, run_dir)
+
+
+def test_an_engine_server_killed_its_rank_goes_and_the_job_goes_on(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job, state, run_dir = started(jobs, tmp_path, "runtime.num_ranks=4",
+                                      "runtime.rollout_ranks=2", "ers.enabled=false",
+                                      "engine.backend=http")
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "engine0")
+        assert job.wait() == 0, job.output
+        (dead,) = events(run_dir, "rank_dead")
+        assert dead["rank"] == 0
+        assert_each_group_once(run_dir)
+        assert_nothing_left(run_dir)
 
 
 def test_the_environment_service_killed_is_started_again(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path)
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, state, run_dir = started(jobs, tmp_path)
         job.until(lambda: steps_done(run_dir) >= 1, "step 1")
         kill(state, "env")
         assert job.wait() == 0, job.output
@@ -186,13 +195,28 @@ def test_the_environment_service_killed_is_started_again(tmp_path):
         assert_nothing_left(run_dir)
 
 
+def test_the_environment_service_stopped_past_its_deadline_drops_groups_not_the_job(tmp_path):
+    """SIGSTOP longer than a call's deadline: the tasks in flight fail and their groups are
+    dropped (and counted), the staleness window is freed at once, and the job goes on when the
+    service does (no deadlock at staleness 0)."""
+    with chaos(tmp_path) as jobs:
+        job, state, run_dir = started(jobs, tmp_path, "runtime.max_staleness=0",
+                                      "env.request_timeout_s=2", "env.call_deadline_s=4")
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "env", signal.SIGSTOP)
+        time.sleep(8)
+        kill(state, "env", signal.SIGCONT)
+        assert job.wait() == 0, job.output
+        dropped = events(run_dir, "dropped_group")
+        assert dropped and all(e["reason"] == "a task produced no turn" for e in dropped)
+        assert assert_each_group_once(run_dir)["steps"] == STEPS
+        assert_nothing_left(run_dir)
+
+
 def test_a_rollout_rank_stopped_past_its_heartbeats_is_left_out_and_told_to_go(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path, "runtime.num_ranks=4", "runtime.rollout_ranks=2",
-                     "ers.enabled=false")
-        jobs.append(job)
-        state = job.state()
-        run_dir = Path(state.run_dir)
+        job, state, run_dir = started(jobs, tmp_path, "runtime.num_ranks=4",
+                                      "runtime.rollout_ranks=2", "ers.enabled=false")
         job.until(lambda: steps_done(run_dir) >= 1, "step 1")
         kill(state, "rank0", signal.SIGSTOP)
         job.until(lambda: events(run_dir, "rank_dead"), "rank 0 declared dead", timeout_s=60)
@@ -203,11 +227,23 @@ def test_a_rollout_rank_stopped_past_its_heartbeats_is_left_out_and_told_to_go(t
         assert_nothing_left(run_dir)
 
 
+def test_ctrl_c_ends_the_job_as_interrupted_with_its_report_and_resumable(tmp_path):
+    with chaos(tmp_path) as jobs:
+        job, _, run_dir = started(jobs, tmp_path)
+        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == 130
+        assert_nothing_left(run_dir)
+        (stop,) = events(run_dir, "stop")
+        assert stop["state"] == "interrupted" and "--resume" in stop["resume"]
+        assert "Ended: interrupted" in (run_dir / "report.md").read_text()
+        assert status_of(tmp_path, run_dir) == "interrupted"
+        resume_and_finish(jobs, tmp_path, run_dir)
+
+
 def test_a_rank_killed_while_starting_fails_the_launch_naming_it(tmp_path):
     with chaos(tmp_path) as jobs:
-        job = launch(tmp_path)
-        jobs.append(job)
-        state = job.state()  # every process started: none has said Hello yet
+        job, state, _ = started(jobs, tmp_path)  # every process started: no Hello yet
         kill(state, "rank1")
         killed_at = time.monotonic()
         assert job.wait() == 1
@@ -226,10 +262,8 @@ def test_a_full_disk_while_checkpointing_stops_the_job_resumable(tmp_path):
         pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.strip()}")
     try:
         with chaos(mount) as jobs:
-            job = launch(mount, steps=20)  # a checkpoint is ~17 MB: the second one fills it
-            jobs.append(job)
-            state = job.state()
-            run_dir = Path(state.run_dir)
+            # a checkpoint is ~17 MB: the second one does not fit
+            job, _, run_dir = started(jobs, mount, steps=20)
             assert job.wait() == 1
             (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
             assert "no disk space for checkpoint step-00000004" in line, line

@@ -201,7 +201,7 @@ def test_a_step_failing_because_a_peer_died_names_the_dead_rank(tmp_path):
 
 
 def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tmp_path):
-    with coordinator(tmp_path) as (job, ranks, clock):
+    with coordinator(tmp_path) as (job, ranks, _):
         job.launch()
 
         def broken(*_):

@@ -52,8 +52,8 @@ SCENARIO = SimScenario(workload="webshop", model="qwen3-vl-4b", gpus=3, steps=3,
                        eval_groups=1)
 PROFILE = [  # the same job as a runtime profile (a 4B model's KV capacity on an H100)
     "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.steps=3", "runtime.group_size=2",
-    "runtime.max_staleness=1", "runtime.heartbeat_s=1000000", "ers.batch_min=2",
-    "ers.batch_ideal=4", "ers.cold_start_steps=1", "ra2p.tokens_per_rank=8192",
+    "runtime.max_staleness=1", "runtime.heartbeat_s=1000000", "runtime.checkpoint_every=0",
+    "ers.batch_min=2", "ers.batch_ideal=4", "ers.cold_start_steps=1", "ra2p.tokens_per_rank=8192",
     "ctb.request_concurrency=256", "engine.kv_cache_tokens=423044", "engine.max_new_tokens=256",
     "runtime.eval_groups=1",
 ]

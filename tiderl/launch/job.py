@@ -14,11 +14,13 @@ group). A failed process, Ctrl-C or SIGTERM stop the whole job: no process is le
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -94,7 +96,7 @@ def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path) -> None:
     (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile),
                                                          sort_keys=False))
     (run_dir / "roles.json").write_text(json.dumps([p.role.value for p in plan.ranks]))
-    make_job_keys(run_dir / "keys")
+    make_job_keys(run_dir / "keys", len(plan.ranks))
 
 
 def prepare_resume(profile: Profile, run_dir: Path) -> None:
@@ -120,7 +122,7 @@ def prepare_resume(profile: Profile, run_dir: Path) -> None:
                                                          sort_keys=False))
     (run_dir / "roles.json").write_text(json.dumps([r.value for r in state.point.roles]))
     shutil.rmtree(run_dir / "keys", ignore_errors=True)
-    make_job_keys(run_dir / "keys")
+    make_job_keys(run_dir / "keys", profile.runtime.num_ranks)
     write_resume_request(run_dir, choice.folder)
     log.info("resuming %s from %s (step %d)", run_dir.name, choice.folder.name,
              state.point.version)
@@ -234,12 +236,31 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
             executor.start(env_cmds)
             wait_for_env(f"http://127.0.0.1:{ports['env']}", executor, ended)
 
-        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys"), on_snapshot,
-                                restart_env if env_cmds else None)
+        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys", "operator"),
+                                on_snapshot, restart_env if env_cmds else None)
+    except KeyboardInterrupt:  # Ctrl-C: the coordinator records it and writes the report
+        interrupt_coordinator(executor)
+        raise
     finally:
         executor.stop(grace_s=5.0)
     report = run_dir / "report.md"
     return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
+
+
+def interrupt_coordinator(executor: LocalExecutor, grace_s: float = 15.0) -> None:
+    """Ctrl-C reaches the launcher only (every daemon has its own session): pass it on to the
+    coordinator, which ends the job as interrupted and writes its report, before the rest is
+    stopped."""
+    coordinator = next((r for r in executor.state.processes if r.kind == "coordinator"), None)
+    if coordinator is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(coordinator.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if any(r.pid == coordinator.pid for r, _ in executor.exited()):
+            return
+        time.sleep(0.1)
 
 
 def follow_job(executor: Executor, state: JobState, keys,

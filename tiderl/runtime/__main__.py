@@ -2,6 +2,7 @@
 
     python -m tiderl.runtime env         --run-dir D [--host H] --port P
     python -m tiderl.runtime coordinator --run-dir D --port P --pub-port Q [--metrics-port M]
+                                         [--env-url http://...]
     python -m tiderl.runtime rank        --run-dir D --rank R --bus tcp://... --dist tcp://...
                                          --env-url http://... [--device cpu] [--threads 1]
                                          [--cpu-slot I/N] [--engine-url http://...]
@@ -47,14 +48,14 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
-    keys = load_job_keys(args.run_dir / "keys")
+    keys = load_job_keys(args.run_dir / "keys", "coordinator")
     exporter = _exporter(profile.runtime.bus_host, args.metrics_port)
     run_log = RunLog(args.run_dir, time.monotonic, exporter)
     logger = logging.getLogger("tiderl.coordinator")
     code = 0
     with BusServer(keys, profile.runtime.bus_host, args.port, args.pub_port) as server:
         coordinator = Coordinator(profile, server, roles, run_log, time.monotonic,
-                                  resume=resume_request(args.run_dir))
+                                  resume=resume_request(args.run_dir), env_url=args.env_url)
         try:
             coordinator.run()
         except CoordinatorError as exc:  # the job cannot go on: it stops, resumable
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     coord.add_argument("--pub-port", type=int, required=True)
     coord.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus /metrics on this port (0: none)")
+    coord.add_argument("--env-url", default="",
+                       help="the environment service (a dead rank's sessions are ended there)")
     rank.add_argument("--rank", type=int, required=True)
     rank.add_argument("--bus", required=True)
     rank.add_argument("--dist", required=True)
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per environment request
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks, then exit
+    # Ctrl-C as the launcher passes it on (even if this process started with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return {"env": _env, "coordinator": _coordinator, "rank": _rank}[args.daemon](args)
 
 

@@ -30,6 +30,7 @@ from tiderl.core.records import reward_summary
 from tiderl.core.step_control import StepController, restore, resume_point, task_id
 from tiderl.core.types import Role, Trajectory, Turn
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
+from tiderl.env.client import EnvClientError, end_sessions_of
 from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.boundary import BoundaryLink
@@ -60,10 +61,12 @@ STALL_STOP_FACTOR = 3  # the job stops after this many watchdog windows without 
 
 class Coordinator:
     def __init__(self, profile: Profile, server: BusServer, roles: list[Role], run_log: RunLog,
-                 clock: Callable[[], float] = time.monotonic, resume: Path | None = None) -> None:
-        """``resume``: the checkpoint folder a resumed job goes on from (None: a fresh job)."""
+                 clock: Callable[[], float] = time.monotonic, resume: Path | None = None,
+                 env_url: str = "") -> None:
+        """``resume``: the checkpoint folder a resumed job goes on from (None: a fresh job);
+        ``env_url``: the environment service, where a dead rank's sessions are ended."""
         self.profile, self.server, self.log, self.clock = profile, server, run_log, clock
-        self.resume_from = resume
+        self.resume_from, self.env_url = resume, env_url
         rt = profile.runtime
         self.dataset = Dataset(profile)
         self.controller = StepController(control_config(profile), roles, self.dataset.group,
@@ -375,7 +378,21 @@ class Coordinator:
             return
         self.log.event("rank_dead", rank=rank, role=self.controller.roles[rank].value, why=why)
         self.link.forget(rank)
+        self._end_sessions_of(rank)
         self._apply(self.controller.rank_dead(rank, why, self.clock()))
+
+    def _end_sessions_of(self, rank: int) -> None:
+        """The environment sessions of a dead rank's tasks end now (their tasks start again
+        elsewhere), instead of holding the service's table until they expire. One bounded
+        call; a service that does not answer leaves them to expire."""
+        if not self.env_url:
+            return
+        try:
+            ended = end_sessions_of(self.env_url, rank_identity(rank).decode())
+        except EnvClientError as exc:
+            self.log.event("env_sessions_ended", rank=rank, ended=None, error=str(exc)[:200])
+            return
+        self.log.event("env_sessions_ended", rank=rank, ended=ended)
 
     # ---------------------------------------------------------------- commands out
 

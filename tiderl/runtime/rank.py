@@ -144,7 +144,10 @@ class RankDaemon(TrainerRoles):
         self.commands: asyncio.Queue = asyncio.Queue()
         self._updating = asyncio.Lock()  # engine weight updates, one at a time
         self.bus: BusClient | None = None
-        self.env = HTTPEnvClient(args.env_url) if args.env_url else None
+        self.env = HTTPEnvClient(args.env_url, owner=rank_identity(self.rank).decode(),
+                                 timeout_s=profile.env.request_timeout_s,
+                                 deadline_s=profile.env.call_deadline_s) \
+            if args.env_url else None
         self._stopping: asyncio.Event | None = None
 
     # -- start-up --------------------------------------------------------------------------------
@@ -220,7 +223,7 @@ class RankDaemon(TrainerRoles):
             await self.server.start(version, state)
             self._attach(self.server)
             return
-        model, _ = self._initial_model()
+        model, _ = await asyncio.to_thread(self._initial_model)
         self._attach(EmbeddedEngine(model, self.profile.engine, version, state))
 
     def _attach(self, engine: RankEngine) -> None:
@@ -243,7 +246,7 @@ class RankDaemon(TrainerRoles):
             await self.server.wait_up(serving)
             if serving:
                 self._attach(self.server)
-        keys = load_job_keys(self.args.run_dir / "keys")
+        keys = load_job_keys(self.args.run_dir / "keys", self.rank)
         self.bus = BusClient(self.args.bus, keys, rank_identity(self.rank))
         self._stopping = asyncio.Event()
         self._send(Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
@@ -494,19 +497,21 @@ class RankDaemon(TrainerRoles):
             elif state is not None:
                 self.pending_weights = (state, self.version)
                 await self._apply_pending_weights()
+        # building a model and wrapping it (a collective: DDP syncs it over the group) run in
+        # a worker thread, so heartbeats go on however long they take on a loaded machine
         if new is Role.ACTOR:
             if self.actor is None or rebuild:
                 self.actor = None  # the old shards go before the new model is built
-                self._make_actor(None, state)
+                await asyncio.to_thread(self._make_actor, None, state)
                 if self._joined_optimizer is not None:
                     self.actor.load_optimizer_state(self._joined_optimizer)
             elif changed:
-                self._rewrap_actor()
+                await asyncio.to_thread(self._rewrap_actor)
         else:
             self.actor = None
         self._joined_optimizer = None
         if self._needs_ref(new):
-            self._make_ref()
+            await asyncio.to_thread(self._make_ref)
         else:
             self.ref = None
         if new is not self.role:

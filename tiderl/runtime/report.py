@@ -204,6 +204,9 @@ def _faults_section(events: list[Row]) -> list[str]:
             if e["kind"] == "resume"]
     rows += [(f"rank {e.get('rank')} ({e.get('role')}) dead", e.get("why", ""))
              for e in events if e["kind"] == "rank_dead"]
+    rows += [(f"rank {e.get('rank')}: environment sessions ended",
+              str(e["ended"]) if e.get("ended") is not None else e.get("error", ""))
+             for e in events if e["kind"] == "env_sessions_ended"]
     rows += [(f"groups dropped: {reason}", str(n)) for reason, n in drops.items()]
     rows += [(f"watchdog at {_fmt(e['time_s'], 1)} s",
               f"no progress for {e.get('idle_s')} s in phase {e.get('phase')}")

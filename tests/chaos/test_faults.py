@@ -103,9 +103,14 @@ def test_a_trainer_rank_killed_stops_the_job_with_its_resume_line(tmp_path, role
         resume_and_finish(jobs, tmp_path, run_dir)
 
 
-def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["tiderl", "async"])
+def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path, mode):
+    """async runs a batch ahead: its checkpoints hold ready groups, restored with their
+    samples; tiderl streams them into the step, so its hold groups rolling out, run again."""
     with chaos(tmp_path) as jobs:
-        job, _, run_dir = started(jobs, tmp_path)
+        ahead = ("runtime.num_ranks=4", "runtime.rollout_ranks=3", "runtime.max_staleness=2") \
+            if mode == "async" else ()
+        job, _, run_dir = started(jobs, tmp_path, f"runtime.mode={mode}", *ahead)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
         kill_job(JobState.load(run_dir))
         job.wait()

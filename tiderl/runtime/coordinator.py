@@ -265,7 +265,11 @@ class Coordinator:
         group = self.groups.get(msg.group_id)
         if group is None or msg.task_id not in group.tasks or \
                 not self.controller.rollout.task_finished(msg.task_id, now):
-            return  # not a task in flight (one moved off a rank declared dead)
+            # not a task in flight here: one moved off a rank declared dead, or a bogus one
+            self.throttle.event("message_dropped", f"TaskFinished/{msg.rank}",
+                                message="TaskFinished", sender=f"rank {msg.rank}",
+                                why=f"task {msg.task_id[:40]!r} is not in flight")
+            return
         self.router.on_finished(msg.task_id)
         turns = [Turn(t.context_ids, t.output_ids, t.logprobs, t.version) for t in msg.turns]
         group.finished[msg.task_id] = Trajectory(msg.task_id, msg.group_id, turns, msg.reward)
@@ -303,7 +307,8 @@ class Coordinator:
     def _on_step_done(self, msg: b.StepDone, now: float) -> None:
         start = self.start
         if start is None or msg.step != start.step or msg.rank not in start.ranks:
-            log.warning("rank %d reported step %d, not the open one", msg.rank, msg.step)
+            self.throttle.event("message_dropped", f"StepDone/{msg.rank}", message="StepDone",
+                                sender=f"rank {msg.rank}", why=f"step {msg.step} is not open")
             return
         stats = msg.stats
         self.reports[msg.rank] = c.RankReport(

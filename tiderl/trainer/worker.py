@@ -11,10 +11,22 @@ A new actor rank joins with the source actor's AdamW state: ``optimizer_state`` 
 tensors named ``{param}.exp_avg``, ``{param}.exp_avg_sq`` and ``{param}.step`` (the entries of
 :func:`optimizer_layout`, which every rank of the broadcast builds from its own model), and
 ``load_optimizer_state`` installs what was received.
+
+After each optimizer step the actor hands the C allocator's free pages back to the OS
+(:func:`release_free_memory`). A step's activations are ~300 MiB of short-lived tensors (tiny
+model, 2048-token micro-batches) whose sizes change with every micro-batch's shape; glibc serves
+them from its heaps (its mmap threshold rises to the largest block freed, up to 32 MiB) and keeps
+what is freed, fragmented, so without the trim a rank's resident set climbs to the worst layout
+so far while the memory in use stays flat. ``bench/actor_memory.py`` over 150 steps: untrimmed,
+the RSS goes from 520 MiB to 680-780 MiB with 255 live tensors and 136-141 MiB in use throughout
+(no leak); trimmed, it stays at 345-352 MiB, for ~74k page faults a step (the step's working set
+faulted back in: about 0.05 CPU-s of a 2 s step on a quiet machine).
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +39,31 @@ from tiderl.trainer.parallel import TrainBackend, gather_full, group_size, shard
 from tiderl.trainer.sync import Layout, state_layout
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _find_malloc_trim():
+    """glibc's ``malloc_trim``, or None where the process's C library has none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # no symbol table to search, or not glibc
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def release_free_memory() -> bool:
+    """Return the free pages of every glibc heap to the OS (``malloc_trim(0)``: each free
+    chunk's whole pages, not only the heap tops); False, doing nothing, without glibc. Memory in
+    use is untouched; the next step faults the pages it needs back in."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def optimizer_layout(model: nn.Module) -> Layout:
@@ -71,14 +108,16 @@ class StepStats:
 class ActorWorker:
     """``total_steps``: the job's optimizer steps, the horizon of a cosine schedule. Each
     ``optimizer_step`` sets the optimizer's learning rate to the schedule's rate of its version
-    (``TrainerConfig.lr_at``), whatever optimizer is installed."""
+    (``TrainerConfig.lr_at``), whatever optimizer is installed; every ``release_every``-th
+    step (by version; 0: never) ends with :func:`release_free_memory`."""
 
     def __init__(self, backend: TrainBackend, config: TrainerConfig, version: int = 0,
-                 total_steps: int = 0):
+                 total_steps: int = 0, *, release_every: int = 1):
         self.backend = backend
         self.config = config
         self.version = version
         self.total_steps = total_steps
+        self.release_every = release_every
         self.optimizer = torch.optim.AdamW(backend.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
 
@@ -130,6 +169,8 @@ class ActorWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        if self.release_every and self.version % self.release_every == 0:
+            release_free_memory()  # the step's activations and gradients are freed by now
         return StepStats(self.version, global_loss_tokens, grad_norm, lr)
 
     def optimizer_state(self, keep: bool = True) -> dict[str, torch.Tensor]:

@@ -86,7 +86,8 @@ def _resumable(job: str, run_root: Path | None) -> Path:
     """The run folder ``--resume`` names, if no process of it runs."""
     from tiderl.launch.local import JobState, LaunchError, is_running
     from tiderl.launch.registry import job_dir, list_jobs
-    from tiderl.runtime.resume import CHECKPOINTS, step_folders
+    from tiderl.runtime.resume import CHECKPOINTS
+    from tiderl.trainer.checkpoint_meta import step_folders
 
     try:
         if job == "latest":

@@ -326,10 +326,14 @@ def last_stop(run_dir: Path) -> dict:
     """The job's last ``stop`` event ({} if it has none: it never got that far, or its
     coordinator was killed)."""
     try:
-        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+        return last_stop_in((Path(run_dir) / "events.jsonl").read_text())
     except OSError:
         return {}
-    for line in reversed(lines):
+
+
+def last_stop_in(events: str) -> dict:
+    """The last ``stop`` event of an events.jsonl's text ({} if none)."""
+    for line in reversed(events.splitlines()):
         try:
             event = json.loads(line)
         except ValueError:

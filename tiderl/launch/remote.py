@@ -20,7 +20,6 @@ following a job is one piece of code (:func:`tiderl.launch.job.follow_job`).
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -33,6 +32,7 @@ from tiderl.launch.job import (
     JobResult,
     follow_job,
     job_info,
+    last_stop_in,
     new_job_id,
     prepare_run_dir,
     wait_for_env,
@@ -104,8 +104,7 @@ class SSHExecutor:
         if record.kind != "coordinator":
             return 1
         data = self.sessions[record.host].read(f"{record.run_dir}/events.jsonl") or b""
-        stops = [e for e in map(json.loads, data.decode().splitlines()) if e["kind"] == "stop"]
-        return 0 if stops and stops[-1].get("reason") == "done" else 1
+        return 0 if last_stop_in(data.decode(errors="replace")).get("reason") == "done" else 1
 
     def kill(self, record: ProcessRecord) -> None:
         """SIGKILL one process on its node."""

@@ -27,7 +27,7 @@ import msgspec
 
 from tiderl.core.step_control import ResumePoint
 from tiderl.runtime.bus import TrainSampleData
-from tiderl.trainer.checkpoint_meta import META_FILE, STEP_PATTERN, CheckpointError, read_meta
+from tiderl.trainer.checkpoint_meta import META_FILE, CheckpointError, read_meta, step_folders
 
 JOB_STATE = "job.json"
 RESUME_FILE = "resume.json"
@@ -106,15 +106,6 @@ def _check_dcp_files(part: Path) -> None:
         if size < end:
             what = "missing" if size < 0 else f"{size} bytes, its metadata needs {end}"
             raise CheckpointError(f"incomplete checkpoint at {part}: {name} is {what}")
-
-
-def step_folders(root: Path) -> list[Path]:
-    """The ``step-N`` folders under ``root``, newest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), child) for child in root.iterdir()
-             if (m := STEP_PATTERN.match(child.name)) and child.is_dir()]
-    return [path for _, path in sorted(found, reverse=True)]
 
 
 @dataclass(frozen=True)

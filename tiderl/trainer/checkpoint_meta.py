@@ -45,11 +45,16 @@ def read_meta(folder: str | Path) -> CheckpointMeta:
         raise CheckpointError(f"unreadable {meta_file}: {exc}") from None
 
 
-def latest_checkpoint(path: str | Path) -> Path | None:
-    """The complete checkpoint under ``path`` with the highest version, or None."""
+def step_folders(path: str | Path) -> list[Path]:
+    """The ``step-N`` folders under ``path``, newest first."""
     root = Path(path)
     if not root.is_dir():
-        return None
-    complete = [(int(match.group(1)), child) for child in root.iterdir()
-                if (match := STEP_PATTERN.match(child.name)) and (child / META_FILE).is_file()]
-    return max(complete)[1] if complete else None
+        return []
+    found = [(int(m.group(1)), child) for child in root.iterdir()
+             if (m := STEP_PATTERN.match(child.name)) and child.is_dir()]
+    return [folder for _, folder in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The complete checkpoint under ``path`` with the highest version, or None."""
+    return next((f for f in step_folders(path) if (f / META_FILE).is_file()), None)

@@ -54,6 +54,19 @@ class LayoutLimits:
             return f"trainer.backend {self.fixed_actor_backend} keeps its actor set"
         return None
 
+    def with_rollout(self, roles: list[Role], dead: set[int]) -> list[Role] | None:
+        """``roles`` with a trainer rank moved to rollout (no live rank rolls out: the last
+        died): a Ref rank if there is one, else the last actor of several, as these limits
+        allow; None when no rank can move."""
+        alive = [r for r in range(len(roles)) if r not in dead]
+        actors = [r for r in alive if roles[r] is Role.ACTOR]
+        for rank in [r for r in alive if roles[r] is Role.REF] + actors[1:][::-1]:
+            moved = list(roles)
+            moved[rank] = Role.ROLLOUT
+            if self.refusal(roles, moved) is None:
+                return moved
+        return None
+
 
 @dataclass(frozen=True)
 class StepControlConfig:

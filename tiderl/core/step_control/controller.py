@@ -342,7 +342,11 @@ class StepController(ManualPlans):
         """``is_resume``: the launch of a resumed job (:mod:`.resume`): every rank gets the
         weights of ``version``, and the rollout ranks take tasks once they have them."""
         if not is_final and self._lacks_rollout(roles):
-            roles, reason = self._with_rollout(roles), PlanReason.NO_ROLLOUT
+            moved = self.config.limits.with_rollout(roles, self.dead)
+            if moved is None:
+                self._out.append(Abort("no rollout rank is left and no trainer rank can move "
+                                       "to rollout"))
+            roles, reason = moved or roles, PlanReason.NO_ROLLOUT
         old, new = tuple(self.roles), tuple(roles)
         old_actors = self._actors(old)
         new_actors = self._actors(new)
@@ -374,22 +378,6 @@ class StepController(ManualPlans):
     def _lacks_rollout(self, roles: list[Role]) -> bool:
         return not self.system.is_sync and not any(
             role is Role.ROLLOUT for r, role in enumerate(roles) if r not in self.dead)
-
-    def _with_rollout(self, roles: list[Role]) -> list[Role]:
-        """``roles`` with a trainer rank moved to rollout, as no live rank rolls out (the last
-        died): a Ref rank if there is one, else the last actor of several, as the layout limits
-        allow; with none to spare the job stops."""
-        alive = [r for r in range(len(roles)) if r not in self.dead]
-        actors = [r for r in alive if roles[r] is Role.ACTOR]
-        candidates = [r for r in alive if roles[r] is Role.REF] + actors[1:][::-1]
-        for rank in candidates:
-            moved = list(roles)
-            moved[rank] = Role.ROLLOUT
-            if self.config.limits.refusal(roles, moved) is None:
-                return moved
-        self._out.append(Abort("no rollout rank is left and no trainer rank can move to "
-                               "rollout"))
-        return roles
 
     def _free_window(self, num_samples: int, now: float) -> None:
         """Samples that will never train (a failed or stale group) leave the staleness window

@@ -48,7 +48,9 @@ def test_status_logs_and_stop_on_a_local_job(tmp_path):
         for record in JobState.load(state.run_dir).processes:
             assert not is_running(record.pid) and group_members(record.pid) == []
         ended = json.loads(tiderl("status", job, "--run-root", str(run_root), "--json").stdout)
-        assert ended["state"] == "stopped"  # by `tiderl stop`, not done
+        coordinator_log = Path(state.run_dir, "logs", "coordinator.log").read_text()
+        assert ended["state"] == "stopped", coordinator_log[-3000:]  # by `tiderl stop`
+        assert "report: " in coordinator_log  # written before the rest of the job was stopped
     assert_one_line_error(tiderl("status", "nope", "--run-root", str(run_root)), 1)
     assert_one_line_error(tiderl("stop", "nope", "--run-root", str(run_root)), 1)
 

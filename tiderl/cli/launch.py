@@ -140,8 +140,9 @@ def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Outp
     from tiderl.launch.job import run_local
     from tiderl.launch.local import LaunchError
     from tiderl.launch.remote import run_ssh
+    from tiderl.runtime.signals import exit_on_sigterm
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the job like Ctrl-C
+    exit_on_sigterm()  # stop the job like Ctrl-C
     # Ctrl-C stops the job even when the launcher started with SIGINT ignored (as a background
     # job of a non-interactive shell is), which Python would otherwise keep
     signal.signal(signal.SIGINT, signal.default_int_handler)

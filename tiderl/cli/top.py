@@ -42,6 +42,7 @@ from tiderl.launch.control import is_job_alive, is_remote
 from tiderl.launch.local import JobState, LaunchError
 from tiderl.launch.registry import DEFAULT_RUN_ROOT, list_jobs, resolve_job
 from tiderl.runtime.bus import BusKeyError, JobKeys, Snapshot, Subscriber, load_job_keys
+from tiderl.runtime.signals import exit_on_sigterm
 
 TICK_S = 0.1  # longest wait on the bus: the latency of a key press
 REDRAW_S = 0.25  # the view is redrawn at least 4 times a second
@@ -151,7 +152,7 @@ def _print_once(target: Target, timeout_s: float, out: Output) -> None:
 def _watch(target: Target) -> None:
     """Draw until q, Ctrl-C or SIGTERM; the terminal is restored on every way out."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     view = TopState(job=target.label, endpoint=target.endpoint, started_at=time.monotonic())
     # its own console: Output's soft-wraps, which a Live redrawn in place must not do
     console = Console(highlight=False)

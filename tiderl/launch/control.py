@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tiderl.launch.local import (
+    COORDINATOR_GRACE_S,
     JobState,
     LaunchError,
     ProcessRecord,
@@ -26,7 +27,8 @@ from tiderl.launch.local import (
 )
 from tiderl.launch.ssh import NodeSession, job_node, open_sessions
 
-LAUNCHER_EXIT_S = 30.0  # a launcher stops its job in order: its own grace periods and more
+# a launcher stops its job in order: the coordinator's grace, the others', and more
+LAUNCHER_EXIT_S = COORDINATOR_GRACE_S + 30.0
 
 
 def is_remote(state: JobState) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 JOB_FILE = "job.json"
+COORDINATOR_GRACE_S = 30.0  # SIGTERM to SIGKILL for the coordinator: its stop event, its report
 
 
 class LaunchError(RuntimeError):
@@ -152,6 +153,24 @@ class LocalExecutor:
 
 def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 10.0,
                    popens: dict[int, subprocess.Popen] | None = None) -> dict[str, str]:
+    """Stop a job's processes: the coordinator first (given at least ``COORDINATOR_GRACE_S`` to
+    record how the job ended and write its report; on a loaded machine that takes seconds),
+    then the others together (see :func:`stop_together`)."""
+    first, rest = split_coordinator(records)
+    outcome = stop_together(first, max(grace_s, COORDINATOR_GRACE_S), popens)
+    outcome.update(stop_together(rest, grace_s, popens))
+    return outcome
+
+
+def split_coordinator(records: Sequence[ProcessRecord]
+                      ) -> tuple[list[ProcessRecord], list[ProcessRecord]]:
+    """(the coordinator's record, if any; the others), in the order given."""
+    return ([r for r in records if r.kind == "coordinator"],
+            [r for r in records if r.kind != "coordinator"])
+
+
+def stop_together(records: Sequence[ProcessRecord], grace_s: float = 10.0,
+                  popens: dict[int, subprocess.Popen] | None = None) -> dict[str, str]:
     """SIGTERM each process group, wait up to ``grace_s`` for all of them to end, then SIGKILL
     the rest; finally SIGKILL any member of their groups still running (a child that ignored
     SIGTERM after its parent ended). Returns how each ended: "terminated", "killed" or "gone"

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from tiderl.launch.local import ProcessRecord, stop_processes
+from tiderl.launch.local import ProcessRecord, stop_together
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     records = [ProcessRecord(name=str(pid), kind="", pid=pid, log="", argv=[])
                for pid in args.pids]
-    result = {int(name): how for name, how in stop_processes(records, args.grace).items()}
+    result = {int(name): how for name, how in stop_together(records, args.grace).items()}
     print(json.dumps(result))
     return 0
 

@@ -37,7 +37,13 @@ from tiderl.launch.job import (
     prepare_run_dir,
     wait_for_env,
 )
-from tiderl.launch.local import JobState, ProcessRecord, records_by_host
+from tiderl.launch.local import (
+    COORDINATOR_GRACE_S,
+    JobState,
+    ProcessRecord,
+    records_by_host,
+    split_coordinator,
+)
 from tiderl.launch.plan import (
     LaunchPlan,
     ProcessSpec,
@@ -118,10 +124,14 @@ class SSHExecutor:
 
 def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
                   grace_s: float) -> dict[str, str]:
+    """As :func:`tiderl.launch.local.stop_processes`, on the nodes: the coordinator first, then
+    every node's others (each node's last started first)."""
+    first, rest = split_coordinator(state.processes)
     outcome: dict[str, str] = {}
-    for host, records in records_by_host(state.processes).items():
-        ended = sessions[host].stop([r.pid for r in reversed(records)], grace_s)
-        outcome.update({r.name: ended[r.pid] for r in records})
+    for records, grace in ((first, max(grace_s, COORDINATOR_GRACE_S)), (rest, grace_s)):
+        for host, on_host in records_by_host(records).items():
+            ended = sessions[host].stop([r.pid for r in reversed(on_host)], grace)
+            outcome.update({r.name: ended[r.pid] for r in on_host})
     return outcome
 
 

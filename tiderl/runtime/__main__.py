@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.core.types import Role
 from tiderl.profile import load_profile
+from tiderl.runtime.signals import exit_on_sigterm
 
 if TYPE_CHECKING:
     from tiderl.runtime.prom import MetricsExporter
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per environment request
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks, then exit
+    exit_on_sigterm()  # run finally blocks, then exit
     # Ctrl-C as the launcher passes it on (even if this process started with SIGINT ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return {"env": _env, "coordinator": _coordinator, "rank": _rank}[args.daemon](args)

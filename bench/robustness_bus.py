@@ -52,6 +52,7 @@ from tiderl.runtime.bus import (
     Shutdown,
     Snapshot,
     StepDone,
+    StepFailed,
     TaskDetached,
     TaskFinished,
     TurnData,
@@ -77,6 +78,7 @@ TEMPLATES: tuple[Message, ...] = (  # one valid message of rank 0 per rank kind
     Ack(rank=RANK, ref=1, ok=True),
     StepDone(rank=RANK, step=0, version=1, mode="colocated", loss=0.5, loss_tokens=4,
              grad_norm=1.0, seconds=0.1, stats={"kl": 0.0}),
+    StepFailed(rank=RANK, step=0, attempt=0, updated=False, error="closed"),
     RankMetrics(rank=RANK, role="rollout", kv_tokens_used=1, kv_tokens_capacity=8,
                 prefix_hit_rate=0.5, running=1, waiting=0),
 )

@@ -82,22 +82,49 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
             resume_and_finish(jobs, tmp_path, run_dir)
 
 
-@pytest.mark.parametrize(("role", "sig"), [("actor", signal.SIGKILL), ("ref", signal.SIGKILL),
-                                          ("actor", signal.SIGSTOP)])
-def test_a_trainer_rank_killed_stops_the_job_with_its_resume_line(tmp_path, role, sig):
-    """kill -9, or SIGSTOP past its heartbeats (it is stopped for good with the job)."""
-    extra = ("ra2p.mode=decoupled", "runtime.num_ranks=4") if role == "ref" else ()
+@pytest.mark.parametrize(("role", "sig", "extra"), [
+    ("actor", signal.SIGKILL, ()),
+    ("actor", signal.SIGSTOP, ()),  # past its heartbeats: stopped for good with the job
+    ("ref", signal.SIGKILL, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
+    ("rollout", signal.SIGKILL, ("runtime.mode=sync", "runtime.rollout_ranks=3")),  # a trainer
+], ids=["actor-kill", "actor-stop", "ref-kill", "sync-kill"])
+def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, sig, extra):
+    """Every DDP actor holds the whole model: the step the rank died in is trained once (by the
+    actors left, again if they had not updated), and the job ends as planned."""
     with chaos(tmp_path) as jobs:
-        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", *extra)
-        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
-        victim = roles_now(run_dir).index(role)
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", *extra, steps=8)
+        job.until(lambda: steps_done(run_dir) >= 2, "step 2")
+        roles = roles_now(run_dir)
+        victim = len(roles) - 1 - roles[::-1].index(role)
         kill(state, f"rank{victim}", sig)
+        assert job.wait() == 0, job.output
+        (dead,) = events(run_dir, "rank_dead")
+        assert dead["rank"] == victim
+        stop = assert_each_group_once(run_dir)
+        assert stop["steps"] == 8
+        assert roles_now(run_dir)[victim] == "idle"
+        steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
+                 .splitlines()]
+        assert steps == list(range(8))  # each step once, none skipped
+        assert_nothing_left(run_dir)
+        assert status_of(tmp_path, run_dir) == "done"
+
+
+def test_an_actor_killed_under_a_sharded_backend_stops_the_job_with_its_resume_line(tmp_path):
+    """FSDP2: the dead actor's shards are lost; the job stops naming it (not a survivor's
+    "connection closed") with the line that resumes it from its last checkpoint."""
+    with chaos(tmp_path) as jobs:
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false",
+                                      "trainer.backend=fsdp2")
+        job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
+        victim = roles_now(run_dir).index("actor")
+        kill(state, f"rank{victim}")
         killed_at = time.monotonic()
         assert job.wait() == 1
         assert time.monotonic() - killed_at < 60  # heartbeats, not a hang
         (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
-        assert f"trainer rank {victim} is gone" in line  # the dead rank, not a survivor
-        assert f"tiderl launch --resume {run_dir.name}" in line or "--resume" in line
+        assert f"trainer rank {victim} is gone" in line and "shards the model" in line
+        assert f"tiderl launch --resume {run_dir}" in line, line
         assert_nothing_left(run_dir)
         assert status_of(tmp_path, run_dir) == "failed"
         resume_and_finish(jobs, tmp_path, run_dir)

@@ -15,6 +15,7 @@ from tests.integration.bus_ranks import Clock, Ranks
 from tiderl.launch.plan import initial_roles
 from tiderl.profile import load_profile
 from tiderl.runtime.bus import (
+    AbortStep,
     Ack,
     AdmitTask,
     BusClient,
@@ -24,6 +25,7 @@ from tiderl.runtime.bus import (
     MicroBatchData,
     StepClosed,
     StepDone,
+    StepFailed,
     SyncWeights,
     TaskFinished,
     TrainStep,
@@ -192,11 +194,72 @@ def beat(ranks: Ranks) -> None:
 def test_a_step_failing_because_a_peer_died_names_the_dead_rank(tmp_path):
     with coordinator(tmp_path) as (job, ranks, clock):
         job.launch()
+        for rank in range(3):  # the launch's layout: rank 1 is the one actor
+            ranks.ack(rank, 0)
         ranks.send(2, Ack(rank=2, ref=999, ok=False, error="[gloo] Connection closed by peer"))
         clock.now += job.link.window_s - 0.5  # rank 1 (an actor) went silent: killed
         for rank in (0, 2):
             ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
-        with pytest.raises(CoordinatorError, match=r"trainer rank 1 is gone \(missed heartb"):
+        with pytest.raises(CoordinatorError, match=r"trainer rank 1 is gone \(missed heartb"
+                                                   r"eats\); it was the last actor"):
+            job.check_liveness()
+
+
+def done(rank: int, step: int, attempt: int = 0) -> StepDone:
+    return StepDone(rank=rank, step=step, version=step + 1, mode="batch", loss=0.25,
+                    loss_tokens=4, grad_norm=0.5, seconds=1.0, stats={}, attempt=attempt)
+
+
+def test_a_step_an_actor_died_in_runs_again_on_the_actor_left(tmp_path):
+    with coordinator(tmp_path, "runtime.mode=async") as (job, ranks, clock):
+        job.launch()
+        job.schedule_round()
+        play_group(ranks, job, "g0")
+        (step,) = of(TrainStep, ranks.drain(1))
+        assert (step.actor_ranks, step.attempt) == ([1, 2], 0)
+        ranks.send(1, StepFailed(rank=1, step=0, attempt=0, updated=False,
+                                 error="[gloo] Connection closed by peer"))
+        clock.now = 2.5  # rank 2 died in the step: silent past its heartbeats (2 x 1 s)
+        for rank in (0, 1):
+            ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
+        job.check_liveness()
+        got = ranks.drain(1)
+        assert [type(m) for m in got] == [AbortStep, SyncWeights]
+        assert (got[0].step, got[0].attempt) == (0, 0)
+        assert (got[1].version, got[1].roles, got[1].members, got[1].src_rank) == (
+            0, ["rollout", "actor", "idle"], [0, 1], 1)
+        for rank in (0, 1):
+            ranks.ack(rank, 0)
+        again = ranks.drain(1)
+        (step,) = of(TrainStep, again)
+        assert (step.step, step.actor_ranks, step.attempt) == (0, [1], 1)
+        (batch,) = of(MicroBatchData, again)
+        assert [s.seq_id for s in batch.samples] == ["g0.0", "g0.1"] and batch.attempt == 1
+        assert of(StepClosed, again)[0].attempt == 1
+        ranks.send(1, done(1, 0))  # an answer of the attempt before: dropped
+        assert job.controller.step == 0
+        ranks.send(1, done(1, 0, attempt=1))
+        assert job.controller.step == 1
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
+                 .splitlines()]
+    assert (record["step"], record["trained_samples"], record["num_trainer"]) == (0, 2, 1)
+    (trained,) = events(tmp_path, "trained")
+    assert (trained["attempt"], trained["groups"]) == (1, ["g0"])
+    (dropped,) = events(tmp_path, "message_dropped")
+    assert dropped["why"] == "step 0 (attempt 0) is not open"
+
+
+def test_a_step_that_fails_with_every_rank_alive_stops_the_job(tmp_path):
+    with coordinator(tmp_path, "runtime.mode=async") as (job, ranks, clock):
+        job.launch()
+        job.schedule_round()
+        play_group(ranks, job, "g0")
+        ranks.send(1, StepFailed(rank=1, step=0, attempt=0, updated=False,
+                                 error="out of memory"))
+        ranks.send(2, done(2, 0))
+        clock.now += job.steps.window_s + 0.5
+        beat(ranks)
+        with pytest.raises(CoordinatorError, match="rank 1 failed: out of memory"):
             job.check_liveness()
 
 
@@ -207,7 +270,7 @@ def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tm
         def broken(*_):
             raise ValueError("a bug in a handler")
 
-        job._on_step_done = broken
+        job._on_step_report = broken
         job.handle_safely(*ranks_recv(ranks, 1, StepDone(rank=1, step=0, mode="colocated",
                                                           loss=0.0, grad_norm=0.0,
                                                           loss_tokens=0, version=1,

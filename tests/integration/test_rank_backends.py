@@ -65,7 +65,7 @@ async def _play(daemon: RankDaemon) -> None:
                 seq=step, version=step, src_rank=src, roles=[r.value for r in new_roles],
                 members=members, joiners=sorted(new_actors - old_actors)))
             roles = new_roles
-        daemon.streams[step] = steps[step]
+        daemon.streams[(step, 0)] = steps[step]
         await daemon._train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
                                       ref_ranks=[], actor_ranks=actors, max_aggregate=2))
 

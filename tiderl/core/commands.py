@@ -10,6 +10,7 @@ simulator's heap)::
     StartStep      open optimizer step ``step`` on these ranks in this mode
     Dispatch       a micro-batch of the open step, to its ranks
     CloseStep      the open step's batch is complete
+    AbortStep      a trainer rank of the open step died: its ranks drop this attempt
     RecordStep     the step's record (metrics.jsonl, report, /metrics, top, sim results)
     Boundary       the post-update boundary: roles, the weight broadcast of ``version``
     Retire         the staleness window moved (every rollout rank has the new version)
@@ -61,6 +62,7 @@ class RankReport:
     loss: float | None = None
     grad_norm: float | None = None
     loss_tokens: int | None = None  # the step's loss-mask (response) tokens, all ranks together
+    failed: bool = False  # its part failed (a collective with a rank that died): no update
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ class StartStep:
     ref_ranks: tuple[int, ...]
     actor_ranks: tuple[int, ...]
     max_aggregate: int  # colocated: micro-batches per swap pair; 0: the whole batch; else 1
+    attempt: int = 0  # > 0: the step runs again, on the ranks left after a trainer rank died
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -152,6 +155,15 @@ class Dispatch:
 @dataclass(frozen=True, slots=True)
 class CloseStep:
     step: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortStep:
+    """Attempt ``attempt`` of the open step lost a trainer rank: its live ranks stop it (a rank
+    blocked in a collective with the dead one fails by itself) and report how it ended."""
+
+    step: int
+    attempt: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,5 +248,5 @@ class Abort:
 
 
 Command = (FeedGroups | JoinRollout | LeaveRollout | StartStep | Dispatch | CloseStep
-           | RecordStep | Boundary | Retire | GroupDropped | PlanRefused | ManualReply | Finish
-           | Abort)
+           | AbortStep | RecordStep | Boundary | Retire | GroupDropped | PlanRefused
+           | ManualReply | Finish | Abort)

@@ -261,6 +261,7 @@ class PlanReason(str, Enum):
     REVERT = "revert"  # the measured move did not raise goodput: it is undone
     PREDICTED = "predicted"  # the predictive planner's split (``ers.planner: predictive``)
     NO_ROLLOUT = "no_rollout"  # the last rollout rank died: a trainer rank moves to rollout
+    TRAINER_LOST = "trainer_lost"  # a trainer rank died: the others go on without it
 
 
 @dataclass(frozen=True, slots=True)

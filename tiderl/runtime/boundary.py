@@ -3,7 +3,8 @@
     Boundary (from the step controller) ──SyncWeights, a seq each──> every live member
     Ack ok ──(rank, version)──> StepController.boundary_acked
     Ack failed (a member died in the broadcast): wait for the heartbeats to say who ──>
-        a member is dead: the same roles and version again, to the live members, once
+        a member is dead: the same roles and version again, to the live members, once (a
+        trainer rank's death: the controller sends the boundary again itself, with new roles)
         every member alive past the heartbeat window: the job fails (a real error)
     Ack failed for another command (a training step): the job fails, but only after the
     heartbeat window, so that a rank that died in the step's collective is the one named
@@ -44,6 +45,11 @@ class BoundaryLink:
         self.step_failures: list[tuple[float, b.Ack]] = []  # (deadline, answer)
 
     def send(self, boundary: Boundary, checkpoint_dir: str, export_dir: str) -> None:
+        """A boundary of a version already out replaces it (the step controller sent it again
+        without a dead trainer rank): the attempts before are superseded, not resent."""
+        self._supersede(boundary.version)
+        self.failed.pop(boundary.version, None)
+        self.resent.discard(boundary.version)
         self._send_all(b.SyncWeights(
             seq=0, version=boundary.version, src_rank=boundary.src_rank,
             roles=[role.value for role in boundary.roles], members=list(boundary.members),
@@ -103,8 +109,12 @@ class BoundaryLink:
         if failed.version in self.resent or not members:
             return False
         self.resent.add(failed.version)
-        for seq in [s for s, (_, m) in self.sent.items() if m.version == failed.version]:
-            del self.sent[seq]
-            self.superseded.add(seq)
+        self._supersede(failed.version)
         self._send_all(replace_struct(failed, members=members, seq=0, checkpoint=""))
         return True
+
+    def _supersede(self, version: int) -> None:
+        """The answers still awaited for ``version`` belong to an attempt sent again."""
+        for seq in [s for s, (_, m) in self.sent.items() if m.version == version]:
+            del self.sent[seq]
+            self.superseded.add(seq)

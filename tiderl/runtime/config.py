@@ -79,4 +79,6 @@ def control_config(profile: Profile) -> StepControlConfig:
         export_every=trainer.export_every, tensor_parallel=trainer.tensor_parallel,
         limits=LayoutLimits(grouped_ranks=rt.num_ranks,
                             fixed_actor_backend="megatron" if trainer.backend == "megatron"
+                            else "",
+                            sharded_actor_backend="fsdp2" if trainer.backend == "fsdp2"
                             else ""))

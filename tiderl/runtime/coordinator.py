@@ -1,12 +1,13 @@
 """The coordinator: an adapter between the bus and the core's step controller.
 
     rank daemons ──Hello / Heartbeat / TurnReport / TaskFinished / TaskDetached / StepDone /
-                   RankMetrics / Ack──> _handle ──events──> StepController (core.step_control)
+                   StepFailed / RankMetrics / Ack──> _handle ──events──> StepController
     tiderl rebalance ──Rebalance──> RebalanceDesk ──> submit_manual / release_manual
     every round (ROUND_S): the messages that came, one CTB round, the heartbeats, a snapshot
     StepController commands ──> bus messages to the ranks:
         FeedGroups: the groups' tasks (Dataset)      CTB decisions: TaskRouter (admit, move, ...)
-        StartStep / Dispatch / CloseStep: TrainStep, MicroBatchData, StepClosed
+        StartStep / Dispatch / CloseStep / AbortStep: StepLink (TrainStep, MicroBatchData,
+            StepClosed, AbortStep; StepDone and StepFailed back)
         Boundary: BoundaryLink (SyncWeights, resend without a dead member)
         RecordStep: RunLog (metrics.jsonl, /metrics, the PUB snapshot)
 
@@ -48,6 +49,7 @@ from tiderl.runtime.resume import (
     write_job_state,
 )
 from tiderl.runtime.run_log import EventThrottle, RunLog
+from tiderl.runtime.step_link import StepLink, sample_data
 from tiderl.runtime.tasks import TaskRouter
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.checkpoint_meta import step_dir
@@ -73,22 +75,20 @@ class Coordinator:
                                          now=clock())
         self.heartbeats = HeartbeatMonitor(rt.heartbeat_s, rt.heartbeat_misses)
         self.alive: set[int] = set()
+        self.unreachable: set[int] = set()  # a send found its bus connection gone
         self.seq = 0
         self.groups: dict[str, GroupRun] = {}  # in flight, until complete
         self.router = TaskRouter(self._send, self._next_seq, self._group_of,
                                  lambda: self.controller.book.ranks,
                                  self.controller.policy.pins_tasks)
-        self.link = BoundaryLink(self._send, self._next_seq,
-                                 rt.heartbeat_s * (rt.heartbeat_misses + 1))
+        window_s = rt.heartbeat_s * (rt.heartbeat_misses + 1)  # heartbeats name a dead rank
+        self.link = BoundaryLink(self._send, self._next_seq, window_s)
+        self.steps = StepLink(self._send, self._next_seq, window_s)
         self.desk = RebalanceDesk(server, self.log.event)
-        self.start: c.StartStep | None = None  # the open step
-        self.reports: dict[int, c.RankReport] = {}
         self.samples: dict[str, TrainSample] = {}  # ready, not yet dispatched, by seq id
         self.rewards: dict[str, float] = {}
-        self.step_rewards: list[float] = []
         self.eval_rewards: dict[int, list[float]] = {}
         self.eval_done: dict[int, float] = {}
-        self.step_groups: set[str] = set()  # the open step's groups, as dispatched
         self.progress_at = clock()  # the last report of work done (the watchdog's)
         self.stalled_s = 0.0  # the watchdog's last alarm (0: none since the last progress)
         self.throttle = EventThrottle(run_log.event)
@@ -175,13 +175,15 @@ class Coordinator:
         self.server.publish(self.log.snapshot(self.controller, self.desk.note))
 
     def _send(self, rank: int, msg: b.Message) -> None:
-        if rank in self.controller.dead:
+        if rank in self.controller.dead or rank in self.unreachable:
             return
         try:
             self.server.send(rank_identity(rank), msg)
         except BusSendError as exc:  # its connection is gone: no need to wait for heartbeats
             log.warning("%s", exc)
-            self._declare_dead(rank, "its bus connection is gone")
+            # declared dead at the round's liveness check, not amid the commands being applied
+            # (its death may send a boundary again, which must not cut into this one)
+            self.unreachable.add(rank)
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -220,7 +222,7 @@ class Coordinator:
             self._stop_zombie(rank, msg)
             return
         self.heartbeats.beat(rank, now)
-        if isinstance(msg, b.TurnReport | b.TaskFinished | b.StepDone | b.Ack):
+        if isinstance(msg, b.TurnReport | b.TaskFinished | b.StepDone | b.StepFailed | b.Ack):
             self.progress_at, self.stalled_s = now, 0.0
         rollout = self.controller.rollout
         if isinstance(msg, b.Hello):
@@ -237,8 +239,8 @@ class Coordinator:
         elif isinstance(msg, b.TaskDetached):
             if rollout.is_known(msg.task_id):
                 self.router.on_detached(msg)
-        elif isinstance(msg, b.StepDone):
-            self._on_step_done(msg, now)
+        elif isinstance(msg, b.StepDone | b.StepFailed):
+            self._on_step_report(msg, now)
         elif isinstance(msg, b.RankMetrics):
             self.log.rank_metrics[rank] = msg
             if msg.kv_tokens_capacity:  # what the engine (a server sizes its own) holds
@@ -304,43 +306,57 @@ class Coordinator:
             versions = sorted({t.version for tr in trajectories for t in tr.turns})
             self.log.event("eval", step=group.step, reward=round(mean, 4), versions=versions)
 
-    def _on_step_done(self, msg: b.StepDone, now: float) -> None:
-        start = self.start
-        if start is None or msg.step != start.step or msg.rank not in start.ranks:
-            self.throttle.event("message_dropped", f"StepDone/{msg.rank}", message="StepDone",
-                                sender=f"rank {msg.rank}", why=f"step {msg.step} is not open")
+    def _on_step_report(self, msg: b.StepDone | b.StepFailed, now: float) -> None:
+        if not self.steps.is_of_open_attempt(msg):
+            self.throttle.event("message_dropped", f"{type(msg).__name__}/{msg.rank}",
+                                message=type(msg).__name__, sender=f"rank {msg.rank}",
+                                why=f"step {msg.step} (attempt {msg.attempt}) is not open")
             return
-        stats = msg.stats
-        self.reports[msg.rank] = c.RankReport(
-            msg.rank, wait_s=stats.get("wait_s", 0.0), t_ref=stats.get("t_ref"),
-            t_act_f=stats.get("t_act_f"), t_act_b=stats.get("t_act_b"),
-            t_swap=stats.get("t_swap"), loss=msg.loss, grad_norm=msg.grad_norm,
-            loss_tokens=msg.loss_tokens)
-        if set(self.reports) < set(start.ranks):
+        if isinstance(msg, b.StepDone):
+            self.steps.on_done(msg)
+        else:
+            log.warning("rank %d: step %d (attempt %d) failed: %s", msg.rank, msg.step,
+                        msg.attempt, msg.error)
+            self.steps.on_failed(msg, now)
+        self._check_step(now)
+
+    def _check_step(self, now: float) -> None:
+        """Every live rank of the open attempt answered: the controller settles the step (it
+        trained, or it runs again without a dead rank)."""
+        reports = self.steps.complete(self.controller.dead, now)
+        if reports is None:
             return
+        start = self.steps.start
+        assert start is not None
         queries, hits = self.log.kv_counters()
-        eval_reward = None
-        for eval_step in sorted(self.eval_done):
-            eval_reward = self.eval_done.pop(eval_step)
-        self.log.event("trained", step=start.step, groups=sorted(
-            self.step_groups, key=lambda g: (len(g), g)))
-        self.step_groups = set()
-        reward_mean, solved_frac = reward_summary(self.step_rewards)
-        outcome = c.StepOutcome(
-            start.step, tuple(self.reports[r] for r in start.ranks), kv_queries=queries,
-            kv_hits=hits, reward_mean=reward_mean, solved_frac=solved_frac,
-            eval_reward=eval_reward)
-        self.start = None
-        self._apply(self.controller.step_done(outcome, now))
+        # the latest evaluation done since the last step's record goes into this one's
+        eval_reward = self.eval_done[max(self.eval_done)] if self.eval_done else None
+        reward_mean, solved_frac = reward_summary(self.steps.rewards)
+        outcome = c.StepOutcome(start.step, reports, kv_queries=queries, kv_hits=hits,
+                                reward_mean=reward_mean, solved_frac=solved_frac,
+                                eval_reward=eval_reward)
+        commands = self.controller.step_done(outcome, now)
+        if any(isinstance(command, c.RecordStep) for command in commands):
+            self.eval_done.clear()
+            groups = self.steps.done()
+            self.log.event("trained", step=start.step, attempt=start.attempt,
+                           groups=sorted(groups, key=lambda g: (len(g), g)))
+        else:  # a trainer rank died in it: it runs again (or the job stops)
+            self.steps.reopen()
+        self._apply(commands)
 
     # ---------------------------------------------------------------- liveness
 
     def check_liveness(self) -> None:
         """Ranks silent too long are dead; a broadcast one of them died in goes out again."""
         now = self.clock()
+        unreachable, self.unreachable = self.unreachable, set()
+        for rank in sorted(unreachable):
+            self._declare_dead(rank, "its bus connection is gone")
         for rank in self.heartbeats.dead(now):
             self._declare_dead(rank, "missed heartbeats")
         self._check_boundaries(now)
+        self._check_step(now)  # a dead rank's answer will not come; a failure may be explained
         self._check_progress(now)
 
     def watchdog_s(self) -> float:
@@ -403,8 +419,8 @@ class Coordinator:
 
     def _apply(self, commands: list[c.Command]) -> None:
         for command in commands:
-            if isinstance(command, c.StartStep | c.Dispatch | c.CloseStep):
-                self._trainer_command(command)
+            if isinstance(command, c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep):
+                self.steps.send(command, self.samples, self.rewards, self.controller.dead)
             elif isinstance(command, c.FeedGroups):
                 self._feed(command)
             elif isinstance(command, c.JoinRollout):
@@ -438,25 +454,6 @@ class Coordinator:
             self.log.event("eval_start", step=step, version=self.controller.version,
                            groups=len(command.groups))
 
-    def _trainer_command(self, command: c.StartStep | c.Dispatch | c.CloseStep) -> None:
-        if isinstance(command, c.StartStep):
-            self.start, self.reports, self.step_rewards = command, {}, []
-            msg: b.Message = b.TrainStep(
-                seq=self._next_seq(), step=command.step, mode=command.mode,
-                ref_ranks=list(command.ref_ranks), actor_ranks=list(command.actor_ranks),
-                max_aggregate=command.max_aggregate)
-        elif isinstance(command, c.Dispatch):
-            samples = [self.samples.pop(s.seq_id) for s in command.mb.sequences]
-            self.step_groups.update(s.seq_id.rsplit(".", 1)[0] for s in samples)
-            self.step_rewards += [self.rewards.pop(s.seq_id) for s in samples]
-            msg = b.MicroBatchData(seq=self._next_seq(), step=command.step, mb_id=command.index,
-                                   samples=[_sample_data(s) for s in samples])
-        else:
-            msg = b.StepClosed(seq=self._next_seq(), step=command.step)
-        assert self.start is not None
-        for rank in self.start.ranks:
-            self._send(rank, msg)
-
     def _boundary(self, boundary: c.Boundary) -> None:
         root = self.log.run_dir / CHECKPOINTS
         if boundary.checkpoint:  # job.json first: the actors' meta.json completes the folder
@@ -482,7 +479,7 @@ class Coordinator:
         for group_id in point.ready:
             ids = [task_id(group_id, i) for i in range(size)]
             ready.append(ReadyGroupState(group_id, int(group_id[1:]), 0,
-                                         [_sample_data(self.samples[i]) for i in ids],
+                                         [sample_data(self.samples[i]) for i in ids],
                                          [self.rewards[i] for i in ids]))
         return JobState(point, ready)
 
@@ -494,9 +491,3 @@ class Coordinator:
             if command.reason is c.DropReason.STALE else {}
         self.log.event("dropped_group", group=command.group_id, reason=command.reason.value,
                        **fields)
-
-
-def _sample_data(s: TrainSample) -> b.TrainSampleData:
-    return b.TrainSampleData(seq_id=s.seq_id, input_ids=list(s.input_ids),
-                             loss_mask=list(s.loss_mask), logprobs=list(s.logprobs),
-                             advantage=s.advantage, version=s.version)

@@ -5,6 +5,7 @@
                  ──SyncWeights, TrainStep──> one command at a time, in a worker thread:
                                              role switch + weight broadcast, RA2P step
                  ──MicroBatchData / StepClosed──> the open step's StreamedStep (fed while it runs)
+                 ──AbortStep──> that StreamedStep aborted: the step's executor stops
 
 All ranks form one ``torch.distributed`` world (gloo on CPU, NCCL on GPU) and create the trainer
 process groups of :mod:`tiderl.core.rank_sets` at start-up. Roles:
@@ -60,6 +61,7 @@ from tiderl.runtime.agent import (
     TurnEvent,
 )
 from tiderl.runtime.bus import (
+    AbortStep,
     Ack,
     AdmitTask,
     BusClient,
@@ -140,7 +142,7 @@ class RankDaemon(TrainerRoles):
         self.pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
         self._joined_optimizer: dict[str, torch.Tensor] | None = None
         self.queries_before = self.hits_before = 0  # prefix counters of engines dropped earlier
-        self.streams: dict[int, StreamedStep] = {}
+        self.streams: dict[tuple[int, int], StreamedStep] = {}  # by (step, attempt)
         self.commands: asyncio.Queue = asyncio.Queue()
         self._updating = asyncio.Lock()  # engine weight updates, one at a time
         self.bus: BusClient | None = None
@@ -335,12 +337,10 @@ class RankDaemon(TrainerRoles):
             if self.agent is not None and msg.task_id in self.tasks:
                 (self.agent.pause if isinstance(msg, PauseTask) else self.agent.resume)(msg.task_id)
         elif isinstance(msg, TrainStep):
-            self.streams[msg.step] = StreamedStep()
+            self.streams[(msg.step, msg.attempt)] = StreamedStep()
             self.commands.put_nowait(msg)
-        elif isinstance(msg, MicroBatchData):
-            self._feed(msg)
-        elif isinstance(msg, StepClosed):
-            self.streams.setdefault(msg.step, StreamedStep()).close()
+        elif isinstance(msg, MicroBatchData | StepClosed | AbortStep):
+            self._to_stream(msg)
         elif isinstance(msg, SyncWeights | Shutdown):  # in order: a boundary, the last save
             self.commands.put_nowait(msg)
         else:
@@ -427,8 +427,19 @@ class RankDaemon(TrainerRoles):
 
     # -- trainer ---------------------------------------------------------------------------------
 
-    def _feed(self, msg: MicroBatchData) -> None:
-        self.streams.setdefault(msg.step, StreamedStep()).add(*micro_batch_of(msg))
+    def _to_stream(self, msg: MicroBatchData | StepClosed | AbortStep) -> None:
+        """Into the step's stream (its TrainStep came first), at once: the step may be what
+        runs now. One that ended already (a late message of an attempt a rank died in) takes
+        nothing."""
+        stream = self.streams.get((msg.step, msg.attempt))
+        if stream is None:
+            return
+        if isinstance(msg, MicroBatchData):
+            stream.add(*micro_batch_of(msg))
+        elif isinstance(msg, StepClosed):
+            stream.close()
+        else:
+            stream.abort()
 
     async def _run_commands(self) -> None:
         while True:
@@ -467,6 +478,9 @@ class RankDaemon(TrainerRoles):
                 self.pending_weights = (state, cmd.version)
                 await self._apply_pending_weights()
             self.version = cmd.version
+            if new_actors != self.actor_set:  # a rank died: the others train on without it
+                self.actor_set = new_actors
+                await asyncio.to_thread(self._rewrap_actor)
             self._ack(cmd)
             return
         if self.role is Role.ROLLOUT and new is not Role.ROLLOUT and self.engine is not None:
@@ -526,6 +540,7 @@ class RankDaemon(TrainerRoles):
 # -- helpers -------------------------------------------------------------------------------------
 
 def _ranks_with(roles: list[Role], role: Role, is_sync: bool) -> tuple[int, ...]:
+    """The ranks of ``role``; under ``is_sync`` every live rank (an idle one died)."""
     if is_sync:
-        return tuple(range(len(roles)))
+        return tuple(r for r, x in enumerate(roles) if x is not Role.IDLE)
     return tuple(r for r, x in enumerate(roles) if x is role)

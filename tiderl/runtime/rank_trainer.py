@@ -20,7 +20,7 @@ from tiderl.core.system import StepMode
 from tiderl.core.types import Role
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
-from tiderl.runtime.bus import StepDone, SyncWeights, TrainStep
+from tiderl.runtime.bus import StepDone, StepFailed, SyncWeights, TrainStep
 from tiderl.runtime.rank_wire import step_done
 from tiderl.trainer.checkpoint import load_checkpoint, save_checkpoint, step_dir
 from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
@@ -47,7 +47,7 @@ class TrainerRoles:
     actor_set: tuple[int, ...]
     actor: ActorWorker | None
     ref: RefWorker | None
-    streams: dict[int, StreamedStep]
+    streams: dict[tuple[int, int], StreamedStep]
     dp_groups: dict[tuple[int, ...], dist.ProcessGroup]
     _joined_optimizer: dict[str, torch.Tensor] | None
 
@@ -66,7 +66,7 @@ class TrainerRoles:
             return self._group(ranks)
         return self.dp_groups[tuple(r for r in sorted(ranks) if r % tp == self.rank % tp)]
 
-    def _send(self, msg: StepDone) -> None:
+    def _send(self, msg: StepDone | StepFailed) -> None:
         raise NotImplementedError
 
     def _needs_ref(self, role: Role) -> bool:
@@ -109,19 +109,39 @@ class TrainerRoles:
                             and trainer.activation_checkpointing)
 
     async def _train(self, cmd: TrainStep) -> None:
-        stream = self.streams[cmd.step]
-        executor = self._executor(cmd)
-        if executor is None:  # not in this step's trainer set
-            self.streams.pop(cmd.step, None)
-            return
-        result = await asyncio.to_thread(executor.run_step, stream, stream, time.time())
-        self.streams.pop(cmd.step, None)
+        """One attempt of a step: StepDone, or StepFailed when it failed (a collective with a
+        rank that died) or was aborted; either way the rank goes on to its next command."""
+        key = (cmd.step, cmd.attempt)
+        stream = self.streams[key]
+        try:
+            executor = self._executor(cmd)
+            if executor is None:  # not in this step's trainer set
+                return
+            before = self.actor.version if self.actor is not None else None
+            try:
+                result = await asyncio.to_thread(executor.run_step, stream, stream, time.time())
+            except Exception as exc:  # the coordinator settles it with the step's other ranks
+                self._step_failed(cmd, before, exc)
+                return
+        finally:
+            if self.streams.get(key) is stream:
+                del self.streams[key]
         if result.step is not None:
             self.version = result.step.version
-        done = step_done(self.rank, cmd.step, result, stream, self.version)
+        done = step_done(self.rank, cmd.step, result, stream, self.version, cmd.attempt)
         log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
                  done.mode, done.loss_tokens, done.loss, done.seconds)
         self._send(done)
+
+    def _step_failed(self, cmd: TrainStep, before: int | None, exc: Exception) -> None:
+        actor = self.actor
+        updated = actor is not None and actor.version != before
+        if actor is not None and not updated:
+            actor.discard_gradients()
+        log.warning("rank %d: step %d (attempt %d) failed%s: %s", self.rank, cmd.step,
+                    cmd.attempt, " after its update" if updated else "", exc)
+        self._send(StepFailed(rank=self.rank, step=cmd.step, attempt=cmd.attempt,
+                              updated=updated, error=f"{exc}"[:500]))
 
     def _executor(self, cmd: TrainStep) -> DecoupledExecutor | ColocatedExecutor | None:
         """This rank's executor of the step's mode; None when it is not in the step's ranks."""

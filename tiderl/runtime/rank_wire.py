@@ -18,7 +18,7 @@ def micro_batch_of(msg: MicroBatchData) -> tuple[MicroBatch, list[TrainSample]]:
 
 
 def step_done(rank: int, step: int, result: StepResult, data: StepData,
-              version: int | None = None) -> StepDone:
+              version: int | None = None, attempt: int = 0) -> StepDone:
     """What a trainer rank reports for its share of a step. ``loss_tokens``: the step's trained
     (loss-mask) tokens over all its micro-batches and ranks, the same on every trainer rank."""
     means = result.loss.means()
@@ -28,7 +28,8 @@ def step_done(rank: int, step: int, result: StepResult, data: StepData,
         rank=rank, step=step, version=version, mode=result.mode.value,
         loss=float(means.get("loss", 0.0)), loss_tokens=int(data.num_loss_tokens),
         grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
-        stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)})
+        stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)},
+        attempt=attempt)
 
 
 def turn_data(turn: Turn) -> TurnData:

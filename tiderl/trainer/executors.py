@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,12 +112,15 @@ class StreamedStep:
 
     The feeding thread calls ``add`` for each micro-batch as the global buffer forms it and
     ``close`` once the batch is complete; the executor's thread blocks in ``wait``. Until
-    ``close``, ``num_loss_tokens`` covers only what has arrived."""
+    ``close``, ``num_loss_tokens`` covers only what has arrived. ``abort`` (a trainer rank of
+    the step died) makes the executor's next wait raise :class:`StepAborted`; what arrives
+    after it is dropped."""
 
     def __init__(self) -> None:
         self.micro_batches: list[MicroBatch] = []
         self.samples: dict[str, TrainSample] = {}
         self.closed = False
+        self.aborted = False
         self._cond = threading.Condition()
 
     @property
@@ -128,6 +131,8 @@ class StreamedStep:
 
     def add(self, mb: MicroBatch, samples: list[TrainSample]) -> None:
         with self._cond:
+            if self.aborted:
+                return
             if self.closed:
                 raise ValueError(f"micro-batch {mb.mb_id} arrived after its step was closed")
             self.samples.update((s.seq_id, s) for s in samples)
@@ -139,9 +144,19 @@ class StreamedStep:
             self.closed = True
             self._cond.notify_all()
 
+    def abort(self) -> None:
+        with self._cond:
+            self.aborted = True
+            self._cond.notify_all()
+
+    def _wait_for(self, predicate: Callable[[], bool]) -> None:
+        self._cond.wait_for(lambda: predicate() or self.aborted)
+        if self.aborted:
+            raise StepAborted("the step was aborted: a trainer rank of it died")
+
     def wait(self, index: int) -> bool:
         with self._cond:
-            self._cond.wait_for(lambda: index < len(self.micro_batches) or self.closed)
+            self._wait_for(lambda: index < len(self.micro_batches) or self.closed)
             return index < len(self.micro_batches)
 
     def num_ready(self) -> int:
@@ -150,8 +165,12 @@ class StreamedStep:
 
     def is_last(self, index: int) -> bool:
         with self._cond:
-            self._cond.wait_for(lambda: index + 1 < len(self.micro_batches) or self.closed)
+            self._wait_for(lambda: index + 1 < len(self.micro_batches) or self.closed)
             return index + 1 >= len(self.micro_batches)
+
+
+class StepAborted(RuntimeError):
+    """The step a rank was running was aborted (:meth:`StreamedStep.abort`)."""
 
 
 StepData = StepInput | StreamedStep
@@ -218,6 +237,10 @@ def _shares(step: StepData, per_rank: list[list]) -> list[list[TrainSample]]:
 
 
 def _reduce_loss(stats: LossStats, group: dist.ProcessGroup | None) -> LossStats:
+    """The step's loss figures over the actor group. Reduced before the optimizer step, so that
+    the gradients' reduction in it is the step's last collective: an actor whose peer dies
+    either fails before it updates or updates with every peer's gradients (the runtime then
+    knows the step was trained, or runs it again on the actors left)."""
     if not dist.is_initialized():
         return stats
     values = stats.as_tensor()
@@ -309,9 +332,9 @@ class DecoupledExecutor:
                 stats += self.actor.backward(pending, ref_logprobs)
             seq_ids += batch.seq_ids
         seconds = self.timeline.now()
+        stats = _reduce_loss(stats, self.actor_group)  # before: see _reduce_loss
         with self.timeline.span("optimizer_step"):
             step_stats = self.actor.optimizer_step(step.num_loss_tokens)
-        stats = _reduce_loss(stats, self.actor_group)
         return StepResult(self.mode, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
 
@@ -378,9 +401,9 @@ class ColocatedExecutor:
             seq_ids += self._run_round(step, arrivals, index, count, stats)
             index += count
         seconds = self.timeline.now()
+        stats = _reduce_loss(stats, self.group)  # before: see _reduce_loss
         with self.timeline.span("optimizer_step"):
             step_stats = self.actor.optimizer_step(step.num_loss_tokens)
-        stats = _reduce_loss(stats, self.group)
         return StepResult(self.mode, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
 

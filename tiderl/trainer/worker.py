@@ -173,6 +173,11 @@ class ActorWorker:
             release_free_memory()  # the step's activations and gradients are freed by now
         return StepStats(self.version, global_loss_tokens, grad_norm, lr)
 
+    def discard_gradients(self) -> None:
+        """A step that failed before its update: what its micro-batches accumulated goes (the
+        step runs again from the same weights)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def optimizer_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The AdamW state under :func:`optimizer_layout`'s names, whole tensors; a parameter not
         stepped yet has zero moments and step 0. With a backend that ``gathers`` (FSDP2: sharded

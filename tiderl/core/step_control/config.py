@@ -38,10 +38,14 @@ class LayoutLimits:
     """Layouts a substrate cannot run: actor sets without a process group (``grouped_ranks``:
     the world the runtime made its groups for, see :mod:`tiderl.core.rank_sets`; None: any set
     runs) and, with ``fixed_actor_backend`` (a trainer backend that wraps its ranks once), any
-    change of the actor set."""
+    change of the actor set. ``sharded_actor_backend``: a trainer backend that shards the model
+    and its optimizer state over the actors (FSDP2), so that an actor's death loses state no
+    other rank holds; with neither, every actor holds a whole replica and the others go on
+    without a dead one."""
 
     grouped_ranks: int | None = None
     fixed_actor_backend: str = ""
+    sharded_actor_backend: str = ""
 
     def refusal(self, old: list[Role], new: list[Role]) -> str | None:
         """Why ``new`` cannot follow ``old`` here, in one line; None if it can."""
@@ -52,6 +56,22 @@ class LayoutLimits:
             return f"no process group for actor set {sorted(actors)}"
         if actors != old_actors and self.fixed_actor_backend:
             return f"trainer.backend {self.fixed_actor_backend} keeps its actor set"
+        return None
+
+    def loss_refusal(self, roles: list[Role], rank: int, dead: set[int]) -> str | None:
+        """Why the job cannot go on without trainer rank ``rank`` (``roles`` as they were;
+        every rank is an actor when ``is_sync``), in words that follow "it"; None if it can: a
+        Ref rank holds nothing the actors lack, an actor's replica is whole on each other one."""
+        if roles[rank] is not Role.ACTOR:
+            return None
+        backend = self.sharded_actor_backend or self.fixed_actor_backend
+        if backend:
+            what = "shards the model over its actors" if self.sharded_actor_backend \
+                else "keeps its actor set"
+            return f"was an actor, and trainer.backend {backend} {what}"
+        if not any(role is Role.ACTOR for r, role in enumerate(roles)
+                   if r != rank and r not in dead):
+            return "was the last actor (the model and optimizer state died with it)"
         return None
 
     def with_rollout(self, roles: list[Role], dead: set[int]) -> list[Role] | None:

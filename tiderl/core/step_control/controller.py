@@ -32,10 +32,11 @@ from tiderl.core.commands import (
     StepOutcome,
 )
 from tiderl.core.ctb import TaskBook
-from tiderl.core.ers import TRAINER_ROLES, ERSPolicy
+from tiderl.core.ers import ERSPolicy
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlConfig, StepControlError
+from tiderl.core.step_control.faults import RankFaults
 from tiderl.core.step_control.inputs import (
     MeasuredPasses,
     choose_step_mode,
@@ -59,7 +60,7 @@ from tiderl.core.types import (
 )
 
 
-class StepController(ManualPlans):
+class StepController(ManualPlans, RankFaults):
     """See the module docstring. ``source`` turns a :class:`GroupSpec` into the group's tasks
     (the adapter's dataset: environment and seed of each task)."""
 
@@ -91,6 +92,7 @@ class StepController(ManualPlans):
         self.step = self.version = 0
         self.t0 = self.trainer_free_at = self._now = now
         self.current: OpenStep | None = None
+        self.retry: OpenStep | None = None  # a step a trainer rank died in, to open again
         self.boundary: PendingBoundary | None = None
         self.waiting: dict[int, list[MicroBatch]] = {}
         self.closed: set[int] = set()
@@ -190,6 +192,8 @@ class StepController(ManualPlans):
             raise StepControlError(f"step {outcome.step} is not the open step "
                                    f"({'none' if current is None else current.start.step})")
         self.phase = Phase.BOUNDARY
+        if not self.settle_step(current, outcome, now):
+            return self._flush()
         layout = Mode.DECOUPLED if current.start.mode is StepMode.DECOUPLED else Mode.COLOCATED
         self.passes[layout] = learn_passes(outcome.reports, current.start)
         self.rollout.park(now, False)
@@ -257,50 +261,6 @@ class StepController(ManualPlans):
             self.rollout.set_rank_budget(rank, self.config.ctb.rank_budget(kv_tokens))
         return self._flush()
 
-    def rank_dead(self, rank: int, why: str, now: float) -> list[Command]:
-        """A rank is gone. A rollout rank's tasks go back to CTB (from scratch: their state died
-        with it) and it leaves the boundaries; a trainer rank's death ends the job."""
-        self._at(now)
-        if rank in self.dead or not 0 <= rank < len(self.roles):
-            return []
-        self.dead.add(rank)
-        if self.roles[rank] in TRAINER_ROLES or self.system.is_sync:
-            self._out.append(Abort(f"trainer rank {rank} is gone ({why})"))
-            return self._flush()
-        if rank in self.book.ranks:
-            self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now), True))
-        self.roles[rank] = Role.IDLE
-        if self.boundary is not None:
-            self.boundary.forget(rank)
-        self._maybe_retire(now)
-        self._maybe_complete(now)
-        self._check_rollout_left(rank)
-        return self._flush()
-
-    def _check_rollout_left(self, last: int) -> None:
-        """No rollout rank is left (``last`` was the last; -1: not known here): no group can
-        come, so the open batch closes with the groups it holds (a smaller batch, as ERS's
-        elastic one) and the boundary after its step moves a trainer rank to rollout
-        (:meth:`_boundary`). A batch with no group: with no step open, a boundary without an
-        update moves the rank now; a step open on it cannot train, and the job stops (it
-        resumes from its last checkpoint)."""
-        if self.rollout_ranks() or self.system.is_sync or self.phase in (Phase.BOUNDARY,
-                                                                          Phase.FINISHED):
-            return  # a boundary in flight: checked again when the step opens (_want_step)
-        buffer = self.buffer
-        if buffer.open_batch != self.step:
-            return  # the step's batch is complete already; the boundary after it moves a rank
-        held = buffer.assigned_samples
-        if held:
-            buffer.set_batch_size(self.step, held, self._now)
-        elif self.current is None:
-            self.phase = Phase.BOUNDARY
-            self._boundary(self._now, self.roles, PlanReason.NO_ROLLOUT)
-        else:
-            which = f" (rank {last} was the last)" if last >= 0 else ""
-            self._out.append(Abort(f"no rollout rank is left{which} and step {self.step} is "
-                                   f"open on a batch with no group"))
-
     # ------------------------------------------------------------------ the boundary
 
     def _plan(self, now: float, is_launch: bool = False, is_phase_over: bool = False) -> None:
@@ -338,9 +298,12 @@ class StepController(ManualPlans):
         self._boundary(now, roles, plan.reason)
 
     def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None,
-                  is_final: bool = False, is_resume: bool = False) -> None:
+                  is_final: bool = False, is_resume: bool = False, is_again: bool = False
+                  ) -> None:
         """``is_resume``: the launch of a resumed job (:mod:`.resume`): every rank gets the
-        weights of ``version``, and the rollout ranks take tasks once they have them."""
+        weights of ``version``, and the rollout ranks take tasks once they have them.
+        ``is_again``: a boundary out, sent again without a dead rank (no second checkpoint).
+        A boundary for a lost trainer rank (no update) saves and exports nothing."""
         if not is_final and self._lacks_rollout(roles):
             moved = self.config.limits.with_rollout(roles, self.dead)
             if moved is None:
@@ -360,12 +323,13 @@ class StepController(ManualPlans):
         self.buffer.num_dp_ranks = self._dp_ranks(new)  # what comes next is cut for it
         def is_due(every: int) -> bool:  # not the launch's boundary, nor a resume's
             return bool(is_final or (not is_resume and every and self.version
-                                     and self.version % every == 0))
+                                     and self.version % every == 0
+                                     and reason is not PlanReason.TRAINER_LOST))
 
         members = tuple(r for r in range(len(new)) if r not in self.dead)
         self._out.append(Boundary(
             self.version, new, old, members, keep[0], tuple(sorted(new_actors - old_actors)),
-            reason, checkpoint=is_due(self.config.checkpoint_every),
+            reason, checkpoint=is_due(self.config.checkpoint_every) and not is_again,
             export=is_due(self.config.export_every), is_final=is_final))
         if is_final:
             return
@@ -373,7 +337,8 @@ class StepController(ManualPlans):
         joining = set(rollout) if is_resume else {
             r for r in members if new[r] is Role.ROLLOUT and old[r] is not Role.ROLLOUT}
         self.boundary = PendingBoundary(self.version, set(members),
-                                        rollout if self.version > 0 else set(), joining)
+                                        rollout if self.version > 0 else set(),
+                                        joining - set(self.book.ranks), old, reason, is_resume)
 
     def _lacks_rollout(self, roles: list[Role]) -> bool:
         return not self.system.is_sync and not any(
@@ -393,7 +358,9 @@ class StepController(ManualPlans):
         return max(1, len(self._actors(roles)) // self.config.tensor_parallel)
 
     def _actors(self, roles: tuple[Role, ...]) -> set[int]:
-        return {r for r, role in enumerate(roles) if role is Role.ACTOR or self.system.is_sync}
+        """The actor ranks of ``roles``: every live rank under ``is_sync``."""
+        return {r for r, role in enumerate(roles)
+                if role is Role.ACTOR or (self.system.is_sync and role is not Role.IDLE)}
 
     def _planned(self, changes: tuple[RoleChange, ...]) -> list[Role]:
         return planned_roles(self.roles, changes)
@@ -478,28 +445,40 @@ class StepController(ManualPlans):
         self._plan(now, is_phase_over=True)
 
     def _open_step(self, now: float) -> None:
+        """Step ``self.step`` opens: its micro-batches so far go out. A step that runs again
+        (:meth:`_run_again`) first sends the ones its failed attempt had."""
         self.phase = Phase.TRAINING
+        retry, self.retry = self.retry, None
         start = self._layout_step(self.signals(now))  # TPRM of the arrivals so far
         self.buffer.num_dp_ranks = dp_ranks = max(1, len(start.actor_ranks)
                                                   // self.config.tensor_parallel)
         waiting = self.buffer.recut(self.step, self.waiting.pop(self.step, []), dp_ranks)
-        self.tracker.start_step(now)
-        ready_at = now if self.system.is_sync else self.trainer_free_at  # sync: rolling out
-        self.current = OpenStep(start, now, ready_at, self.tracker.step_ras)
+        if retry is None:
+            self.tracker.start_step(now)
+            ready_at = now if self.system.is_sync else self.trainer_free_at  # sync: rolling out
+            self.current = OpenStep(start, now, ready_at, self.tracker.step_ras)
+        else:
+            start = self._retry_start(start, retry)
+            self.current = replace(retry, start=start, num_mbs=0, sent=[], is_closed=False,
+                                   is_aborted=False)
         self.rollout.park(now, self.system.is_sync)
         self._out.append(start)
+        for mb in retry.sent if retry is not None else ():
+            self._send_micro_batch(mb)
         for mb in waiting:
             self._dispatch(mb)
         if self.step in self.closed:
             self.closed.discard(self.step)
             self._out.append(CloseStep(self.step))
+            self.current.is_closed = True
 
     def _layout_step(self, signals: ReadinessSignals) -> StartStep:
         """The step's mode and ranks. ERS plans the mode with the layout (its break-even is
         RA2P's cost model); without ERS, and outside a held manual plan, RA2P chooses each step.
         A colocated step runs on the actor ranks only (a Ref rank then waits)."""
         if self.system.is_sync:
-            return StartStep(self.step, StepMode.BATCH, (), tuple(range(len(self.roles))), 0)
+            return StartStep(self.step, StepMode.BATCH, (),
+                             tuple(sorted(self._actors(tuple(self.roles)))), 0)
         actors = tuple(r for r, role in enumerate(self.roles) if role is Role.ACTOR)
         refs = tuple(r for r, role in enumerate(self.roles) if role is Role.REF)
         fixed = self.system.fixed_step_mode
@@ -523,19 +502,31 @@ class StepController(ManualPlans):
                 current.group_ids.add(group.group_id)
                 current.samples += group.num_samples
         current.tokens += self.buffer.consume(current.start.step, mb)
+        self._send_micro_batch(mb)
+
+    def _send_micro_batch(self, mb: MicroBatch) -> None:
+        current = self.current
+        assert current is not None
         self._out.append(Dispatch(current.start.step, current.num_mbs, mb))
+        current.sent.append(mb)
         current.num_mbs += 1
 
-    def _on_micro_batch(self, batch: int, mb: MicroBatch) -> None:
+    def _is_open(self, batch: int) -> bool:
+        """Step ``batch`` is open and takes micro-batches (not an attempt a rank died in)."""
         current = self.current
-        if current is not None and batch == current.start.step and self.system.streams:
+        return current is not None and not current.is_aborted and batch == current.start.step
+
+    def _on_micro_batch(self, batch: int, mb: MicroBatch) -> None:
+        if self._is_open(batch) and self.system.streams:
             self._dispatch(mb)
         else:
             self.waiting.setdefault(batch, []).append(mb)
 
     def _on_batch_closed(self, batch: int) -> None:
-        if self.current is not None and batch == self.current.start.step:
+        if self._is_open(batch):
+            assert self.current is not None
             self._out.append(CloseStep(batch))
+            self.current.is_closed = True
             return
         self.closed.add(batch)
         if self.phase is Phase.WAITING and batch == self.step:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tiderl.core.commands import GroupSpec, StartStep
+from tiderl.core.types import MicroBatch, PlanReason, Role
 
 
 class Phase(str, Enum):
@@ -27,6 +28,9 @@ class OpenStep:
     tokens: int = 0
     samples: int = 0
     group_ids: set[str] = field(default_factory=set)
+    sent: list[MicroBatch] = field(default_factory=list)  # dispatched, in order
+    is_closed: bool = False  # CloseStep went out
+    is_aborted: bool = False  # a trainer rank of it died: AbortStep went out
 
 
 @dataclass
@@ -35,6 +39,9 @@ class PendingBoundary:
     awaiting: set[int]  # members whose acknowledgement opens the next step
     syncing: set[int]  # rollout members whose new weights move the staleness window
     joining: set[int]  # ranks CTB places tasks on once they acknowledge
+    old_roles: tuple[Role, ...] = ()  # the layout before it (a boundary sent again starts there)
+    reason: PlanReason | None = None
+    is_resume: bool = False
 
     def forget(self, rank: int) -> None:
         for ranks in (self.awaiting, self.syncing, self.joining):

@@ -29,7 +29,7 @@ import msgspec
 
 from tiderl.core.system import StepMode
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: steps have attempts (StepFailed, AbortStep)
 
 
 class BusProtocolError(ValueError):
@@ -129,7 +129,8 @@ class Ack(Message, kw_only=True):
 
 
 class StepDone(Message, kw_only=True):
-    """A trainer rank finished its share of optimizer step ``step``; ``version`` is the new one."""
+    """A trainer rank finished its share of attempt ``attempt`` of optimizer step ``step``;
+    ``version`` is the new one."""
 
     kind: ClassVar[int] = 0x07
     rank: int
@@ -141,6 +142,19 @@ class StepDone(Message, kw_only=True):
     grad_norm: float
     seconds: float
     stats: dict[str, float] = {}
+    attempt: int = 0
+
+
+class StepFailed(Message, kw_only=True):
+    """A trainer rank's share of attempt ``attempt`` of step ``step`` failed (a collective with a
+    rank that died, or an :class:`AbortStep`); ``updated``: it had stepped its optimizer."""
+
+    kind: ClassVar[int] = 0x09
+    rank: int
+    step: int
+    attempt: int
+    updated: bool
+    error: str
 
 
 class RankMetrics(Message, kw_only=True):
@@ -255,6 +269,7 @@ class TrainStep(Message, kw_only=True):
     ref_ranks: list[int]
     actor_ranks: list[int]
     max_aggregate: int  # micro-batches per colocated Ref/Actor round (0: no bound)
+    attempt: int = 0  # > 0: the step again, after a trainer rank died in the one before
 
 
 class MicroBatchData(Message, kw_only=True):
@@ -265,6 +280,7 @@ class MicroBatchData(Message, kw_only=True):
     step: int
     mb_id: int
     samples: list[TrainSampleData]
+    attempt: int = 0
 
 
 class StepClosed(Message, kw_only=True):
@@ -273,6 +289,17 @@ class StepClosed(Message, kw_only=True):
     kind: ClassVar[int] = 0x28
     seq: int
     step: int
+    attempt: int = 0
+
+
+class AbortStep(Message, kw_only=True):
+    """Drop attempt ``attempt`` of step ``step`` (a trainer rank of it died): a rank still in
+    it answers :class:`StepFailed` (or :class:`StepDone`, had it finished)."""
+
+    kind: ClassVar[int] = 0x29
+    seq: int
+    step: int
+    attempt: int
 
 
 class Shutdown(Message, kw_only=True):
@@ -317,9 +344,9 @@ class Snapshot(Message, kw_only=True):
 
 
 MESSAGES: tuple[type[Message], ...] = (
-    Hello, Heartbeat, TurnReport, TaskFinished, TaskDetached, Ack, StepDone, RankMetrics,
-    AdmitTask, PauseTask, DetachTask, ResumeTask, SyncWeights, TrainStep, MicroBatchData,
-    Shutdown, StepClosed, Snapshot, Rebalance, RebalanceReply,
+    Hello, Heartbeat, TurnReport, TaskFinished, TaskDetached, Ack, StepDone, StepFailed,
+    RankMetrics, AdmitTask, PauseTask, DetachTask, ResumeTask, SyncWeights, TrainStep,
+    MicroBatchData, Shutdown, StepClosed, AbortStep, Snapshot, Rebalance, RebalanceReply,
 )
 
 

@@ -1,0 +1,87 @@
+"""An actor's peer leaves the world in a step (its process group goes, as a dead rank's
+connections do): the actor answers StepFailed without updating, drops the step's gradients, and
+the step run again on it alone (after a boundary without the peer) trains exactly what a clean
+one-actor step trains. Two real RankDaemons (gloo); the test plays the coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.integration.test_rank_backends import _steps
+from tiderl.core.system import StepMode
+from tiderl.core.types import Role
+from tiderl.profile import load_profile
+from tiderl.runtime.bus import StepDone, StepFailed, SyncWeights, TrainStep
+from tiderl.runtime.rank import RankArgs, RankDaemon
+from tiderl.trainer.spawn import RankContext, free_port, run_ranks
+
+A, IDLE = Role.ACTOR, Role.IDLE
+
+
+def train(daemon: RankDaemon, steps, step: int, actors: list[int], attempt: int = 0):
+    daemon.streams[(step, attempt)] = steps[step]
+    return daemon._train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
+                                   ref_ranks=[], actor_ranks=actors, max_aggregate=2,
+                                   attempt=attempt))
+
+
+async def _play(daemon: RankDaemon, variant: str) -> None:
+    assert daemon.model_config is not None
+    steps = _steps(daemon.model_config.vocab_size)
+    await train(daemon, steps, 0, [0, 1])
+    members = [0] if variant == "died" else [0, 1]
+    if variant == "died":
+        if daemon.rank == 1:  # gone: its peer's collectives see the connections close
+            dist.destroy_process_group()
+            return
+        await train(daemon, steps, 1, [0, 1])  # fails in the reduction, without an update
+        steps = _steps(daemon.model_config.vocab_size)  # the coordinator sends them again
+    await daemon._boundary(SyncWeights(seq=5, version=1, src_rank=0, roles=[A.value, IDLE.value],
+                                       members=members))
+    if daemon.rank == 0:
+        await train(daemon, steps, 1, [0], attempt=1 if variant == "died" else 0)
+
+
+def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
+    variant, port, run_dir = arg
+    dist.destroy_process_group()  # the daemon joins its own world, as in a job
+    profile = load_profile("local", ["trainer.lr=1e-3", "trainer.kl_beta=0",
+                                     "runtime.num_ranks=2", "runtime.rollout_ranks=1",
+                                     "runtime.steps=2", "runtime.collective_timeout_s=30"])
+    args = RankArgs(rank=ctx.rank, world_size=2, run_dir=Path(run_dir), bus="",
+                    dist_init=f"tcp://127.0.0.1:{port}", env_url="", role=A)
+    daemon = RankDaemon(args, profile)
+    daemon.setup([A, A])
+    sent: list = []
+    daemon._send = sent.append  # what the rank would put on the bus
+    asyncio.run(_play(daemon, variant))
+    weights = daemon.actor.backend.full_state_dict() if daemon.actor is not None else {}
+    return {"sent": [(type(m).__name__, m.step, m.attempt, getattr(m, "updated", None),
+                      getattr(m, "error", "")) for m in sent
+                     if isinstance(m, StepDone | StepFailed)],
+            "version": daemon.version, "actor_set": daemon.actor_set,
+            "weights": {k: v.clone() for k, v in weights.items()}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return {variant: run_ranks(_rank, 2, (variant, free_port(),
+                                          str(tmp_path_factory.mktemp(variant))), timeout_s=300)
+            for variant in ("died", "clean")}
+
+
+def test_a_step_its_peer_died_in_runs_again_and_trains_what_a_clean_step_trains(runs):
+    died, clean = runs["died"][0], runs["clean"][0]
+    (first, failed, again) = died["sent"]
+    assert first[:3] == ("StepDone", 0, 0)
+    assert failed[:4] == ("StepFailed", 1, 0, False) and failed[4]  # with the gloo error
+    assert again[:3] == ("StepDone", 1, 1)
+    assert [m[:3] for m in clean["sent"]] == [("StepDone", 0, 0), ("StepDone", 1, 0)]
+    assert died["version"] == clean["version"] == 2 and died["actor_set"] == (0,)
+    for name, tensor in clean["weights"].items():
+        torch.testing.assert_close(died["weights"][name], tensor, atol=0, rtol=0, msg=name)

@@ -1,0 +1,129 @@
+"""The open step on the bus: its messages out, its ranks' reports back.
+
+    StartStep ──TrainStep──> the step's ranks       AbortStep ──AbortStep──> its live ranks
+    Dispatch ──MicroBatchData (the samples)──>      CloseStep ──StepClosed──>
+    StepDone / StepFailed of the open attempt ──> reports; complete once every live rank of the
+        attempt answered ──> (the adapter) StepOutcome ──> StepController.step_done
+
+A failure with every rank of the step alive is the job's failure, but only after the heartbeat
+window: a rank that died in the step's collective is then the one named (its peers' "connection
+closed" is its consequence), and with a dead rank the failures are the step controller's to
+settle (the step runs again, or was trained). The samples of a dispatched micro-batch are kept
+until the step is done, so that an attempt a rank died in can be sent again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiderl.core import commands as c
+from tiderl.runtime import bus as b
+from tiderl.runtime.records import CoordinatorError
+from tiderl.trainer.batch import TrainSample
+
+
+class StepLink:
+    def __init__(self, send: Callable[[int, b.Message], None], next_seq: Callable[[], int],
+                 window_s: float) -> None:
+        self._send, self._next_seq = send, next_seq
+        self.window_s = window_s  # how long heartbeats take to name a dead rank
+        self.start: c.StartStep | None = None  # the open attempt
+        self.reports: dict[int, c.RankReport] = {}
+        self.failed_at: float | None = None  # the attempt's first failure, while unexplained
+        self.errors: dict[int, str] = {}
+        self.sent: dict[str, tuple[TrainSample, float]] = {}  # dispatched: sample, reward
+        self.rewards: list[float] = []  # the attempt's samples', as dispatched
+        self.groups: set[str] = set()  # the step's groups, as dispatched
+
+    def send(self, command: c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep,
+             samples: dict[str, TrainSample], rewards: dict[str, float],
+             dead: set[int]) -> None:
+        """``samples`` / ``rewards``: the ready ones, by sequence id (a dispatched one moves
+        here until the step is done)."""
+        if isinstance(command, c.StartStep):
+            self.start, self.reports, self.errors = command, {}, {}
+            self.failed_at, self.rewards = None, []
+            msg: b.Message = b.TrainStep(
+                seq=self._next_seq(), step=command.step, mode=command.mode,
+                ref_ranks=list(command.ref_ranks), actor_ranks=list(command.actor_ranks),
+                max_aggregate=command.max_aggregate, attempt=command.attempt)
+        elif isinstance(command, c.Dispatch):
+            assert self.start is not None
+            data = []
+            for seq in command.mb.sequences:
+                if seq.seq_id not in self.sent:
+                    self.sent[seq.seq_id] = (samples.pop(seq.seq_id),
+                                             rewards.pop(seq.seq_id))
+                sample, reward = self.sent[seq.seq_id]
+                self.groups.add(sample.seq_id.rsplit(".", 1)[0])
+                self.rewards.append(reward)
+                data.append(sample_data(sample))
+            msg = b.MicroBatchData(seq=self._next_seq(), step=command.step,
+                                   mb_id=command.index, samples=data,
+                                   attempt=self.start.attempt)
+        elif isinstance(command, c.CloseStep):
+            assert self.start is not None
+            msg = b.StepClosed(seq=self._next_seq(), step=command.step,
+                               attempt=self.start.attempt)
+        else:
+            msg = b.AbortStep(seq=self._next_seq(), step=command.step, attempt=command.attempt)
+        assert self.start is not None
+        for rank in self.start.ranks:
+            if rank not in dead:
+                self._send(rank, msg)
+
+    def is_of_open_attempt(self, msg: b.StepDone | b.StepFailed) -> bool:
+        start = self.start
+        return start is not None and msg.step == start.step and msg.attempt == start.attempt \
+            and msg.rank in start.ranks
+
+    def on_done(self, msg: b.StepDone) -> None:
+        stats = msg.stats
+        self.reports[msg.rank] = c.RankReport(
+            msg.rank, wait_s=stats.get("wait_s", 0.0), t_ref=stats.get("t_ref"),
+            t_act_f=stats.get("t_act_f"), t_act_b=stats.get("t_act_b"),
+            t_swap=stats.get("t_swap"), loss=msg.loss, grad_norm=msg.grad_norm,
+            loss_tokens=msg.loss_tokens)
+
+    def on_failed(self, msg: b.StepFailed, now: float) -> None:
+        if msg.updated:  # its weights moved on while its peers' may not have: not repairable
+            raise CoordinatorError(f"rank {msg.rank} failed after its optimizer step in step "
+                                   f"{msg.step}: {msg.error}")
+        self.reports[msg.rank] = c.RankReport(msg.rank, failed=True)
+        self.errors[msg.rank] = msg.error
+        if self.failed_at is None:
+            self.failed_at = now
+
+    def complete(self, dead: set[int], now: float) -> tuple[c.RankReport, ...] | None:
+        """The open attempt's reports once every live rank of it answered and any failure is
+        explained by a dead rank of it; None until then. A failure still unexplained after the
+        heartbeat window is the job's (CoordinatorError)."""
+        start = self.start
+        if start is None:
+            return None
+        lost = any(r in dead for r in start.ranks)
+        if self.failed_at is not None and not lost:
+            if now - self.failed_at > self.window_s:
+                rank = min(self.errors)
+                raise CoordinatorError(f"rank {rank} failed: {self.errors[rank]}")
+            return None
+        live = [r for r in start.ranks if r not in dead]
+        if any(r not in self.reports for r in live):
+            return None
+        return tuple(self.reports[r] for r in live)
+
+    def done(self) -> set[str]:
+        """The step trained: its groups."""
+        groups = self.groups
+        self.start, self.reports, self.sent, self.groups = None, {}, {}, set()
+        return groups
+
+    def reopen(self) -> None:
+        """The attempt settled without training (the step runs again): wait for the next."""
+        self.start = None
+
+
+def sample_data(s: TrainSample) -> b.TrainSampleData:
+    return b.TrainSampleData(seq_id=s.seq_id, input_ids=list(s.input_ids),
+                             loss_mask=list(s.loss_mask), logprobs=list(s.logprobs),
+                             advantage=s.advantage, version=s.version)

@@ -86,8 +86,9 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
     ("actor", signal.SIGKILL, ()),
     ("actor", signal.SIGSTOP, ()),  # past its heartbeats: stopped for good with the job
     ("ref", signal.SIGKILL, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
+    ("ref", signal.SIGSTOP, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
     ("rollout", signal.SIGKILL, ("runtime.mode=sync", "runtime.rollout_ranks=3")),  # a trainer
-], ids=["actor-kill", "actor-stop", "ref-kill", "sync-kill"])
+], ids=["actor-kill", "actor-stop", "ref-kill", "ref-stop", "sync-kill"])
 def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, sig, extra):
     """Every DDP actor holds the whole model: the step the rank died in is trained once (by the
     actors left, again if they had not updated), and the job ends as planned."""
@@ -211,6 +212,26 @@ def test_an_engine_server_killed_its_rank_goes_and_the_job_goes_on(tmp_path):
         assert job.wait() == 0, job.output
         (dead,) = events(run_dir, "rank_dead")
         assert dead["rank"] == 0
+        assert_each_group_once(run_dir)
+        assert_nothing_left(run_dir)
+
+
+def test_an_engine_server_stopped_past_its_heartbeats_takes_its_rank_out(tmp_path):
+    """SIGSTOP: its requests would wait out their timeout (minutes); its rank sees the server
+    answer no heartbeat's stats for two heartbeat windows and goes, and the job goes on."""
+    with chaos(tmp_path) as jobs:
+        job, state, run_dir = started(jobs, tmp_path, "runtime.num_ranks=4",
+                                      "runtime.rollout_ranks=2", "ers.enabled=false",
+                                      "engine.backend=http")
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "engine0", signal.SIGSTOP)
+        job.until(lambda: events(run_dir, "rank_dead"), "rank 0 declared dead", timeout_s=90)
+        kill(state, "engine0", signal.SIGCONT)
+        assert job.wait() == 0, job.output
+        (dead,) = events(run_dir, "rank_dead")
+        assert dead["rank"] == 0
+        log = (run_dir / "logs" / "rank0.log").read_text()
+        assert "its engine server has not answered for" in log, log[-2000:]
         assert_each_group_once(run_dir)
         assert_nothing_left(run_dir)
 

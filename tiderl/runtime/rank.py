@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -99,6 +100,7 @@ FALLBACK_POLL_S = 0.05
 COORDINATOR_LOST_S = 15.0  # at least: a rank exits when its coordinator is gone this long
 EXIT_COORDINATOR_LOST = 3
 EXIT_ENGINE_LOST = 4
+ENGINE_STALL_FACTOR = 2  # a server silent this many heartbeat windows has stalled (SIGSTOP)
 IDLE_SAMPLE_S = 0.05  # the bus reader is edge-triggered: a slow poll catches a missed edge
 
 
@@ -135,6 +137,7 @@ class RankDaemon(TrainerRoles):
         self.ref: RefWorker | None = None
         self.engine: RankEngine | None = None  # while rolling out
         self.server: ServerEngine | None = None  # this rank's engine server, awake or asleep
+        self.engine_answered_at = 0.0  # when its engine last answered a heartbeat's stats
         self.model_config = None
         self.agent: AgentLoop | None = None
         self.tasks: dict[str, asyncio.Task] = {}
@@ -230,6 +233,7 @@ class RankDaemon(TrainerRoles):
 
     def _attach(self, engine: RankEngine) -> None:
         self.engine = engine
+        self.engine_answered_at = time.monotonic()  # up: it answered its health check
         engine_cfg, env_cfg = self.profile.engine, self.profile.env
         sampling = SamplingParams(max_tokens=engine_cfg.max_new_tokens,
                                   temperature=engine_cfg.temperature, top_p=engine_cfg.top_p)
@@ -302,8 +306,11 @@ class RankDaemon(TrainerRoles):
         if engine is not None:
             try:  # bounded: a slow server must not hold back the next heartbeat
                 stats = await asyncio.wait_for(engine.stats(), self.profile.runtime.heartbeat_s)
+                self.engine_answered_at = time.monotonic()
             except Exception as exc:  # a server that does not answer: this beat has no stats
                 log.warning("rank %d: engine stats: %s", self.rank, exc or type(exc).__name__)
+                if isinstance(exc, TimeoutError | httpx.TransportError):
+                    self._check_stalled(engine)
             if self.engine is not engine:  # it left rollout meanwhile: its stint is counted
                 stats = EngineStats()
         queries, hits = stats.prefix_queries, stats.prefix_hits
@@ -314,6 +321,20 @@ class RankDaemon(TrainerRoles):
                            running=stats.running, waiting=stats.waiting,
                            prefix_queries=self.queries_before + queries,
                            prefix_hits=self.hits_before + hits)
+
+    def _check_stalled(self, engine: RankEngine) -> None:
+        """An engine server that has answered no heartbeat's stats for ``ENGINE_STALL_FACTOR``
+        heartbeat windows (stopped, or wedged) is treated as gone: the rank exits, and its tasks
+        go back to CTB, rather than wait out each request's timeout (minutes)."""
+        rt = self.profile.runtime
+        silent = time.monotonic() - self.engine_answered_at
+        if engine is not self.server or \
+                silent < ENGINE_STALL_FACTOR * rt.heartbeat_s * rt.heartbeat_misses:
+            return
+        log.error("rank %d: its engine server has not answered for %.0f s; exiting, so that its "
+                  "tasks go back to CTB", self.rank, silent)
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_LOST)
 
     async def _fallback_poll(self) -> None:
         while True:

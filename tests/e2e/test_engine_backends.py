@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -86,38 +82,20 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     assert _all_gone(run_dir) == []
 
 
-def test_ctb_pauses_tasks_and_a_killed_server_takes_its_rank_out(tmp_path):
+def test_ctb_pauses_tasks_on_engine_servers(tmp_path):
     """Two rollout ranks whose CTB budget is 5% of their servers' KV: CTB pauses tasks while
-    the job runs. Then SIGKILL one server after the first step: the launcher stops its rank
-    too, the coordinator declares it dead, its tasks start again on the other rank and the job
-    finishes its steps with every group trained, dropped or accounted as still out."""
-    profile = load_profile("local", [*SMALL, "runtime.steps=6", "runtime.rollout_ranks=2",
-                                     "ers.enabled=false", "runtime.collective_timeout_s=10",
-                                     "ctb.budget_fraction=0.05"])
-    killed: list[int] = []
+    the job runs, and every group is trained, dropped or accounted as still out (a server
+    killed or stopped under a job: tests/chaos)."""
+    profile = load_profile("local", [*SMALL, "runtime.steps=4", "runtime.rollout_ranks=2",
+                                     "ers.enabled=false", "ctb.budget_fraction=0.05"])
     paused: list[float] = []
-
-    def kill_engine_1(state: JobState) -> None:
-        def run() -> None:
-            metrics = Path(state.run_dir) / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
-                time.sleep(0.05)
-            (engine,) = [r for r in state.processes if r.name == "engine1"]
-            os.kill(engine.pid, signal.SIGKILL)
-            killed.append(engine.pid)
-        threading.Thread(target=run, daemon=True).start()
-
-    result = run_local(profile, run_root=tmp_path, on_start=kill_engine_1,
+    result = run_local(profile, run_root=tmp_path,
                        on_snapshot=lambda snap: paused.append(snap.metrics.get("paused", 0)))
-    assert killed and result.exit_code == 0
+    assert result.exit_code == 0
     assert max(paused) > 0  # tasks were paused while the job ran
     metrics = _read(result.run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(6))
+    assert [m["step"] for m in metrics] == list(range(4))
     events = _read(result.run_dir / "events.jsonl")
-    (dead,) = [e for e in events if e["kind"] == "rank_dead"]
-    assert dead["rank"] == 1 and dead["role"] == "rollout"
-    assert metrics[-1]["num_rollout"] == 1 and metrics[-1]["trained_samples"] >= 4
     (stop,) = [e for e in events if e["kind"] == "stop"]
     groups = stop["groups"]  # none was lost: each trained, dropped or still out
     assert groups["fed"] == (groups["trained"] + groups["dropped"] + groups["buffered"]

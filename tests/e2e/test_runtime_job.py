@@ -4,9 +4,6 @@ bus and a gloo world, exactly as ``tiderl launch`` runs them (no mocks)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,7 +11,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.integration.serving import tiderl_command
 from tiderl.launch.job import run_local
 from tiderl.launch.local import JobState, group_members, is_running
 from tiderl.profile import load_profile
@@ -101,33 +97,6 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     _assert_all_gone(result.run_dir)
 
 
-def test_ctrl_c_stops_every_process_of_the_job(tmp_path):
-    """SIGINT to ``tiderl launch`` mid-run: the launcher stops the job; no process survives."""
-    argv = [*tiderl_command(), "launch", "--run-root", str(tmp_path)]
-    for item in [*SMALL, "runtime.steps=50", "runtime.mode=async"]:
-        argv += ["--set", item]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "COLUMNS": "120"})
-    deadline = time.monotonic() + 120
-    run_dir = None
-    while time.monotonic() < deadline:
-        jobs = list(tmp_path.glob("*/job.json"))
-        if jobs and (jobs[0].parent / "metrics.jsonl").exists() and \
-                (jobs[0].parent / "metrics.jsonl").read_text():
-            run_dir = jobs[0].parent
-            break
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.5)
-    assert run_dir is not None, "the job did not finish a step in time"
-    pids = [r.pid for r in JobState.load(run_dir).processes]
-    assert all(is_running(pid) for pid in pids)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert "interrupted" in err.decode() and "Traceback" not in err.decode()
-    _assert_all_gone(run_dir)
-
-
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
     extra = ["runtime.mode=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
@@ -148,35 +117,3 @@ def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
         assert sum(m["trained_samples"] for m in metrics) == 16  # 2 steps of B_ideal 8
     assert not [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "role_change"]
     _assert_all_gone(result.run_dir)
-
-
-
-
-def test_a_dead_rollout_rank_is_detected_and_the_job_goes_on(tmp_path):
-    """SIGKILL one of two rollout ranks after the first step: the coordinator declares it dead
-    (its bus connection is gone, or it misses heartbeats), its tasks go back to CTB (restarted
-    on the other rank), the weight broadcasts leave it out (one it died in is sent again
-    without it), and the job finishes its steps."""
-    profile = _small(8, "ers.enabled=false", "runtime.collective_timeout_s=10")
-    killed: list[int] = []
-
-    def kill_rank_1(state: JobState) -> None:
-        def run() -> None:
-            metrics = Path(state.run_dir) / "metrics.jsonl"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
-                time.sleep(0.05)
-            (rank,) = [r for r in state.processes if r.rank == 1]
-            os.kill(rank.pid, signal.SIGKILL)
-            killed.append(rank.pid)
-        threading.Thread(target=run, daemon=True).start()
-
-    result = run_local(profile, run_root=tmp_path, on_start=kill_rank_1)
-    assert killed and result.exit_code == 0
-    metrics = _read(result.run_dir / "metrics.jsonl")
-    events = _read(result.run_dir / "events.jsonl")
-    assert [m["step"] for m in metrics] == list(range(8))
-    (dead,) = [e for e in events if e["kind"] == "rank_dead"]
-    assert dead["rank"] == 1 and dead["role"] == "rollout"
-    assert metrics[-1]["roles"][1] == "idle" and metrics[-1]["num_rollout"] == 1
-    assert all(m["staleness_max"] <= 1 for m in metrics)

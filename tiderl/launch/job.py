@@ -225,10 +225,9 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     commands = local_commands(plan)
     try:
         env_cmds = [c for c in commands if c.kind == "env"]
+        executor.start(commands)  # at once: the service starts while the ranks import torch
         if env_cmds:
-            executor.start(env_cmds)
             wait_for_env(f"http://127.0.0.1:{ports['env']}", executor)
-        executor.start([c for c in commands if c.kind != "env"])
         if on_start is not None:
             on_start(state)
 

@@ -165,10 +165,9 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
         _push(plan, hosts, run_dir, sessions)
         executor = SSHExecutor(state, sessions)
         env = [p for p in plan.processes if p.kind == "env"]
+        executor.start(list(plan.processes))  # at once, as run_local does
         if env:
-            executor.start(env)
             wait_for_env(ep.env_url, executor)
-        executor.start([p for p in plan.processes if p.kind != "env"])
         if on_start is not None:
             on_start(state)
 

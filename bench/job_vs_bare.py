@@ -57,7 +57,7 @@ from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import Profile, load_profile
 from tiderl.runtime.records import Dataset
 from tiderl.runtime.report import read_records
-from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.sample import TrainSample
 
 GROUP_SIZE, MEDIAN_S = 8, 0.2
 TARGETS = {"zero": 0.8, "lognormal": 3.0}

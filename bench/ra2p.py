@@ -42,7 +42,7 @@ from tiderl.core.ra2p import (
 )
 from tiderl.core.types import MicroBatch, Ra2pTimings
 from tiderl.models.init import init_model
-from tiderl.trainer.batch import TrainSample, pack
+from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import (
     ColocatedExecutor,
@@ -52,6 +52,7 @@ from tiderl.trainer.executors import (
     StepInput,
 )
 from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.sample import TrainSample
 from tiderl.trainer.spawn import RankContext, run_ranks
 from tiderl.trainer.synthetic import synthetic_samples
 from tiderl.trainer.timeline import Timeline

@@ -41,8 +41,9 @@ from machine import machine_info, write_result
 
 from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM, packed_token_logprobs, token_logprobs
-from tiderl.trainer.batch import TrainSample, pack
+from tiderl.trainer.batch import pack
 from tiderl.trainer.loss import grpo_loss_sum
+from tiderl.trainer.sample import TrainSample
 
 PATHS = ("full", "chunked", "full+ac", "chunked+ac")
 MODELS = {"small": None, "small-v32k": 32768}

@@ -48,10 +48,10 @@ from tiderl.models.vocab import VOCAB
 from tiderl.runtime.bus import MicroBatchData, StepClosed, TrainStep
 from tiderl.runtime.bus.messages import TrainSampleData, decode, encode
 from tiderl.runtime.rank_wire import micro_batch_of, step_done
-from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import ColocatedExecutor, StreamedStep
 from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.sample import TrainSample
 from tiderl.trainer.worker import ActorWorker, RefWorker
 
 EPISODES, GROUP, TURNS, OUTPUT_TOKENS = 32, 8, 8, 2

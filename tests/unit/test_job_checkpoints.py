@@ -3,6 +3,7 @@ and the space check; real DCP saves of a small model and real job.json files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,20 @@ def test_a_complete_checkpoint_reads_back_and_the_newest_wins(tmp_path):
     assert read_job_state(choice.folder).point == point(4)
 
 
-@pytest.mark.parametrize("damage", ["truncated shard", "no meta", "no job state", "bad json"])
+@pytest.mark.parametrize("damage", ["truncated shard", "no rng", "no meta", "no job state",
+                                    "bad json", "truncated shard, meta of before file lists"])
 def test_a_damaged_newest_checkpoint_is_passed_over_with_the_reason(tmp_path, damage):
     checkpoint(tmp_path, 2)
     newest = checkpoint(tmp_path, 4)
-    if damage == "truncated shard":
+    if damage.startswith("truncated shard"):
         shard = next(newest.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:100])
+        if damage.endswith("file lists"):  # a checkpoint of an older TideRL: DCP's metadata
+            meta = json.loads((newest / "meta.json").read_text())
+            del meta["files"]
+            (newest / "meta.json").write_text(json.dumps(meta))
+    elif damage == "no rng":
+        (newest / "rng-rank0.pt").unlink()
     elif damage == "no meta":
         (newest / "meta.json").unlink()
     elif damage == "no job state":

@@ -10,8 +10,8 @@ import pytest
 
 from tiderl.core.rank_sets import MAX_ALL_SUBSETS, has_group, trainer_sets
 from tiderl.core.types import MicroBatch, SeqRef
-from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.executors import StreamedStep, phase_times
+from tiderl.trainer.sample import TrainSample
 
 
 def test_small_jobs_get_a_group_for_every_rank_set():

@@ -10,10 +10,11 @@ import torch
 
 from tiderl.core.types import Trajectory, Turn
 from tiderl.models.init import init_model
-from tiderl.trainer.batch import TrainSample, pack
+from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.loss import LossStats, grpo_loss_sum
 from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.sample import TrainSample
 from tiderl.trainer.synthetic import synthetic_samples
 from tiderl.trainer.worker import ActorWorker, RefWorker
 

@@ -51,8 +51,8 @@ from tiderl.runtime.resume import (
 from tiderl.runtime.run_log import EventThrottle, RunLog
 from tiderl.runtime.step_link import StepLink, sample_data
 from tiderl.runtime.tasks import TaskRouter
-from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.checkpoint_meta import step_dir
+from tiderl.trainer.sample import TrainSample
 
 log = logging.getLogger("tiderl.coordinator")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from tiderl.core.types import MicroBatch, SeqRef, Turn
 from tiderl.runtime.agent import TaskCarry
 from tiderl.runtime.bus import CarryData, MicroBatchData, StepDone, TurnData
-from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.executors import StepData, StepResult, phase_times
+from tiderl.trainer.sample import TrainSample
 
 
 def micro_batch_of(msg: MicroBatchData) -> tuple[MicroBatch, list[TrainSample]]:

@@ -13,7 +13,7 @@ from tiderl.core.commands import GroupSpec
 from tiderl.core.step_control import task_id
 from tiderl.core.types import Group, SeqRef, Task, Trajectory
 from tiderl.profile import Profile
-from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.sample import TrainSample
 
 
 class CoordinatorError(RuntimeError):

@@ -9,10 +9,11 @@
     runs/<job>/resume.json    {"checkpoint": ...}: written by ``tiderl launch --resume``; the
                               coordinator and the ranks of the resumed job read it
 
-A checkpoint is complete when job.json and every part's meta.json are there and its DCP files
-are as long as their metadata says (a crash or a full disk mid-save leaves one that is not, and
-it is never loaded: the one before it is). The coordinator keeps the newest
-``runtime.checkpoint_keep`` complete ones and removes the rest as it starts the next one.
+A checkpoint is complete when job.json and every part's meta.json are there and the files its
+meta.json lists are there at their sizes (a crash or a full disk mid-save leaves one that is
+not, and it is never loaded: the one before it is). That check needs no torch: the coordinator
+does not import it. The coordinator keeps the newest ``runtime.checkpoint_keep`` complete ones
+and removes the rest as it starts the next one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import msgspec
 
 from tiderl.core.step_control import ResumePoint
 from tiderl.runtime.bus import TrainSampleData
-from tiderl.trainer.checkpoint_meta import META_FILE, CheckpointError, read_meta, step_folders
+from tiderl.trainer.checkpoint_meta import (
+    META_FILE,
+    CheckpointError,
+    file_problem,
+    read_meta,
+    step_folders,
+)
 
 JOB_STATE = "job.json"
 RESUME_FILE = "resume.json"
@@ -84,18 +91,22 @@ def check_complete(folder: Path, tensor_parallel: int) -> int:
         if meta.version != state.point.version:
             raise CheckpointError(f"{part / META_FILE} is of version {meta.version}, "
                                   f"{JOB_STATE} of {state.point.version}")
-        _check_dcp_files(part)
+        problem = file_problem(part, meta) if meta.files else _dcp_file_problem(part)
+        if problem is not None:
+            raise CheckpointError(problem)
     return state.point.version
 
 
-def _check_dcp_files(part: Path) -> None:
-    """Every DCP storage file is there and as long as the metadata's last byte in it."""
+def _dcp_file_problem(part: Path) -> str | None:
+    """For a checkpoint whose meta.json lists no files (written before it did): every DCP
+    storage file is there and as long as the metadata's last byte in it (this reads the DCP
+    metadata, with torch)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         metadata = FileSystemReader(str(part)).read_metadata()
     except Exception as exc:  # whatever makes the metadata unreadable: not loadable
-        raise CheckpointError(f"unreadable DCP metadata in {part}: {exc}") from None
+        return f"unreadable DCP metadata in {part}: {exc}"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
@@ -105,7 +116,8 @@ def _check_dcp_files(part: Path) -> None:
         size = path.stat().st_size if path.is_file() else -1
         if size < end:
             what = "missing" if size < 0 else f"{size} bytes, its metadata needs {end}"
-            raise CheckpointError(f"incomplete checkpoint at {part}: {name} is {what}")
+            return f"incomplete checkpoint at {part}: {name} is {what}"
+    return None
 
 
 @dataclass(frozen=True)

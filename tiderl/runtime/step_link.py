@@ -19,7 +19,7 @@ from collections.abc import Callable
 from tiderl.core import commands as c
 from tiderl.runtime import bus as b
 from tiderl.runtime.records import CoordinatorError
-from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.sample import TrainSample
 
 
 class StepLink:

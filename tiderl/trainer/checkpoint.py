@@ -10,7 +10,9 @@ and can be loaded on another world size)::
 
 ``meta.json`` is written by rank 0 of the backend's group after a barrier that every rank passes
 only once its files are written, so a checkpoint with ``meta.json`` is complete and one without
-it (a crash mid-save) is never loaded. Works without a process group too (single process).
+it (a crash mid-save) is never loaded; it lists those files with their sizes, so that a file
+cut short or lost later is found without torch (``checkpoint_meta.file_problem``). Works
+without a process group too (single process).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tiderl.trainer.checkpoint_meta import (
     META_FILE,
@@ -35,6 +35,7 @@ from tiderl.trainer.checkpoint_meta import (
     CheckpointError,
     CheckpointMeta,
     latest_checkpoint,
+    part_files,
     read_meta,
     step_dir,
 )
@@ -48,11 +49,14 @@ def save_checkpoint(path: str | Path, backend: TrainBackend, optimizer: torch.op
                     version: int, extra: dict[str, Any] | None = None) -> Path:
     """Save under ``path/step-{version:08d}``; every rank of ``backend.group`` must call this.
     ``extra`` (JSON-serialisable, e.g. buffer and dataset position) is stored in meta.json."""
+    import torch.distributed.checkpoint as dcp  # here: it takes a rank ~1 s to import
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     folder = step_dir(path, version)
     rank, world_size = _rank_and_size(backend.group)
     meta = {"version": version, "extra": extra or {}, "world_size": world_size,
             "backend": backend.name}
-    meta_text = json.dumps(meta, indent=2)  # fails here, before any file, if extra is not JSON
+    json.dumps(meta)  # fails here, before any file, if extra is not JSON
     folder.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         # An older save of this version stops counting as complete. No other rank writes into
@@ -67,7 +71,7 @@ def save_checkpoint(path: str | Path, backend: TrainBackend, optimizer: torch.op
     if rank == 0:  # write, fsync, rename: the marker is whole or absent
         tmp = folder / f"{META_FILE}.tmp"
         with open(tmp, "w") as handle:
-            handle.write(meta_text + "\n")
+            handle.write(json.dumps({**meta, "files": part_files(folder)}, indent=2) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, folder / META_FILE)
@@ -79,6 +83,9 @@ def load_checkpoint(path: str | Path, backend: TrainBackend,
                     optimizer: torch.optim.Optimizer) -> CheckpointMeta:
     """Load a complete checkpoint folder (as ``save_checkpoint`` / ``latest_checkpoint`` return
     it) into ``backend`` and ``optimizer`` in place, and restore this rank's RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     folder = Path(path)
     meta = read_meta(folder)
     rank, world_size = _rank_and_size(backend.group)

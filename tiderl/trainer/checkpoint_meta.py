@@ -12,6 +12,7 @@ from typing import Any
 
 META_FILE = "meta.json"
 STEP_PATTERN = re.compile(r"^step-(\d{8})$")
+PART_FILE = re.compile(r"^(\.metadata|.+\.distcp|rng-rank\d+\.pt)$")  # what the actors write
 
 
 class CheckpointError(RuntimeError):
@@ -25,6 +26,7 @@ class CheckpointMeta:
     world_size: int = 1
     backend: str = ""
     rng_restored: bool = False  # False when loaded on another world size (RNG is per rank)
+    files: dict[str, int] = field(default_factory=dict)  # the part's files and their sizes
 
 
 def step_dir(path: str | Path, version: int) -> Path:
@@ -40,9 +42,27 @@ def read_meta(folder: str | Path) -> CheckpointMeta:
     try:
         data = json.loads(meta_file.read_text())
         return CheckpointMeta(int(data["version"]), dict(data["extra"]), int(data["world_size"]),
-                              str(data["backend"]))
+                              str(data["backend"]),
+                              files={str(k): int(v) for k, v in data.get("files", {}).items()})
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"unreadable {meta_file}: {exc}") from None
+
+
+def part_files(folder: Path) -> dict[str, int]:
+    """The files the actors wrote into a checkpoint folder, with their sizes."""
+    return {f.name: f.stat().st_size for f in sorted(folder.iterdir())
+            if PART_FILE.match(f.name) and f.is_file()}
+
+
+def file_problem(folder: Path, meta: CheckpointMeta) -> str | None:
+    """Why the files ``meta`` lists are not all there at their sizes (None: they are)."""
+    for name, size in meta.files.items():
+        path = folder / name
+        found = path.stat().st_size if path.is_file() else -1
+        if found != size:
+            what = "missing" if found < 0 else f"{found} bytes, {META_FILE} says {size}"
+            return f"incomplete checkpoint at {folder}: {name} is {what}"
+    return None
 
 
 def step_folders(path: str | Path) -> list[Path]:

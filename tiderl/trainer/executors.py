@@ -32,8 +32,9 @@ import torch.distributed as dist
 from tiderl.core.ra2p import dispatch_zigzag, order_smallest_last
 from tiderl.core.system import StepMode
 from tiderl.core.types import MicroBatch
-from tiderl.trainer.batch import PackedBatch, TrainSample, pack
+from tiderl.trainer.batch import PackedBatch, pack
 from tiderl.trainer.loss import LossStats
+from tiderl.trainer.sample import TrainSample
 from tiderl.trainer.timeline import Timeline
 from tiderl.trainer.worker import ActorWorker, RefWorker, StepStats
 

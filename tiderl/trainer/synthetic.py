@@ -8,7 +8,7 @@ import math
 import random
 
 from tiderl.core.grpo import group_advantages
-from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.sample import TrainSample
 
 
 def synthetic_samples(num: int, *, vocab_size: int, min_tokens: int, max_tokens: int,

@@ -164,6 +164,9 @@ def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
         {"time_s": 9.0, "kind": "rank_dead", "rank": 0, "role": "rollout",
          "why": "missed heartbeats"},
         {"time_s": 9.5, "kind": "dropped_group", "group": "g3", "reason": "stale"},
+        {"time_s": 9.6, "kind": "rank_dead", "rank": 2, "role": "actor",
+         "why": "its bus connection is gone"},
+        {"time_s": 9.9, "kind": "trained", "step": 1, "attempt": 1, "groups": ["g2", "g3"]},
         {"time_s": 20.0, "kind": "resume", "version": 2, "elapsed_s": 20.0, "ready": ["g8"],
          "rerun": ["g9", "g10"]},
         {"time_s": 21.0, "kind": "message_dropped", "repeats": 4},
@@ -176,5 +179,8 @@ def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
     assert "Ended: ok: done." in text
     assert "| resumed from step 2 | 1 ready groups restored, 2 rolling out run again |" in text
     assert "| rank 0 (rollout) dead | missed heartbeats |" in text
+    assert "| rank 2 (actor) dead | its bus connection is gone |" in text
+    assert ("| step 1 trained at attempt 1 | a trainer rank died in the attempt before; the "
+            "ranks left ran it again |") in text
     assert "| groups dropped: stale | 1 |" in text
     assert "| message dropped | 5 |" in text

@@ -204,6 +204,9 @@ def _faults_section(events: list[Row]) -> list[str]:
             if e["kind"] == "resume"]
     rows += [(f"rank {e.get('rank')} ({e.get('role')}) dead", e.get("why", ""))
              for e in events if e["kind"] == "rank_dead"]
+    rows += [(f"step {e.get('step')} trained at attempt {e['attempt']}",
+              "a trainer rank died in the attempt before; the ranks left ran it again")
+             for e in events if e["kind"] == "trained" and e.get("attempt")]
     rows += [(f"rank {e.get('rank')}: environment sessions ended",
               str(e["ended"]) if e.get("ended") is not None else e.get("error", ""))
              for e in events if e["kind"] == "env_sessions_ended"]

@@ -263,6 +263,17 @@ def test_a_step_that_fails_with_every_rank_alive_stops_the_job(tmp_path):
             job.check_liveness()
 
 
+def test_every_rank_silent_at_once_is_one_error_not_a_chain_of_layouts(tmp_path):
+    """The coordinator was stopped (SIGSTOP) past the ranks' patience: they exited, and it sees
+    them all silent in one round."""
+    with coordinator(tmp_path) as (job, _, clock):
+        job.launch()
+        clock.now += 60.0
+        with pytest.raises(CoordinatorError, match=r"every rank is gone \(ranks \[0, 1, 2\]"):
+            job.check_liveness()
+        assert events(tmp_path, "rank_dead") == []
+
+
 def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tmp_path):
     with coordinator(tmp_path) as (job, ranks, _):
         job.launch()

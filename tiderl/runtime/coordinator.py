@@ -351,9 +351,14 @@ class Coordinator:
         """Ranks silent too long are dead; a broadcast one of them died in goes out again."""
         now = self.clock()
         unreachable, self.unreachable = self.unreachable, set()
+        silent = [r for r in self.heartbeats.dead(now) if r not in unreachable]
+        gone = self.controller.dead | unreachable | set(silent)
+        if (unreachable or silent) and len(gone) == len(self.controller.roles):
+            raise CoordinatorError(f"every rank is gone (ranks {sorted(unreachable | set(silent))}"
+                                   " missed their heartbeats or lost their bus connection)")
         for rank in sorted(unreachable):
             self._declare_dead(rank, "its bus connection is gone")
-        for rank in self.heartbeats.dead(now):
+        for rank in silent:
             self._declare_dead(rank, "missed heartbeats")
         self._check_boundaries(now)
         self._check_step(now)  # a dead rank's answer will not come; a failure may be explained

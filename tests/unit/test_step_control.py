@@ -316,7 +316,7 @@ def test_a_dead_rollout_rank_leaves_the_boundary_and_its_tasks_go_back_to_ctb():
     assert c.rank_dead(1, "again", 3.5) == []
     assert c.rank_dead(2, "its bus connection is gone", 4.0) == [
         Abort("trainer rank 2 is gone (its bus connection is gone); it was the last actor "
-              "(the model and optimizer state died with it)")]
+              "that held the model and optimizer state")]
 
 
 def test_a_failed_group_frees_the_staleness_window_at_once():

@@ -25,6 +25,7 @@ from tiderl.core.commands import (
     Dispatch,
     JoinRollout,
     LeaveRollout,
+    ManualRequest,
     StartStep,
 )
 from tiderl.core.ers import ERSConfig
@@ -107,9 +108,9 @@ def test_a_ref_rank_dying_in_a_decoupled_step_runs_it_again_colocated():
     assert c.rank_dead(1, "missed heartbeats", 2.0) == [AbortStep(0, 0)]
     out = c.group_ready("g1", Ready("g1", 0), 2.5)  # formed meanwhile: waits for attempt 1
     assert only(out, Dispatch) == [] and only(out, CloseStep) == []
-    (boundary,) = c.step_done(failed(outcome(0, 2, 3), 2, 3), 3.0)
-    assert boundary.roles == (R, IDLE, A, A) and boundary.src_rank == 2
-    out = acked_all(c, 0, 3.5)
+    # the actor set stands: no boundary, the step opens again at once
+    out = c.step_done(failed(outcome(0, 2, 3), 2, 3), 3.0)
+    assert c.roles == [R, IDLE, A, A] and only(out, Boundary) == []
     assert out[0] == StartStep(0, StepMode.COLOCATED, (), (2, 3),
                                RA2PConfig().max_aggregate, attempt=1)
     dispatched = only(out, Dispatch)  # the one sent before, then the one formed meanwhile
@@ -152,15 +153,16 @@ def test_an_actor_dying_while_the_batch_is_awaited_gets_a_boundary_without_an_up
 def test_a_trainer_rank_the_job_cannot_lose_stops_it():
     sharded = make(System.ASYNC, (R, F, A, A), limits=LayoutLimits(sharded_actor_backend="fsdp2"))
     sharded.launch(0.0)
-    assert sharded.rank_dead(1, "missed heartbeats", 1.0)[0].roles == (R, IDLE, A, A)  # a Ref
+    assert sharded.rank_dead(1, "missed heartbeats", 1.0) == []  # a Ref: the actors stand
+    assert sharded.roles == [R, IDLE, A, A]
     (abort,) = sharded.rank_dead(3, "missed heartbeats", 2.0)
     assert abort == Abort("trainer rank 3 is gone (missed heartbeats); it was an actor, and "
                           "trainer.backend fsdp2 shards the model over its actors")
     last = make(System.ASYNC, (R, A))
     last.launch(0.0)
     (abort,) = last.rank_dead(1, "killed", 1.0)
-    assert abort.reason.endswith("it was the last actor (the model and optimizer state died "
-                                 "with it)")
+    assert abort.reason.endswith("it was the last actor that held the model and optimizer "
+                                 "state")
 
 
 def test_a_sync_rank_dying_leaves_rollout_and_the_trainer_set():
@@ -176,3 +178,46 @@ def test_a_sync_rank_dying_leaves_rollout_and_the_trainer_set():
     c.group_ready("g0", Ready("g0", 0), 2.0)
     out = c.group_ready("g1", Ready("g1", 0), 2.5)
     assert only(out, StartStep)[0] == StartStep(0, StepMode.BATCH, (), (0, 1), 0)
+
+
+def test_the_actor_that_stays_dying_while_another_leaves_stops_the_job():
+    """A boundary moves rank 2 to rollout; it took it (its model is gone) when rank 1, the actor
+    that stays, dies: no live rank holds the model for certain."""
+    c = make(System.ASYNC, (R, A, A), steps=4)
+    c.launch(0.0)
+    c.submit_manual(ManualRequest("op", 2, 1), 0.5)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.5)
+    (boundary,) = only(c.step_done(outcome(0, 1, 2), 2.0), Boundary)
+    assert boundary.roles == (R, A, R)
+    c.boundary_acked(2, 1, 2.5)
+    (abort,) = c.rank_dead(1, "missed heartbeats", 3.0)
+    assert abort == Abort("trainer rank 1 is gone (missed heartbeats); it was the last actor "
+                          "that held the model and optimizer state")
+
+
+def test_a_checkpoint_is_due_only_at_the_first_boundary_of_a_version():
+    c = make(System.ASYNC, (R, A, A), steps=4, checkpoint_every=1)
+    c.launch(0.0)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 1.5)
+    (boundary,) = only(c.step_done(outcome(0, 1, 2), 2.0), Boundary)
+    assert (boundary.version, boundary.checkpoint) == (1, True)
+    acked_all(c, 1, 2.5)
+    (lost,) = only(c.rank_dead(2, "missed heartbeats", 3.0), Boundary)  # the batch awaited
+    assert (lost.version, lost.reason, lost.checkpoint) == (1, PlanReason.TRAINER_LOST, False)
+    acked_all(c, 1, 3.5)
+    (moved,) = only(c.rank_dead(0, "missed heartbeats", 4.0), Boundary)  # the last rollout
+    assert (moved.version, moved.reason, moved.checkpoint) == (1, PlanReason.NO_ROLLOUT, False)
+
+
+def test_a_death_that_leaves_ranks_without_a_process_group_stops_the_job():
+    """Past 6 ranks a job has groups for contiguous ranges only."""
+    c = make(System.ASYNC, (R, R, R, R, A, A, A, A), limits=LayoutLimits(grouped_ranks=8))
+    c.launch(0.0)
+    (abort,) = c.rank_dead(5, "missed heartbeats", 1.0)
+    assert abort.reason.startswith("trainer rank 5 is gone (missed heartbeats); it left ranks "
+                                   "[0, 1, 2, 3, 4, 6, 7], which have no process group")
+    ends = make(System.ASYNC, (R, R, R, R, A, A, A, A), limits=LayoutLimits(grouped_ranks=8))
+    ends.launch(0.0)
+    assert not only(ends.rank_dead(7, "missed heartbeats", 1.0), Abort)  # [0..6]: a range

@@ -189,10 +189,6 @@ class Boundary:
     export: bool = False
     is_final: bool = False  # after the last step: weights, checkpoint and export only
 
-    def changes(self) -> list[tuple[int, Role, Role]]:
-        return [(rank, old, new) for rank, (old, new) in
-                enumerate(zip(self.old_roles, self.roles, strict=True)) if old is not new]
-
 
 @dataclass(frozen=True, slots=True)
 class Retire:

@@ -268,7 +268,7 @@ def follow_job(executor: Executor, state: JobState, keys,
                ) -> tuple[int, Snapshot | None]:
     """Until the coordinator exits: snapshots to ``on_snapshot``. Once the job is up (the
     coordinator's first snapshot), a rank that dies is the coordinator's to handle (it misses
-    heartbeats: a rollout rank is left out, a trainer rank stops the job), and so is a rank
+    heartbeats: the job goes on without it, or stops resumable), and so is a rank
     whose engine server died: the launcher kills the rank too; an environment service that
     dies is started again (``restart_env``, at most ENV_RESTARTS times: the tasks it served
     fail and their groups are counted dropped). Before, a rank, an engine server or the
@@ -287,7 +287,7 @@ def follow_job(executor: Executor, state: JobState, keys,
             for record, code in executor.exited():
                 if record.kind == "coordinator":
                     if code == 0:
-                        let_ranks_exit(executor)
+                        let_ranks_exit(executor, last)
                     return code, last
                 if record.pid in handled:
                     continue
@@ -361,9 +361,12 @@ def last_log_line(path: Path, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def let_ranks_exit(executor: Executor) -> None:
-    """The ranks got their Shutdown (after the last checkpoint): give them time to finish."""
-    ranks = {r.pid for r in executor.state.processes if r.kind == "rank"}
+def let_ranks_exit(executor: Executor, last: Snapshot | None) -> None:
+    """The ranks got their Shutdown (after the last checkpoint): give them time to finish. A
+    rank the coordinator declared dead (idle in the last snapshot: stopped, say) got none and is
+    not waited for; it is stopped with the rest."""
+    dead = {rank for rank, role in last.roles.items() if role == "idle"} if last else set()
+    ranks = {r.pid for r in executor.state.processes if r.kind == "rank" and r.rank not in dead}
     deadline = time.monotonic() + RANK_EXIT_GRACE_S
     while time.monotonic() < deadline:
         done = {r.pid for r, _ in executor.exited()}

@@ -76,6 +76,7 @@ class Coordinator:
         self.heartbeats = HeartbeatMonitor(rt.heartbeat_s, rt.heartbeat_misses)
         self.alive: set[int] = set()
         self.unreachable: set[int] = set()  # a send found its bus connection gone
+        self.announced: tuple[Role, ...] = ()  # the roles of the last boundary sent
         self.seq = 0
         self.groups: dict[str, GroupRun] = {}  # in flight, until complete
         self.router = TaskRouter(self._send, self._next_seq, self._group_of,
@@ -471,10 +472,14 @@ class Coordinator:
                 raise CoordinatorError(f"no disk space for checkpoint {folder.name}: "
                                        f"{shortfall}")
             write_job_state(folder, self._job_state())
-        for rank, src, dst in boundary.changes():
-            self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
-                           step=self.controller.step, version=boundary.version,
-                           reason=boundary.reason.value if boundary.reason else None)
+        # against the layout last announced: a boundary sent again announces nothing twice,
+        # and a death is its rank_dead event
+        before, self.announced = self.announced or boundary.old_roles, boundary.roles
+        for rank, (src, dst) in enumerate(zip(before, boundary.roles, strict=True)):
+            if src is not dst and Role.IDLE not in (src, dst):
+                self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
+                               step=self.controller.step, version=boundary.version,
+                               reason=boundary.reason.value if boundary.reason else None)
         self.link.send(boundary, str(root), str(self.log.run_dir / "hf"))
 
     def _job_state(self) -> JobState:

@@ -309,7 +309,7 @@ class RankDaemon(TrainerRoles):
                 self.engine_answered_at = time.monotonic()
             except Exception as exc:  # a server that does not answer: this beat has no stats
                 log.warning("rank %d: engine stats: %s", self.rank, exc or type(exc).__name__)
-                if isinstance(exc, TimeoutError | httpx.TransportError):
+                if isinstance(exc, asyncio.TimeoutError | httpx.TransportError):
                     self._check_stalled(engine)
             if self.engine is not engine:  # it left rollout meanwhile: its stint is counted
                 stats = EngineStats()
@@ -327,6 +327,9 @@ class RankDaemon(TrainerRoles):
         heartbeat windows (stopped, or wedged) is treated as gone: the rank exits, and its tasks
         go back to CTB, rather than wait out each request's timeout (minutes)."""
         rt = self.profile.runtime
+        if self._updating.locked():  # a weight update may hold the server: not a stall
+            self.engine_answered_at = time.monotonic()
+            return
         silent = time.monotonic() - self.engine_answered_at
         if engine is not self.server or \
                 silent < ENGINE_STALL_FACTOR * rt.heartbeat_s * rt.heartbeat_misses:

@@ -48,6 +48,7 @@ class TrainerRoles:
     actor: ActorWorker | None
     ref: RefWorker | None
     streams: dict[tuple[int, int], StreamedStep]
+    groups: dict[tuple[int, ...], dist.ProcessGroup]  # this rank's, by their sorted ranks
     dp_groups: dict[tuple[int, ...], dist.ProcessGroup]
     _joined_optimizer: dict[str, torch.Tensor] | None
 
@@ -163,10 +164,13 @@ class TrainerRoles:
         if is_ref and use_ref:
             self._make_ref()
         group = self.actor.backend.group if self.actor is not None and not is_ref else None
+        ranks = tuple(sorted({*cmd.ref_ranks, *cmd.actor_ranks}))
         return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
                                  ref=self.ref if is_ref and use_ref else None,
                                  actor=None if is_ref else self.actor,
-                                 actor_group=group, device=self.device, use_ref=use_ref)
+                                 actor_group=group, device=self.device, use_ref=use_ref,
+                                 p2p_group=self.groups.get(ranks), step=cmd.step,
+                                 attempt=cmd.attempt)
 
     async def _export(self, cmd: SyncWeights, state: dict[str, torch.Tensor]) -> None:
         """The source writes ``hf/step-N`` when the boundary asks (before any rank trains on:

@@ -249,20 +249,32 @@ def _reduce_loss(stats: LossStats, group: dist.ProcessGroup | None) -> LossStats
     return LossStats.from_tensor(values)
 
 
+def p2p_tag(step: int, attempt: int, mb_id: int) -> int:
+    """A 31-bit tag for a step's micro-batch: 14 bits of the step, 3 of the attempt, 14 of the
+    micro-batch (each modulo its width: tags repeat only 16,384 steps apart)."""
+    return (step % (1 << 14)) << 17 | (attempt % 8) << 14 | mb_id % (1 << 14)
+
+
 class DecoupledExecutor:
     """One rank of the decoupled layout: ``ref`` on the ranks in ``ref_ranks``, ``actor`` on the
     ranks in ``actor_ranks`` (global ranks; ``actor_group`` is the actor ranks' process group).
     Actor rank ``actor_ranks[i]`` gets its ref logprobs from ``ref_ranks[i % len(ref_ranks)]``.
 
     ``use_ref=False`` (``kl_beta`` 0: the loss has no KL term) skips the Ref model: a Ref rank
-    has no worker and returns at once, an actor waits for no ref logprobs."""
+    has no worker and returns at once, an actor waits for no ref logprobs.
+
+    The ref logprobs go point to point over ``p2p_group`` (one with every rank of the step,
+    whose timeout bounds a wait on a peer that died; None: the world), each tagged with its
+    step, attempt and micro-batch (:func:`p2p_tag`): a send an aborted attempt left unreceived
+    can never be taken for another's."""
 
     mode = StepMode.DECOUPLED
 
     def __init__(self, rank: int, ref_ranks: list[int], actor_ranks: list[int], *,
                  ref: RefWorker | None = None, actor: ActorWorker | None = None,
                  actor_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 use_ref: bool = True):
+                 use_ref: bool = True, p2p_group: dist.ProcessGroup | None = None,
+                 step: int = 0, attempt: int = 0):
         if (rank in ref_ranks) == (rank in actor_ranks):
             raise ValueError(f"rank {rank} must be exactly one of ref {ref_ranks} / actor "
                              f"{actor_ranks} in the decoupled layout")
@@ -276,8 +288,12 @@ class DecoupledExecutor:
         self.actor_ranks = list(actor_ranks)
         self.ref, self.actor = ref, actor
         self.actor_group = actor_group
+        self.p2p_group, self.step, self.attempt = p2p_group, step, attempt
         self.device = torch.device(device)
         self.timeline = Timeline(rank)
+
+    def _tag(self, mb: MicroBatch) -> int:
+        return p2p_tag(self.step, self.attempt, mb.mb_id)
 
     def ref_rank_of(self, actor_index: int) -> int:
         return self.ref_ranks[actor_index % len(self.ref_ranks)]
@@ -304,7 +320,8 @@ class DecoupledExecutor:
                 note = f"to rank {self.actor_ranks[i]}"
                 with self.timeline.span("ref_forward", (mb.mb_id,), note):
                     ref_logprobs = self.ref.ref_logprobs(batch).contiguous()
-                sends.append(dist.isend(ref_logprobs, dst=self.actor_ranks[i], tag=mb.mb_id))
+                sends.append(dist.isend(ref_logprobs, dst=self.actor_ranks[i],
+                                        group=self.p2p_group, tag=self._tag(mb)))
                 seq_ids += batch.seq_ids
         seconds = self.timeline.now()
         for work in sends:
@@ -322,7 +339,8 @@ class DecoupledExecutor:
             ref_logprobs = pending_recv = None
             if self.use_ref:
                 ref_logprobs = torch.empty(batch.input_ids.shape, device=self.device)
-                pending_recv = dist.irecv(ref_logprobs, src=src, tag=mb.mb_id)
+                pending_recv = dist.irecv(ref_logprobs, src=src, group=self.p2p_group,
+                                          tag=self._tag(mb))
             sync = self.actor.reduces_in_backward and arrivals.is_last(index)
             with self.timeline.span("actor_forward", (mb.mb_id,)):
                 pending = self.actor.forward(batch, sync=sync)

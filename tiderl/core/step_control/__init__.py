@@ -15,6 +15,9 @@ both the simulator (an event heap) and the runtime coordinator (a bus).
       └── Boundary v = s+1 (manual plan | ERS plan | same roles) <── RecordStep ─┘
                       after the last step: Boundary (final), Finish ──> FINISHED
 
+    a trainer rank of step s dies ──> AbortStep; no live actor updated ──> (a boundary without
+      an update, v = s) ──> TRAINING (step s again, attempt + 1, its micro-batches)  (.faults)
+
 Invariant: step s opens only once every live rank acknowledged the boundary before it, and the
 staleness window moves only once every rollout rank has the new version (a task admitted earlier
 would start on the old weights and be too stale by the time its batch trains).

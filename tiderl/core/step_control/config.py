@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
 from tiderl.core.ra2p import RA2PConfig
-from tiderl.core.rank_sets import has_group
+from tiderl.core.rank_sets import MAX_ALL_SUBSETS, has_group
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import Mode, Role
 
@@ -58,20 +58,28 @@ class LayoutLimits:
             return f"trainer.backend {self.fixed_actor_backend} keeps its actor set"
         return None
 
-    def loss_refusal(self, roles: list[Role], rank: int, dead: set[int]) -> str | None:
-        """Why the job cannot go on without trainer rank ``rank`` (``roles`` as they were;
-        every rank is an actor when ``is_sync``), in words that follow "it"; None if it can: a
-        Ref rank holds nothing the actors lack, an actor's replica is whole on each other one."""
-        if roles[rank] is not Role.ACTOR:
-            return None
-        backend = self.sharded_actor_backend or self.fixed_actor_backend
-        if backend:
-            what = "shards the model over its actors" if self.sharded_actor_backend \
-                else "keeps its actor set"
-            return f"was an actor, and trainer.backend {backend} {what}"
-        if not any(role is Role.ACTOR for r, role in enumerate(roles)
-                   if r != rank and r not in dead):
-            return "was the last actor (the model and optimizer state died with it)"
+    def loss_refusal(self, is_actor: bool, holders: set[int], live: set[int],
+                     actors: set[int]) -> str | None:
+        """Why the job cannot go on without a rank that died, in words that follow "it"; None
+        if it can. ``is_actor``: it was an actor; ``holders``: the live actors left that hold the
+        whole model and optimizer state; ``live``: the ranks left, and ``actors`` their actor set
+        (the weight broadcast and the gradient reduction need a process group for each). A Ref
+        or rollout rank holds nothing the others lack; a DDP actor's replica is whole on each
+        other actor."""
+        if is_actor:
+            backend = self.sharded_actor_backend or self.fixed_actor_backend
+            if backend:
+                what = "shards the model over its actors" if self.sharded_actor_backend \
+                    else "keeps its actor set"
+                return f"was an actor, and trainer.backend {backend} {what}"
+            if not holders:
+                return "was the last actor that held the model and optimizer state"
+        if self.grouped_ranks is not None:
+            for ranks, what in ((live, "ranks"), (actors, "actors")):
+                if ranks and not has_group(ranks, self.grouped_ranks):
+                    return (f"left {what} {sorted(ranks)}, which have no process group (past "
+                            f"{MAX_ALL_SUBSETS} ranks a job has groups for contiguous ranges "
+                            "only)")
         return None
 
     def with_rollout(self, roles: list[Role], dead: set[int]) -> list[Role] | None:

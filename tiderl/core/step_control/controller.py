@@ -94,6 +94,7 @@ class StepController(ManualPlans, RankFaults):
         self.current: OpenStep | None = None
         self.retry: OpenStep | None = None  # a step a trainer rank died in, to open again
         self.boundary: PendingBoundary | None = None
+        self.boundary_version = -1  # the version of the last boundary sent
         self.waiting: dict[int, list[MicroBatch]] = {}
         self.closed: set[int] = set()
         self.ra2p_mode = Mode.COLOCATED
@@ -298,12 +299,12 @@ class StepController(ManualPlans, RankFaults):
         self._boundary(now, roles, plan.reason)
 
     def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None,
-                  is_final: bool = False, is_resume: bool = False, is_again: bool = False
-                  ) -> None:
+                  is_final: bool = False, is_resume: bool = False) -> None:
         """``is_resume``: the launch of a resumed job (:mod:`.resume`): every rank gets the
-        weights of ``version``, and the rollout ranks take tasks once they have them.
-        ``is_again``: a boundary out, sent again without a dead rank (no second checkpoint).
-        A boundary for a lost trainer rank (no update) saves and exports nothing."""
+        weights of ``version``, and the rollout ranks take tasks once they have them. A
+        checkpoint and an export are due at the first boundary of a version (after its update),
+        never at another one of the same version (a layout change without an update, or a
+        boundary sent again without a dead rank)."""
         if not is_final and self._lacks_rollout(roles):
             moved = self.config.limits.with_rollout(roles, self.dead)
             if moved is None:
@@ -321,15 +322,17 @@ class StepController(ManualPlans, RankFaults):
                 self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now)))
         self.roles = list(new)
         self.buffer.num_dp_ranks = self._dp_ranks(new)  # what comes next is cut for it
+        is_update = self.version != self.boundary_version
+        self.boundary_version = self.version
+
         def is_due(every: int) -> bool:  # not the launch's boundary, nor a resume's
-            return bool(is_final or (not is_resume and every and self.version
-                                     and self.version % every == 0
-                                     and reason is not PlanReason.TRAINER_LOST))
+            return bool(is_final or (not is_resume and is_update and every and self.version
+                                     and self.version % every == 0))
 
         members = tuple(r for r in range(len(new)) if r not in self.dead)
         self._out.append(Boundary(
             self.version, new, old, members, keep[0], tuple(sorted(new_actors - old_actors)),
-            reason, checkpoint=is_due(self.config.checkpoint_every) and not is_again,
+            reason, checkpoint=is_due(self.config.checkpoint_every),
             export=is_due(self.config.export_every), is_final=is_final))
         if is_final:
             return

@@ -1,17 +1,20 @@
 """A rank's death, as the step cycle takes it (mixed into the step controller).
 
-    rollout rank dies ──> its tasks go back to CTB (LeaveRollout: from scratch); with no
-                          rollout rank left, the open batch closes with what it holds and the
-                          boundary after it moves a trainer rank to rollout (NO_ROLLOUT)
-    trainer rank dies ──LayoutLimits.loss_refusal──> Abort (the job stops, resumable), or on:
-        a step open on it ──> AbortStep; the step's live ranks report how it ended:
-            every live actor updated (it died after the last collective) ──> the step is done
-            none did ──> a boundary without an update (TRAINER_LOST), then the step again
-                         (attempt + 1, colocated) on the ranks left, with the same micro-batches
-            some did ──> the replicas differ: Abort
-        a boundary out ──> the same boundary again, from its old layout, without the dead rank
-                           (and from a live source)
-        a batch awaited ──> a boundary without an update (TRAINER_LOST), without the dead rank
+    any rank dies ──LayoutLimits.loss_refusal──> Abort (the job stops, resumable) when the
+        ranks left cannot go on: an actor under FSDP2 or megatron, the last actor that held
+        the model, or ranks left without a process group; else, by what it was in:
+    a step open on it ──> AbortStep; the step's live ranks report how it ended:
+        every live actor updated (it died after the last collective) ──> the step is done
+        none did ──> the step again (attempt + 1, colocated, the same micro-batches), after a
+                     boundary without an update (TRAINER_LOST) when an actor died
+        some did ──> the replicas differ: Abort
+    an actor, a boundary out ──> that boundary again, from its old layout without the dead
+                                 rank (from a live actor of both layouts)
+    an actor, a batch awaited ──> a boundary without an update (TRAINER_LOST)
+    a rollout or Ref rank ──> out of the layout (a broadcast it was in goes out again without
+        it); a rollout rank's tasks go back to CTB (LeaveRollout: from scratch), and with no
+        rollout rank left the open batch closes with what it holds and the boundary after it
+        moves a trainer rank to rollout (NO_ROLLOUT)
 
 A trainer rank's death is survivable when every actor holds the whole model and optimizer state
 (DDP): the actors left hold the version the dead one held. The step it died in is trained once:
@@ -65,6 +68,8 @@ class RankFaults:
     _boundary: Callable[..., None]
     _maybe_retire: Callable[[float], None]
     _maybe_complete: Callable[[float], None]
+    _want_step: Callable[[float], None]
+    _actors: Callable[[tuple[Role, ...]], set[int]]
     rollout_ranks: Callable[[], list[int]]
 
     def rank_dead(self, rank: int, why: str, now: float) -> list[Command]:
@@ -73,69 +78,61 @@ class RankFaults:
         if rank in self.dead or not 0 <= rank < len(self.roles) \
                 or self.phase is Phase.FINISHED:
             return []
-        is_trainer = self._is_trainer(rank)
-        if is_trainer:
-            refusal = self.config.limits.loss_refusal(self._holding_state(), rank, self.dead)
-            if refusal is not None:
-                self.dead.add(rank)
-                self._out.append(Abort(f"trainer rank {rank} is gone ({why}); it {refusal}"))
-                return self._flush()
+        was_actor = rank in self._actors_in_play()
+        was_trainer = was_actor or self.roles[rank] in TRAINER_ROLES
         self.dead.add(rank)
+        live = set(range(len(self.roles))) - self.dead
+        refusal = self.config.limits.loss_refusal(
+            was_actor, self._holders(), live, self._actors(tuple(self.roles)) - self.dead)
+        if refusal is not None:
+            kind = "trainer rank" if was_trainer else "rank"
+            self._out.append(Abort(f"{kind} {rank} is gone ({why}); it {refusal}"))
+            return self._flush()
         if rank in self.book.ranks:
             self._out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now), True))
         self.roles[rank] = Role.IDLE
-        if is_trainer:
-            self._lose_trainer(rank, now)
+        current = self.current
+        if current is not None and rank in current.start.ranks:
+            if not current.is_aborted:
+                current.is_aborted = True  # what the buffer forms now waits for the next attempt
+                self._out.append(AbortStep(current.start.step, current.start.attempt))
+            return self._flush()  # the step's live ranks report (settle_step)
+        if was_actor:  # the actor set changes: DDP wraps the actors left
+            if self.boundary is not None:
+                self._boundary_again(now)
+            elif self.phase is Phase.WAITING:
+                self.phase = Phase.BOUNDARY
+                self._boundary(now, self.roles, PlanReason.TRAINER_LOST)
             return self._flush()
-        if self.boundary is not None:
+        if self.boundary is not None:  # the broadcast it was in goes out again without it
             self.boundary.forget(rank)
         self._maybe_retire(now)
         self._maybe_complete(now)
         self._check_rollout_left(rank)
         return self._flush()
 
-    def _is_trainer(self, rank: int) -> bool:
-        """A Ref or actor rank, in the layout now or (a boundary out) the one before it."""
+    def _actors_in_play(self) -> set[int]:
+        """The actors now and, while a boundary is out, before it."""
         before = self.boundary.old_roles if self.boundary is not None else ()
-        return self.system.is_sync or self.roles[rank] in TRAINER_ROLES \
-            or (bool(before) and before[rank] in TRAINER_ROLES)
+        return self._actors(tuple(self.roles)) | self._actors(tuple(before))
 
-    def _holding_state(self) -> list[Role]:
-        """The layout whose actors hold the model now: while a boundary is out, the one before
-        it (a new actor has the weights only once it acknowledged); every live rank under
-        ``is_sync``."""
-        roles = list(self.boundary.old_roles) if self.boundary is not None \
-            and self.boundary.old_roles else list(self.roles)
-        if self.system.is_sync:
-            roles = [Role.ACTOR if role is not Role.IDLE else role for role in roles]
-        return roles
-
-    def _lose_trainer(self, rank: int, now: float) -> None:
-        current = self.current
-        if current is not None and rank in current.start.ranks:
-            if not current.is_aborted:
-                current.is_aborted = True  # what the buffer forms now waits for the next attempt
-                self._out.append(AbortStep(current.start.step, current.start.attempt))
-            return  # the step's live ranks report (settle_step)
-        if self.boundary is not None:
-            self._boundary_again(now)
-        elif self.phase is Phase.WAITING:
-            self.phase = Phase.BOUNDARY
-            self._boundary(now, self.roles, PlanReason.TRAINER_LOST)
+    def _holders(self) -> set[int]:
+        """The live actors that hold the model and its optimizer state for certain: while a
+        boundary is out, those that are actors before and after it (one that leaves drops its
+        model when it takes the boundary, one that joins has it only once it took it)."""
+        actors = self._actors(tuple(self.roles))
+        if self.boundary is not None and self.boundary.old_roles:
+            actors &= self._actors(self.boundary.old_roles)
+        return actors - self.dead
 
     def _boundary_again(self, now: float) -> None:
-        """The boundary out, sent again from the layout before it with the dead ranks left out.
-        Were no actor of the old layout left in the new one (the dead rank was the one that
-        stayed), the old layout stays."""
+        """The boundary out, sent again from the layout before it with the dead ranks left out
+        (and so from a live source: an actor before and after it, ``_holders``)."""
         pending = self.boundary
         assert pending is not None and pending.old_roles
-        old = [Role.IDLE if r in self.dead else role for r, role in enumerate(pending.old_roles)]
-        new = list(self.roles)
-        if not any(a is Role.ACTOR and b is Role.ACTOR for a, b in zip(old, new, strict=True)) \
-                and not self.system.is_sync:
-            new = list(old)
-        self.roles = old
-        self._boundary(now, new, pending.reason, is_resume=pending.is_resume, is_again=True)
+        self.roles, new = [Role.IDLE if r in self.dead else role
+                           for r, role in enumerate(pending.old_roles)], list(self.roles)
+        self._boundary(now, new, pending.reason, is_resume=pending.is_resume)
 
     def settle_step(self, current: OpenStep, outcome: StepOutcome, now: float) -> bool:
         """Whether the open step trained, from its live ranks' reports; when it did not, the
@@ -161,12 +158,17 @@ class RankFaults:
         return False
 
     def _run_again(self, current: OpenStep, now: float) -> None:
-        """No live actor updated: a boundary without an update gives the ranks left their new
-        layout, then the step opens again with the micro-batches it had (``_open_step``)."""
+        """No live actor updated: the step opens again with the micro-batches it had
+        (``_open_step``), after a boundary without an update when an actor died (the ranks left
+        wrap their new actor set)."""
         self.current = None
         self.retry = current
         if current.is_closed:
             self.closed.add(current.start.step)
+        if set(current.start.actor_ranks) <= self._actors(tuple(self.roles)):  # a Ref died
+            self.phase = Phase.WAITING
+            self._want_step(now)
+            return
         self.phase = Phase.BOUNDARY
         self._boundary(now, self.roles, PlanReason.TRAINER_LOST)
 

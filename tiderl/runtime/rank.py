@@ -327,9 +327,6 @@ class RankDaemon(TrainerRoles):
         heartbeat windows (stopped, or wedged) is treated as gone: the rank exits, and its tasks
         go back to CTB, rather than wait out each request's timeout (minutes)."""
         rt = self.profile.runtime
-        if self._updating.locked():  # a weight update may hold the server: not a stall
-            self.engine_answered_at = time.monotonic()
-            return
         silent = time.monotonic() - self.engine_answered_at
         if engine is not self.server or \
                 silent < ENGINE_STALL_FACTOR * rt.heartbeat_s * rt.heartbeat_misses:

@@ -101,7 +101,7 @@ def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, si
     actors left, again if they had not updated), and the job ends as planned."""
     with chaos(tmp_path) as jobs:
         job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", *extra, steps=8)
-        job.until(lambda: steps_done(run_dir) >= 2, "step 2")
+        job.until(lambda: steps_done(run_dir) >= 2, "step 2")  # its boundary is going out
         roles = roles_now(run_dir)
         victim = len(roles) - 1 - roles[::-1].index(role)
         kill(state, f"rank{victim}", sig)
@@ -116,6 +116,27 @@ def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, si
         assert steps == list(range(8))  # each step once, none skipped
         assert_nothing_left(run_dir)
         assert status_of(tmp_path, run_dir) == "done"
+
+
+def test_an_actor_killed_in_a_step_the_other_trains_it_again(tmp_path):
+    """Turns that wait 0.5 s for their environment keep each streaming step open for seconds
+    while its micro-batches come: an actor killed a second into a step leaves the other one
+    waiting for data (AbortStep wakes it) or failing in the reduction; the step runs again on
+    it alone (attempt 1) and trains once."""
+    with chaos(tmp_path) as jobs:
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false",
+                                      "env.step_latency.median_s=0.5", steps=6)
+        job.until(lambda: steps_done(run_dir) >= 2, "step 2")
+        time.sleep(1.0)  # past the boundary: step 2 is open, waiting for its groups
+        kill(state, "rank2")
+        assert job.wait() == 0, job.output
+        (again,) = [e for e in events(run_dir, "trained") if e["attempt"]]
+        assert (again["step"], again["attempt"]) == (2, 1)
+        assert assert_each_group_once(run_dir)["steps"] == 6
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(6))  # each step once, none skipped
+        assert rows[2]["num_trainer"] == 1 and rows[-1]["roles"][2] == "idle"
+        assert_nothing_left(run_dir)
 
 
 def test_an_actor_killed_under_a_sharded_backend_stops_the_job_with_its_resume_line(tmp_path):

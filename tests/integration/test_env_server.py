@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.integration.serving import free_port, serving
 from tests.integration.test_cli import assert_one_line_error, tiderl
-from tiderl.env.client import EnvClientError, HTTPEnvClient, end_sessions_of
+from tiderl.env.client import EnvClientError, HTTPEnvClient, Message, end_sessions_of
 from tiderl.env.guess import GuessEnv
 
 MAX_SESSIONS = 8
@@ -66,6 +66,25 @@ def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
     text = run(server, scenario).text
     assert "tiderl_env_steps_total" in text and "tiderl_env_step_latency_seconds_bucket" in text
     assert 'tiderl_env_errors_total{route="/end",status="404"}' in text
+
+
+def test_a_plain_text_environment_answers_one_user_message_equal_to_the_observation(server):
+    async def scenario(client):
+        outs = []
+        for env in ("guess", "shop"):
+            started = await client.start(env, None, seed=3)
+            stepped = await client.step(started.session, "guess 5")
+            await client.end(started.session)
+            outs += [started, stepped]
+        return outs
+
+    for out in run(server, scenario):
+        assert out.messages == [Message(role="user", content=out.observation)]
+        assert out.observation
+    raw = httpx.post(server["url"] + "/start", json={"env": "guess"}, timeout=5).json()
+    assert raw["messages"] == [{"role": "user", "content": raw["observation"]}]
+    assert raw["tools"] == []
+    httpx.post(server["url"] + "/end", json={"session": raw["session"]}, timeout=5)
 
 
 def test_a_full_table_evicts_the_longest_idle_session_instead_of_refusing(server):

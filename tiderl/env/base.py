@@ -1,9 +1,26 @@
-"""The environment contract: one episode's state, text in and text out, and the registry.
+"""The environment contract: one episode's state, text in and text (or messages) out, and the
+registry.
 
 An :class:`Environment` holds one episode. ``reset(task, seed)`` starts it and returns the first
 observation; ``step(action)`` answers one action with a :class:`StepResult`. The same
 ``(task, seed)`` always gives the same episode. Every environment ends an episode at
 ``max_turns`` steps (``done`` with the reward the episode earned so far, usually 0).
+
+An observation (:data:`Observation`) is either plain text or a list of OpenAI-style
+:class:`~tiderl.env.protocol.Message` s:
+
+    plain text   "higher . 17 turns left ."     -> on the wire: one user message, and the text
+    messages     [Message("system", ...),        -> on the wire: these messages, and their
+                  Message("user", ...)]             contents joined (:func:`observation_text`)
+                 [Message("tool", "391", tool_call_id="call_0", name="calculator")]
+
+A plain-text environment (guess, shop, household, the gymnasium adapter) returns strings and
+needs nothing else. A chat environment returns messages: a system and a user message from
+``reset``, tool results (role ``tool``) and/or user text from ``step``; it declares the tools
+the model may call as OpenAI schemas in :attr:`Environment.tools` (sent with ``/start``). The
+action is always the model's raw text: an environment parses tool calls out of it with
+:func:`tiderl.env.tools.parse_tool_calls`; :class:`tiderl.env.tools.ToolEnvironment` does all
+of that for tools that are Python callables.
 
 :func:`make_env` builds one by name: a built-in (:data:`ENV_NAMES`), ``gym:ENV_ID`` or
 ``gym:module:factory`` (a gymnasium env with text observations and actions, see
@@ -16,7 +33,11 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeAlias
+
+from tiderl.env.protocol import Message, messages_text
+
+Observation: TypeAlias = str | list[Message]
 
 ENV_NAMES: tuple[str, ...] = ("guess", "shop", "household")
 
@@ -33,16 +54,42 @@ class UnknownEnvironment(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    observation: str
+    observation: Observation  # text, or the messages that follow the action
     reward: float
     done: bool
     info: dict[str, Any]  # JSON-serialisable only
 
 
+def observation_messages(observation: Observation) -> list[Message]:
+    """The messages form of an observation: plain text is one user message."""
+    if isinstance(observation, str):
+        return [Message(role="user", content=observation)]
+    for message in observation:
+        if not isinstance(message, Message):
+            raise TypeError(f"an observation is text or a list of Message, not a list holding "
+                            f"{type(message).__name__}")
+    return list(observation)
+
+
+def observation_text(observation: Observation) -> str:
+    """The plain-text form of an observation: the text itself, or the messages' contents
+    joined by newlines."""
+    return observation if isinstance(observation, str) else messages_text(observation)
+
+
 class Environment(ABC):
-    """One episode's state. Text in, text out. Deterministic for (task, seed)."""
+    """One episode's state. Text in; text or messages out. Deterministic for (task, seed).
+
+    ``tools``: the OpenAI tool schemas the model may call (none for a plain-text environment);
+    ``is_word_level``: every observation fits the word-level vocabulary
+    (:mod:`tiderl.models.vocab`); False for an environment meant for a byte-level tokenizer."""
 
     name: ClassVar[str] = ""
+    is_word_level: ClassVar[bool] = True
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return []
 
     def __init__(self, max_turns: int = 20):
         if max_turns < 1:
@@ -50,8 +97,9 @@ class Environment(ABC):
         self.max_turns = max_turns
 
     @abstractmethod
-    def reset(self, task: str | None, seed: int) -> tuple[str, dict[str, Any]]:
-        """Start an episode; return the first observation and an info dict."""
+    def reset(self, task: str | None, seed: int) -> tuple[Observation, dict[str, Any]]:
+        """Start an episode; return the first observation (text or messages) and an info
+        dict."""
 
     @abstractmethod
     def step(self, action: str) -> StepResult:

@@ -23,6 +23,10 @@
   default): no HTTP, the same session table and the same errors (status codes included).
 
 Every failure is an :class:`EnvClientError` that names the call and the session.
+
+Both return the protocol's answers: :class:`StartResponse` (``observation``, ``messages``,
+``tools``) and :class:`ObservationResponse` (``observation``, ``messages``, ``reward``, ``done``),
+whose messages are :class:`Message` s with :class:`ToolCall` s (re-exported here).
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from tiderl.auth import ENV, bearer_headers, resolve_token
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
+    Message,
     ObservationRequest,
     ObservationResponse,
     SessionRequest,
     SessionResponse,
     StartRequest,
     StartResponse,
+    ToolCall,
+    ToolFunction,
 )
 from tiderl.env.service import EnvService, error_status
+
+__all__ = ["EnvClient", "EnvClientError", "HTTPEnvClient", "InProcessEnvClient", "Message",
+           "ObservationResponse", "SessionResponse", "StartResponse", "ToolCall", "ToolFunction",
+           "end_sessions_of"]
 
 R = TypeVar("R")
 

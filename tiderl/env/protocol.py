@@ -1,8 +1,18 @@
 """Typed messages of the environment protocol (paper App. B.1), JSON over HTTP.
 
-    POST /start         StartRequest{env, task, seed}  -> StartResponse{session, observation, info}
-    POST /observation   ObservationRequest{session, action} -> ObservationResponse{observation, ..}
+    POST /start         StartRequest{env, task, seed}
+                          -> StartResponse{session, observation, messages, tools, info}
+    POST /observation   ObservationRequest{session, action}
+                          -> ObservationResponse{observation, messages, reward, done, info}
     POST /end|/pause|/resume   SessionRequest{session}  -> SessionResponse{session, state}
+
+Messages are OpenAI-style chat messages (:class:`Message`, with :class:`ToolCall`); ``tools``
+are OpenAI tool schemas (``{"type": "function", "function": {name, description, parameters}}``).
+The server always fills both forms of an observation: ``messages`` (a plain-text environment's
+observation is one user message; a start may open with a system message; a step answers with
+tool results and/or user text) and ``observation``, the same contents as plain text (joined by
+newlines) for clients without a chat template. The action is the model's raw text; the
+environment parses tool calls out of it (:mod:`tiderl.env.tools`).
 
 Errors are ``{"error": {"message", "type"}}`` with a 4xx status (see :mod:`tiderl.env.server`).
 """
@@ -32,10 +42,55 @@ class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
     owner: Owner = ""
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ToolFunction(msgspec.Struct):
+    """The function a tool call names; ``arguments`` is JSON text, as OpenAI sends it (a
+    malformed call keeps the text it had, see :func:`tiderl.env.tools.parse_tool_calls`)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: ToolFunction
+    type: str = "function"
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    """One OpenAI-style chat message. ``tool_calls`` only on an assistant message;
+    ``tool_call_id`` and ``name`` (the function's) only on a tool message. Checked on
+    construction and on decoding (a wrong role or field is a ``ValueError`` /
+    ``msgspec.ValidationError``)."""
+
+    role: str  # one of ROLES
+    content: str = ""
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has them, not {self.role}")
+        if self.role != "tool" and (self.tool_call_id is not None or self.name is not None):
+            raise ValueError(f"tool_call_id, name: only a tool message has them, not {self.role}")
+
+
+def messages_text(messages: list[Message]) -> str:
+    """The plain-text form of messages: their non-empty contents joined by newlines."""
+    return "\n".join(m.content for m in messages if m.content)
+
+
 class StartResponse(msgspec.Struct):
     session: str
     observation: str
     info: dict[str, Any] = msgspec.field(default_factory=dict)
+    messages: list[Message] = msgspec.field(default_factory=list)
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
 class ObservationRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -44,10 +99,13 @@ class ObservationRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ObservationResponse(msgspec.Struct):
+    """``messages``: what follows the model's action (tool results and/or user text)."""
+
     observation: str
     reward: float
     done: bool
     info: dict[str, Any] = msgspec.field(default_factory=dict)
+    messages: list[Message] = msgspec.field(default_factory=list)
 
 
 class SessionRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -4,6 +4,10 @@
     /observation ──> EnvService.step ──sleep(step latency)──> env.step ──> ObservationResponse
     /end /pause /resume ──> SessionTable
 
+Every answer carries both forms of an observation (:func:`tiderl.env.base.observation_messages`
+and ``observation_text``), whichever form the environment returned, and ``/start`` the
+environment's tool schemas.
+
 A session is "in a step" from the start of its /observation (latency included) to its answer;
 the table never evicts it meanwhile, and /start is refused (429) only when every session is.
 
@@ -19,7 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tiderl.env.base import Environment, UnknownEnvironment, make_env
+from tiderl.env.base import (
+    Environment,
+    UnknownEnvironment,
+    make_env,
+    observation_messages,
+    observation_text,
+)
 from tiderl.env.config import EnvConfig
 from tiderl.env.latency import LatencyModel
 from tiderl.env.protocol import (
@@ -75,8 +85,10 @@ class EnvService:
             raise ProtocolError(str(exc), "unknown_env", 400) from exc
         except ValueError as exc:  # e.g. a task the environment cannot parse
             raise ProtocolError(f"{req.env}: {exc}", "invalid_task", 400) from exc
+        messages = observation_messages(observation)
         session = self.table.create(req.env, env, self.clock(), owner=req.owner)
-        return StartResponse(session.id, observation, info)
+        return StartResponse(session.id, observation_text(observation), info, messages,
+                             list(env.tools))
 
     async def step(self, req: ObservationRequest) -> ObservationResponse:
         self._steppable(req.session)
@@ -94,8 +106,9 @@ class EnvService:
         session.num_steps += 1
         session.is_done = result.done
         self.num_steps += 1
-        return ObservationResponse(result.observation, float(result.reward), result.done,
-                                   result.info)
+        return ObservationResponse(observation_text(result.observation), float(result.reward),
+                                   result.done, result.info,
+                                   observation_messages(result.observation))
 
     def end_owner(self, req: OwnerRequest) -> OwnerResponse:
         return OwnerResponse(req.owner, self.table.end_owner(req.owner))

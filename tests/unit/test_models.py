@@ -216,7 +216,8 @@ def test_config_reads_hf_spellings_and_rejects_unsupported():
     v5 |= {"rope_parameters": {"rope_type": "default", "rope_theta": 5.0}, "dtype": "bfloat16",
            "eos_token_id": [1, 2], "rope_scaling": None}
     config = Qwen2Config.from_hf(v5)
-    assert (config.rope_theta, config.torch_dtype, config.eos_token_id) == (5.0, "bfloat16", 1)
+    assert (config.rope_theta, config.torch_dtype, config.eos_token_id) == (5.0, "bfloat16",
+                                                                            (1, 2))  # every eos
     with pytest.raises(ValueError, match="rope scaling"):
         Qwen2Config.from_hf(hf | {"rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="sliding-window"):

@@ -11,6 +11,7 @@ from tiderl.engine.request import SamplingParams
 from tiderl.env.client import InProcessEnvClient
 from tiderl.env.config import EnvConfig
 from tiderl.env.sessions import SessionState
+from tiderl.models.chat import PlainEncoder
 from tiderl.models.config import ModelConfig
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.runtime.agent import AgentLoop, AgentTask, TaskDetachedError, TurnEvent
@@ -21,7 +22,7 @@ SAMPLING = SamplingParams(max_tokens=6, temperature=1.0, seed=0)
 def _loop(events: list[TurnEvent], max_turns: int = 4, max_context: int = 4096):
     engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=4096))
     env = InProcessEnvClient(EnvConfig(envs=["guess"]))
-    return AgentLoop(EmbeddedClient(engine), env, word_tokenizer(), SAMPLING,
+    return AgentLoop(EmbeddedClient(engine), env, PlainEncoder(word_tokenizer()), SAMPLING,
                      max_turns=max_turns, max_context_tokens=max_context,
                      on_turn=events.append), env
 
@@ -94,8 +95,8 @@ def test_a_detached_task_goes_on_from_its_carry_on_another_loop():
     events: list[TurnEvent] = []
     first, env = _loop(events, max_turns=6)
     engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=4096))
-    second = AgentLoop(EmbeddedClient(engine), env, word_tokenizer(), SAMPLING, max_turns=6,
-                       max_context_tokens=4096, on_turn=events.append)
+    second = AgentLoop(EmbeddedClient(engine), env, PlainEncoder(word_tokenizer()), SAMPLING,
+                       max_turns=6, max_context_tokens=4096, on_turn=events.append)
     task = AgentTask("d", "g", "guess", "1 1000", seed=3)
 
     async def scenario():
@@ -126,7 +127,8 @@ def test_a_refused_pin_leaves_the_task_unpinned_and_an_ended_task_leaves_no_engi
     engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=256))
     kv = engine.scheduler.kv_cache
     loop = AgentLoop(EmbeddedClient(engine), InProcessEnvClient(EnvConfig(envs=["guess"])),
-                     word_tokenizer(), SAMPLING, max_turns=3, max_context_tokens=256, pin=True)
+                     PlainEncoder(word_tokenizer()), SAMPLING, max_turns=3, max_context_tokens=256,
+                     pin=True)
     pinned_now: list[bool] = []
     loop.on_turn = lambda event: pinned_now.append(kv.is_pinned(event.task_id))
 

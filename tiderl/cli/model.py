@@ -19,16 +19,23 @@ def init(
     size: str = typer.Option("tiny", "--size", help="tiny or small."),
     out: Path = typer.Option(..., "--out", help="Output folder."),
     seed: int = typer.Option(0, "--seed"),
+    tokenizer: str = typer.Option(
+        "word", "--tokenizer",
+        help="word: the word list of the built-in environments (the embedded default); bpe: a "
+             "byte-level BPE trained here on their text, with a chat template (any text)."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Write config.json, model.safetensors and tokenizer.json for a random-init model."""
+    """Write config.json, model.safetensors and the tokenizer files for a random-init model."""
     if size not in MODEL_SIZES:
         raise CLIError(f"tiderl model init: unknown --size {size!r} "
                        f"(known: {', '.join(MODEL_SIZES)})", EXIT_USAGE)
+    if tokenizer not in ("word", "bpe"):
+        raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} (known: word, bpe)",
+                       EXIT_USAGE)
     from tiderl.models.init import write_random_checkpoint  # late: `tiderl --help` stays fast
 
-    paths = write_random_checkpoint(size, out, seed)
-    payload = {"size": size, "seed": seed, "out": str(out),
+    paths = write_random_checkpoint(size, out, seed, tokenizer)
+    payload = {"size": size, "seed": seed, "tokenizer": tokenizer, "out": str(out),
                "files": {p.name: p.stat().st_size for p in paths}}
     Output(json_mode).result(payload, lambda console: _render(console, payload))
 

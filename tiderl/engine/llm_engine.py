@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -73,10 +74,11 @@ class EngineMetrics:
 
 class LLMEngine:
     def __init__(self, model: Qwen2ForCausalLM, engine_config: EngineConfig,
-                 eos_token_id: int | None, version: int = 0) -> None:
+                 eos_token_id: int | Collection[int] | None, version: int = 0) -> None:
+        """``eos_token_id``: the token, or the set of tokens, that ends a generation (an HF
+        folder's config.json and generation_config.json may each name several)."""
         self.config = engine_config
         self.model = model
-        self.eos_token_id = eos_token_id
         self.version = version
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings

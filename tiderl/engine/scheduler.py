@@ -20,6 +20,7 @@ blocks to finish, releases pins (oldest first) until it can.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tiderl.engine.block_pool import KVCacheBlock
@@ -80,12 +81,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: EngineConfig, eos_token_id: int | None = None,
+        self, config: EngineConfig, eos_token_id: int | Collection[int] | None = None,
         kv_cache_manager: KVCacheManager | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_set(eos_token_id)
         self.kv_cache = kv_cache_manager or KVCacheManager.from_config(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -250,7 +251,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        if token == self.eos_token_id or token in request.sampling.stop_token_ids:
+        if token in self.eos_token_ids or token in request.sampling.stop_token_ids:
             return FinishReason.STOP
         if request.num_output_tokens >= request.sampling.max_tokens:
             return FinishReason.LENGTH
@@ -261,3 +262,10 @@ class Scheduler:
         request.finish_reason = reason
         request.set_status(RequestStatus.FINISHED)
         del self.requests[request.request_id]
+
+
+def eos_set(eos: int | Collection[int] | None) -> frozenset[int]:
+    """The tokens that end a generation: none, one, or several (an HF eos list)."""
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

@@ -15,13 +15,16 @@ class ModelConfig:
     """Which weights the engine and the trainer load.
 
     ``path`` is an HF-format folder (config.json, *.safetensors, tokenizer.json); empty means a
-    seeded random-init model of ``size`` made locally (no downloads).
+    seeded random-init model of ``size`` made locally (no downloads). ``chat_template``: apply
+    the folder's chat template to the environment's messages when it has one (else, and for
+    ``false``, the observation text is encoded as is).
     """
 
     path: str = ""
     size: str = "tiny"
     seed: int = 0
     dtype: str = "float32"
+    chat_template: bool = True
 
     def __post_init__(self) -> None:
         require_choice(self.size, MODEL_SIZES, "size")

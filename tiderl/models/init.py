@@ -2,11 +2,13 @@
 
 Sizes follow docs/research feasibility §2: ``tiny`` is 128 hidden / 4 layers / 4 heads / 2 KV
 heads, ``small`` 256 / 8 / 8 / 4, both with a 4x MLP and untied embeddings. The vocabulary is
-the word list of :mod:`tiderl.models.vocab`. The same size and seed give byte-identical files.
+the word list of :mod:`tiderl.models.vocab`, or a byte-level BPE trained here
+(:mod:`tiderl.models.bpe`). The same size, seed and tokenizer give byte-identical files.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,22 +22,26 @@ SIZES = {"tiny": (128, 4, 4, 2), "small": (256, 8, 8, 4)}  # hidden, layers, hea
 INIT_STD = 0.02
 
 
-def size_config(size: str) -> Qwen2Config:
+def size_config(size: str, vocab_size: int = len(VOCAB), bos: int | None = VOCAB.index(BOS),
+                eos: int = VOCAB.index(EOS)) -> Qwen2Config:
+    """The architecture of ``size``; the vocabulary is the word list's unless given."""
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r} (known: {', '.join(SIZES)})")
     hidden, layers, heads, kv_heads = SIZES[size]
     return Qwen2Config(
-        vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        max_position_embeddings=4096, torch_dtype="float32",
-        bos_token_id=VOCAB.index(BOS), eos_token_id=VOCAB.index(EOS))
+        max_position_embeddings=4096, torch_dtype="float32", bos_token_id=bos,
+        eos_token_id=eos)
 
 
-def init_model(size: str, seed: int = 0) -> Qwen2ForCausalLM:
+def init_model(size: str, seed: int = 0, config: Qwen2Config | None = None
+               ) -> Qwen2ForCausalLM:
     """A float32 CPU model: matrices and embeddings ~ N(0, 0.02), biases 0, norms 1 (as HF
-    initialises Qwen2), drawn from one generator in parameter order."""
-    model = Qwen2ForCausalLM(size_config(size))
+    initialises Qwen2), drawn from one generator in parameter order. ``config``: another
+    vocabulary's (``size_config(size, ...)``)."""
+    model = Qwen2ForCausalLM(config or size_config(size))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -48,10 +54,26 @@ def init_model(size: str, seed: int = 0) -> Qwen2ForCausalLM:
     return model.eval()
 
 
-def write_random_checkpoint(size: str, out: str | Path, seed: int = 0) -> list[Path]:
-    """Write config.json, model.safetensors and tokenizer.json for ``init_model(size, seed)``;
-    returns the three paths."""
+TOKENIZERS = ("word", "bpe")
+
+
+def write_random_checkpoint(size: str, out: str | Path, seed: int = 0,
+                            tokenizer: str = "word") -> list[Path]:
+    """Write config.json, model.safetensors and the tokenizer for ``init_model(size, seed)``;
+    returns the paths. ``tokenizer``: ``word`` (tokenizer.json of the word list) or ``bpe`` (a
+    byte-level BPE trained here with a chat template and generation_config.json, see
+    :mod:`tiderl.models.bpe`)."""
     folder = Path(out)
-    save_model(init_model(size, seed), folder)
-    word_tokenizer().save(str(folder / TOKENIZER_FILE), pretty=True)
-    return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, folder / TOKENIZER_FILE]
+    if tokenizer == "word":
+        save_model(init_model(size, seed), folder)
+        word_tokenizer().save(str(folder / TOKENIZER_FILE), pretty=True)
+        return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, folder / TOKENIZER_FILE]
+    if tokenizer != "bpe":
+        raise ValueError(f"unknown tokenizer {tokenizer!r} (known: {', '.join(TOKENIZERS)})")
+    from tiderl.models.bpe import ENDOFTEXT, IM_END, train_bpe, write_tokenizer_files
+
+    bpe = train_bpe()
+    config = size_config(size, bpe.get_vocab_size(), None, bpe.token_to_id(IM_END))
+    config = replace(config, eos_token_id=(config.eos_token_id, bpe.token_to_id(ENDOFTEXT)))
+    save_model(init_model(size, seed, config), folder)
+    return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, *write_tokenizer_files(bpe, folder)]

@@ -1,5 +1,8 @@
 """HF-format model folders: ``config.json`` + ``model.safetensors`` (or shards listed in
-``model.safetensors.index.json``) + ``tokenizer.json``.
+``model.safetensors.index.json``) + ``tokenizer.json``, and where the folder has them the files
+transformers and the engines read beside it: ``tokenizer_config.json`` (special tokens, the chat
+template), ``chat_template.jinja``, ``special_tokens_map.json`` and ``generation_config.json``
+(its ``eos_token_id`` joins config.json's: the eos set ends a generation).
 
 A real Qwen2 / Qwen2.5 checkpoint on local disk loads as is; nothing is downloaded.
 """
@@ -7,6 +10,8 @@ A real Qwen2 / Qwen2.5 checkpoint on local disk loads as is; nothing is download
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +26,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                    GENERATION_CONFIG_FILE)
 TIED_KEY = "lm_head.weight"
 
 
@@ -29,13 +37,37 @@ class ModelLoadError(Exception):
 
 
 def load_config(path: str | Path) -> Qwen2Config:
+    """config.json, with generation_config.json's eos tokens joined to its own."""
     file = Path(path) / CONFIG_FILE
     try:
-        return Qwen2Config.from_hf(json.loads(file.read_text()))
+        config = Qwen2Config.from_hf(json.loads(file.read_text()))
+        eos = _ids(config.eos_token_id) + _generation_eos(Path(path))
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{file}: not found") from exc
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{file}: {exc}") from exc
+    eos = tuple(dict.fromkeys(eos))
+    return replace(config, eos_token_id=eos[0] if len(eos) == 1 else (eos or None))
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    file = folder / GENERATION_CONFIG_FILE
+    if not file.is_file():
+        return ()
+    try:
+        return _ids(json.loads(file.read_text()).get("eos_token_id"))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{file}: {exc}") from exc
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    """An HF token-id field (none, an int or a list of ints) as a tuple."""
+    if value is None:
+        return ()
+    ids = (value,) if isinstance(value, int) else tuple(value)  # type: ignore[arg-type]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id: expected token ids, got {value!r}")
+    return ids
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -104,6 +136,16 @@ def save_state_dict(state: dict[str, torch.Tensor], config: Qwen2Config, path: s
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_tokenizer_extras(source: str | Path | None, folder: str | Path) -> None:
+    """The ``TOKENIZER_EXTRAS`` of the HF folder ``source`` (those it has) into ``folder``, so
+    that a folder written from its weights reads like the original (template, eos set)."""
+    if not source:
+        return
+    for name in TOKENIZER_EXTRAS:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(folder) / name)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

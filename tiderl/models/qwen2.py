@@ -55,7 +55,7 @@ class Qwen2Config:
     max_position_embeddings: int = 32768
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # one, or several (generation ends)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -91,7 +91,7 @@ class Qwen2Config:
             max_position_embeddings=data.get("max_position_embeddings", 32768),
             torch_dtype=data.get("torch_dtype") or data.get("dtype") or "float32",
             bos_token_id=data.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos)
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers reads as a ``Qwen2Config``."""

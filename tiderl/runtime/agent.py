@@ -4,6 +4,9 @@ Each turn sends the whole context so far (the engine's prefix cache, kept reside
 makes that cheap) and appends the observation that comes back. The trajectory keeps, per turn,
 the new context tokens, the model's output tokens with their behaviour logprobs and the policy
 version that produced them: exactly what the trainer consumes (``TrainSample.from_trajectory``).
+The context is append-only: the model's output ids stay as sampled, and only the new messages
+of a turn are encoded (:mod:`tiderl.models.chat`: the chat template where the model folder has
+one, else the observation text).
 
 CTB pauses and resumes whole tasks. ``pause`` takes effect at the task's next turn boundary: the
 loop unpins the task's KV (when it pins), pauses the environment session (so its idle timeout
@@ -29,12 +32,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
-from tokenizers import Tokenizer
+import msgspec
 
 from tiderl.core.types import Trajectory, Turn
 from tiderl.engine.clients import EngineClient, PinRefused
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
+from tiderl.env.protocol import Message
+from tiderl.models.chat import TurnEncoder
 
 T = TypeVar("T")
 log = logging.getLogger("tiderl.agent")
@@ -97,11 +102,11 @@ class TaskDetachedError(Exception):
 
 
 class AgentLoop:
-    def __init__(self, engine: EngineClient, env: EnvClient, tokenizer: Tokenizer,
+    def __init__(self, engine: EngineClient, env: EnvClient, encoder: TurnEncoder,
                  sampling: SamplingParams, *, max_turns: int, max_context_tokens: int,
                  version: Callable[[], int] = lambda: 0,
                  on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False):
-        self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self.engine, self.env, self.encoder = engine, env, encoder
         self.sampling = sampling
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
@@ -161,9 +166,6 @@ class AgentLoop:
         except Exception as exc:  # cleanup: never hides why the task ended
             log.warning("task %s: the engine did not forget it: %r", task_id, exc)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
     def _report(self, task_id: str, context: int, output: int, version: int, done: bool,
                 running: bool) -> None:
         if self.on_turn is not None:
@@ -174,7 +176,8 @@ class AgentLoop:
         0) and return its trajectory with the reward; from ``carry`` when it moved here."""
         if carry is None:
             start = await self.env.start(task.env, task.task, task.seed)
-            carry = TaskCarry(start.session, [], self._encode(start.observation))
+            carry = TaskCarry(start.session, [], self.encoder.opening(
+                start.observation, _plain(start.messages), start.tools))
         else:
             await self.env.resume(carry.session)
         session = carry.session
@@ -203,13 +206,14 @@ class AgentLoop:
                 context = prompt + out.output_ids
                 self._report(task.task_id, len(context), len(out.output_ids), version,
                              False, False)
-                step = await self.env.step(session, self.tokenizer.decode(out.output_ids))
+                step = await self.env.step(session, self.encoder.decode(out.output_ids))
                 self._report(task.task_id, len(context), len(out.output_ids), version,
                              step.done, not step.done)
                 if step.done:
                     trajectory.reward = step.reward
                     break
-                new_context = self._encode(step.observation)
+                new_context = self.encoder.following(step.observation, _plain(step.messages),
+                                                     out.output_ids)
         except EngineUnreachableError:
             engine_gone = True
             raise
@@ -221,3 +225,8 @@ class AgentLoop:
                     await self._forget(task.task_id)
                 await self.env.end(session)
         return trajectory
+
+
+def _plain(messages: list[Message]) -> list[dict]:
+    """Messages as the dicts a chat template reads."""
+    return msgspec.to_builtins(messages)

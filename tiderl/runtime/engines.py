@@ -112,11 +112,12 @@ class ServerEngine(RankEngine):
     """A server beside the rank; it outlives the rank's stints in rollout (asleep between)."""
 
     def __init__(self, client: _HTTPClient, config: EngineConfig, weights_root: Path,
-                 model_config: Qwen2Config, tokenizer: Tokenizer) -> None:
+                 model_config: Qwen2Config, tokenizer: Tokenizer, model_path: str = "") -> None:
         self._client = client
         self.config = config
         self.weights_root = weights_root
         self.model_config, self.tokenizer = model_config, tokenizer
+        self.model_path = model_path  # the job's model folder: its tokenizer extras go along
         self.asleep = False
         self._base = (0, 0)  # the server's counters at the stint's start
 
@@ -171,7 +172,8 @@ class ServerEngine(RankEngine):
         """The version's folder (off the event loop: heartbeats go on while it is written)."""
         folder = await asyncio.to_thread(export_version, state, self.model_config,
                                          self.tokenizer, self.weights_root, version,
-                                         self.config.keep_versions)
+                                         self.config.keep_versions,
+                                         source=self.model_path or None)
         return str(folder.resolve())
 
     async def _usage(self, m: ClientMetrics) -> tuple[int, int]:

@@ -49,7 +49,9 @@ from tiderl.core.rank_sets import trainer_sets
 from tiderl.core.types import Role, Trajectory
 from tiderl.engine.clients import server_client
 from tiderl.engine.request import SamplingParams
+from tiderl.engine.scheduler import eos_set
 from tiderl.env.client import HTTPEnvClient
+from tiderl.models.chat import TurnEncoder, turn_encoder
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
@@ -128,6 +130,7 @@ class RankDaemon(TrainerRoles):
         self.version = 0
         self.device = torch.device(args.device)
         self.tokenizer = None
+        self.encoder: TurnEncoder | None = None
         self.layout = None  # weight-sync layout (every rank builds the same model)
         self.optimizer_layout = None  # optimizer-state sync layout, from the same model
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -187,6 +190,11 @@ class RankDaemon(TrainerRoles):
             and not self.is_sync
         model, self.tokenizer = self._initial_model(torch.device("cpu") if on_server else None)
         self.model_config = model.config
+        # before the job starts: a chat template needs transformers (seconds to import), and
+        # any rank may roll out once ERS moves it
+        self.encoder = turn_encoder(self.profile.model.path or None, self.tokenizer,
+                                    eos_set(model.config.eos_token_id),
+                                    self.profile.model.chat_template)
         self.layout = param_layout(model)
         self.optimizer_layout = optimizer_layout(model)
         self.actor_set = _ranks_with(initial_roles, Role.ACTOR, self.is_sync)
@@ -196,7 +204,7 @@ class RankDaemon(TrainerRoles):
                                    flush_on_update=engine.kv_on_update == "flush")
             self.server = ServerEngine(client, self.profile.engine,
                                        self.args.run_dir / "weights", model.config,
-                                       self.tokenizer)
+                                       self.tokenizer, self.profile.model.path)
         elif self.is_sync or self.role is Role.ROLLOUT:
             self._attach(EmbeddedEngine(model, self.profile.engine, 0))
             model = None
@@ -237,8 +245,8 @@ class RankDaemon(TrainerRoles):
         engine_cfg, env_cfg = self.profile.engine, self.profile.env
         sampling = SamplingParams(max_tokens=engine_cfg.max_new_tokens,
                                   temperature=engine_cfg.temperature, top_p=engine_cfg.top_p)
-        assert self.model_config is not None
-        self.agent = AgentLoop(engine.client, self.env, self.tokenizer, sampling,
+        assert self.model_config is not None and self.encoder is not None
+        self.agent = AgentLoop(engine.client, self.env, self.encoder, sampling,
                                max_turns=env_cfg.max_turns,
                                max_context_tokens=min(engine_cfg.kv_cache_tokens,
                                                       self.model_config.max_position_embeddings),

@@ -180,7 +180,8 @@ class TrainerRoles:
         assert self.model_config is not None
         folder = step_dir(cmd.export, cmd.version)
         await asyncio.to_thread(write_folder, state, self.model_config, self.tokenizer, folder,
-                                self.profile.trainer.export_shard_mb << 20)
+                                self.profile.trainer.export_shard_mb << 20,
+                                self.profile.model.path)
         log.info("rank %d: exported version %d to %s", self.rank, cmd.version, folder)
 
     def _sync_weights(self, cmd: SyncWeights, with_optimizer: bool,

@@ -3,7 +3,8 @@
 for the user (loadable by transformers, ``tiderl engine serve`` and vLLM / SGLang):
 
     runs/<job>/weights/v00000003/  config.json  model.safetensors (or shards + index)
-                                   tokenizer.json
+                                   tokenizer.json (and the model folder's tokenizer
+                                   config, chat template and generation config)
     runs/<job>/hf/step-00000004/   the same files; kept (not pruned)
 
 A version is written into a hidden folder beside its place and renamed into it, so a reader sees
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from tiderl.models.loading import TOKENIZER_FILE, save_state_dict
+from tiderl.models.loading import TOKENIZER_FILE, copy_tokenizer_extras, save_state_dict
 from tiderl.models.qwen2 import Qwen2Config
 
 VERSION_DIR = re.compile(r"^v(\d{8})$")
@@ -37,19 +38,22 @@ def version_dir(root: str | Path, version: int) -> Path:
 
 def export_version(state: dict[str, torch.Tensor], config: Qwen2Config, tokenizer: Tokenizer,
                    root: str | Path, version: int, keep: int = 2,
-                   max_shard_bytes: int | None = None) -> Path:
+                   max_shard_bytes: int | None = None,
+                   source: str | Path | None = None) -> Path:
     """Write ``state`` as version ``version``'s folder under ``root`` (unless a rank of this
     node already did) and prune to the newest ``keep``; returns the folder."""
     final = version_dir(root, version)
-    write_folder(state, config, tokenizer, final, max_shard_bytes)
+    write_folder(state, config, tokenizer, final, max_shard_bytes, source)
     prune(root, keep)
     return final
 
 
 def write_folder(state: dict[str, torch.Tensor], config: Qwen2Config, tokenizer: Tokenizer,
-                 final: Path, max_shard_bytes: int | None = None) -> Path:
+                 final: Path, max_shard_bytes: int | None = None,
+                 source: str | Path | None = None) -> Path:
     """``state`` as the HF folder ``final``, unless it is there already: written beside it and
-    renamed into place under a lock file (``flock``) that writers of one node share."""
+    renamed into place under a lock file (``flock``) that writers of one node share. ``source``:
+    the model folder the job started from, whose tokenizer extras go along."""
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a rank of this node writing it: wait for it
@@ -58,6 +62,7 @@ def write_folder(state: dict[str, torch.Tensor], config: Qwen2Config, tokenizer:
             shutil.rmtree(tmp, ignore_errors=True)
             save_state_dict(state, config, tmp, max_shard_bytes)
             tokenizer.save(str(tmp / TOKENIZER_FILE))
+            copy_tokenizer_extras(source, tmp)
             tmp.rename(final)
     return final
 

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiderl.env.base import ENV_NAMES, Environment, StepResult, UnknownEnvironment, make_env
+from tiderl.env.base import (
+    ENV_NAMES,
+    Environment,
+    StepResult,
+    UnknownEnvironment,
+    make_env,
+    observation_text,
+)
 from tiderl.env.config import LatencyConfig
 from tiderl.env.guess import GuessEnv, parse_range
 from tiderl.env.latency import LatencyModel
@@ -27,11 +34,11 @@ SEEDS = range(200)
 def play(env: Environment, task: str | None, seed: int) -> tuple[list[str], StepResult]:
     """Run the scripted solver to the end; return every text seen and the last result."""
     observation, _ = env.reset(task, seed)
-    texts = [observation]
+    texts = [observation_text(observation)]
     while True:
         action = env.solve()
         result = env.step(action)
-        texts += [action, result.observation]
+        texts += [action, observation_text(result.observation)]
         if result.done:
             return texts, result
 
@@ -61,7 +68,14 @@ def test_same_task_and_seed_give_the_same_episode(name):
     assert len(transcripts) > 1
 
 
-@pytest.mark.parametrize("name", ENV_NAMES)
+WORD_LEVEL = [name for name in ENV_NAMES if make_env(name).is_word_level]
+
+
+def test_only_the_tool_calling_environment_is_meant_for_a_byte_level_tokenizer():
+    assert set(ENV_NAMES) - set(WORD_LEVEL) == {"calc"}
+
+
+@pytest.mark.parametrize("name", WORD_LEVEL)
 def test_every_observation_and_action_tokenizes_without_unk(name):
     tokenizer = word_tokenizer()
     for seed in SEEDS:
@@ -89,7 +103,8 @@ def test_arbitrary_actions_never_crash(name, seed, actions):
     env.reset(None, seed)
     for action in actions:
         result = env.step(action)
-        assert isinstance(result.observation, str) and 0.0 <= result.reward <= 1.0
+        assert isinstance(observation_text(result.observation), str)
+        assert 0.0 <= result.reward <= 1.0
         if result.done:
             break
 

@@ -24,8 +24,10 @@ of that for tools that are Python callables.
 
 :func:`make_env` builds one by name: a built-in (:data:`ENV_NAMES`), ``gym:ENV_ID`` or
 ``gym:module:factory`` (a gymnasium env with text observations and actions, see
-:mod:`tiderl.env.gym_adapter`), or a dotted path ``package.module:ClassName`` /
-``package.module.ClassName`` naming a subclass of :class:`Environment`.
+:mod:`tiderl.env.gym_adapter`), ``verifiers:ENV_ID`` or ``verifiers:module:factory`` (a
+verifiers multi-turn environment, see :mod:`tiderl.env.verifiers_adapter`), or a dotted path
+``package.module:ClassName`` / ``package.module.ClassName`` naming a subclass of
+:class:`Environment` (such as a :class:`tiderl.env.tools.ToolEnvironment`).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from tiderl.env.protocol import Message, messages_text
 
 Observation: TypeAlias = str | list[Message]
 
-ENV_NAMES: tuple[str, ...] = ("guess", "shop", "household")
+ENV_NAMES: tuple[str, ...] = ("guess", "shop", "household", "calc")
 
 _BUILTIN_PATHS = {
     "guess": "tiderl.env.guess:GuessEnv",
     "shop": "tiderl.env.shop:ShopEnv",
     "household": "tiderl.env.household:HouseholdEnv",
+    "calc": "tiderl.env.calc:CalcEnv",
 }
 
 
@@ -138,11 +141,17 @@ def make_env(name: str, *, max_turns: int = 20, options: dict[str, Any] | None =
         if options:
             raise UnknownEnvironment(f"{name}: gymnasium environments take no options")
         return make_gym_env(name[len("gym:"):], max_turns=max_turns)
+    if name.startswith("verifiers:"):
+        from tiderl.env.verifiers_adapter import make_verifiers_env
+
+        return make_verifiers_env(name[len("verifiers:"):], max_turns=max_turns,
+                                  options=options)
     path = _BUILTIN_PATHS.get(name)
     if path is None and "." not in name and ":" not in name:
         raise UnknownEnvironment(
             f"unknown environment {name!r}; expected one of {', '.join(ENV_NAMES)}, "
-            "gym:ENV_ID, gym:module:factory or a dotted path to an Environment subclass")
+            "gym:ENV_ID, gym:module:factory, verifiers:ENV_ID, verifiers:module:factory or a "
+            "dotted path to an Environment subclass")
     cls = _load_object(path or name)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise UnknownEnvironment(f"{name!r} is not a subclass of tiderl.env.base.Environment")

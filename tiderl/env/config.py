@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
 
-BUILTIN_ENVS = ("guess", "shop", "household")
+BUILTIN_ENVS = ("guess", "shop", "household", "calc")
 LATENCY_KINDS = ("none", "fixed", "lognormal")
 
 
@@ -27,7 +27,8 @@ class LatencyConfig:
 
 
 def _is_env_name(name: str) -> bool:
-    """A built-in, a gymnasium env (``gym:...``) or a dotted path (``pkg.mod:Class``)."""
+    """A built-in, a gymnasium or verifiers env (``gym:...``, ``verifiers:...``) or a dotted
+    path (``pkg.mod:Class``)."""
     return name in BUILTIN_ENVS or name.startswith("gym:") or ":" in name or "." in name
 
 
@@ -36,7 +37,8 @@ class EnvConfig:
     envs: list[str] = field(default_factory=lambda: ["guess"])
     url: str = ""  # empty: in-process environments (the embedded default)
     tasks: dict[str, str] = field(default_factory=dict)  # env name -> task text ("1 16")
-    options: dict[str, dict[str, float]] = field(default_factory=dict)  # env -> constructor kwargs
+    # env -> constructor kwargs (a verifiers env: its load_environment's)
+    options: dict[str, dict[str, bool | int | float | str]] = field(default_factory=dict)
     max_turns: int = 20
     max_sessions: int = 256
     idle_ttl_s: float = 600.0
@@ -50,8 +52,9 @@ class EnvConfig:
         if not self.url:
             for i, name in enumerate(self.envs):
                 require(_is_env_name(name), f"envs[{i}]",
-                        f"expected a built-in environment ({', '.join(BUILTIN_ENVS)}), gym:ENV_ID "
-                        f"or a dotted path to an Environment subclass (module:Class), got {name!r}")
+                        f"expected a built-in environment ({', '.join(BUILTIN_ENVS)}), "
+                        "gym:ENV_ID, verifiers:ENV_ID or a dotted path to an Environment "
+                        f"subclass (module:Class), got {name!r}")
         for section in ("tasks", "options"):
             for name in getattr(self, section):
                 require(name in self.envs, f"{section}.{name}",

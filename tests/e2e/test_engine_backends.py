@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tiderl.engine.clients import parse_prometheus
+from tiderl.engine.prometheus import parse_prometheus
 from tiderl.launch.job import run_local
 from tiderl.launch.local import JobState, LaunchError, group_members, is_running
 from tiderl.profile import load_profile

@@ -13,8 +13,9 @@ import pytest
 
 from tests.fuzz.inputs import FuzzCounts, engine_cases, engine_flood, engine_serves, send_cases
 from tests.integration.serving import free_port, serving
-from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient, parse_prometheus
+from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient
 from tiderl.engine.kv_cache_manager import PinRefused
+from tiderl.engine.prometheus import parse_prometheus
 from tiderl.engine.request import SamplingParams
 from tiderl.models.vocab import VOCAB
 

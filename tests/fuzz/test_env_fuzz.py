@@ -13,7 +13,7 @@ import pytest
 
 from tests.fuzz.inputs import FuzzCounts, env_cases, env_flood, env_serves, send_cases
 from tests.integration.serving import free_port, serving
-from tiderl.engine.clients import parse_prometheus
+from tiderl.engine.prometheus import parse_prometheus
 
 SEED = 18
 TOKEN = "fuzz-env-token-18"

@@ -14,7 +14,8 @@ import pytest
 
 from tests.integration.serving import free_port, serving
 from tests.integration.test_cli import assert_one_line_error, tiderl
-from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient, parse_prometheus
+from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient
+from tiderl.engine.prometheus import parse_prometheus
 from tiderl.engine.request import SamplingParams
 from tiderl.models.vocab import VOCAB
 

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from tiderl.engine.clients import (
-    FRACTIONS,
     ClientMetrics,
     EmbeddedClient,
     EngineRequestError,
@@ -20,10 +19,12 @@ from tiderl.engine.clients import (
     completion_body,
     metrics_from_prometheus,
     parse_completion,
-    parse_prometheus,
     parse_sglang_generate,
     sglang_generate_body,
+    vllm_kv_capacity,
 )
+from tiderl.engine.metric_names import FRACTIONS, SGLANG_NAMINGS, VLLM_NAMINGS
+from tiderl.engine.prometheus import info_labels, parse_prometheus
 from tiderl.engine.request import SamplingParams
 
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -123,32 +124,53 @@ def test_parser_sums_label_sets_and_drops_total_and_created():
 def test_parser_edge_cases():
     text = ('a{path="/x} y",le="+Inf"} 2 1700000000000\n'  # brace and space inside a label
             "a 3\n"
-            "b NaN\n"
+            'b{x="1"} NaN\n'
+            'b{x="2"} 4\n'
             "c +Inf\n"
-            "broken\n"
-            "d{x=\"1\"} not-a-number\n"
+            "d NaN\n"
             "   \n# comment only\n")
     values = parse_prometheus(text)
     assert values["a"] == 5.0 and values["c"] == float("inf")
-    assert values["b"] != values["b"]  # NaN
-    assert "broken" not in values and "d" not in values
+    assert values["b"] == 4.0  # a NaN label set is skipped
+    assert values["d"] != values["d"]  # NaN: present, value unknown
     assert parse_prometheus("") == {}
 
 
+@pytest.mark.parametrize("line", ["broken", 'd{x="1"} not-a-number', 'e{x="1} 2'])
+def test_a_page_the_parser_refuses_is_an_error(line):
+    with pytest.raises(ValueError, match="not Prometheus text"):
+        parse_prometheus(f"a 1\n{line}\n")
+
+
+def test_info_gauge_labels_and_counters_read_as_before():
+    """vLLM's ``cache_config_info`` carries its values in labels; a counter is read under its
+    name without ``_total`` whether the page's ``# TYPE`` line names it with or without."""
+    labels = info_labels(VLLM_METRICS, "vllm:cache_config_info")
+    assert labels == [{"block_size": "16", "cache_dtype": "auto",
+                       "enable_prefix_caching": "True", "num_gpu_blocks": "27404"}]
+    assert vllm_kv_capacity(VLLM_METRICS) == 27404 * 16
+    assert vllm_kv_capacity(VLLM_OLD_METRICS) is None
+    typed_bare = ("# TYPE vllm:prefix_cache_hits counter\n"
+                  'vllm:prefix_cache_hits_total{engine="0"} 7.0\n')
+    assert parse_prometheus(typed_bare) == {"vllm:prefix_cache_hits": 7.0}
+    untyped = 'vllm:prefix_cache_hits_total{engine="0"} 7.0\n'
+    assert parse_prometheus(untyped) == {"vllm:prefix_cache_hits": 7.0}
+
+
 def test_vllm_metric_mapping():
-    metrics = metrics_from_prometheus(parse_prometheus(VLLM_METRICS, FRACTIONS), "vllm:")
+    metrics = metrics_from_prometheus(parse_prometheus(VLLM_METRICS, FRACTIONS), VLLM_NAMINGS)
     assert metrics == ClientMetrics(prefix_cache_queries=16384.0, prefix_cache_hits=10240.0,
                                     kv_cache_usage_perc=0.375, num_requests_running=5.0,
                                     num_requests_waiting=1.0, num_preemptions=4.0,
                                     cache_hit_rate=0.625)
-    old = metrics_from_prometheus(parse_prometheus(VLLM_OLD_METRICS, FRACTIONS), "vllm:")
+    old = metrics_from_prometheus(parse_prometheus(VLLM_OLD_METRICS, FRACTIONS), VLLM_NAMINGS)
     assert (old.prefix_cache_queries, old.prefix_cache_hits) == (800.0, 200.0)
     assert old.kv_cache_usage_perc == 0.125 and old.cache_hit_rate == 0.25
     assert old.num_preemptions is None
 
 
 def test_sglang_metric_mapping():
-    metrics = metrics_from_prometheus(parse_prometheus(SGLANG_METRICS, FRACTIONS), "sglang:")
+    metrics = metrics_from_prometheus(parse_prometheus(SGLANG_METRICS, FRACTIONS), SGLANG_NAMINGS)
     assert metrics.prefix_cache_queries is None and metrics.prefix_cache_hits is None
     assert metrics.kv_cache_usage_perc == pytest.approx(0.29)  # mean over tp ranks
     assert (metrics.num_requests_running, metrics.num_requests_waiting) == (28.0, 4.0)

@@ -20,8 +20,8 @@ servers listen on the loopback only).
 from __future__ import annotations
 
 import abc
-import re
-from collections.abc import Collection
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,16 @@ import httpx
 from tiderl.auth import ADMIN, bearer_headers, resolve_token
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.engine.kv_cache_manager import PinRefused
+from tiderl.engine.metric_names import (
+    FRACTIONS,
+    SGLANG_NAMINGS,
+    SGLANG_PRIORITY,
+    TIDERL_NAMINGS,
+    VLLM_CACHE_CONFIG,
+    VLLM_NAMINGS,
+    MetricNames,
+)
+from tiderl.engine.prometheus import info_labels, parse_prometheus
 from tiderl.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -180,7 +190,7 @@ class EmbeddedClient(EngineClient):
 # -- HTTP base -----------------------------------------------------------------------------------
 
 class _HTTPClient(EngineClient):
-    metric_prefix = ""  # the backend's Prometheus namespace
+    metric_names: tuple[MetricNames, ...] = ()  # the backend's, newest naming first
 
     def __init__(self, base_url: str, timeout: float = 600.0,
                  http: httpx.AsyncClient | None = None,
@@ -202,11 +212,20 @@ class _HTTPClient(EngineClient):
     async def metrics(self) -> ClientMetrics:
         response = await self.http.get("/metrics")
         _json_or_raise(response, parse=False)
-        return self._metrics_of(response.text)
+        try:
+            return self._metrics_of(response.text)
+        except ValueError as exc:
+            raise RuntimeError(f"GET /metrics: {exc}") from None
 
     def _metrics_of(self, text: str) -> ClientMetrics:
         """A ``/metrics`` page as ClientMetrics (a backend adds what its names leave out)."""
-        return metrics_from_prometheus(parse_prometheus(text, FRACTIONS), self.metric_prefix)
+        values = parse_prometheus(text, FRACTIONS, keep=self._is_counted)
+        return metrics_from_prometheus(values, self.metric_names)
+
+    @staticmethod
+    def _is_counted(labels: dict[str, str]) -> bool:
+        """Whether a sample with these labels counts toward its name's value."""
+        return True
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -235,7 +254,7 @@ def _rate(hits: float | None, queries: float | None) -> float | None:
 # -- TideRL server -------------------------------------------------------------------------------
 
 class TideRLHTTPClient(_HTTPClient):
-    metric_prefix = "tiderl:"
+    metric_names = TIDERL_NAMINGS
 
     def __init__(self, base_url: str, timeout: float = 600.0,
                  http: httpx.AsyncClient | None = None,
@@ -291,7 +310,7 @@ class VLLMClient(_HTTPClient):
     ``flush_on_update`` also resets the prefix cache (the reload keeps it). Sleep is level 2
     (weights and KV discarded; ``--enable-sleep-mode``)."""
 
-    metric_prefix = "vllm:"
+    metric_names = VLLM_NAMINGS
 
     def __init__(self, base_url: str, model: str, timeout: float = 600.0,
                  http: httpx.AsyncClient | None = None, flush_on_update: bool = True) -> None:
@@ -346,24 +365,11 @@ def vllm_kv_capacity(text: str) -> float | None:
     """``num_gpu_blocks × block_size`` from the labels of ``vllm:cache_config_info`` (summed
     over its engines), None where the page has no such gauge."""
     total = None
-    for labels in info_labels(text, "vllm:cache_config_info"):
+    for labels in info_labels(text, VLLM_CACHE_CONFIG):
         blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
         if blocks.isdigit() and size.isdigit():
             total = (total or 0.0) + int(blocks) * int(size)
     return total
-
-
-def info_labels(text: str, name: str) -> list[dict[str, str]]:
-    """The label sets of every sample of ``name`` (an info-style gauge whose labels carry the
-    values) in a Prometheus text page."""
-    found = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line.startswith(name + "{"):
-            continue
-        body = line[len(name) + 1:line.rindex("}")]
-        found.append(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', body)))
-    return found
 
 
 def completion_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
@@ -412,7 +418,7 @@ class SGLangClient(_HTTPClient):
     reloaded from a folder; ``--schedule-low-priority-values-first`` for vLLM's priority
     order)."""
 
-    metric_prefix = "sglang:"
+    metric_names = SGLANG_NAMINGS
 
     def __init__(self, base_url: str, timeout: float = 600.0,
                  http: httpx.AsyncClient | None = None, flush_on_update: bool = True) -> None:
@@ -445,11 +451,11 @@ class SGLangClient(_HTTPClient):
         await self._post("/resume_memory_occupation")
         await self.update_weights(weights, version)  # the released weights are gone
 
-    def _metrics_of(self, text: str) -> ClientMetrics:
+    @staticmethod
+    def _is_counted(labels: dict[str, str]) -> bool:
         """With priority scheduling SGLang exports each count once per priority level beside
         the total (``priority=""``): the levels are left out of the sums."""
-        return super()._metrics_of("\n".join(
-            line for line in text.splitlines() if not re.search(r'priority="[^"]+"', line)))
+        return not labels.get(SGLANG_PRIORITY)
 
 
 def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
@@ -499,68 +505,21 @@ def server_client(backend: str, base_url: str, timeout: float = 600.0,
 
 # -- Prometheus ----------------------------------------------------------------------------------
 
-def parse_prometheus(text: str, average: Collection[str] = ()) -> dict[str, float]:
-    """Prometheus text format to {name: value}, summing a name's label sets (names in
-    ``average``, such as a per-engine usage fraction, are averaged over them instead).
+def metrics_from_prometheus(values: dict[str, float],
+                            namings: Sequence[MetricNames]) -> ClientMetrics:
+    """A backend's values (:func:`~tiderl.engine.prometheus.parse_prometheus`) as ClientMetrics;
+    each field by the first of the backend's ``namings`` whose name for it is on the page. The
+    hit rate is hits / queries where the engine counts them, else its gauge."""
 
-    A trailing ``_total`` is dropped from every sample name (a counter ``x`` is exposed as
-    ``x_total``; older clients name the family with it), and ``*_created`` samples are skipped.
-    """
-    values: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name = line[:line.index("{")]
-            rest = line[line.rindex("}") + 1:].split()
-        else:
-            name, *rest = line.split()
-        if not rest or name.endswith("_created"):
-            continue
-        name = name.removesuffix("_total")
-        try:
-            values[name] = values.get(name, 0.0) + float(rest[0])
-        except ValueError:
-            continue  # a malformed sample is skipped, never fatal
-        counts[name] = counts.get(name, 0) + 1
-    for name in set(average) & set(values):
-        values[name] /= counts[name]
-    return values
+    def get(field: str) -> float | None:
+        for names in namings:
+            value = values.get(getattr(names, field) or "")
+            if value is not None and not math.isnan(value):
+                return value
+        return None
 
-
-FRACTIONS = ("tiderl:kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
-             "vllm:gpu_cache_usage_perc", "sglang:token_usage", "sglang:cache_hit_rate")
-
-
-_VLLM_NAMES = ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc",
-               "num_requests_running", "num_requests_waiting", "num_preemptions", None, None)
-_NAMES = {  # ClientMetrics field -> metric name after the prefix (None: not exported)
-    "tiderl:": _VLLM_NAMES, "vllm:": _VLLM_NAMES,  # TideRL uses vLLM's names
-    "sglang:": (None, None, "token_usage", "num_running_reqs", "num_queue_reqs", None,
-                "cache_hit_rate", "max_total_num_tokens"),
-}
-
-
-_OLD_NAMES = {  # vLLM before its "gpu_" metric prefix was dropped
-    "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
-    "vllm:prefix_cache_queries": "vllm:gpu_prefix_cache_queries",
-    "vllm:prefix_cache_hits": "vllm:gpu_prefix_cache_hits",
-}
-
-
-def metrics_from_prometheus(values: dict[str, float], prefix: str) -> ClientMetrics:
-    """Map a backend's metric names (``prefix`` is "tiderl:", "vllm:" or "sglang:")."""
-    names = _NAMES[prefix]
-
-    def get(i: int) -> float | None:
-        if names[i] is None:
-            return None
-        name = prefix + names[i]
-        return values.get(name, values.get(_OLD_NAMES.get(name, "")))
-
-    queries, hits = get(0), get(1)
-    rate = get(6) if names[6] is not None else _rate(hits, queries)
-    return ClientMetrics(queries, hits, get(2) or 0.0, get(3) or 0.0, get(4) or 0.0, get(5),
-                         rate, get(7))
+    queries, hits = get("queries"), get("hits")
+    rate = _rate(hits, queries) if queries is not None and hits is not None else get("hit_rate")
+    return ClientMetrics(queries, hits, get("usage") or 0.0, get("running") or 0.0,
+                         get("waiting") or 0.0, get("preemptions"), rate,
+                         get("capacity_tokens"))

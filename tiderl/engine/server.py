@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 
 from tiderl.auth import ADMIN, ServiceGuard, resolve_token
 from tiderl.engine.kv_cache_manager import PinRefused
+from tiderl.engine.metric_names import TIDERL_ENGINE
 from tiderl.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,34 +88,36 @@ class UpdateWeightsBody(BaseModel):
 
 
 class EngineCollector:
-    """Reads ``engine.metrics()`` at scrape time; counters gain ``_total`` on exposition."""
+    """Reads ``engine.metrics()`` at scrape time; counters gain ``_total`` on exposition. The
+    names the clients and ``profile kv`` read are ``TIDERL_ENGINE``'s (metric_names.py)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        m = self.engine.metrics()
+        m, names = self.engine.metrics(), TIDERL_ENGINE
         counters = (
-            ("prefix_cache_queries", m.prefix_cache_queries, "Prompt tokens looked up."),
-            ("prefix_cache_hits", m.prefix_cache_hits, "Prompt tokens found in the cache."),
-            ("num_preemptions", m.num_preemptions, "Requests preempted (recompute)."),
-            ("prompt_tokens_computed", m.prompt_tokens_computed, "Prompt tokens prefilled."),
-            ("decode_tokens", m.decode_tokens, "Tokens sampled."),
-            ("pins", m.num_pins, "Pins taken (a task's context held between its turns)."),
-            ("pins_released", m.num_pins_released,
+            (names.queries, m.prefix_cache_queries, "Prompt tokens looked up."),
+            (names.hits, m.prefix_cache_hits, "Prompt tokens found in the cache."),
+            (names.preemptions, m.num_preemptions, "Requests preempted (recompute)."),
+            (PREFIX + "prompt_tokens_computed", m.prompt_tokens_computed,
+             "Prompt tokens prefilled."),
+            (PREFIX + "decode_tokens", m.decode_tokens, "Tokens sampled."),
+            (PREFIX + "pins", m.num_pins, "Pins taken (a task's context held between its turns)."),
+            (PREFIX + "pins_released", m.num_pins_released,
              "Pins dropped so that a request could fit beside them."),
         )
         for name, value, doc in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            yield CounterMetricFamily(name, doc, value=value)
         gauges = (
-            ("kv_cache_usage_perc", m.kv_cache_usage_perc, "Fraction of KV blocks referenced."),
-            ("num_requests_running", m.num_requests_running, "Requests running."),
-            ("num_requests_waiting", m.num_requests_waiting, "Requests waiting."),
-            ("num_tasks", m.num_tasks, "Tasks with per-task state (a context or a pin)."),
-            ("weight_version", self.engine.version, "Version of the loaded weights."),
+            (names.usage, m.kv_cache_usage_perc, "Fraction of KV blocks referenced."),
+            (names.running, m.num_requests_running, "Requests running."),
+            (names.waiting, m.num_requests_waiting, "Requests waiting."),
+            (PREFIX + "num_tasks", m.num_tasks, "Tasks with per-task state (a context or a pin)."),
+            (PREFIX + "weight_version", self.engine.version, "Version of the loaded weights."),
         )
         for name, value, doc in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 # -- app -----------------------------------------------------------------------------------------

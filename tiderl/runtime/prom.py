@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from tiderl.core.system import StepMode
 from tiderl.core.types import Role
+from tiderl.engine.metric_names import TIDERL_COORDINATOR
 
 MODES = tuple(mode.value for mode in StepMode)  # the step modes a metrics.jsonl record names
 ROLES = tuple(role.value for role in Role)
@@ -53,17 +54,18 @@ class MetricsExporter:
             "before the first step).", ["mode"], registry=reg)
         self.ranks = Gauge("tiderl_ranks", "Ranks per role now.", ["role"], registry=reg)
         self.kv_hit_rate = Gauge(
-            "tiderl_kv_hit_rate", "Prefix-cache hit rate of the last step: prompt tokens found "
-            "cached / looked up, over every rollout rank (NaN: no lookups).", registry=reg)
+            TIDERL_COORDINATOR.hit_rate, "Prefix-cache hit rate of the last step: prompt "
+            "tokens found cached / looked up, over every rollout rank (NaN: no lookups).",
+            registry=reg)
         self.staleness = Gauge(
             "tiderl_staleness", "Max staleness (version of the update minus the version that "
             "generated it) of the samples of the last step.", registry=reg)
         self.kv_tokens_used = Gauge(
-            "tiderl_kv_tokens_used", "KV tokens in use on a rollout rank.", ["rank"],
+            TIDERL_COORDINATOR.used_tokens, "KV tokens in use on a rollout rank.", ["rank"],
             registry=reg)
         self.kv_tokens_capacity = Gauge(
-            "tiderl_kv_tokens_capacity", "KV tokens the engine cache of a rollout rank holds.",
-            ["rank"], registry=reg)
+            TIDERL_COORDINATOR.capacity_tokens,
+            "KV tokens the engine cache of a rollout rank holds.", ["rank"], registry=reg)
         self.ctb_budget_tokens = Gauge(
             "tiderl_ctb_budget_tokens", "CTB's token budget B_r of a rollout rank: the KV "
             "tokens its admitted tasks may take.", ["rank"], registry=reg)

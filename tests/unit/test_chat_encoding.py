@@ -87,10 +87,10 @@ def test_encoding_the_whole_conversation_again_would_change_the_models_ids(encod
     ids = encoder.opening("", messages, [])
     output = encoder.encode("hel") + encoder.encode("lo")
     assert output != encoder.encode("hello")
-    ids += output + [encoder.hf.convert_tokens_to_ids(IM_END)]
+    ids += [*output, encoder.hf.convert_tokens_to_ids(IM_END)]
     ids += encoder.following("", [{"role": "user", "content": "again"}], ids[-len(output) - 1:])
-    whole = messages + [{"role": "assistant", "content": "hello"},
-                        {"role": "user", "content": "again"}]
+    whole = [*messages, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "again"}]
     again = encoder.encode(encoder.render(whole))
     assert encoder.hf.decode(ids) == encoder.hf.decode(again)
     assert ids != again
@@ -107,7 +107,7 @@ def test_the_turn_closes_with_the_templates_closing_less_the_sampled_eos(encoder
 
 def test_decoding_keeps_tool_tags_and_drops_the_eos(encoder):
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*23"}}\n</tool_call>'
-    ids = encoder.encode(call) + [encoder.hf.convert_tokens_to_ids(IM_END)]
+    ids = [*encoder.encode(call), encoder.hf.convert_tokens_to_ids(IM_END)]
     assert encoder.decode(ids) == call
     assert all(len(encoder.encode(tag)) == 1 for tag in TOOL_TAGS)
 
@@ -142,5 +142,5 @@ def test_the_eos_set_joins_generation_config_and_ends_a_generation(tmp_path):
     scheduler = Scheduler(EngineConfig(kv_cache_tokens=256), load_config(tmp_path).eos_token_id)
     assert scheduler.eos_token_ids == {*eos, 7}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
-    with pytest.raises(ModelLoadError, match="generation_config.json"):
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json"):
         load_config(tmp_path)

@@ -218,6 +218,8 @@ def test_config_reads_hf_spellings_and_rejects_unsupported():
     config = Qwen2Config.from_hf(v5)
     assert (config.rope_theta, config.torch_dtype, config.eos_token_id) == (5.0, "bfloat16",
                                                                             (1, 2))  # every eos
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        Qwen2Config.from_hf(hf | {"model_type": "llama"})
     with pytest.raises(ValueError, match="rope scaling"):
         Qwen2Config.from_hf(hf | {"rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="sliding-window"):

@@ -70,6 +70,9 @@ class Qwen2Config:
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> Qwen2Config:
         """Read an HF ``config.json`` dict (legacy and transformers-5 spellings)."""
+        if data.get("model_type", "qwen2") != "qwen2":
+            raise ValueError(f"unsupported model_type {data['model_type']!r}: the embedded "
+                             "engine and the trainer build Qwen2 (docs/models.md)")
         rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"unsupported rope scaling {rope!r}")

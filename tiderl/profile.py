@@ -26,7 +26,7 @@ from tiderl.core.ra2p import RA2PConfig
 from tiderl.engine.config import EngineConfig
 from tiderl.env.config import EnvConfig
 from tiderl.models.config import ModelConfig
-from tiderl.runtime.config import RuntimeConfig
+from tiderl.runtime.config import LoggingConfig, RuntimeConfig
 from tiderl.sim.config import SimConfig
 from tiderl.trainer.config import TrainerConfig
 
@@ -46,6 +46,7 @@ class Profile:
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:

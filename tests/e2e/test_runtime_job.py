@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from tests.integration.tracking import offline_wandb, tensorboard_scalars, wandb_history
 from tiderl.launch.job import run_local
 from tiderl.launch.local import JobState, group_members, is_running
 from tiderl.profile import load_profile
@@ -45,12 +46,15 @@ def _assert_all_gone(run_dir: Path) -> None:
         assert group_members(record.pid) == [], f"{record.name} left children behind"
 
 
-def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(tmp_path):
+def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(tmp_path,
+                                                                                monkeypatch):
     """3 steps of mode tiderl on one rollout and two actor ranks. ERS's cold start moves the
     spare actor to rollout at launch and back after step 0 (a role switch both ways: it drops
     its engine and gets the weights and the optimizer state); the job goes on to the end.
-    Meanwhile a client with other keys knocks on the bus."""
-    profile = _small(3, "runtime.rollout_ranks=1")
+    Meanwhile a client with other keys knocks on the bus. Its coordinator logs to TensorBoard
+    and an offline wandb run too."""
+    offline_wandb(monkeypatch, tmp_path / "home")
+    profile = _small(3, "runtime.rollout_ranks=1", "logging.backends=[jsonl,tensorboard,wandb]")
     knocked = threading.Event()
 
     def knock(state: JobState) -> None:
@@ -94,7 +98,16 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     log = (result.run_dir / "logs" / "coordinator.log").read_text()
     assert "bus: rejected a peer" in log and "unknown CURVE key" in log
     assert "report.md" in str(result.report) and (result.run_dir / "roles.png").exists()
-    _assert_all_gone(result.run_dir)
+    # the same steps in TensorBoard and in the wandb run, and the report links both
+    steps = [m["step"] for m in metrics]
+    assert [step for step, _ in tensorboard_scalars(result.run_dir / "tensorboard")["loss"]] == \
+        steps
+    (wandb_run,) = (result.run_dir / "wandb").glob("offline-run-*")
+    assert [step for step, _ in wandb_history(next(wandb_run.glob("run-*.wandb")))] == steps
+    report = result.report.read_text()
+    assert f"tensorboard --logdir {(result.run_dir / 'tensorboard').resolve()}" in report
+    assert f"wandb sync {wandb_run.resolve()}" in report
+    _assert_all_gone(result.run_dir)  # the wandb service, the coordinator's child, too
 
 
 @pytest.mark.parametrize("mode", ["sync", "stream"])

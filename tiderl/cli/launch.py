@@ -20,7 +20,8 @@ from tiderl.profile import DEFAULT_PROFILE, Profile, load_profile, profile_to_di
 ProfileOpt = typer.Option(DEFAULT_PROFILE, "--profile", "-p",
                           help="Profile name in profiles/ or a path to a YAML file.")
 SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
-                      help="Override one profile value, e.g. ctb.budget_fraction=0.8 (repeatable).")
+                      help="Override one profile value, e.g. ctb.budget_fraction=0.8 or a list, "
+                           "'logging.backends=\\[jsonl,tensorboard]' (repeatable).")
 
 
 def launch(

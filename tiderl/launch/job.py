@@ -44,6 +44,7 @@ from tiderl.launch.local import (
 from tiderl.launch.plan import Endpoints, LaunchPlan, engine_port_names, plan_local
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
+from tiderl.runtime.log_backends import missing_backends, missing_line
 from tiderl.runtime.resume import (
     CHECKPOINTS,
     latest_complete,
@@ -167,7 +168,8 @@ def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def check_here(profile: Profile) -> None:
     """What a job on this machine needs and can be checked before anything starts (LaunchError
-    naming the key): the model folder and, for ``runtime.device: cuda``, an NVIDIA driver."""
+    naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA driver, and the
+    libraries of ``logging.backends`` (the coordinator imports them)."""
     path = profile.model.path
     if path and not (Path(path) / "config.json").is_file():
         raise LaunchError(f"model.path {path}: no config.json there (an HF model folder; "
@@ -175,6 +177,9 @@ def check_here(profile: Profile) -> None:
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
         raise LaunchError(f"runtime.device is cuda, but this machine has no NVIDIA driver "
                           f"({NVIDIA_DRIVER} is missing)")
+    missing = missing_backends(profile.logging.backends)
+    if missing:
+        raise LaunchError(missing_line(missing))
 
 
 def wait_for_env(url: str, executor: Executor, ended: set[int] = frozenset()) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tiderl.core.types import Role
-from tiderl.profile import load_profile
+from tiderl.profile import load_profile, profile_to_dict
 from tiderl.runtime.signals import exit_on_sigterm
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def _env(args: argparse.Namespace) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     from tiderl.runtime.bus import BusServer, load_job_keys
     from tiderl.runtime.coordinator import Coordinator, CoordinatorError
+    from tiderl.runtime.log_backends import LoggingBackendError, open_writers
     from tiderl.runtime.report import write_report
     from tiderl.runtime.resume import resume_hint, resume_request
     from tiderl.runtime.run_log import RunLog
@@ -50,9 +51,14 @@ def _coordinator(args: argparse.Namespace) -> int:
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     roles = [Role(r) for r in json.loads((args.run_dir / ROLES_FILE).read_text())]
     keys = load_job_keys(args.run_dir / "keys", "coordinator")
-    exporter = _exporter(profile.runtime.bus_host, args.metrics_port)
-    run_log = RunLog(args.run_dir, time.monotonic, exporter)
     logger = logging.getLogger("tiderl.coordinator")
+    try:
+        writers = open_writers(profile.logging, args.run_dir, profile_to_dict(profile))
+    except LoggingBackendError as exc:  # before anything binds: the launcher shows this line
+        logger.error("%s", exc)
+        return 2
+    exporter = _exporter(profile.runtime.bus_host, args.metrics_port)
+    run_log = RunLog(args.run_dir, time.monotonic, exporter, writers)
     code = 0
     with BusServer(keys, profile.runtime.bus_host, args.port, args.pub_port) as server:
         coordinator = Coordinator(profile, server, roles, run_log, time.monotonic,

@@ -1,9 +1,10 @@
 """Runtime section of a profile: the job's shape (ranks, steps, groups, staleness), and the
-step cycle a whole profile asks the coordinator for."""
+step cycle a whole profile asks the coordinator for; the logging section: where the coordinator
+writes each step's record (:mod:`tiderl.runtime.log_backends`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 
 DEVICES = ("cpu", "cuda")
 CPU_AFFINITIES = ("none", "spread")  # see tiderl/launch/affinity.py
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
+WANDB_MODES = ("offline", "online")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,27 @@ class RuntimeConfig:
             require(1 <= self.rollout_ranks < self.num_ranks, "rollout_ranks",
                     f"expected 1..{self.num_ranks - 1} (at least one trainer rank), "
                     f"got {self.rollout_ranks}")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where each step's record goes: metrics.jsonl always (the report, ``tiderl status`` and
+    ``--resume`` read it), TensorBoard event files and a wandb run beside it when listed."""
+
+    backends: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "tiderl"
+    wandb_mode: str = "offline"  # online sends the run to the wandb server as it goes
+
+    def __post_init__(self) -> None:
+        for i, name in enumerate(self.backends):
+            require_choice(name, LOG_BACKENDS, f"backends[{i}]")
+        require(len(set(self.backends)) == len(self.backends), "backends",
+                f"expected each backend once, got {self.backends}")
+        require("jsonl" in self.backends, "backends",
+                f"expected jsonl in the list (report.md, tiderl status and --resume read "
+                f"metrics.jsonl), got {self.backends}")
+        require(bool(self.wandb_project), "wandb_project", "expected a project name, got ''")
+        require_choice(self.wandb_mode, WANDB_MODES, "wandb_mode")
 
 
 def control_config(profile: Profile) -> StepControlConfig:

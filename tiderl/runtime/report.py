@@ -7,7 +7,8 @@ beside them:
     goodput_reward.png   goodput and reward vs time
     roles.png            ranks per role vs time (stacked)
     readiness.png        RAS/TPRM plane, one colour per mode
-    report.md            summary table, per-step table, role changes, the three images
+    report.md            summary table, per-step table, role changes, the three images, and
+                         the TensorBoard logdir and wandb runs the job wrote (logging.backends)
 
 `read_records` reads metrics.jsonl back into records; `summarize` gives the summary numbers
 alone (the benchmarks and the CLI reuse both). Plots use matplotlib's Agg backend: no display
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.core.records import StepRecord
+from tiderl.runtime.log_backends import TENSORBOARD_DIR, WANDB_DIR
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -120,6 +122,7 @@ def write_report(run_dir: Path, *, title: str | None = None) -> Path:
     lines = [f"# {title or f'Run report: {run_dir.name}'}", ""]
     if (run_dir / "profile.yaml").exists():
         lines += ["Resolved profile: [profile.yaml](profile.yaml)", ""]
+    lines += _tracking_section(run_dir)
     lines += _summary_section(summarize(metrics))
     lines += _steps_section(metrics)
     lines += _events_section(events)
@@ -136,6 +139,23 @@ def compact_roles(roles: list[str]) -> str:
     counts = Counter(roles)
     order = [*ROLE_LETTERS, *sorted(set(counts) - set(ROLE_LETTERS))]
     return " ".join(f"{ROLE_LETTERS.get(r, r)}{counts[r]}" for r in order if counts[r])
+
+
+def _tracking_section(run_dir: Path) -> list[str]:
+    """Where the job's TensorBoard event files and wandb runs are, and the command that opens
+    each (nothing when it wrote neither)."""
+    lines = []
+    logdir = run_dir / TENSORBOARD_DIR
+    if any(logdir.glob("events.out.tfevents.*")):
+        lines.append(f"- TensorBoard: [{TENSORBOARD_DIR}/]({TENSORBOARD_DIR}/); "
+                     f"`tensorboard --logdir {logdir.resolve()}`")
+    for folder in sorted((run_dir / WANDB_DIR).glob("*run-*")):
+        if folder.name.startswith("offline-run-"):
+            lines.append(f"- wandb offline run: [{folder.name}]({WANDB_DIR}/{folder.name}); "
+                         f"`wandb sync {folder.resolve()}` uploads it")
+        elif folder.name.startswith("run-"):
+            lines.append(f"- wandb run: [{folder.name}]({WANDB_DIR}/{folder.name})")
+    return ["## Experiment tracking", "", *lines, ""] if lines else []
 
 
 def _summary_section(s: Row) -> list[str]:

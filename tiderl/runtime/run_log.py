@@ -1,7 +1,9 @@
 """What a job tells the outside: metrics.jsonl, events.jsonl, the PUB snapshots ``tiderl top``
 reads and the Prometheus exporter's values (:mod:`tiderl.runtime.prom`).
 
-    StepRecord (from the step controller) ──> metrics.jsonl line, exporter.update_step, Snapshot
+    StepRecord (from the step controller) ──> metrics.jsonl line, exporter.update_step, Snapshot,
+                                              its numbers to each writer of logging.backends
+                                              (TensorBoard, wandb: runtime/log_backends.py)
     every SNAPSHOT_S ──> Snapshot (the last record, CTB's counts and budgets, rank gauges), and
                          exporter.update_live
     events ──> events.jsonl (launch, role changes, evaluations, dropped groups, dead ranks, ...)
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ from tiderl.core.step_control import StepController
 from tiderl.runtime import bus as b
 
 if TYPE_CHECKING:
+    from tiderl.runtime.log_backends import StepWriter
     from tiderl.runtime.prom import MetricsExporter
 
 log = logging.getLogger("tiderl.coordinator")
@@ -53,10 +56,18 @@ class EventThrottle:
         self.emit(kind, **fields, repeats=self._held.pop(slot, 0))
 
 
+def numbers(row: dict[str, object]) -> dict[str, float]:
+    """The numeric values of a metrics.jsonl line (not its strings, lists, nulls or bools)."""
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
 class RunLog:
     def __init__(self, run_dir: Path, clock: Callable[[], float],
-                 exporter: MetricsExporter | None = None) -> None:
+                 exporter: MetricsExporter | None = None,
+                 writers: Sequence[StepWriter] = ()) -> None:
         self.run_dir, self.clock, self.exporter = Path(run_dir), clock, exporter
+        self.writers = list(writers)  # logging.backends other than jsonl
         self.t0 = clock()
         self.rank_metrics: dict[int, b.RankMetrics] = {}
         self.last_snapshot = float("-inf")
@@ -78,23 +89,26 @@ class RunLog:
         return sum(m.prefix_queries for m in metrics), sum(m.prefix_hits for m in metrics)
 
     def record(self, record: StepRecord, controller: StepController, note: str) -> b.Snapshot:
-        """A step's line; the exporter first (once a step is in the file, /metrics has it)."""
+        """A step's line, then its numbers to the other backends; the exporter first (once a
+        step is in the file, /metrics has it)."""
         if self.exporter is not None:
             self.exporter.update_step(
                 trained_tokens_total=record.trained_tokens_total,
                 twt_s_total=sum(r.twt_s for r in controller.records),
                 kv_hit_rate=record.kv_hit_rate, staleness=record.staleness_max,
                 mode=record.mode.value)
-        self.metrics_file.write(json.dumps(record.to_dict()) + "\n")
+        row = record.to_dict()
+        self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
+        values = {k: v for k, v in numbers(row).items() if k != "step"}  # step: the x axis
+        for writer in self.writers:
+            writer.write(record.step, values)
         return self.snapshot(controller, note)
 
     def snapshot(self, controller: StepController, note: str) -> b.Snapshot:
         self.last_snapshot = self.clock()
         last = controller.records[-1] if controller.records else None
-        row = last.to_dict() if last is not None else {}
-        metrics = {k: float(v) for k, v in row.items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        metrics = numbers(last.to_dict()) if last is not None else {}
         book = controller.book
         metrics.update(steps=float(controller.config.num_steps), elapsed_s=self.elapsed(),
                        active=float(book.num_active), paused=float(book.num_paused),
@@ -124,3 +138,5 @@ class RunLog:
     def close(self) -> None:
         self.metrics_file.close()
         self.events_file.close()
+        for writer in self.writers:
+            writer.close()

@@ -12,7 +12,9 @@ app = typer.Typer(help="The environment service.", no_args_is_help=True)
 
 @app.command("serve")
 def serve(
-    envs: str = typer.Option("guess,shop,household", "--envs", help="Environments to serve."),
+    envs: str = typer.Option("guess,shop,household,calc", "--envs",
+                             help="Environments to serve (built-ins, gym:..., verifiers:..., "
+                                  "or a dotted path)."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8100, "--port"),
     max_sessions: int = typer.Option(256, "--max-sessions", help="Open sessions at most."),

@@ -105,7 +105,8 @@ class AgentLoop:
     def __init__(self, engine: EngineClient, env: EnvClient, encoder: TurnEncoder,
                  sampling: SamplingParams, *, max_turns: int, max_context_tokens: int,
                  version: Callable[[], int] = lambda: 0,
-                 on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False):
+                 on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False,
+                 record: bool = False):
         self.engine, self.env, self.encoder = engine, env, encoder
         self.sampling = sampling
         self.max_turns = max_turns
@@ -115,6 +116,11 @@ class AgentLoop:
         self.pin = pin  # keep each task's KV pinned between its turns (CTB)
         self._running: dict[str, asyncio.Event] = {}
         self._detached: set[str] = set()
+        # ``record``: per task, each turn played here as the environment and the engine saw it
+        # (the messages before the generation, the prompt tokens the engine counted); taken by
+        # ``take_transcript`` when the task ends (logging.rollouts)
+        self.record = record
+        self.transcripts: dict[str, list[dict]] = {}
 
     def pause(self, task_id: str) -> None:
         self._gate(task_id).clear()
@@ -166,6 +172,14 @@ class AgentLoop:
         except Exception as exc:  # cleanup: never hides why the task ended
             log.warning("task %s: the engine did not forget it: %r", task_id, exc)
 
+    def _note(self, task_id: str, **entry: object) -> None:
+        if self.record:
+            self.transcripts.setdefault(task_id, []).append(entry)
+
+    def take_transcript(self, task_id: str) -> list[dict]:
+        """The task's recorded turns here (empty unless ``record``), dropped from the loop."""
+        return self.transcripts.pop(task_id, [])
+
     def _report(self, task_id: str, context: int, output: int, version: int, done: bool,
                 running: bool) -> None:
         if self.on_turn is not None:
@@ -178,6 +192,7 @@ class AgentLoop:
             start = await self.env.start(task.env, task.task, task.seed)
             carry = TaskCarry(start.session, [], self.encoder.opening(
                 start.observation, _plain(start.messages), start.tools))
+            self._note(task.task_id, messages=_plain(start.messages), tools=start.tools)
         else:
             await self.env.resume(carry.session)
         session = carry.session
@@ -203,6 +218,8 @@ class AgentLoop:
                     await self._pin(task.task_id)
                 version = out.version if out.version is not None else self.version()
                 trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version))
+                self._note(task.task_id, turn=len(trajectory.turns) - 1,
+                           prompt_tokens=out.num_prompt_tokens, output_ids=out.output_ids)
                 context = prompt + out.output_ids
                 self._report(task.task_id, len(context), len(out.output_ids), version,
                              False, False)
@@ -214,12 +231,15 @@ class AgentLoop:
                     break
                 new_context = self.encoder.following(step.observation, _plain(step.messages),
                                                      out.output_ids)
+                self._note(task.task_id, messages=_plain(step.messages))
         except EngineUnreachableError:
             engine_gone = True
             raise
         finally:
             self._running.pop(task.task_id, None)
             self._detached.discard(task.task_id)
+            if not ended:  # it goes on elsewhere: its record there starts at its next turn
+                self.transcripts.pop(task.task_id, None)
             if ended:
                 if not engine_gone:
                     await self._forget(task.task_id)

@@ -73,6 +73,9 @@ class LoggingConfig:
     backends: list[str] = field(default_factory=lambda: ["jsonl"])
     wandb_project: str = "tiderl"
     wandb_mode: str = "offline"  # online sends the run to the wandb server as it goes
+    # every finished episode to rollouts/rank-N.jsonl: its ids per turn as trained, and the
+    # turns as the environment and the engine saw them (docs/models.md)
+    rollouts: bool = False
 
     def __post_init__(self) -> None:
         for i, name in enumerate(self.backends):

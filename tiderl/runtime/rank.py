@@ -33,6 +33,7 @@ The trainer side (workers, executors, the boundary's collectives) is in
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -40,6 +41,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 import torch
@@ -99,6 +101,7 @@ from tiderl.trainer.worker import ActorWorker, RefWorker, optimizer_layout
 log = logging.getLogger("tiderl.rank")
 
 FALLBACK_POLL_S = 0.05
+ROLLOUTS_DIR = "rollouts"  # logging.rollouts: rank-N.jsonl, one finished episode a line
 COORDINATOR_LOST_S = 15.0  # at least: a rank exits when its coordinator is gone this long
 EXIT_COORDINATOR_LOST = 3
 EXIT_ENGINE_LOST = 4
@@ -131,6 +134,7 @@ class RankDaemon(TrainerRoles):
         self.device = torch.device(args.device)
         self.tokenizer = None
         self.encoder: TurnEncoder | None = None
+        self.rollout_log: TextIO | None = None  # rollouts/rank-N.jsonl, opened at the first
         self.layout = None  # weight-sync layout (every rank builds the same model)
         self.optimizer_layout = None  # optimizer-state sync layout, from the same model
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -247,6 +251,7 @@ class RankDaemon(TrainerRoles):
                                   temperature=engine_cfg.temperature, top_p=engine_cfg.top_p)
         assert self.model_config is not None and self.encoder is not None
         self.agent = AgentLoop(engine.client, self.env, self.encoder, sampling,
+                               record=self.profile.logging.rollouts,
                                max_turns=env_cfg.max_turns,
                                max_context_tokens=min(engine_cfg.kv_cache_tokens,
                                                       self.model_config.max_position_embeddings),
@@ -420,6 +425,25 @@ class RankDaemon(TrainerRoles):
                                 reward=float(trajectory.reward or 0.0),
                                 turns=[turn_data(t) for t in trajectory.turns],
                                 num_tokens=trajectory.num_tokens))
+        transcript = self.agent.take_transcript(task.task_id) if self.agent else []
+        if self.profile.logging.rollouts:
+            self._record(task, trajectory, transcript)
+
+    def _record(self, task: AgentTask, trajectory: Trajectory, transcript: list[dict]) -> None:
+        """One line of ``rollouts/rank-N.jsonl`` (logging.rollouts): the episode's token ids
+        per turn as trained, and the turns played here as the environment and the engine saw
+        them (a task that moved here has those since its move only)."""
+        if self.rollout_log is None:
+            folder = self.args.run_dir / ROLLOUTS_DIR
+            folder.mkdir(exist_ok=True)
+            self.rollout_log = (folder / f"rank-{self.rank}.jsonl").open("a", buffering=1)
+        self.rollout_log.write(json.dumps({
+            "task_id": task.task_id, "group_id": task.group_id, "env": task.env,
+            "task": task.task, "seed": task.seed, "eval": task.eval,
+            "reward": trajectory.reward,
+            "turns": [{"context_ids": list(t.context_ids), "output_ids": list(t.output_ids),
+                       "version": t.version} for t in trajectory.turns],
+            "transcript": transcript}) + "\n")
 
     def _on_turn(self, event: TurnEvent) -> None:
         self._send(TurnReport(rank=self.rank, task_id=event.task_id, tokens=event.output_tokens,

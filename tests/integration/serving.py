@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -61,3 +62,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: f
                 return
         assert time.monotonic() < deadline, f"server did not answer /health in {timeout_s:.0f} s"
         time.sleep(0.2)
+
+
+def run_env_scenario(url: str, scenario):
+    """``await scenario(client)`` with an HTTPEnvClient of the service at ``url`` (one retry)."""
+    from tiderl.env.client import HTTPEnvClient
+
+    async def main():
+        async with HTTPEnvClient(url, retries=1, backoff_s=0.01) as client:
+            return await scenario(client)
+    return asyncio.run(main())

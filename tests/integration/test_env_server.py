@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.serving import free_port, serving
+from tests.integration.serving import free_port, run_env_scenario, serving
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.env.client import EnvClientError, HTTPEnvClient, Message, end_sessions_of
 from tiderl.env.guess import GuessEnv
@@ -27,10 +27,7 @@ def server(tmp_path_factory):
 
 
 def run(server, scenario):
-    async def main():
-        async with HTTPEnvClient(server["url"], retries=1, backoff_s=0.01) as client:
-            return await scenario(client)
-    return asyncio.run(main())
+    return run_env_scenario(server["url"], scenario)
 
 
 def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):

@@ -2,16 +2,15 @@
 tool call answered by a tool message, the final answer scored; a user's ToolEnvironment and a
 verifiers environment (stand-in, see tests/unit/test_env_verifiers.py) served by name."""
 
-import asyncio
 import json
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.serving import free_port, serving
+from tests.integration.serving import free_port, run_env_scenario, serving
 from tiderl.env.calc import CalcEnv
-from tiderl.env.client import HTTPEnvClient, Message
+from tiderl.env.client import Message
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPITALS = "tests.unit.test_env_tools:CapitalEnv"
@@ -29,10 +28,7 @@ def server(tmp_path_factory):
 
 
 def run(server, scenario):
-    async def main():
-        async with HTTPEnvClient(server["url"], retries=1, backoff_s=0.01) as client:
-            return await scenario(client)
-    return asyncio.run(main())
+    return run_env_scenario(server["url"], scenario)
 
 
 def test_calc_episode_with_the_scripted_solver_over_http(server):

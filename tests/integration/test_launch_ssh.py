@@ -56,6 +56,12 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _files(folder: Path) -> set[str]:
+    """Its regular files (symbolic links, like wandb's debug.log, are not fetched)."""
+    return {str(f.relative_to(folder)) for f in folder.rglob("*")
+            if f.is_file() and not f.is_symlink()}
+
+
 def _assert_nothing_left(state: JobState) -> None:
     for record in state.processes:  # both nodes are this machine: check by PID and group
         assert not is_running(record.pid), f"{record.name} (pid {record.pid}) still runs"
@@ -65,8 +71,10 @@ def _assert_nothing_left(state: JobState) -> None:
 def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
     _, a, b = nodes
     hosts = _hosts_yaml(tmp_path / "hosts.yaml", a, b)
-    proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3)],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    logging = ["--set", "logging.backends=[jsonl,tensorboard,wandb]",
+               "--set", "logging.rollouts=true"]
+    proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3),
+                           *logging], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next((tmp_path / "runs").iterdir())
     state = JobState.load(run_dir)
@@ -95,6 +103,13 @@ def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
                                                               "rolling_out"))
     assert (run_dir / "report.md").exists()
     assert "rank2" in (run_dir / "logs" / "rank2.log").read_text()  # fetched from node b
+    # the coordinator's TensorBoard and wandb folders (nested) and each node's recorded episodes
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert _files(run_dir / "wandb") == _files(tmp_path / "a" / "runs" / state.job_id / "wandb")
+    recorded = {f.name for node in "ab"
+                for f in (tmp_path / node / "runs" / state.job_id / "rollouts").glob("*.jsonl")}
+    assert "rank-0.jsonl" in recorded
+    assert {f.name for f in (run_dir / "rollouts").iterdir()} == recorded
     _assert_nothing_left(state)
     status = tiderl("status", state.job_id, "--run-root", str(tmp_path / "runs"), "--json")
     payload = json.loads(status.stdout)
@@ -186,8 +201,10 @@ def test_a_bad_node_fails_in_one_line_naming_it_and_starts_nothing(nodes, tmp_pa
         "no tiderl": {"python": "/usr/bin/python3"},
     }[case]
     hosts = _hosts_yaml(tmp_path / "hosts.yaml", a, b, **node_b)
-    proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3)],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    logging = ["--set", "logging.backends=[jsonl,tensorboard,wandb]",
+               "--set", "logging.rollouts=true"]
+    proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3),
+                           *logging], capture_output=True, text=True, timeout=TIMEOUT_S)
     line = assert_one_line_error(proc, 1)
     assert line.startswith(f"error: tiderl launch: node b ({a.user}@127.0.0.1:"), line
     expected = {"unreachable": "unreachable", "wrong key": "SSH login refused with key",

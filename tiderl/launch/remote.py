@@ -63,11 +63,13 @@ from tiderl.runtime.bus.keys import (
     SERVER_SECRET,
     peer_name,
 )
+from tiderl.runtime.log_backends import ROLLOUTS_DIR, TENSORBOARD_DIR, WANDB_DIR
 
 log = logging.getLogger("tiderl.launch")
 
 POLL_S = 1.0  # how often the launcher reads the processes' states over SSH
 RESULT_FILES = ("metrics.jsonl", "events.jsonl", "report.md")
+RESULT_FOLDERS = (TENSORBOARD_DIR, WANDB_DIR)  # the coordinator's logging.backends, if listed
 
 
 class SSHExecutor:
@@ -268,7 +270,8 @@ def node_keys(plan: LaunchPlan, node: str, coordinator: str) -> list[str]:
 
 
 def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
-    """The coordinator's files and every process's log, into the local run folder."""
+    """The coordinator's files (with its TensorBoard and wandb folders), every process's log
+    and every rank's recorded episodes (``rollouts/``), into the local run folder."""
     local = Path(state.run_dir)
     coordinator = next((r for r in state.processes if r.kind == "coordinator"), None)
     if coordinator is not None:
@@ -277,6 +280,11 @@ def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
         names = [*RESULT_FILES, *(f for f in session.listdir(remote) if f.endswith(".png"))]
         for name in names:
             session.fetch(f"{remote}/{name}", local / name)
+        for folder in RESULT_FOLDERS:
+            session.fetch_tree(f"{remote}/{folder}", local / folder)
     for record in state.processes:
         session = sessions[record.host]
         session.fetch(record.log, local / "logs" / Path(record.log).name)
+        if record.kind == "rank":
+            name = f"rank-{record.rank}.jsonl"
+            session.fetch(f"{record.run_dir}/{ROLLOUTS_DIR}/{name}", local / ROLLOUTS_DIR / name)

@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import socket
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -212,6 +213,24 @@ class NodeSession:
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_bytes(data)
         return True
+
+    def fetch_tree(self, remote: str, local: Path) -> int:
+        """Copy the folder ``remote`` (its regular files, and its folders' at any depth; not
+        symbolic links) into ``local``; returns the files copied (0 when it does not exist)."""
+        try:
+            entries = self.conn.sftp().listdir_attr(remote)
+        except FileNotFoundError:
+            return 0
+        except (OSError, paramiko.SSHException) as exc:
+            raise self.fail(f"could not list {remote} over SFTP ({_reason(exc)})") from None
+        copied = 0
+        for entry in sorted(entries, key=lambda e: e.filename):
+            path = f"{remote}/{entry.filename}"
+            if stat.S_ISDIR(entry.st_mode or 0):
+                copied += self.fetch_tree(path, local / entry.filename)
+            elif stat.S_ISREG(entry.st_mode or 0):
+                copied += self.fetch(path, local / entry.filename)
+        return copied
 
 
 def _reason(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ EXTRA = "tiderl[logging]"  # the pip extra that installs both libraries
 MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # backend -> the module it imports
 TENSORBOARD_DIR = "tensorboard"  # in the run folder; wandb makes its own "wandb" folder there
 WANDB_DIR = "wandb"
+ROLLOUTS_DIR = "rollouts"  # logging.rollouts: rank-N.jsonl, written by each rank on its node
 
 
 class LoggingBackendError(Exception):

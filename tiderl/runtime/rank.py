@@ -88,6 +88,7 @@ from tiderl.runtime.bus import (
     rank_identity,
 )
 from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
+from tiderl.runtime.log_backends import ROLLOUTS_DIR
 from tiderl.runtime.rank_trainer import TrainerRoles
 from tiderl.runtime.rank_wire import carry_data, carry_of, micro_batch_of, turn_data
 from tiderl.runtime.resume import resume_request
@@ -101,7 +102,6 @@ from tiderl.trainer.worker import ActorWorker, RefWorker, optimizer_layout
 log = logging.getLogger("tiderl.rank")
 
 FALLBACK_POLL_S = 0.05
-ROLLOUTS_DIR = "rollouts"  # logging.rollouts: rank-N.jsonl, one finished episode a line
 COORDINATOR_LOST_S = 15.0  # at least: a rank exits when its coordinator is gone this long
 EXIT_COORDINATOR_LOST = 3
 EXIT_ENGINE_LOST = 4

@@ -42,6 +42,7 @@ a loop, as the service's does), so a step blocks like any environment's step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
@@ -98,16 +99,18 @@ class LoadedEnv:
         return self.datasets[split]
 
 
-# Loading a verifiers environment reads its dataset (seconds); each /start makes an environment,
-# so the loaded ones are kept, one per (spec, options), for the life of the process.
-_LOADED: dict[str, LoadedEnv] = {}
+LOADED_ENVS = 16  # (spec, options) pairs a service keeps loaded
 
 
 def load(spec: str, options: dict[str, Any] | None) -> LoadedEnv:
-    key = json.dumps([spec, options or {}], sort_keys=True, default=str)
-    if key not in _LOADED:
-        _LOADED[key] = LoadedEnv(_build(spec, options or {}))
-    return _LOADED[key]
+    """The environment ``spec`` with ``options``, loaded once: loading one reads its dataset
+    (seconds), and each /start makes an environment."""
+    return _load(spec, json.dumps(options or {}, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=LOADED_ENVS)
+def _load(spec: str, options_json: str) -> LoadedEnv:
+    return LoadedEnv(_build(spec, json.loads(options_json)))
 
 
 def _build(spec: str, options: dict[str, Any]) -> Any:

@@ -288,18 +288,7 @@ class Qwen2ForCausalLM(nn.Module):
         hidden = self.model.hidden_states(input_ids, attend_varlen)
         if targets is None or target_rows is None:
             return self.lm_head(hidden)
-        picked = hidden[target_rows]
-        parts = [checkpoint(self._target_logprobs, picked[i:i + chunk_tokens],
-                            targets[i:i + chunk_tokens], use_reentrant=False)
-                 if torch.is_grad_enabled() else
-                 self._target_logprobs(picked[i:i + chunk_tokens], targets[i:i + chunk_tokens])
-                 for i in range(0, len(targets), chunk_tokens)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
+        return chunked_target_logprobs(self.lm_head, hidden[target_rows], targets, chunk_tokens)
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, batch: PagedBatch,
@@ -323,6 +312,26 @@ class Qwen2ForCausalLM(nn.Module):
         c = self.config
         return new_kv_cache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                             c.head_dim, self.dtype, self.device)
+
+
+def chunked_target_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                            chunk_tokens: int) -> torch.Tensor:
+    """[M] float32: log p(targets[i]) from the hidden state ``hidden[i]``, the lm_head run
+    ``chunk_tokens`` rows at a time, each chunk's logits recomputed in backward rather than kept
+    (with gradients enabled)."""
+    parts = [checkpoint(_target_logprobs, lm_head, hidden[i:i + chunk_tokens],
+                        targets[i:i + chunk_tokens], use_reentrant=False)
+             if torch.is_grad_enabled() else
+             _target_logprobs(lm_head, hidden[i:i + chunk_tokens], targets[i:i + chunk_tokens])
+             for i in range(0, len(targets), chunk_tokens)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _target_logprobs(lm_head: nn.Module, hidden: torch.Tensor,
+                     targets: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def token_logprobs(model: Qwen2ForCausalLM, input_ids: torch.Tensor,

@@ -1,0 +1,99 @@
+"""An HF causal LM of another architecture (a tiny random-init Llama, saved and loaded as a local
+folder) behind the trainer's forward (tiderl.models.hf_causal): the packed logprobs equal the
+ones from its own logits, the parameters keep the folder's names, and a two-rank DDP or FSDP2
+step trains what one process trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiderl.models.hf_causal import HFCausalLM, load_hf_causal
+from tiderl.models.qwen2 import packed_token_logprobs
+from tiderl.trainer.parallel import make_backend
+from tiderl.trainer.spawn import RankContext, run_ranks
+
+VOCAB = 200
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-llama")
+    _llama().save_pretrained(out)
+    return out
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (3, 12), generator=generator)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    mask[0, 4:12] = 1
+    mask[1, 2:7] = 1  # ends early: later tokens are padding
+    mask[2, 9:11] = 1
+    return ids, mask
+
+
+def test_packed_logprobs_equal_the_models_own_logits_and_names_are_the_folders(folder):
+    model = load_hf_causal(folder)
+    ids, mask = _batch()
+    got = packed_token_logprobs(model, ids, mask, chunk_tokens=4)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    with torch.no_grad():
+        logits = hf(input_ids=ids).logits[:, :-1].float()
+    want = torch.cat((torch.zeros(3, 1), logits.log_softmax(-1).gather(
+        -1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)), dim=1) * mask
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(model.state_dict()) == set(hf.state_dict())
+    got.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_a_model_without_a_base_or_an_output_embedding_is_refused():
+    with pytest.raises(ValueError, match="not a causal LM"):
+        HFCausalLM(torch.nn.Linear(2, 2))
+
+
+def _step(model: HFCausalLM, backend: str, parts: list[tuple[torch.Tensor, torch.Tensor]],
+          total_tokens: int) -> dict[str, torch.Tensor]:
+    wrapped = make_backend(backend, model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for ids, mask in parts:
+        with wrapped.grad_sync(True):
+            loss = -(wrapped.logprobs(ids, mask) * mask).sum() / total_tokens
+            loss.backward()
+    wrapped.reduce_gradients()
+    scale = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    for param in wrapped.parameters():  # the group averaged: a sum over the whole batch
+        param.grad.mul_(scale)
+    optimizer.step()
+    return {k: v.detach().clone() for k, v in wrapped.full_state_dict().items()}
+
+
+def _rank(ctx: RankContext, args: tuple[str, str]) -> dict[str, torch.Tensor]:
+    folder, backend = args
+    ids, mask = _batch()
+    rows = [0, 1] if ctx.rank == 0 else [2]
+    return _step(load_hf_causal(folder), backend, [(ids[rows], mask[rows])], int(mask.sum()))
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_two_rank_step_of_an_hf_model_equals_one_process_step(folder, backend):
+    ids, mask = _batch()
+    want = _step(load_hf_causal(folder), "ddp", [(ids, mask)], int(mask.sum()))
+    for state in run_ranks(_rank, 2, (str(folder), backend), timeout_s=120):
+        assert state.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")

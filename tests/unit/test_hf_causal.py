@@ -5,15 +5,26 @@ step trains what one process trains."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from tiderl.engine.config import EngineConfig
+from tiderl.engine.llm_engine import LLMEngine
+from tiderl.launch.job import check_architecture
+from tiderl.launch.local import LaunchError
+from tiderl.models.config import ModelConfig
 from tiderl.models.hf_causal import HFCausalLM, load_hf_causal
+from tiderl.models.loading import model_from_config, save_state_dict
 from tiderl.models.qwen2 import packed_token_logprobs
+from tiderl.models.tokenizer import word_tokenizer
+from tiderl.models.vocab import VOCAB as WORDS
+from tiderl.profile import load_profile
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import RankContext, run_ranks
 
-VOCAB = 200
+VOCAB = len(WORDS)  # the word-level tokenizer's: the folder carries its tokenizer.json
 
 
 def _llama():
@@ -29,6 +40,7 @@ def _llama():
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-llama")
     _llama().save_pretrained(out)
+    word_tokenizer().save(str(out / "tokenizer.json"))
     return out
 
 
@@ -97,3 +109,40 @@ def test_two_rank_step_of_an_hf_model_equals_one_process_step(folder, backend):
         for name in want:
             torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_job_loads_another_architecture_through_transformers_and_writes_it_back(
+        folder, tmp_path):
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    model, _ = model_from_config(ModelConfig(path=str(folder)))
+    assert isinstance(model, HFCausalLM)
+    assert model.config.eos_token_id == (2, 7)  # config.json's 2, generation_config's 7
+    assert model.config.max_position_embeddings == 128 and model.config.vocab_size == VOCAB
+    save_state_dict(model.state_dict(), model.config, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "llama"
+    again = load_hf_causal(tmp_path / "export")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="the embedded engine runs Qwen2"):
+        LLMEngine(model, EngineConfig(kv_cache_tokens=256), model.config.eos_token_id)
+
+
+def test_activation_checkpointing_uses_the_models_own(folder):
+    model = load_hf_causal(folder)
+    make_backend("ddp", model, activation_checkpointing=True)
+    base = model.base
+    assert (base.is_activation_checkpointing if hasattr(base, "activation_checkpointing_enable")
+            else base.is_gradient_checkpointing)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ([], "engine.backend embedded runs Qwen2 only"),
+    (["engine.backend=http"], "engine.backend http runs Qwen2 only"),
+    (["engine.backend=vllm", "trainer.backend=megatron", "runtime.device=cuda"],
+     "trainer.backend megatron builds Qwen2 only"),
+])
+def test_launch_refuses_an_engine_or_trainer_that_cannot_run_the_architecture(
+        folder, overrides, says):
+    profile = load_profile("local", [f"model.path={folder}", *overrides])
+    with pytest.raises(LaunchError, match=says):
+        check_architecture(profile)

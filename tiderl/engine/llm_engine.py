@@ -77,6 +77,9 @@ class LLMEngine:
                  eos_token_id: int | Collection[int] | None, version: int = 0) -> None:
         """``eos_token_id``: the token, or the set of tokens, that ends a generation (an HF
         folder's config.json and generation_config.json may each name several)."""
+        if not isinstance(model, Qwen2ForCausalLM):
+            raise ValueError(f"the embedded engine runs Qwen2, not {type(model).__name__}: a "
+                             "model of another architecture rolls out on vLLM or SGLang")
         self.config = engine_config
         self.model = model
         self.version = version

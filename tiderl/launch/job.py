@@ -42,6 +42,7 @@ from tiderl.launch.local import (
     ProcessRecord,
 )
 from tiderl.launch.plan import Endpoints, LaunchPlan, engine_port_names, plan_local
+from tiderl.models.config import model_type
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.runtime.log_backends import missing_backends, missing_line
@@ -174,12 +175,31 @@ def check_here(profile: Profile) -> None:
     if path and not (Path(path) / "config.json").is_file():
         raise LaunchError(f"model.path {path}: no config.json there (an HF model folder; "
                           "tiderl model init makes one)")
+    if path:
+        check_architecture(profile)
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
         raise LaunchError(f"runtime.device is cuda, but this machine has no NVIDIA driver "
                           f"({NVIDIA_DRIVER} is missing)")
     missing = missing_backends(profile.logging.backends)
     if missing:
         raise LaunchError(missing_line(missing))
+
+
+def check_architecture(profile: Profile) -> None:
+    """A model folder of another architecture than Qwen2 rolls out on vLLM or SGLang only (the
+    embedded engine and ``tiderl engine serve`` are Qwen2) and trains with DDP or FSDP2."""
+    try:
+        kind = model_type(profile.model.path)
+    except ValueError as exc:
+        raise LaunchError(f"model.path: {exc}") from None
+    if kind == "qwen2":
+        return
+    if profile.engine.backend not in ("vllm", "sglang"):
+        raise LaunchError(f"model.path is a {kind} model: engine.backend {profile.engine.backend}"
+                          " runs Qwen2 only; use vllm or sglang (docs/models.md)")
+    if profile.trainer.backend == "megatron":
+        raise LaunchError(f"model.path is a {kind} model: trainer.backend megatron builds Qwen2 "
+                          "only; use ddp or fsdp2 (docs/models.md)")
 
 
 def wait_for_env(url: str, executor: Executor, ended: set[int] = frozenset()) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tiderl.core.config import require_choice
 
@@ -29,3 +31,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         require_choice(self.size, MODEL_SIZES, "size")
         require_choice(self.dtype, DTYPES, "dtype")
+
+
+def model_type(path: str | Path) -> str:
+    """The HF folder's ``config.json`` ``model_type`` (``qwen2`` when it names none); a
+    ValueError naming the file when it cannot be read."""
+    file = Path(path) / "config.json"
+    try:
+        return str(json.loads(file.read_text()).get("model_type") or "qwen2")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{file}: {exc}") from None

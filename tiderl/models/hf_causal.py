@@ -11,13 +11,16 @@ own attention; no varlen kernel), and the lm_head part is Qwen2's.
 Its parameters keep the HF names (``model.layers.0...``, ``lm_head.weight``): the submodules are
 the HF model's own, so weights sync, checkpoint and export as the HF folder names them.
 
-Status: the trainer's building block for a model folder of another architecture, with vLLM or
-SGLang rolling out (the embedded engine and ``tiderl engine serve`` run Qwen2 only). The ranks
-do not build it yet (they build Qwen2 from ``model.path``; see docs/models.md).
+A job whose ``model.path`` has another ``model_type`` than qwen2 trains it this way
+(:func:`tiderl.models.loading.model_from_config`) with vLLM or SGLang rolling out: the embedded
+engine and ``tiderl engine serve`` run Qwen2 only (``tiderl launch`` says so in one line).
+:class:`HFModelConfig` is what the job reads of its config; the folders it writes from the
+weights carry the folder's own config.json.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -25,11 +28,38 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiderl.models.loading import joined_eos
 from tiderl.models.qwen2 import chunked_target_logprobs
 
 
+@dataclass(frozen=True)
+class HFModelConfig:
+    """What the job reads of a model's config (as of a :class:`Qwen2Config`), for a folder of
+    another architecture: ``to_hf`` is its own config.json, so the folders the job writes from
+    its weights name the same architecture."""
+
+    hf: dict[str, Any]
+    eos_token_id: int | tuple[int, ...] | None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf["vocab_size"])
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf.get("max_position_embeddings") or 2048)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", False))
+
+    def to_hf(self) -> dict[str, Any]:
+        return dict(self.hf)
+
+
 class HFCausalLM(nn.Module):
-    def __init__(self, hf_model: Any) -> None:
+    def __init__(self, hf_model: Any, eos_token_id: int | tuple[int, ...] | None = None
+                 ) -> None:
         super().__init__()
         prefix = getattr(hf_model, "base_model_prefix", "")
         base = getattr(hf_model, prefix, None) if prefix else None
@@ -38,6 +68,7 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"{type(hf_model).__name__}: not a causal LM with a base model "
                              "and an output embedding")
         self.hf_config = hf_model.config
+        self.config = HFModelConfig(hf_model.config.to_dict(), eos_token_id)
         # the HF model's own submodules, under its own names: state_dict keys are the folder's
         setattr(self, prefix, base)
         self.base_name = prefix
@@ -50,6 +81,13 @@ class HFCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    def enable_activation_checkpointing(self) -> None:
+        """Each decoder layer recomputed in backward (transformers' own checkpointing)."""
+        enable = getattr(self.base, "activation_checkpointing_enable", None)  # transformers 5.x
+        if enable is None:  # 4.x
+            enable = self.base.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
                 cu_seqlens: list[int] | None = None, targets: torch.Tensor | None = None,
@@ -83,6 +121,9 @@ def load_hf_causal(path: str | Path, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu") -> HFCausalLM:
     """The folder's ``AutoModelForCausalLM`` (local files only), wrapped."""
     from transformers import AutoModelForCausalLM  # late: seconds to import
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a rank's log is its own
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
-    return HFCausalLM(model.to(device))
+    return HFCausalLM(model.to(device),
+                      joined_eos(model.config.to_dict().get("eos_token_id"), Path(path)))

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from tiderl.models.config import ModelConfig
+from tiderl.models.config import ModelConfig, model_type
 from tiderl.models.qwen2 import DTYPES, Qwen2Config, Qwen2ForCausalLM
 
 CONFIG_FILE = "config.json"
@@ -41,13 +41,18 @@ def load_config(path: str | Path) -> Qwen2Config:
     file = Path(path) / CONFIG_FILE
     try:
         config = Qwen2Config.from_hf(json.loads(file.read_text()))
-        eos = _ids(config.eos_token_id) + _generation_eos(Path(path))
+        eos = joined_eos(config.eos_token_id, Path(path))
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{file}: not found") from exc
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{file}: {exc}") from exc
-    eos = tuple(dict.fromkeys(eos))
-    return replace(config, eos_token_id=eos[0] if len(eos) == 1 else (eos or None))
+    return replace(config, eos_token_id=eos)
+
+
+def joined_eos(eos: object, folder: Path) -> int | tuple[int, ...] | None:
+    """config.json's eos (``eos``) with generation_config.json's: one id, several, or none."""
+    ids = tuple(dict.fromkeys(_ids(eos) + _generation_eos(folder)))
+    return ids[0] if len(ids) == 1 else (ids or None)
 
 
 def _generation_eos(folder: Path) -> tuple[int, ...]:
@@ -158,7 +163,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def model_from_config(config: ModelConfig,
                       device: torch.device | str = "cpu") -> tuple[Qwen2ForCausalLM, Tokenizer]:
     """The profile's model and tokenizer: the folder at ``config.path``, or (empty path) a
-    seeded random-init model of ``config.size`` with the word-level tokenizer."""
+    seeded random-init model of ``config.size`` with the word-level tokenizer. A folder of
+    another ``model_type`` than qwen2 loads through transformers
+    (:class:`tiderl.models.hf_causal.HFCausalLM`: the trainer runs it; engines: vLLM, SGLang)."""
+    if config.path and model_type(config.path) != "qwen2":
+        from tiderl.models.hf_causal import load_hf_causal
+
+        return (load_hf_causal(config.path, DTYPES[config.dtype], device),
+                load_tokenizer(config.path))
     if config.path:
         return load_model(config.path, config.dtype, device), load_tokenizer(config.path)
     from tiderl.models.init import init_model

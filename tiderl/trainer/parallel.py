@@ -266,8 +266,12 @@ def make_backend(name: str, model: Qwen2ForCausalLM, group: dist.ProcessGroup | 
     ``chunk_tokens``: loss positions per lm_head chunk; ``activation_checkpointing``: each
     decoder layer recomputed in backward (DDP, FSDP2: set before the wrap)."""
     if activation_checkpointing:
-        for layer in model.model.layers:
-            layer.checkpointed = True
+        enable = getattr(model, "enable_activation_checkpointing", None)  # an HF model's own
+        if enable is not None:
+            enable()
+        else:
+            for layer in model.model.layers:
+                layer.checkpointed = True
     backend = backend_class(name)(model, group, trainable)
     backend.chunk_tokens = chunk_tokens
     return backend

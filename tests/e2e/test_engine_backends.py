@@ -122,7 +122,8 @@ def test_an_engine_server_that_cannot_start_stops_the_launch_in_one_line(tmp_pat
 def test_a_rank_that_dies_before_the_job_is_up_stops_the_launch_in_one_line(tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
-    (broken / "config.json").write_text("{")  # passes the launcher's check, fails in a rank
+    # a Qwen2 config.json without its fields: passes the launcher's checks, fails in a rank
+    (broken / "config.json").write_text('{"model_type": "qwen2"}')
     profile = load_profile("local", [*SMALL[:-1], "runtime.steps=3", f"model.path={broken}"])
     message = _launch_error(profile, tmp_path)
     assert re.fullmatch(r"rank\d exited with code 1: .*broken-model/config\.json: .* "
@@ -134,3 +135,9 @@ def test_what_the_launcher_can_check_here_fails_before_anything_starts(tmp_path)
     with pytest.raises(LaunchError, match=r"model\.path .*/none: no config\.json there"):
         run_local(profile, run_root=tmp_path, job_id="none")
     assert not (tmp_path / "none").exists()
+    (tmp_path / "torn-model").mkdir()
+    (tmp_path / "torn-model" / "config.json").write_text("{")  # no model_type to read
+    profile = load_profile("local", [f"model.path={tmp_path / 'torn-model'}"])
+    with pytest.raises(LaunchError, match=r"model\.path: .*/torn-model/config\.json: "):
+        run_local(profile, run_root=tmp_path, job_id="torn")
+    assert not (tmp_path / "torn").exists()

@@ -39,5 +39,7 @@ def model_type(path: str | Path) -> str:
     file = Path(path) / "config.json"
     try:
         return str(json.loads(file.read_text()).get("model_type") or "qwen2")
+    except FileNotFoundError:
+        raise ValueError(f"{file}: not found") from None
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{file}: {exc}") from None

@@ -143,6 +143,13 @@ def save_state_dict(state: dict[str, torch.Tensor], config: Qwen2Config, path: s
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _model_type(path: str) -> str:
+    try:
+        return model_type(path)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 def copy_tokenizer_extras(source: str | Path | None, folder: str | Path) -> None:
     """The ``TOKENIZER_EXTRAS`` of the HF folder ``source`` (those it has) into ``folder``, so
     that a folder written from its weights reads like the original (template, eos set)."""
@@ -166,7 +173,7 @@ def model_from_config(config: ModelConfig,
     seeded random-init model of ``config.size`` with the word-level tokenizer. A folder of
     another ``model_type`` than qwen2 loads through transformers
     (:class:`tiderl.models.hf_causal.HFCausalLM`: the trainer runs it; engines: vLLM, SGLang)."""
-    if config.path and model_type(config.path) != "qwen2":
+    if config.path and _model_type(config.path) != "qwen2":
         from tiderl.models.hf_causal import load_hf_causal
 
         return (load_hf_causal(config.path, DTYPES[config.dtype], device),

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
-from tiderl.models.config import MODEL_SIZES
+from tiderl.models.config import MODEL_SIZES, TOKENIZER_KINDS
 
 app = typer.Typer(help="Local model checkpoints.", no_args_is_help=True)
 
@@ -29,9 +29,9 @@ def init(
     if size not in MODEL_SIZES:
         raise CLIError(f"tiderl model init: unknown --size {size!r} "
                        f"(known: {', '.join(MODEL_SIZES)})", EXIT_USAGE)
-    if tokenizer not in ("word", "bpe"):
-        raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} (known: word, bpe)",
-                       EXIT_USAGE)
+    if tokenizer not in TOKENIZER_KINDS:
+        raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} "
+                       f"(known: {', '.join(TOKENIZER_KINDS)})", EXIT_USAGE)
     from tiderl.models.init import write_random_checkpoint  # late: `tiderl --help` stays fast
 
     paths = write_random_checkpoint(size, out, seed, tokenizer)

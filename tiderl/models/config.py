@@ -9,6 +9,7 @@ from pathlib import Path
 from tiderl.core.config import require_choice
 
 MODEL_SIZES = ("tiny", "small")
+TOKENIZER_KINDS = ("word", "bpe")  # of `tiderl model init --tokenizer`
 DTYPES = ("float32", "bfloat16")
 
 

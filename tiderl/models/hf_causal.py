@@ -67,7 +67,6 @@ class HFCausalLM(nn.Module):
         if head is None:
             raise ValueError(f"{type(hf_model).__name__}: not a causal LM with a base model "
                              "and an output embedding")
-        self.hf_config = hf_model.config
         self.config = HFModelConfig(hf_model.config.to_dict(), eos_token_id)
         # the HF model's own submodules, under its own names: state_dict keys are the folder's
         setattr(self, prefix, base)

@@ -8,11 +8,11 @@ the word list of :mod:`tiderl.models.vocab`, or a byte-level BPE trained here
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from tiderl.models.config import TOKENIZER_KINDS
 from tiderl.models.loading import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, save_model
 from tiderl.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from tiderl.models.tokenizer import word_tokenizer
@@ -23,7 +23,7 @@ INIT_STD = 0.02
 
 
 def size_config(size: str, vocab_size: int = len(VOCAB), bos: int | None = VOCAB.index(BOS),
-                eos: int = VOCAB.index(EOS)) -> Qwen2Config:
+                eos: int | tuple[int, ...] = VOCAB.index(EOS)) -> Qwen2Config:
     """The architecture of ``size``; the vocabulary is the word list's unless given."""
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r} (known: {', '.join(SIZES)})")
@@ -54,9 +54,6 @@ def init_model(size: str, seed: int = 0, config: Qwen2Config | None = None
     return model.eval()
 
 
-TOKENIZERS = ("word", "bpe")
-
-
 def write_random_checkpoint(size: str, out: str | Path, seed: int = 0,
                             tokenizer: str = "word") -> list[Path]:
     """Write config.json, model.safetensors and the tokenizer for ``init_model(size, seed)``;
@@ -69,11 +66,11 @@ def write_random_checkpoint(size: str, out: str | Path, seed: int = 0,
         word_tokenizer().save(str(folder / TOKENIZER_FILE), pretty=True)
         return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, folder / TOKENIZER_FILE]
     if tokenizer != "bpe":
-        raise ValueError(f"unknown tokenizer {tokenizer!r} (known: {', '.join(TOKENIZERS)})")
+        raise ValueError(f"unknown tokenizer {tokenizer!r} (known: {', '.join(TOKENIZER_KINDS)})")
     from tiderl.models.bpe import ENDOFTEXT, IM_END, train_bpe, write_tokenizer_files
 
     bpe = train_bpe()
-    config = size_config(size, bpe.get_vocab_size(), None, bpe.token_to_id(IM_END))
-    config = replace(config, eos_token_id=(config.eos_token_id, bpe.token_to_id(ENDOFTEXT)))
+    config = size_config(size, bpe.get_vocab_size(), None,
+                         (bpe.token_to_id(IM_END), bpe.token_to_id(ENDOFTEXT)))
     save_model(init_model(size, seed, config), folder)
     return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, *write_tokenizer_files(bpe, folder)]

@@ -190,9 +190,10 @@ class AgentLoop:
         0) and return its trajectory with the reward; from ``carry`` when it moved here."""
         if carry is None:
             start = await self.env.start(task.env, task.task, task.seed)
+            messages = _plain(start.messages)
             carry = TaskCarry(start.session, [], self.encoder.opening(
-                start.observation, _plain(start.messages), start.tools))
-            self._note(task.task_id, messages=_plain(start.messages), tools=start.tools)
+                start.observation, messages, start.tools))
+            self._note(task.task_id, messages=messages, tools=start.tools)
         else:
             await self.env.resume(carry.session)
         session = carry.session
@@ -229,21 +230,22 @@ class AgentLoop:
                 if step.done:
                     trajectory.reward = step.reward
                     break
-                new_context = self.encoder.following(step.observation, _plain(step.messages),
+                messages = _plain(step.messages)
+                new_context = self.encoder.following(step.observation, messages,
                                                      out.output_ids)
-                self._note(task.task_id, messages=_plain(step.messages))
+                self._note(task.task_id, messages=messages)
         except EngineUnreachableError:
             engine_gone = True
             raise
         finally:
             self._running.pop(task.task_id, None)
             self._detached.discard(task.task_id)
-            if not ended:  # it goes on elsewhere: its record there starts at its next turn
-                self.transcripts.pop(task.task_id, None)
             if ended:
                 if not engine_gone:
                     await self._forget(task.task_id)
                 await self.env.end(session)
+            else:  # it goes on elsewhere: its record there starts at its next turn
+                self.transcripts.pop(task.task_id, None)
         return trajectory
 
 

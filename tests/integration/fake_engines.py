@@ -5,9 +5,11 @@ request and response shapes of vllm 0.33.0 and sglang 0.5.23 as their source def
 (``vllm/entrypoints/openai/completion/protocol.py``, ``serve/dev/*``, ``rl/online/api_router.py``;
 ``sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py``), and check what they are
 sent as strictly as those servers do where it matters (vLLM's served model name, SGLang's closed
-set of ``sampling_params`` keys, an idle server before a memory release). Behind them generates
-TideRL's own embedded engine on a real model folder, so a job on them really trains. Each runs
-uvicorn in a thread on a loopback port; it records the requests it was sent.
+set of ``sampling_params`` keys, an idle server before a memory release). Behind them generates a
+real model from a real folder, so a job on them really trains: TideRL's own embedded engine for a
+Qwen2 folder (:class:`EmbeddedEngine`), transformers for any other architecture
+(:class:`TransformersEngine`, as vLLM and SGLang run architectures the embedded engine does not).
+Each runs uvicorn in a thread on a loopback port; it records the requests it was sent.
 """
 
 from __future__ import annotations
@@ -21,21 +23,163 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tests.integration.serving import free_port
 from tiderl.engine.config import SERVED_MODEL_NAME, EngineConfig
-from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.kv_cache_manager import TokenUsage
+from tiderl.engine.llm_engine import EngineMetrics, GenerateOutput, LLMEngine
 from tiderl.engine.request import SamplingParams
-from tiderl.models.loading import load_model, load_state_dict
+from tiderl.engine.sampler import Sampler
+from tiderl.models.config import model_type
+from tiderl.models.loading import joined_eos, load_model, load_state_dict
 
 SGLANG_SAMPLING_KEYS = {  # sglang/api/v1/api_types.py SamplingParams: others are a 400
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
     "stop_regex", "ignore_eos", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
     "repetition_penalty", "skip_special_tokens", "no_stop_trim", "json_schema", "regex",
     "ebnf", "structural_tag", "logit_bias", "sampling_seed", "custom_params"}
+
+
+class EmbeddedEngine(LLMEngine):
+    """TideRL's engine on a Qwen2 folder, with the few scheduler facts the fakes report."""
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.kv_cache.pool.num_blocks
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.kv_cache.reset_prefix_cache()
+
+
+class TransformersEngine:
+    """Generation for a folder of another architecture than Qwen2: transformers'
+    ``AutoModelForCausalLM`` decodes one request at a time (a lock; its own KV per request, no
+    prefix cache, so every prompt token is a miss), sampled by TideRL's :class:`Sampler`, so
+    the logprobs mean what the embedded engine's (and vLLM's) do. It stops at the folder's eos
+    set (config.json and generation_config.json, as vLLM does), a request's stop ids, its
+    ``max_tokens`` or the context length. The same calls as :class:`EmbeddedEngine`."""
+
+    block_size = 16
+
+    def __init__(self, folder: Path, kv_cache_tokens: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True, dtype=torch.float32).eval()
+        self.eos = set(_as_tuple(joined_eos(self.model.config.eos_token_id, folder)))
+        self.max_model_len = self.model.config.max_position_embeddings
+        self.num_blocks = kv_cache_tokens // self.block_size
+        self.version = 0
+        self.is_asleep = False
+        self.sampler = Sampler(seed=0)
+        self.lock = threading.Lock()
+        self.running = 0
+        self.prompt_tokens = 0
+        self.decode_tokens = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
+
+    async def generate(self, task_id: str, prompt_ids: list[int],
+                       sampling: SamplingParams) -> GenerateOutput:
+        self.running += 1
+        try:
+            return await asyncio.to_thread(self._generate, task_id, prompt_ids, sampling)
+        finally:
+            self.running -= 1
+
+    def _generate(self, task_id: str, prompt_ids: list[int],
+                  sampling: SamplingParams) -> GenerateOutput:
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) fills the context "
+                             f"({self.max_model_len})")
+        stop = self.eos | set(sampling.stop_token_ids)
+        output_ids: list[int] = []
+        logprobs: list[float] = []
+        reason = "length"
+        with self.lock, torch.no_grad():
+            if self.is_asleep:
+                raise ValueError("the engine is asleep")
+            version = self.version
+            ids, cache = torch.tensor([prompt_ids]), None
+            for n in range(min(sampling.max_tokens, room)):
+                out = self.model(input_ids=ids, cache=cache, use_cache=True)
+                cache = out.cache
+                token, logprob = self.sampler(out.logits[:, -1], [sampling], [n])
+                output_ids.append(int(token[0]))
+                logprobs.append(float(logprob[0]))
+                if output_ids[-1] in stop:
+                    reason = "stop"
+                    break
+                ids = token.view(1, 1)
+            self.prompt_tokens += len(prompt_ids)
+            self.decode_tokens += len(output_ids)
+        return GenerateOutput(task_id, output_ids, logprobs, reason, len(prompt_ids), 0, version)
+
+    def metrics(self) -> EngineMetrics:
+        return EngineMetrics(
+            prefix_cache_queries=self.prompt_tokens, prefix_cache_hits=0,
+            kv_cache_usage_perc=0.0, num_requests_running=self.running,
+            num_requests_waiting=0, num_preemptions=0, prompt_tokens_computed=self.prompt_tokens,
+            decode_tokens=self.decode_tokens)
+
+    def token_usage(self) -> TokenUsage:
+        total = self.num_blocks * self.block_size
+        return TokenUsage(num_total_tokens=total, num_used_tokens=0, num_pinned_tokens=0,
+                          num_cached_tokens=0, num_free_tokens=total)
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing is cached across requests."""
+
+    flush = reset_prefix_cache
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        params = self.model.state_dict()
+        unknown = sorted(set(state) - set(params))
+        if unknown:
+            raise ValueError(f"update_weights: unknown parameters {unknown[:3]}")
+        with self.lock:
+            self.model.load_state_dict(state, strict=False)
+            self.version = version
+
+    def sleep(self) -> None:
+        """Free the weights (vLLM's sleep level 2): they live on the meta device until
+        ``wake_up`` loads every one of them again."""
+        with self.lock:
+            if self.running:
+                raise ValueError("sleep: requests in flight")
+            self.model.to("meta")
+            self.is_asleep = True
+
+    def wake_up(self, state: dict[str, torch.Tensor], version: int) -> None:
+        with self.lock:
+            self.model.to_empty(device="cpu")
+            missing, unknown = self.model.load_state_dict(state, strict=False)
+            self.model.tie_weights()
+            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+            missing = sorted(set(missing) - tied)
+            if missing or unknown:
+                raise ValueError(f"wake_up: missing {missing[:3]}, unknown {unknown[:3]}")
+            self.version = version
+            self.is_asleep = False
+
+
+def _as_tuple(ids: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    return () if ids is None else (ids,) if isinstance(ids, int) else ids
 
 
 @dataclass
@@ -46,9 +190,12 @@ class FakeServer:
 
     def __post_init__(self) -> None:
         # vLLM's reload and SGLang's disk update leave the KV to the caller's flush
-        config = EngineConfig(kv_cache_tokens=self.kv_cache_tokens, kv_on_update="keep")
-        model = load_model(self.model)
-        self.engine = LLMEngine(model, config, model.config.eos_token_id)
+        if model_type(self.model) == "qwen2":
+            config = EngineConfig(kv_cache_tokens=self.kv_cache_tokens, kv_on_update="keep")
+            model = load_model(self.model)
+            self.engine = EmbeddedEngine(model, config, model.config.eos_token_id)
+        else:
+            self.engine = TransformersEngine(self.model, self.kv_cache_tokens)
         self.weight_version = "default"
         self.awaiting_weights = False  # woken from a sleep that discarded them
         self.running = asyncio.Event()  # cleared while paused (vLLM /pause?mode=keep)
@@ -132,8 +279,7 @@ class FakeVLLMServer(FakeServer):
 
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
-            m, bs = self.engine.metrics(), self.engine.config.block_size
-            blocks = self.engine.scheduler.kv_cache.pool.num_blocks
+            m, bs, blocks = self.engine.metrics(), self.engine.block_size, self.engine.num_blocks
             labels = f'engine="0",model_name="{SERVED_MODEL_NAME}"'
             lines = [
                 f"vllm:num_requests_running{{{labels}}} {m.num_requests_running}",
@@ -160,9 +306,9 @@ class FakeVLLMServer(FakeServer):
             """vLLM fails while requests hold blocks, unless it may preempt them (they then
             recompute); this fake lets them go on instead and drops the cache's index."""
             self.record("/reset_prefix_cache", {"reset_running_requests": reset_running_requests})
-            if self.engine.scheduler.has_unfinished and not reset_running_requests:
+            if self.engine.busy and not reset_running_requests:
                 return {"success": False}
-            self.engine.scheduler.kv_cache.reset_prefix_cache()
+            self.engine.reset_prefix_cache()
             return {"success": True}
 
         @app.post("/update_weight_version")
@@ -260,14 +406,14 @@ class FakeSGLangServer(FakeServer):
             if body.get("weight_version") is not None:
                 self.weight_version = body["weight_version"]
             if body.get("flush_cache", True):
-                self.engine.scheduler.kv_cache.reset_prefix_cache()
+                self.engine.reset_prefix_cache()
             return {"success": True, "message": "Succeeded to update model weights.",
                     "num_paused_requests": 0}
 
         @app.post("/release_memory_occupation")
         async def release(request: Request) -> None:
             self.record("/release_memory_occupation", await request.json())
-            if self.engine.scheduler.has_unfinished:  # SGLang asserts an idle server
+            if self.engine.busy:  # SGLang asserts an idle server
                 raise ValueError("release_memory_occupation should be called only when "
                                  "server is idle")
             await asyncio.to_thread(self.engine.sleep)

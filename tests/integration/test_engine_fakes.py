@@ -1,6 +1,7 @@
 """The vLLM and SGLang clients against FakeVLLMServer / FakeSGLangServer (real HTTP servers on
 loopback with those engines' 0.33.0 / 0.5.23 routes; a GPU-only edge), and real jobs that roll
-out on them through ``engine.urls``."""
+out on them through ``engine.urls``: on a Qwen2 folder, and on a Llama folder that only those
+engines (here: transformers behind the vLLM fake) and the trainer's HFCausalLM run."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.integration.fake_engines import FakeSGLangServer, FakeVLLMServer, running
+from tests.integration.fake_engines import (
+    FakeSGLangServer,
+    FakeVLLMServer,
+    TransformersEngine,
+    running,
+)
+from tests.tiny_llama import write_tiny_llama
 from tiderl.engine.clients import EngineRequestError, SGLangClient, VLLMClient
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.engine.request import SamplingParams
 from tiderl.launch.job import run_local
 from tiderl.models.init import write_random_checkpoint
+from tiderl.models.loading import load_state_dict
 from tiderl.profile import load_profile
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -151,3 +160,34 @@ def test_a_job_rolls_out_on_attached_servers_of_each_backend(tmp_path, models, b
     assert [int(re.search(r"weights/v(\d+)", b).group(1)) for b in loaded] == [1, 2]
     woken = [json.dumps(body) for path, body in fakes[2].calls if path == update]
     assert str(models / "m0") in woken[0]  # version 0: the model folder itself
+
+
+def test_a_job_trains_another_architecture_rolling_out_on_vllm(tmp_path):
+    """A tiny Llama folder (not Qwen2): fake vLLM servers generate with transformers, the
+    actors train it through HFCausalLM with DDP, and every version reaches the rollout rank's
+    server as a folder of the same architecture with the trained weights."""
+    folder = write_tiny_llama(tmp_path / "llama")
+    fakes = [FakeVLLMServer(folder) for _ in range(3)]
+    with running(fakes[0]) as u0, running(fakes[1]) as u1, running(fakes[2]) as u2:
+        profile = load_profile("local", [*SMALL, "engine.backend=vllm",
+                                         f"engine.urls=[{u0}, {u1}, {u2}]",
+                                         f"model.path={folder}", "trainer.backend=ddp"])
+        result = run_local(profile, run_root=tmp_path / "runs")
+    assert result.exit_code == 0
+    metrics = [json.loads(line) for line in
+               (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(m["trained_samples"] >= 4 for m in metrics)
+    assert isinstance(fakes[0].engine, TransformersEngine)
+    assert fakes[0].engine.decode_tokens > 0 and fakes[0].weight_version == "2"
+    loaded = [body["kwargs"]["weights_path"] for path, body in fakes[0].calls
+              if path == "/collective_rpc"]
+    assert [int(Path(p).name.removeprefix("v")) for p in loaded] == [1, 2]
+    config = json.loads((Path(loaded[-1]) / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    before, after = load_state_dict(folder), load_state_dict(loaded[-1])
+    assert set(after) == set(before)
+    assert any(not torch.equal(after[name], before[name]) for name in before)
+    assert after.keys() == fakes[0].engine.model.state_dict().keys()
+    for name, tensor in fakes[0].engine.model.state_dict().items():
+        assert torch.equal(tensor, after[name]), name  # the server serves the trained weights

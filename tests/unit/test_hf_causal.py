@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests.tiny_llama import write_tiny_llama
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.launch.job import check_architecture
@@ -18,7 +19,6 @@ from tiderl.models.config import ModelConfig
 from tiderl.models.hf_causal import HFCausalLM, load_hf_causal
 from tiderl.models.loading import model_from_config, save_state_dict
 from tiderl.models.qwen2 import packed_token_logprobs
-from tiderl.models.tokenizer import word_tokenizer
 from tiderl.models.vocab import VOCAB as WORDS
 from tiderl.profile import load_profile
 from tiderl.trainer.parallel import make_backend
@@ -27,21 +27,9 @@ from tiderl.trainer.spawn import RankContext, run_ranks
 VOCAB = len(WORDS)  # the word-level tokenizer's: the folder carries its tokenizer.json
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-llama")
-    _llama().save_pretrained(out)
-    word_tokenizer().save(str(out / "tokenizer.json"))
-    return out
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +101,11 @@ def test_two_rank_step_of_an_hf_model_equals_one_process_step(folder, backend):
 
 def test_a_job_loads_another_architecture_through_transformers_and_writes_it_back(
         folder, tmp_path):
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
     model, _ = model_from_config(ModelConfig(path=str(folder)))
     assert isinstance(model, HFCausalLM)
-    assert model.config.eos_token_id == (2, 7)  # config.json's 2, generation_config's 7
-    assert model.config.max_position_embeddings == 128 and model.config.vocab_size == VOCAB
+    assert model.config.eos_token_id == (1, 7)  # config.json's 1, generation_config's 7
+    assert model.config.max_position_embeddings == 512 and model.config.vocab_size == VOCAB
     save_state_dict(model.state_dict(), model.config, tmp_path / "export")
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "llama"
     again = load_hf_causal(tmp_path / "export")

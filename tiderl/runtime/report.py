@@ -4,21 +4,25 @@ A job writes `runs/<job>/metrics.jsonl` (one :class:`~tiderl.core.records.StepRe
 optimizer step) and `events.jsonl` (one object per event). `write_report` reads both and writes,
 beside them:
 
-    goodput_reward.png   goodput and reward vs time
+    goodput_reward.png   goodput (from 0), reward and solved fraction vs time
     roles.png            ranks per role vs time (stacked)
-    readiness.png        RAS/TPRM plane, one colour per mode
+    readiness.png        RAS/TPRM plane, one colour and marker per mode, colocated drawn on
+                         top; a step without a TPRM (< 2 later micro-batches) is a triangle on
+                         the RAS axis
     report.md            summary table, per-step table, role changes, the three images, and
                          the TensorBoard logdir and wandb runs the job wrote (logging.backends)
 
 `read_records` reads metrics.jsonl back into records; `summarize` gives the summary numbers
-alone (the benchmarks and the CLI reuse both). Plots use matplotlib's Agg backend: no display
-needed.
+alone (the benchmarks and the CLI reuse both). `goodput_reward_figure` and `readiness_figure`
+build the figures the PNGs are saved from. Plots use matplotlib's Agg backend: no display needed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
+from collections.abc import Iterable
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +39,10 @@ ROLE_LETTERS = {"rollout": "R", "ref": "F", "actor": "A", "idle": "I"}
 IMAGES = ("goodput_reward.png", "roles.png", "readiness.png")
 STEP_COLUMNS = ("step", "time (s)", "mode", "roles", "RAS", "TPRM (s)", "goodput (tok/s)",
                 "reward", "loss", "staleness")
+# readiness plane: (colour, marker, z-order) per mode; colocated on top of the others
+MODE_STYLE = {"decoupled": ("tab:blue", "o", 2), "vs": ("tab:green", "^", 2),
+              "vso": ("tab:red", "D", 2), "batch": ("tab:purple", "P", 2),
+              "colocated": ("tab:orange", "s", 3)}
 
 
 class ReportError(ValueError):
@@ -116,7 +124,7 @@ def write_report(run_dir: Path, *, title: str | None = None) -> Path:
     metrics.sort(key=lambda m: m.step)
     events = read_jsonl(run_dir / "events.jsonl")
     if metrics:
-        _plot_goodput_reward(metrics, run_dir / IMAGES[0])
+        save_figure(goodput_reward_figure(metrics), run_dir / IMAGES[0])
         _plot_roles(metrics, run_dir / IMAGES[1])
         plot_readiness(metrics, run_dir / IMAGES[2])
     lines = [f"# {title or f'Run report: {run_dir.name}'}", ""]
@@ -244,22 +252,27 @@ def _faults_section(events: list[Row]) -> list[str]:
             *(f"| {what} | {detail} |" for what, detail in rows), ""]
 
 
-def _plot_goodput_reward(metrics: list[StepRecord], path: Path) -> None:
+def goodput_reward_figure(metrics: list[StepRecord]) -> Figure:
+    """Goodput (its axis from 0), train and eval reward, and the solved fraction vs time."""
     plt = pyplot()
     t = [m.time_s for m in metrics]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
     top.plot(t, [m.goodput_tok_s for m in metrics], linewidth=1.2)
+    top.set_ylim(bottom=0)
     top.set_ylabel("goodput (tok/s)")
-    top.set_title("Goodput and reward")
-    bottom.plot(t, [m.reward_mean for m in metrics], linewidth=1.2, label="train reward")
+    top.set_title("Goodput, reward and solved fraction")
+    middle.plot(t, _values(m.reward_mean for m in metrics), linewidth=1.2, label="train reward")
     evals = [(m.time_s, m.eval_reward) for m in metrics if m.eval_reward is not None]
     if evals:
         xs, ys = zip(*evals, strict=True)
-        bottom.scatter(xs, ys, color="tab:red", zorder=3, label="eval reward")
+        middle.scatter(xs, ys, color="tab:red", zorder=3, label="eval reward")
+    middle.set_ylabel("reward")
+    middle.legend(fontsize=8)
+    bottom.plot(t, _values(m.solved_frac for m in metrics), linewidth=1.2, color="tab:green")
+    bottom.set_ylim(0, 1.05)
     bottom.set_xlabel("time (s)")
-    bottom.set_ylabel("reward")
-    bottom.legend(fontsize=8)
-    save_figure(fig, path)
+    bottom.set_ylabel("solved fraction")
+    return fig
 
 
 def _plot_roles(metrics: list[StepRecord], path: Path) -> None:
@@ -278,20 +291,38 @@ def _plot_roles(metrics: list[StepRecord], path: Path) -> None:
 
 
 def plot_readiness(metrics: list[StepRecord], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(readiness_figure(metrics), path)
+    return path
+
+
+def readiness_figure(metrics: list[StepRecord]) -> Figure:
+    """The RAS/TPRM plane: one colour and marker per mode, colocated drawn above the others;
+    a step whose TPRM is null is a triangle of its mode's colour on the RAS axis."""
     plt = pyplot()
-    points = [m for m in metrics if m.tprm_s is not None]
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for mode in dict.fromkeys(m.mode.value for m in points):
-        chosen = [m for m in points if m.mode.value == mode]
-        ax.scatter([m.ras for m in chosen], [m.tprm_s for m in chosen], label=mode)
-    if points:
+    for mode in dict.fromkeys(m.mode.value for m in metrics):
+        colour, marker, zorder = MODE_STYLE.get(mode, ("tab:gray", "X", 2))
+        steps = [m for m in metrics if m.mode.value == mode]
+        known = [m for m in steps if m.tprm_s is not None]
+        if known:
+            ax.scatter([m.ras for m in known], [m.tprm_s for m in known], label=mode,
+                       color=colour, marker=marker, alpha=0.7, zorder=zorder)
+        nulls = [m.ras for m in steps if m.tprm_s is None]
+        if nulls:  # x in data, y on the axis line (axes fraction 0), over the spine
+            ax.scatter(nulls, [0.0] * len(nulls), transform=ax.get_xaxis_transform(),
+                       label=f"{mode}, TPRM null (on the RAS axis)", color=colour, marker="v",
+                       alpha=0.7, zorder=zorder + 2, clip_on=False)
+            ax.update_datalim([(x, 0.0) for x in nulls], updatey=False)  # the axis spans them
+    if metrics:
         ax.legend(fontsize=8)
+    ax.autoscale_view()
+    ax.set_ylim(0, None if any(m.tprm_s is not None for m in metrics) else 1.0)
     ax.set_xlabel("RAS (ready at start)")
     ax.set_ylabel("TPRM (s)")
-    ax.set_title(f"RAS/TPRM per step ({len(metrics) - len(points)} skipped: TPRM null)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, path)
-    return path
+    num_null = sum(m.tprm_s is None for m in metrics)
+    ax.set_title(f"RAS/TPRM per step ({num_null} with TPRM null: triangles on the RAS axis)")
+    return fig
 
 
 def pyplot() -> Any:
@@ -314,6 +345,11 @@ def save_figure(fig: Figure, path: Path) -> None:
 def _num_changed(prev: list[str], cur: list[str]) -> int:
     """Ranks whose role differs; a rank that appears or disappears counts as one change."""
     return sum(a != b for a, b in zip(prev, cur, strict=False)) + abs(len(prev) - len(cur))
+
+
+def _values(values: Iterable[float | None]) -> list[float]:
+    """A series for a line plot: None (nothing to say that step) as a gap."""
+    return [math.nan if v is None else v for v in values]
 
 
 def _mean(values: list[float]) -> float | None:

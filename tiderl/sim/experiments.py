@@ -8,7 +8,11 @@
     fig15   total RWT + TWT over 100 steps: ERS vs fixed ratios (8 GPUs)            paper Fig. 15
 
 An experiment returns an :class:`ExperimentResult`: headline numbers (``bench/results/sim.json``
-keeps them, each beside ``paper``), table rows, and per-step series for plots. Systems are named
+keeps them, each beside ``paper``), table rows, and per-step series for plots. :data:`PAPER` is
+the one copy of the paper's figures, keyed as the headline is (a figure under the same path is
+the paper's for that number; strings are notes). Each experiment names its simulations before it
+runs the first (:func:`tiderl.sim.progress.run_all`), so a caller can show which is running and
+how many are left. Systems are named
 as everywhere in TideRL (sync, async, stream, tiderl; :mod:`tiderl.core.system`): the paper's
 VeRL, AReaL and StreamRL are sync, async and stream, and its figures are keyed the same way here.
 Nothing here is tuned to the paper: where the simulator disagrees, the gap is reported (see
@@ -19,13 +23,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from tiderl.core.system import StepMode, System, SystemSpec
 from tiderl.sim.cluster import SimResult, simulate, simulate_rollout_step, simulate_trainer_step
+from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SYSTEMS, SimScenario
 
 RATIOS = (0.125, 0.25, 0.5)
+
+# Fig. 8 (§6.2): TideRL over VeRL (sync), AReaL (async) and StreamRL (stream), one figure each
+FIG8_RATIOS = {"tiderl_over_sync": 5.6, "tiderl_over_async": 1.8, "tiderl_over_stream": 7.0}
+PAPER: dict[str, dict[str, Any]] = {
+    "fig4": {"shape": "0.125 starves the trainer (high TWT); 0.5 throttles rollout (high RWT); "
+                      "0.25 is best but RWT and TWT cross from step to step"},
+    "fig8": {"7b": FIG8_RATIOS,
+             "14b": {k: v for k, v in FIG8_RATIOS.items() if k != "tiderl_over_stream"},
+             "note": "over VeRL (sync), AReaL (async), StreamRL (stream), one figure for both "
+                     "models; abstract: 1.8-7.0x on text-only tasks; StreamRL's 14B run did "
+                     "not finish"},
+    "table2": {"goodput_k_tok_s": {"stream": 20.2, "+RA2P": 23.1, "+ERS": 31.8, "+CTB": 33.3},
+               "improvement": {"+RA2P": 0.104, "+ERS": 0.357, "+CTB": 0.048}},
+    "fig12": {"hit_rate_ratio_vs_f10": 1.58, "throughput_ratio_vs_f10": 1.15,
+              "step_time_reduction_vs_f10": 0.156,
+              "kv_hit_rate": {"f10_1024": 0.009, "ctb": 0.06}},
+    "fig14": {"reduction_vs_vso": 0.443,
+              "note": "RA2P's modes cut the overhead of vanilla streaming (VS, VSO) by up to "
+                      "44.3%: the larger cut, against the slower VSO"},
+    "fig15": {"reduction_vs_best_fixed": 0.686, "reduction_vs_worst_fixed": 0.776,
+              "note": "ERS cuts RWT + TWT by 68.6-77.6% against the fixed ratios of Fig. 4: "
+                      "the smaller cut against the best of them, the larger against the worst"},
+}
 
 
 @dataclass
@@ -61,8 +90,13 @@ def _fixed_split(scenario: SimScenario, ratio: float) -> SimResult:
     return simulate(SYSTEMS["async"], replace(scenario, rollout_ratio=ratio))
 
 
-def fig4(scenario: SimScenario) -> ExperimentResult:
-    runs = {ratio: _fixed_split(scenario, ratio) for ratio in RATIOS}
+def _fixed_splits(scenario: SimScenario, label: str) -> dict[str, Callable[[], SimResult]]:
+    return {f"{label} {r}": partial(_fixed_split, scenario, r) for r in RATIOS}
+
+
+def fig4(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
+    done = run_all(_fixed_splits(scenario, "async ratio"), progress)
+    runs = dict(zip(RATIOS, done.values(), strict=True))
     headline = {f"ratio_{r}": {"rwt_s": round(res.rwt_s, 1), "twt_s": round(res.twt_s, 1),
                                "goodput_tok_s": round(res.goodput_tok_s, 1)}
                 for r, res in runs.items()}
@@ -70,15 +104,15 @@ def fig4(scenario: SimScenario) -> ExperimentResult:
         "rwt_s": {f"ratio {r}": [s.rwt_s for s in res.steps] for r, res in runs.items()},
         "twt_s": {f"ratio {r}": [s.twt_s for s in res.steps] for r, res in runs.items()},
     }
-    paper = {"shape": "0.125 starves the trainer (high TWT); 0.5 throttles rollout (high RWT); "
-                      "0.25 is best but RWT and TWT cross from step to step"}
-    rows = [_row(f"async ratio {r}", res) for r, res in runs.items()]
-    return ExperimentResult("fig4", headline, paper, rows, series)
+    rows = [_row(label, res) for label, res in done.items()]
+    return ExperimentResult("fig4", headline, PAPER["fig4"], rows, series)
 
 
-def fig15(scenario: SimScenario) -> ExperimentResult:
-    fixed = {ratio: _fixed_split(scenario, ratio) for ratio in RATIOS}
-    ers = simulate(SYSTEMS["tiderl"], scenario)
+def fig15(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
+    done = run_all({"tiderl (ERS)": partial(simulate, SYSTEMS["tiderl"], scenario),
+                    **_fixed_splits(scenario, "fixed")}, progress)
+    ers = done.pop("tiderl (ERS)")
+    fixed = dict(zip(RATIOS, done.values(), strict=True))
     waits = {r: res.rwt_s + res.twt_s for r, res in fixed.items()}
     ers_wait = ers.rwt_s + ers.twt_s
     headline = {
@@ -87,24 +121,31 @@ def fig15(scenario: SimScenario) -> ExperimentResult:
         "reduction_vs_best_fixed": round(1 - ers_wait / min(waits.values()), 3),
         "reduction_vs_worst_fixed": round(1 - ers_wait / max(waits.values()), 3),
     }
-    paper = {"reduction_range": [0.686, 0.776]}
     series = {"wait_s": {"tiderl (ERS)": [s.rwt_s + s.twt_s for s in ers.steps]}}
     series["wait_s"].update({f"fixed {r}": [s.rwt_s + s.twt_s for s in res.steps]
                              for r, res in fixed.items()})
-    rows = [_row("tiderl (ERS)", ers)] + [_row(f"fixed {r}", res) for r, res in fixed.items()]
-    return ExperimentResult("fig15", headline, paper, rows, series)
+    rows = [_row("tiderl (ERS)", ers)] + [_row(label, res) for label, res in done.items()]
+    return ExperimentResult("fig15", headline, PAPER["fig15"], rows, series)
 
 
 # --------------------------------------------------------------------------- fig8 / table2
 
 
-def _throughput_ratios(scenario: SimScenario) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    sync = simulate(SYSTEMS["sync"], scenario)
-    async_runs = {r: _fixed_split(scenario, r) for r in RATIOS}
+def _throughput_runs(scenario: SimScenario, key: str) -> dict[str, Callable[[], SimResult]]:
+    """sync, async at each ratio, stream, tiderl; labelled "KEY SYSTEM" ("7b async 0.25")."""
+    runs = {f"{key} sync": partial(simulate, SYSTEMS["sync"], scenario)}
+    runs.update(_fixed_splits(scenario, f"{key} async"))
+    for name in ("stream", "tiderl"):
+        runs[f"{key} {name}"] = partial(simulate, SYSTEMS[name], scenario)
+    return runs
+
+
+def _throughput_ratios(done: dict[str, SimResult], key: str
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    sync, stream, tiderl = (done[f"{key} {name}"] for name in ("sync", "stream", "tiderl"))
+    async_runs = {r: done[f"{key} async {r}"] for r in RATIOS}
     best_ratio = max(async_runs, key=lambda r: async_runs[r].goodput_tok_s)
     best_async = async_runs[best_ratio]
-    stream = simulate(SYSTEMS["stream"], scenario)
-    tiderl = simulate(SYSTEMS["tiderl"], scenario)
     runs = (("sync", sync), ("async", best_async), ("stream", stream), ("tiderl", tiderl))
     headline: dict[str, Any] = {
         "goodput_tok_s": {name: round(res.goodput_tok_s, 1) for name, res in runs},
@@ -116,18 +157,19 @@ def _throughput_ratios(scenario: SimScenario) -> tuple[dict[str, Any], list[dict
     return headline, rows
 
 
-def fig8(scenario: SimScenario) -> ExperimentResult:
+FIG8_MODELS = (("7b", "qwen2.5-7b"), ("14b", "qwen2.5-14b"))
+
+
+def fig8(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
+    runs: dict[str, Callable[[], SimResult]] = {}
+    for key, model in FIG8_MODELS:
+        runs.update(_throughput_runs(replace(scenario, model=model), key))
+    done = run_all(runs, progress)
     headline, rows = {}, []
-    for key, model in (("7b", "qwen2.5-7b"), ("14b", "qwen2.5-14b")):
-        part, part_rows = _throughput_ratios(replace(scenario, model=model))
-        headline[key] = part
+    for key, _ in FIG8_MODELS:
+        headline[key], part_rows = _throughput_ratios(done, key)
         rows += [{"model": key, **row} for row in part_rows]
-    paper = {"tiderl_over_sync": 5.6, "tiderl_over_async": 1.8, "tiderl_over_stream": 7.0,
-             "note": "over VeRL (sync), AReaL (async), StreamRL (stream); abstract: 1.8-7.0x "
-                     "on text-only tasks; StreamRL's 14B run did not finish"}
-    for key in ("7b", "14b"):
-        headline[key]["paper"] = paper
-    return ExperimentResult("fig8", headline, paper, rows)
+    return ExperimentResult("fig8", headline, PAPER["fig8"], rows)
 
 
 TABLE2_STEPS: tuple[tuple[str, SystemSpec], ...] = (
@@ -138,8 +180,9 @@ TABLE2_STEPS: tuple[tuple[str, SystemSpec], ...] = (
 )
 
 
-def table2(scenario: SimScenario) -> ExperimentResult:
-    results = [(label, simulate(spec, scenario)) for label, spec in TABLE2_STEPS]
+def table2(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
+    results = list(run_all({label: partial(simulate, spec, scenario)
+                            for label, spec in TABLE2_STEPS}, progress).items())
     headline: dict[str, Any] = {"goodput_k_tok_s": {}, "improvement": {}}
     previous = None
     for label, res in results:
@@ -147,10 +190,8 @@ def table2(scenario: SimScenario) -> ExperimentResult:
         if previous is not None:
             headline["improvement"][label] = round(res.goodput_tok_s / previous - 1, 3)
         previous = res.goodput_tok_s
-    paper = {"goodput_k_tok_s": {"stream": 20.2, "+RA2P": 23.1, "+ERS": 31.8, "+CTB": 33.3},
-             "improvement": {"+RA2P": 0.104, "+ERS": 0.357, "+CTB": 0.048}}
     rows = [_row(label, res) for label, res in results]
-    return ExperimentResult("table2", headline, paper, rows)
+    return ExperimentResult("table2", headline, PAPER["table2"], rows)
 
 
 # --------------------------------------------------------------------------- fig12 / fig14
@@ -158,12 +199,11 @@ def table2(scenario: SimScenario) -> ExperimentResult:
 FIG12_TASKS = 1312
 
 
-def fig12(scenario: SimScenario) -> ExperimentResult:
-    runs = {
-        "ctb": simulate_rollout_step(scenario, FIG12_TASKS, ctb=True, concurrency=None),
-        "f10_1024": simulate_rollout_step(scenario, FIG12_TASKS, ctb=False, concurrency=1024),
-        "f9_512": simulate_rollout_step(scenario, FIG12_TASKS, ctb=False, concurrency=512),
-    }
+def fig12(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
+    step = partial(simulate_rollout_step, scenario, FIG12_TASKS)
+    runs = run_all({"ctb": partial(step, ctb=True, concurrency=None),
+                    "f10_1024": partial(step, ctb=False, concurrency=1024),
+                    "f9_512": partial(step, ctb=False, concurrency=512)}, progress)
     ctb, f10 = runs["ctb"], runs["f10_1024"]
     headline = {
         "kv_hit_rate": {k: round(v.kv_hit_rate, 4) for k, v in runs.items()},
@@ -173,41 +213,39 @@ def fig12(scenario: SimScenario) -> ExperimentResult:
         "throughput_ratio_vs_f10": _ratio(ctb.gen_tok_s, f10.gen_tok_s),
         "step_time_reduction_vs_f10": round(1 - ctb.wall_s / f10.wall_s, 3),
     }
-    paper = {"hit_rate_ratio_vs_f10": 1.58, "throughput_ratio_vs_f10": 1.15,
-             "step_time_reduction_vs_f10": 0.156, "kv_hit_rate": {"f10_1024": 0.009, "ctb": 0.06}}
     rows = [{"run": k, "kv_hit_rate": round(v.kv_hit_rate, 4), "gen_tok_s": round(v.gen_tok_s, 1),
              "step_s": round(v.wall_s, 1), "preemptions": v.num_preemptions,
              "recomputed_tokens": v.recomputed_tokens} for k, v in runs.items()]
-    return ExperimentResult("fig12", headline, paper, rows)
+    return ExperimentResult("fig12", headline, PAPER["fig12"], rows)
 
 
 FIG14_MICRO_BATCHES, FIG14_TOKENS, FIG14_GPUS = 8, 8192, 4
 
 
-def fig14(scenario: SimScenario) -> ExperimentResult:
+def fig14(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
     ready = [0.0] * FIG14_MICRO_BATCHES
     modes = (StepMode.COLOCATED, StepMode.DECOUPLED, StepMode.VS, StepMode.VSO)
-    times = {mode.value: simulate_trainer_step(scenario, mode, ready, FIG14_TOKENS, FIG14_GPUS)
-             for mode in modes}
+    times = run_all({mode.value: partial(simulate_trainer_step, scenario, mode, ready,
+                                         FIG14_TOKENS, FIG14_GPUS) for mode in modes}, progress)
     best = min(times["colocated"], times["decoupled"])
     headline = {
         "step_s": {k: round(v, 3) for k, v in times.items()},
         "reduction_vs_vso": round(1 - best / times["vso"], 3),
         "reduction_vs_vs": round(1 - best / times["vs"], 3),
     }
-    paper = {"reduction_up_to": 0.443}
     rows = [{"mode": k, "step_s": round(v, 3)} for k, v in times.items()]
-    return ExperimentResult("fig14", headline, paper, rows)
+    return ExperimentResult("fig14", headline, PAPER["fig14"], rows)
 
 
 # --------------------------------------------------------------------------- registry
 
-EXPERIMENTS: dict[str, Callable[[SimScenario], ExperimentResult]] = {
+EXPERIMENTS: dict[str, Callable[[SimScenario, Progress | None], ExperimentResult]] = {
     "fig4": fig4, "fig8": fig8, "table2": table2, "fig12": fig12, "fig14": fig14, "fig15": fig15,
 }
 
 
-def run_experiment(name: str, scenario: SimScenario) -> ExperimentResult:
+def run_experiment(name: str, scenario: SimScenario,
+                   progress: Progress | None = None) -> ExperimentResult:
     if name not in EXPERIMENTS:
         raise KeyError(f"unknown experiment {name!r} (known: {', '.join(EXPERIMENTS)})")
-    return EXPERIMENTS[name](scenario)
+    return EXPERIMENTS[name](scenario, progress)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from tiderl.core.system import SystemSpec
 from tiderl.profile import Profile
 from tiderl.sim.cluster import simulate
-from tiderl.sim.experiments import ExperimentResult, run_experiment
+from tiderl.sim.experiments import FIG8_RATIOS, ExperimentResult, run_experiment
+from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
 
@@ -23,10 +25,15 @@ def scenario_from_profile(profile: Profile) -> SimScenario:
     return SimScenario(**fields, ctb=profile.ctb, ra2p=profile.ra2p, ers=ers)
 
 
-def compare_policies(scenario: SimScenario, policies: list[str]) -> ExperimentResult:
+COMPARE_PAPER = {**FIG8_RATIOS, "note": "Fig. 8, Qwen2.5-7B on 32 H100s, WebShop + ALFWorld "
+                                        "(sim/cluster32); another scenario may differ"}
+
+
+def compare_policies(scenario: SimScenario, policies: list[str],
+                     progress: Progress | None = None) -> ExperimentResult:
     """Each policy on the same scenario and task stream; goodput ratios against tiderl."""
     specs = [SystemSpec.named(name) for name in policies]
-    results = {spec.label: simulate(spec, scenario) for spec in specs}
+    results = run_all({spec.label: partial(simulate, spec, scenario) for spec in specs}, progress)
     headline: dict[str, Any] = {
         "goodput_tok_s": {k: round(v.goodput_tok_s, 1) for k, v in results.items()}}
     if "tiderl" in results:
@@ -40,27 +47,31 @@ def compare_policies(scenario: SimScenario, policies: list[str]) -> ExperimentRe
              "twt_s": round(r.twt_s, 1)} for name, r in results.items()]
     series = {"trained_tokens": {name: [float(s.trained_tokens) for s in r.steps]
                                  for name, r in results.items()}}
-    return ExperimentResult("compare", headline, {}, rows, series)
+    paper = COMPARE_PAPER if "tiderl" in results else {}
+    return ExperimentResult("compare", headline, paper, rows, series)
 
 
 def run_profile(profile: Profile, experiment: str | None = None,
-                policies: list[str] | None = None) -> ExperimentResult:
+                policies: list[str] | None = None,
+                progress: Progress | None = None) -> ExperimentResult:
+    """The profile's experiment, or its (or ``policies``') systems compared; ``progress``
+    hears of each simulation as it starts (:mod:`tiderl.sim.progress`)."""
     scenario = scenario_from_profile(profile)
     name = experiment if experiment is not None or policies else profile.sim.experiment
     if name:
-        return run_experiment(name, scenario)
-    return compare_policies(scenario, policies or profile.sim.policies)
+        return run_experiment(name, scenario, progress)
+    return compare_policies(scenario, policies or profile.sim.policies, progress)
 
 
-SWEEP_PAPER = {"tiderl_over_sync": 5.6, "tiderl_over_async": 1.8, "tiderl_over_stream": 7.0,
-               "note": "paper Fig. 8 (7B, 100 steps); the sweep's runs are shorter"}
+SWEEP_PAPER = {**FIG8_RATIOS, "note": "Fig. 8 (7B, 100 steps); the sweep's runs are shorter"}
 
 
-def run_profile_sweep(profile: Profile, grid: SweepGrid | None = None) -> dict[str, Any]:
+def run_profile_sweep(profile: Profile, grid: SweepGrid | None = None,
+                      progress: Progress | None = None) -> dict[str, Any]:
     """The sweep around the profile's scenario: rows, the centre's ratios and each ratio's
     range over the grid; ``result`` is the :class:`~tiderl.sim.sweep.SweepResult` itself."""
     grid = grid or SweepGrid()
-    result = run_sweep(scenario_from_profile(profile), grid)
+    result = run_sweep(scenario_from_profile(profile), grid, progress)
     keys = ("tiderl_over_sync", "tiderl_over_async", "tiderl_over_stream", "async_over_sync")
     centre = next((r for r in result.rows
                    if all(r[k] == v for k, v in result.centre.items())), None)

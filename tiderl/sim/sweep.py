@@ -15,9 +15,11 @@ the ratios, not the absolute goodput, are what the sweep bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
-from tiderl.sim.cluster import simulate
+from tiderl.sim.cluster import SimResult, simulate
+from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SYSTEMS, SimScenario
 
 SYSTEM_ORDER = ("sync", "async", "stream", "tiderl")
@@ -55,17 +57,29 @@ class SweepResult:
     rows: list[dict[str, Any]]
 
 
-def run_sweep(base: SimScenario, grid: SweepGrid) -> SweepResult:
-    """Every point of ``grid`` around ``base`` (``base.steps`` is replaced by ``grid.steps``)."""
-    rows = [_point(replace(base, steps=grid.steps, **point), point)
-            for point in grid.points(base)]
+def run_sweep(base: SimScenario, grid: SweepGrid,
+              progress: Progress | None = None) -> SweepResult:
+    """Every point of ``grid`` around ``base`` (``base.steps`` is replaced by ``grid.steps``);
+    ``progress`` hears of each system's run at each point as it starts."""
+    points = grid.points(base)
+    runs = {f"{_label(point)}: {name}": partial(simulate, SYSTEMS[name],
+                                                replace(base, steps=grid.steps, **point))
+            for point in points for name in SYSTEM_ORDER}
+    done = run_all(runs, progress)
+    rows = [_point({name: done[f"{_label(point)}: {name}"] for name in SYSTEM_ORDER}, point)
+            for point in points]
     centre = {"env_step_median_s": base.env_step_median_s, "env_step_sigma": base.env_step_sigma,
               "max_staleness": base.max_staleness, "colocate_switch_s": base.colocate_switch_s}
     return SweepResult(grid, centre, rows)
 
 
-def _point(scenario: SimScenario, point: dict[str, float]) -> dict[str, Any]:
-    goodput = {name: simulate(SYSTEMS[name], scenario).goodput_tok_s for name in SYSTEM_ORDER}
+def _label(point: dict[str, float]) -> str:
+    return (f"env {point['env_step_median_s']:g} s sigma {point['env_step_sigma']:g}, "
+            f"eta {point['max_staleness']}, switch {point['colocate_switch_s']:g} s")
+
+
+def _point(results: dict[str, SimResult], point: dict[str, float]) -> dict[str, Any]:
+    goodput = {name: result.goodput_tok_s for name, result in results.items()}
     row: dict[str, Any] = dict(point)
     row.update({f"{name}_tok_s": round(value, 1) for name, value in goodput.items()})
     for name in ("sync", "async", "stream"):

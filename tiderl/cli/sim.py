@@ -1,12 +1,22 @@
-"""`tiderl sim`: simulated cluster experiments driving the core policies (no GPU needed)."""
+"""`tiderl sim`: simulated cluster experiments driving the core policies (no GPU needed).
+
+While it runs, one line per simulation on stderr: which, n of N, time since the command began.
+Its tables fit the terminal (80 columns when not a terminal): short headers that wrap, token
+counts in k/M/G, and a table split by columns (the row's name repeated) where it would not fit.
+"""
 
 from __future__ import annotations
 
 import json
+import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.launch import SetOpt
@@ -14,8 +24,15 @@ from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.profile import load_profile
 from tiderl.sim.config import EXPERIMENTS, POLICIES
+from tiderl.sim.progress import Progress
 
 SWEEP_PROFILE = "sim/fig8-paper"
+HEADERS = {"goodput_tok_s": "goodput tok/s", "gen_tok_s": "gen tok/s", "kv_hit_rate": "KV hit",
+           "rwt_s": "RWT s", "twt_s": "TWT s", "recomputed_tokens": "recomputed tokens",
+           "env_step_median_s": "env median s", "env_step_sigma": "env sigma",
+           "max_staleness": "max stale", "colocate_switch_s": "switch s"}
+KEY_COLUMNS = ("run", "mode", "env_step_median_s", "env_step_sigma", "max_staleness",
+               "colocate_switch_s")  # what names a row: repeated in each part of a split table
 
 
 def sim(
@@ -50,11 +67,12 @@ def sim(
         raise CLIError("tiderl sim: --policies compares systems on a PROFILE; an experiment "
                        "fixes its own, drop --experiment or --policies", EXIT_USAGE)
     output = Output(json_mode)
+    clock = _Progress(output)
     headlines, payload = {}, []
-    for name in names:
+    for index, name in enumerate(names, start=1):
         resolved = load_profile(profile or f"sim/{name}", overrides or [])
-        output.note(f"simulating {name or 'policy comparison'} ...")
-        result = run_profile(resolved, name if experiment else None, chosen)
+        progress = clock.reporter(name or "policy comparison", index, len(names))
+        result = run_profile(resolved, name if experiment else None, chosen, progress)
         plots = _plots(result, out)
         headlines[result.name] = {**result.headline, "paper": result.paper}
         payload.append({"experiment": result.name, "headline": result.headline,
@@ -63,8 +81,32 @@ def sim(
     if results is not None:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(headlines, indent=2) + "\n")
+    clock.done()
     output.result(payload if len(payload) > 1 else payload[0],
                   lambda console: _render(console, payload))
+
+
+class _Progress:
+    """One stderr line as each simulation starts: what, n of N, time since the command began."""
+
+    def __init__(self, output: Output):
+        self.output = output
+        self.started = time.monotonic()
+
+    def reporter(self, name: str, index: int, count: int) -> Progress:
+        part = f"{name} ({index}/{count})" if count > 1 else name
+
+        def report(label: str, number: int, total: int) -> None:
+            self.output.note(f"simulating {part} [{number}/{total}] {label}, "
+                             f"{self.elapsed()} elapsed")
+        return report
+
+    def done(self) -> None:
+        self.output.note(f"simulated in {self.elapsed()}")
+
+    def elapsed(self) -> str:
+        seconds = int(time.monotonic() - self.started)
+        return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def _sweep(profile: str | None, experiment: str | None, overrides: list[str], out: Path,
@@ -74,8 +116,10 @@ def _sweep(profile: str | None, experiment: str | None, overrides: list[str], ou
 
     if experiment is not None:
         raise CLIError("tiderl sim --sweep: takes a PROFILE, not --experiment", EXIT_USAGE)
-    output.note("sweeping (a few minutes) ...")
-    payload = run_profile_sweep(load_profile(profile or SWEEP_PROFILE, overrides))
+    clock = _Progress(output)
+    payload = run_profile_sweep(load_profile(profile or SWEEP_PROFILE, overrides),
+                                progress=clock.reporter("sweep", 1, 1))
+    clock.done()
     plot = write_sweep_heatmap(payload.pop("result"), out / "sim_sweep.png")
     payload["plots"] = [str(plot)]
     if results is not None:
@@ -119,25 +163,102 @@ def _plots(result, out: Path) -> list[Path]:
 
 def _render(console: Console, payload: list[dict]) -> None:
     for item in payload:
-        rows = item["rows"]
-        if rows:
-            columns = list(rows[0])
-            console.print(table(item["experiment"], columns, [[r.get(c) for c in columns]
-                                                               for r in rows]))
-        console.print(table(f"{item['experiment']}: simulated vs paper", ("figure", "value"),
-                            _headline_rows(item["headline"], item["paper"])))
+        for title, columns, rows in _row_tables(item["experiment"], item["rows"], console.width):
+            console.print(table(title, columns, rows))
+        figures, notes = _headline_rows(item["headline"], item["paper"])
+        console.print(table(f"{item['experiment']}: simulated vs paper",
+                            ("figure", "simulated", "paper"), figures))
+        for key, note in notes:  # wrapped at the console's width, not cut
+            console.print(Text(f"paper, {key}: {note}"), soft_wrap=False)
         for path in item["plots"]:
             console.print(f"plot: {path}", markup=False)
 
 
-def _headline_rows(headline: dict, paper: dict, prefix: str = "") -> list[tuple[str, object]]:
-    rows: list[tuple[str, object]] = []
-    for key, value in headline.items():
-        if key == "paper":
-            continue
-        if isinstance(value, dict):
-            rows += _headline_rows(value, {}, f"{prefix}{key}.")
+def _row_tables(title: str, rows: list[dict], width: int
+                ) -> Iterator[tuple[str, list[str], list[list[str]]]]:
+    """The rows as tables of at most ``width`` columns: one per model where rows name one (fig8),
+    each split by columns where it is wider, the row's name in every part."""
+    if not rows:
+        return
+    models = list(dict.fromkeys(row["model"] for row in rows if "model" in row))
+    groups = [(f"{title} {m}", [r for r in rows if r.get("model") == m]) for m in models]
+    for name, group in groups or [(title, rows)]:
+        columns = [c for c in group[0] if c != "model"]
+        cells = {c: [_cell(c, row.get(c)) for row in group] for c in columns}
+        widths = {c: max([len(v) for v in cells[c]] + [len(w) for w in _header(c).split()])
+                  for c in columns}
+        for part, chosen in enumerate(_fit(columns, widths, width)):
+            headers = [textwrap.fill(_header(c), widths[c]) for c in chosen]
+            yield (name if not part else f"{name} (continued)", headers,
+                   [[cells[c][i] for c in chosen] for i in range(len(group))])
+
+
+def _fit(columns: list[str], widths: dict[str, int], width: int) -> list[list[str]]:
+    """Columns packed into tables no wider than ``width`` (rich's default box: a column takes
+    its width, two of padding and one rule), each starting with the key columns."""
+    keys = [c for c in columns if c in KEY_COLUMNS]
+    parts: list[list[str]] = []
+    for column in (c for c in columns if c not in KEY_COLUMNS):
+        if parts and sum(widths[c] + 3 for c in parts[-1]) + widths[column] + 4 <= width:
+            parts[-1].append(column)
         else:
-            rows.append((f"{prefix}{key}", value))
-    rows += [(f"paper: {k}", json.dumps(v)) for k, v in paper.items()]
-    return rows
+            parts.append([*keys, column])
+    return parts or [keys]
+
+
+def _header(column: str) -> str:
+    return HEADERS.get(column, column.replace("_tok_s", " tok/s").replace("_", " "))
+
+
+def _cell(column: str, value: Any) -> str:
+    """A table cell: token counts in k/M/G, large numbers without decimals."""
+    if value is None:
+        return ""
+    if isinstance(value, int) and not isinstance(value, bool) and column.endswith("tokens"):
+        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e4, "k")):
+            if abs(value) >= scale:
+                return f"{value / scale:.{1 if suffix == 'k' else 2}f}{suffix}"
+    if isinstance(value, float) and abs(value) >= 1000:
+        return f"{value:.0f}"
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def _headline_rows(headline: dict, paper: dict) -> tuple[list[tuple[str, str, str]],
+                                                         list[tuple[str, str]]]:
+    """(figure, simulated, paper) rows and the paper's notes. A paper figure stands beside the
+    headline number at the same path, or beside the first one under it (the sweep's centre);
+    a paper figure with no simulated number gets a row of its own."""
+    rows, used = [], set()
+    for path, value in _leaves(headline):
+        figure, at = _paper_at(paper, path)
+        if at is not None and at in used:
+            figure = None  # shown beside an earlier number of its group
+        used.add(at)
+        rows.append((".".join(path), _cell("", value), _cell("", figure)))
+    notes = []
+    for path, value in _leaves(paper):
+        if isinstance(value, str):
+            notes.append((".".join(path), value))
+        elif path not in used:
+            rows.append((".".join(path), "", _cell("", value)))
+    return rows, notes
+
+
+def _leaves(tree: dict, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _paper_at(paper: dict, path: tuple[str, ...]) -> tuple[Any, tuple[str, ...] | None]:
+    """The paper's figure at ``path`` or at a prefix of it, and where; (None, None): none."""
+    node: Any = paper
+    for depth, key in enumerate(path, start=1):
+        if not isinstance(node, dict) or key not in node:
+            return None, None
+        node = node[key]
+        if not isinstance(node, dict):
+            return (None, None) if isinstance(node, str) else (node, path[:depth])
+    return None, None

@@ -131,16 +131,24 @@ def save_state_dict(state: dict[str, torch.Tensor], config: Qwen2Config, path: s
     (folder / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     shards = _shards(state, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        _save_weights(shards[0], folder / WEIGHTS_FILE, folder / CONFIG_FILE)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        _save_weights(shard, folder / name, folder / CONFIG_FILE)
         weight_map |= dict.fromkeys(shard, name)
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_weights(tensors: dict[str, torch.Tensor], file: Path, like: Path) -> None:
+    """``save_file``, then the permissions of ``like`` (config.json, written just before): the
+    safetensors library writes through a private temporary file (mode 0600) that it renames, so
+    its files would not get the umask's mode as every other file of the folder does."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    file.chmod(like.stat().st_mode & 0o777)
 
 
 def _model_type(path: str) -> str:

@@ -23,21 +23,37 @@ def init(
         "word", "--tokenizer",
         help="word: the word list of the built-in environments (the embedded default); bpe: a "
              "byte-level BPE trained here on their text, with a chat template (any text)."),
+    force: bool = typer.Option(
+        False, "--force", help="Write into a folder that is not empty: the model files in it "
+                               "are replaced, other files are left."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Write config.json, model.safetensors and the tokenizer files for a random-init model."""
+    """Write config.json, model.safetensors and the tokenizer files for a random-init model.
+
+    The folder must be new or empty, unless --force."""
     if size not in MODEL_SIZES:
         raise CLIError(f"tiderl model init: unknown --size {size!r} "
                        f"(known: {', '.join(MODEL_SIZES)})", EXIT_USAGE)
     if tokenizer not in TOKENIZER_KINDS:
         raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} "
                        f"(known: {', '.join(TOKENIZER_KINDS)})", EXIT_USAGE)
+    _check_out(out, force)
     from tiderl.models.init import write_random_checkpoint  # late: `tiderl --help` stays fast
 
     paths = write_random_checkpoint(size, out, seed, tokenizer)
     payload = {"size": size, "seed": seed, "tokenizer": tokenizer, "out": str(out),
                "files": {p.name: p.stat().st_size for p in paths}}
     Output(json_mode).result(payload, lambda console: _render(console, payload))
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Exit 2 before anything is loaded when --out is a file, or a folder with files in it and
+    no --force."""
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"tiderl model init: --out {out} is a file, not a folder", EXIT_USAGE)
+    if not force and out.is_dir() and any(out.iterdir()):
+        raise CLIError(f"tiderl model init: --out {out} is not empty; choose a new folder, or "
+                       "give --force to replace the model files in it", EXIT_USAGE)
 
 
 def _render(console: Console, payload: dict) -> None:

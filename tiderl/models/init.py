@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 
 from tiderl.models.config import TOKENIZER_KINDS
-from tiderl.models.loading import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, save_model
+from tiderl.models.loading import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    TOKENIZER_EXTRAS,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    save_model,
+)
 from tiderl.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.models.vocab import BOS, EOS, VOCAB
@@ -59,14 +66,16 @@ def write_random_checkpoint(size: str, out: str | Path, seed: int = 0,
     """Write config.json, model.safetensors and the tokenizer for ``init_model(size, seed)``;
     returns the paths. ``tokenizer``: ``word`` (tokenizer.json of the word list) or ``bpe`` (a
     byte-level BPE trained here with a chat template and generation_config.json, see
-    :mod:`tiderl.models.bpe`)."""
+    :mod:`tiderl.models.bpe`). Model files another checkpoint left in ``out`` are removed first
+    (a shard index, its shards, tokenizer extras): they would be read with this one."""
     folder = Path(out)
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r} (known: {', '.join(TOKENIZER_KINDS)})")
+    _remove_model_files(folder)
     if tokenizer == "word":
         save_model(init_model(size, seed), folder)
         word_tokenizer().save(str(folder / TOKENIZER_FILE), pretty=True)
         return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, folder / TOKENIZER_FILE]
-    if tokenizer != "bpe":
-        raise ValueError(f"unknown tokenizer {tokenizer!r} (known: {', '.join(TOKENIZER_KINDS)})")
     from tiderl.models.bpe import ENDOFTEXT, IM_END, train_bpe, write_tokenizer_files
 
     bpe = train_bpe()
@@ -74,3 +83,13 @@ def write_random_checkpoint(size: str, out: str | Path, seed: int = 0,
                          (bpe.token_to_id(IM_END), bpe.token_to_id(ENDOFTEXT)))
     save_model(init_model(size, seed, config), folder)
     return [folder / CONFIG_FILE, folder / WEIGHTS_FILE, *write_tokenizer_files(bpe, folder)]
+
+
+def _remove_model_files(folder: Path) -> None:
+    """The files of an HF model folder that a new checkpoint does not overwrite but loading
+    would read: ``model.safetensors.index.json`` (it wins over model.safetensors), its shards,
+    and the tokenizer extras (a chat template, an eos set)."""
+    for name in (INDEX_FILE, *TOKENIZER_EXTRAS):
+        (folder / name).unlink(missing_ok=True)
+    for shard in folder.glob("model-*-of-*.safetensors"):
+        shard.unlink()

@@ -22,7 +22,6 @@ from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.launch import SetOpt
 from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.system import ALIASES, SYSTEM_CHOICES
-from tiderl.profile import load_profile
 from tiderl.sim.config import EXPERIMENTS, POLICIES
 from tiderl.sim.progress import Progress
 
@@ -56,7 +55,8 @@ def sim(
     json_mode: bool = JsonFlag,
 ) -> None:
     """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
-    from tiderl.sim.runner import run_profile  # imported late: `tiderl --help` stays fast
+    from tiderl.profile import load_profile  # imported late: `tiderl --help` stays fast
+    from tiderl.sim.runner import run_profile
 
     if sweep:
         _sweep(profile, experiment, overrides or [], out, results, Output(json_mode))
@@ -111,6 +111,7 @@ class _Progress:
 
 def _sweep(profile: str | None, experiment: str | None, overrides: list[str], out: Path,
            results: Path | None, output: Output) -> None:
+    from tiderl.profile import load_profile
     from tiderl.sim.report import write_sweep_heatmap
     from tiderl.sim.runner import run_profile_sweep
 

@@ -23,6 +23,7 @@ from tiderl.core.config import ConfigError, require
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
 from tiderl.core.ra2p import RA2PConfig
+from tiderl.core.system import System
 from tiderl.engine.config import EngineConfig
 from tiderl.env.config import EnvConfig
 from tiderl.models.config import ModelConfig
@@ -83,8 +84,12 @@ class Profile:
                     "ra2p.mode=colocated (a Ref rank of its own would need a TP group)")
 
 
-class ProfileError(Exception):
-    """A profile that cannot be used; the message is one line naming the source and key."""
+class ProfileError(ConfigError):
+    """A profile that cannot be used; the message is one line naming the source and key (a
+    ConfigError whose key is already in the message, so a caller catches both as one)."""
+
+    def __init__(self, message: str):
+        super().__init__("", message)
 
 
 # --------------------------------------------------------------------------- public API
@@ -98,10 +103,14 @@ def resolve_profile_path(name: str) -> Path:
         return path
     if path.suffix in (".yaml", ".yml"):
         raise ProfileError(f"{name}: no such profile file")
-    candidates = [Path("profiles") / f"{name}.yaml", _REPO_PROFILES / f"{name}.yaml"]
+    candidates = list(dict.fromkeys(  # an absolute name is the same path under either folder
+        [Path("profiles") / f"{name}.yaml", _REPO_PROFILES / f"{name}.yaml"]))
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if path.is_dir():
+        raise ProfileError(f"{name}: a folder, not a profile file (give a YAML file or a "
+                           "profile name)")
     raise ProfileError(f"profile {name!r} not found (looked for {', '.join(map(str, candidates))})")
 
 
@@ -117,6 +126,7 @@ def load_profile(name: str = DEFAULT_PROFILE, overrides: typing.Sequence[str] = 
 
 def build_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     try:
+        _check_rank_split(data)
         return _build(Profile, data, "")
     except ConfigError as err:
         raise ProfileError(f"{source}: {err}") from None
@@ -127,12 +137,48 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     return _plain(dataclasses.asdict(profile))
 
 
+def _check_rank_split(data: Any) -> None:
+    """Say in a user's terms why runtime's ranks cannot split into rollout and trainer ranks,
+    naming the key to change (RuntimeConfig's own check, which stays for configs built in code,
+    only names rollout_ranks: ``expected 1..0``). Values of the wrong type are left to it."""
+    runtime = data.get("runtime") if isinstance(data, dict) else None
+    if not isinstance(runtime, dict):
+        return
+    defaults = RuntimeConfig()
+    num_ranks = runtime.get("num_ranks", defaults.num_ranks)
+    rollout = runtime.get("rollout_ranks", defaults.rollout_ranks)
+    try:
+        mode = System.parse(str(runtime.get("mode", defaults.mode))).value
+    except ConfigError:
+        return
+    if type(num_ranks) is not int or type(rollout) is not int or num_ranks < 1:
+        return
+    if mode == System.SYNC.value:
+        require(rollout == num_ranks, "runtime.rollout_ranks",
+                f"mode sync rolls out and trains on every rank: set runtime.rollout_ranks="
+                f"{num_ranks} (runtime.num_ranks), got {rollout}")
+        return
+    require(num_ranks >= 2, "runtime.num_ranks",
+            f"1 rank cannot split into rollout and trainer ranks: mode {mode} needs at least "
+            "2, e.g. runtime.num_ranks=2 with runtime.rollout_ranks=1")
+    span = "=1" if num_ranks == 2 else f" to 1..{num_ranks - 1}"
+    fix = f"set runtime.rollout_ranks{span} (the other ranks train)"
+    require(rollout < num_ranks, "runtime.rollout_ranks",
+            f"{rollout} rollout ranks of runtime.num_ranks={num_ranks} leave no trainer rank: "
+            f"{fix}")
+    require(rollout >= 1, "runtime.rollout_ranks",
+            f"a job needs at least 1 rollout rank, got {rollout}: {fix}")
+
+
 # --------------------------------------------------------------------------- YAML and overrides
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
+    except (UnicodeDecodeError, yaml.reader.ReaderError):  # not UTF-8, or control characters
+        raise ProfileError(f"{path}: not a YAML text file (it holds bytes that are not text)"
+                           ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -159,7 +205,9 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         known = _fields(tp) if dataclasses.is_dataclass(tp) else None
         if known is None or part not in known:
             where = ".".join(parts[: depth + 1])
-            raise ProfileError(f"--set {key}: unknown key {where!r}")
+            listed = (f"known: {', '.join(known)}" if known is not None
+                      else f"{'.'.join(parts[:depth])} is a value, not a section")
+            raise ProfileError(f"--set {key}: unknown key {where!r} ({listed})")
         tp = known[part]
         if depth < len(parts) - 1:
             child = node.get(part)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.errors import EXIT_USAGE, CLIError, check_port_free
 from tiderl.cli.output import Output
 
 app = typer.Typer(help="The embedded rollout engine.", no_args_is_help=True)
@@ -21,7 +21,7 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Its seed (the profile's model.seed)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
     kv_cache_tokens: int = typer.Option(16384, "--kv-cache-tokens", help="KV pool size."),
     block_size: int = typer.Option(16, "--block-size"),
@@ -50,6 +50,7 @@ def serve(
         model_config = ModelConfig(path=str(model or ""), size=size, seed=seed, dtype=dtype)
     except ConfigError as exc:
         raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
+    check_port_free("tiderl engine serve", host, port)  # before torch and the model load
     # late imports: torch loads only when a server really starts
     from tiderl.engine.llm_engine import LLMEngine
     from tiderl.engine.server import serve as serve_app

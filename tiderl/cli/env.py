@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.errors import EXIT_USAGE, CLIError, check_port_free
 from tiderl.cli.output import Output
 
 app = typer.Typer(help="The environment service.", no_args_is_help=True)
+
+# EnvConfig's fields that `serve` sets, by the option that sets them
+OPTIONS = {"envs": "--envs", "max_turns": "--max-turns", "max_sessions": "--max-sessions",
+           "idle_ttl_s": "--idle-ttl"}
 
 
 @app.command("serve")
@@ -16,7 +20,7 @@ def serve(
                              help="Environments to serve (built-ins, gym:..., verifiers:..., "
                                   "or a dotted path)."),
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8100, "--port"),
+    port: int = typer.Option(8100, "--port", min=1, max=65535),
     max_sessions: int = typer.Option(256, "--max-sessions", help="Open sessions at most."),
     idle_ttl: float = typer.Option(600.0, "--idle-ttl", help="Seconds before an idle session "
                                    "expires (paused sessions never do)."),
@@ -29,20 +33,27 @@ def serve(
 ) -> None:
     """Serve /start /observation /end /pause /resume, /health and /metrics over HTTP."""
     from tiderl.core.config import ConfigError
-    from tiderl.env.base import UnknownEnvironment, make_env
     from tiderl.env.config import EnvConfig
-    from tiderl.env.server import serve as serve_app
 
     names = [name.strip() for name in envs.split(",") if name.strip()]
     try:
         config = EnvConfig(envs=names, max_turns=max_turns, max_sessions=max_sessions,
                            idle_ttl_s=idle_ttl)
-        for name in names + ([f"gym:{gym}"] if gym else []):
+    except ConfigError as exc:  # named by the option that set it
+        option = OPTIONS.get(exc.key.partition("[")[0], "--envs")
+        raise CLIError(f"tiderl env serve: {option}: {exc.message}", EXIT_USAGE) from None
+    check_port_free("tiderl env serve", host, port)  # before the environments load
+    from tiderl.env.base import UnknownEnvironment, make_env
+    from tiderl.env.server import serve as serve_app
+
+    for name in names + ([f"gym:{gym}"] if gym else []):
+        try:
             make_env(name, max_turns=max_turns)  # fail now, not on the first /start
-    except (ConfigError, UnknownEnvironment) as exc:
-        raise CLIError(f"tiderl env serve: --envs/--gym: {exc}", EXIT_USAGE) from exc
-    except ImportError as exc:  # a missing module or an environment not built yet
-        raise CLIError(f"tiderl env serve: {exc}", EXIT_USAGE) from exc
+        except (ConfigError, UnknownEnvironment) as exc:
+            option = "--gym" if gym and name == f"gym:{gym}" else "--envs"
+            raise CLIError(f"tiderl env serve: {option}: {exc}", EXIT_USAGE) from exc
+        except ImportError as exc:  # a missing module or an environment not built yet
+            raise CLIError(f"tiderl env serve: {exc}", EXIT_USAGE) from exc
     served = ", ".join(names + (["gym"] if gym else []))
     Output().note(f"tiderl env: {served} on http://{host}:{port} "
                   f"(max {max_sessions} sessions, idle TTL {idle_ttl:g} s)")

@@ -21,7 +21,7 @@ ProfileOpt = typer.Option(DEFAULT_PROFILE, "--profile", "-p",
                           help="Profile name in profiles/ or a path to a YAML file.")
 SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
                       help="Override one profile value, e.g. ctb.budget_fraction=0.8 or a list, "
-                           "'logging.backends=\\[jsonl,tensorboard]' (repeatable).")
+                           "'logging.backends=[jsonl,tensorboard]' (repeatable).")
 
 
 def launch(

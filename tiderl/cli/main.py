@@ -1,4 +1,8 @@
-"""The `tiderl` command: wires the command groups; each lives in its own module."""
+"""The `tiderl` command: wires the command groups; each lives in its own module.
+
+Help is click's plain formatter (``rich_markup_mode=None``, which every group below inherits):
+it rewraps each docstring paragraph to the terminal and shows a boolean flag as a bare flag.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,11 @@ from collections.abc import Sequence
 
 import typer
 
-# Typer >= 0.29 vendors click; its usage errors are only importable from there (typer is pinned
-# to a minor range in pyproject.toml for this reason).
-from typer._click.exceptions import NoArgsIsHelpError, UsageError
-
 from tiderl import __version__
 from tiderl.cli import bench, engine, env, jobs, launch, model, profile, rebalance, sim, top
 from tiderl.cli.errors import EXIT_FAILURE, EXIT_USAGE, CLIError
 from tiderl.cli.output import Output
-from tiderl.core.config import ConfigError
-from tiderl.profile import ProfileError
+from tiderl.core.config import ConfigError  # a ProfileError is one too
 
 app = typer.Typer(
     name="tiderl",
@@ -26,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
@@ -68,20 +68,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.main(args=args, prog_name="tiderl", standalone_mode=False)
     except typer.Exit as exc:
         return exc.exit_code
-    except NoArgsIsHelpError:  # a bare group: Typer has printed its help
-        return 0
-    except UsageError as exc:
-        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
-        return _fail(f"{exc.format_message()}{hint}", EXIT_USAGE, debug)
+    except typer.TyperException as exc:  # the parser's: bad usage, or a bare group
+        return _parser_error(exc, debug)
     except (typer.Abort, KeyboardInterrupt):
         return _fail("interrupted", 130, debug)
-    except (ProfileError, ConfigError) as exc:
+    except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE, debug)
     except CLIError as exc:
         return _fail(str(exc), exc.exit_code, debug)
     except Exception as exc:  # a bug or an environment failure: still one line
         return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE, debug)
     return 0
+
+
+def _parser_error(exc: typer.TyperException, debug: bool) -> int:
+    """Typer (0.29) vendors click and exports only the base of its exceptions, so they are told
+    apart the way Typer itself does: a bare group raises ``NoArgsIsHelpError`` with the group's
+    help as its message; a usage error has ``exit_code`` 2 and the context it happened in."""
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        sys.stdout.write(exc.format_message() + "\n")
+        return 0
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return _fail(f"{exc.format_message()}{hint}", exc.exit_code, debug)
 
 
 def _fail(message: str, code: int, debug: bool) -> int:

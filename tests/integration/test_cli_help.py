@@ -1,0 +1,30 @@
+"""`tiderl ... --help` as printed: paragraphs rewrapped to the terminal, boolean flags without a
+value placeholder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.integration.serving import tiderl_command
+
+WIDTH = 80
+HELP_PAGES = [["launch"], ["logs"], ["stop"], ["bench", "e2e"], ["engine", "serve"]]
+
+
+@pytest.mark.parametrize("page", HELP_PAGES, ids=" ".join)
+def test_help_paragraphs_are_rewrapped_and_flags_take_no_value(page):
+    proc = subprocess.run([*tiderl_command(), *page, "--help"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": str(WIDTH)})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    description = text.split("\n\n", 1)[1].split("\nOptions:")[0].split("\nArguments:")[0]
+    for paragraph in description.strip().split("\n\n"):
+        lines = paragraph.splitlines()
+        # every line but a paragraph's last is filled: none is broken where the source was
+        assert all(len(line) > WIDTH - 20 for line in lines[:-1]), paragraph
+    assert "<bool>" not in text
+    assert all(len(line) <= WIDTH for line in text.splitlines()), text
+

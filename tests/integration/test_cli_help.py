@@ -1,10 +1,12 @@
 """`tiderl ... --help` as printed: paragraphs rewrapped to the terminal, boolean flags without a
-value placeholder."""
+value placeholder, and `tiderl --help` importing no heavy library (its start-up time)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -28,3 +30,18 @@ def test_help_paragraphs_are_rewrapped_and_flags_take_no_value(page):
     assert "<bool>" not in text
     assert all(len(line) <= WIDTH for line in text.splitlines()), text
 
+
+def test_help_imports_no_heavy_library():
+    code = ("import json, sys\n"
+            "from tiderl.cli.main import main\n"
+            "code = main(['--help'])\n"
+            "print(json.dumps([code, sorted(sys.modules)]), file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert " launch " in proc.stdout
+    code, modules = json.loads(proc.stderr.splitlines()[-1])
+    assert code == 0
+    heavy = {"torch", "transformers", "numpy", "matplotlib", "zmq", "httpx", "fastapi",
+             "uvicorn", "paramiko", "fabric"}
+    assert heavy.isdisjoint(modules), sorted(heavy & set(modules))

@@ -8,23 +8,15 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from tiderl.cli.errors import CLIError
 from tiderl.cli.output import JsonFlag, Output, table
-from tiderl.launch.control import (
-    alive,
-    is_job_alive,
-    is_remote,
-    process_states,
-    read_log,
-    select,
-    sessions,
-    stop_job,
-)
-from tiderl.launch.local import JobState, LaunchError
-from tiderl.launch.registry import job_file, list_jobs, resolve_job
+
+if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no SSH client
+    from tiderl.launch.local import JobState
 
 RunRootOpt = typer.Option(None, "--run-root", help="Folder of run folders (default: runs/).")
 FOLLOW_POLL_S = 0.5
@@ -37,6 +29,9 @@ def status(
     json_mode: bool = JsonFlag,
 ) -> None:
     """Show the processes of a job (node, PID, state) or one line per job."""
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.registry import list_jobs, resolve_job
+
     out = Output(json_mode)
     try:
         if job is None:
@@ -64,6 +59,9 @@ def _job_summary(state: JobState, strict: bool = False
     """The job's line and its processes' states, over one set of SSH sessions for an SSH job.
     Nodes that do not answer: an error when ``strict``, else the state "unreachable" (and the
     steps of the copy fetched at the job's end)."""
+    from tiderl.launch.control import alive, is_remote, process_states, sessions
+    from tiderl.launch.local import LaunchError
+
     try:
         with sessions(state) as nodes:
             states = process_states(state, nodes)
@@ -87,6 +85,9 @@ def _job_summary(state: JobState, strict: bool = False
 
 def _steps(state: JobState, nodes: dict | None) -> str:
     """Steps done, from the job's metrics.jsonl (fetched from an SSH job's node)."""
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.registry import job_file
+
     try:
         done = len(job_file(state, "metrics.jsonl", nodes).read_text().splitlines())
     except LaunchError:
@@ -102,6 +103,8 @@ def _ended(state: JobState, nodes: dict | None) -> str:
     stopped (SIGTERM, ``tiderl stop``), interrupted (Ctrl-C), or crashed (none: its
     coordinator was killed)."""
     from tiderl.launch.job import last_stop
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.registry import job_file
 
     try:
         stop = last_stop(job_file(state, "events.jsonl", nodes).parent)
@@ -128,6 +131,10 @@ def logs(
 ) -> None:
     """Print a job's logs (every process's, each line prefixed with its name, unless one is
     chosen), from its nodes over SSH for an SSH job."""
+    from tiderl.launch.control import is_job_alive, read_log, select, sessions
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.registry import resolve_job
+
     try:
         state = resolve_job(job, run_root)
         records = select(state, rank, process)
@@ -174,6 +181,10 @@ def stop(
 ) -> None:
     """Stop every process of a job on every node (SIGTERM, then SIGKILL after a grace period),
     and check by PID that none is left."""
+    from tiderl.launch.control import stop_job
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.registry import resolve_job
+
     out = Output(json_mode)
     try:
         state = resolve_job(job, run_root)

@@ -7,17 +7,22 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
-from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, load_hosts
-from tiderl.launch.plan import LaunchPlan, engine_port_names, plan_local, plan_nodes
-from tiderl.profile import DEFAULT_PROFILE, Profile, load_profile, profile_to_dict
 
-ProfileOpt = typer.Option(DEFAULT_PROFILE, "--profile", "-p",
+if TYPE_CHECKING:  # imported where used: `tiderl --help` loads none of them
+    from rich.console import Console
+
+    from tiderl.launch.hosts import Hosts
+    from tiderl.launch.plan import LaunchPlan
+    from tiderl.profile import Profile
+
+# tiderl.profile.DEFAULT_PROFILE, written out so that --help imports no profile code
+ProfileOpt = typer.Option("local", "--profile", "-p",
                           help="Profile name in profiles/ or a path to a YAML file.")
 SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
                       help="Override one profile value, e.g. ctb.budget_fraction=0.8 or a list, "
@@ -44,6 +49,10 @@ def launch(
 
     Ctrl-C or SIGTERM stop every process of the job, on every node; a job that stops before
     its last step resumes with --resume."""
+    from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts
+    from tiderl.launch.plan import engine_port_names, plan_local, plan_nodes
+    from tiderl.profile import load_profile
+
     resumed = None
     if resume is not None:
         if nodes is not None:
@@ -110,6 +119,8 @@ def _resumable(job: str, run_root: Path | None) -> Path:
 
 def _resumed_profile(run_dir: Path, overrides: list[str]) -> Profile:
     """The job's own profile with ``overrides``, which may not change the job's shape."""
+    from tiderl.profile import load_profile
+
     own = load_profile(str(run_dir / "profile.yaml"))
     new = load_profile(str(run_dir / "profile.yaml"), overrides)
     for section, key in SHAPE_KEYS:
@@ -121,6 +132,9 @@ def _resumed_profile(run_dir: Path, overrides: list[str]) -> Profile:
 
 
 def _port_placeholders(hosts: Hosts, profile: Profile) -> dict[str, int | str]:
+    from tiderl.launch.hosts import PORT_NAMES
+    from tiderl.launch.plan import engine_port_names
+
     names = (*PORT_NAMES, *engine_port_names(profile))
     if hosts.port_base is not None:
         return {name: hosts.port_base + i for i, name in enumerate(names)}
@@ -211,6 +225,8 @@ def _progress_line(snap) -> str:
 
 
 def _payload(profile: Profile, plan: LaunchPlan) -> dict:
+    from tiderl.profile import profile_to_dict
+
     return {
         "profile": profile_to_dict(profile),
         "plan": [
@@ -223,6 +239,8 @@ def _payload(profile: Profile, plan: LaunchPlan) -> dict:
 
 
 def _render(console: Console, profile: Profile, plan: LaunchPlan) -> None:
+    from tiderl.profile import profile_to_dict
+
     for section, values in profile_to_dict(profile).items():
         rows = list(_flatten(values))
         console.print(table(section, ("key", "value"), rows))

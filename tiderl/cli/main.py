@@ -2,6 +2,8 @@
 
 Help is click's plain formatter (``rich_markup_mode=None``, which every group below inherits):
 it rewraps each docstring paragraph to the terminal and shows a boolean flag as a bare flag.
+The command modules import their libraries inside the commands, so ``tiderl --help`` loads no
+torch, ZeroMQ or SSH client (``tests/integration/test_cli_help.py`` checks it).
 """
 
 from __future__ import annotations

@@ -29,20 +29,16 @@ import tty
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import msgspec
 import typer
-from rich.console import Console
-from rich.live import Live
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output
-from tiderl.cli.top_view import TopState, render
-from tiderl.launch.control import is_job_alive, is_remote
-from tiderl.launch.local import JobState, LaunchError
-from tiderl.launch.registry import DEFAULT_RUN_ROOT, list_jobs, resolve_job
-from tiderl.runtime.bus import BusKeyError, JobKeys, Snapshot, Subscriber, load_job_keys
-from tiderl.runtime.signals import exit_on_sigterm
+
+if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no ZeroMQ or SSH client
+    from tiderl.launch.local import JobState
+    from tiderl.runtime.bus import JobKeys, Snapshot, Subscriber
 
 TICK_S = 0.1  # longest wait on the bus: the latency of a key press
 REDRAW_S = 0.25  # the view is redrawn at least 4 times a second
@@ -91,6 +87,10 @@ def top(
 def find_target(job: str | None, run_root: Path | None, bus: str | None,
                 keys_dir: Path | None) -> Target:
     """The job and endpoint named on the command line; CLIError (one line) otherwise."""
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.registry import resolve_job
+    from tiderl.runtime.bus import BusKeyError, load_job_keys
+
     state = None
     if job is not None:
         try:
@@ -116,6 +116,9 @@ def find_target(job: str | None, run_root: Path | None, bus: str | None,
 
 
 def _newest_running_job(run_root: Path | None) -> JobState:
+    from tiderl.launch.control import is_job_alive
+    from tiderl.launch.registry import DEFAULT_RUN_ROOT, list_jobs
+
     running = [s for s in list_jobs(run_root) if is_job_alive(s) is not False]
     if not running:
         raise CLIError(f"tiderl top: no running job in {run_root or DEFAULT_RUN_ROOT}/ "
@@ -124,6 +127,8 @@ def _newest_running_job(run_root: Path | None) -> JobState:
 
 
 def _reload(state: JobState) -> JobState:
+    from tiderl.launch.local import JobState, LaunchError
+
     with contextlib.suppress(LaunchError):
         return JobState.load(state.run_dir)
     return state
@@ -132,6 +137,12 @@ def _reload(state: JobState) -> JobState:
 # ------------------------------------------------------------------ the loops
 
 def _print_once(target: Target, timeout_s: float, out: Output) -> None:
+    import msgspec
+
+    from tiderl.cli.top_view import TopState, render
+    from tiderl.launch.control import is_job_alive
+    from tiderl.runtime.bus import Snapshot, Subscriber
+
     start = time.monotonic()
     view = TopState(job=target.label, endpoint=target.endpoint, started_at=start)
     with Subscriber(target.endpoint, target.keys) as sub:
@@ -151,6 +162,13 @@ def _print_once(target: Target, timeout_s: float, out: Output) -> None:
 
 def _watch(target: Target) -> None:
     """Draw until q, Ctrl-C or SIGTERM; the terminal is restored on every way out."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from tiderl.cli.top_view import TopState, render
+    from tiderl.launch.control import is_job_alive, is_remote
+    from tiderl.runtime.signals import exit_on_sigterm
+
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     exit_on_sigterm()
     view = TopState(job=target.label, endpoint=target.endpoint, started_at=time.monotonic())
@@ -191,12 +209,14 @@ class _Bus:
 
     def __init__(self, target: Target) -> None:
         self._keys = target.keys
-        self._sub = Subscriber(target.endpoint, target.keys)
+        self._sub = _subscriber(target.endpoint, target.keys)
         self._opened_at = time.monotonic()
 
     def poll(self, timeout_s: float) -> list[Snapshot]:
         """The snapshots that arrived within ``timeout_s``: the first waited for, the rest
         drained."""
+        from tiderl.runtime.bus import Snapshot
+
         msg = self._sub.recv(timeout_s)
         snaps = []
         while msg is not None:
@@ -209,7 +229,7 @@ class _Bus:
         if time.monotonic() - self._opened_at < RECONNECT_S:
             return
         self._sub.close()
-        self._sub = Subscriber(endpoint, self._keys)
+        self._sub = _subscriber(endpoint, self._keys)
         self._opened_at = time.monotonic()
 
     def __enter__(self) -> _Bus:
@@ -217,6 +237,12 @@ class _Bus:
 
     def __exit__(self, *exc: object) -> None:
         self._sub.close()
+
+
+def _subscriber(endpoint: str, keys: JobKeys) -> Subscriber:
+    from tiderl.runtime.bus import Subscriber
+
+    return Subscriber(endpoint, keys)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,8 @@ def status(
     run_root: Path | None = RunRootOpt,
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Show the processes of a job (node, PID, state) or one line per job."""
+    """Show the processes of a job (node, PID, state) or one line per job: how it ended
+    (done, failed, stopped, interrupted, crashed) once it runs no more."""
     from tiderl.launch.local import LaunchError
     from tiderl.launch.registry import list_jobs, resolve_job
 
@@ -36,10 +37,7 @@ def status(
     try:
         if job is None:
             rows = [_job_summary(state)[0] for state in list_jobs(run_root)]
-            out.result(rows, lambda console: console.print(table(
-                "jobs", ("job", "mode", "started", "where", "processes", "steps", "state"),
-                [(r["job"], r["mode"], r["started"], r["where"], r["processes"], r["steps"],
-                  r["state"]) for r in rows])))
+            out.result(rows, lambda console: _render_jobs(console, rows, run_root))
             return
         state = resolve_job(job, run_root)
         summary, states = _job_summary(state, strict=True)
@@ -48,10 +46,29 @@ def status(
     rows = [{"name": r.name, "kind": r.kind, "node": r.host, "pid": r.pid,
              "state": _describe(states[r.name]), "log": r.log} for r in state.processes]
     payload = {**summary, "processes": rows}
+    # a log's path in its node's run folder (the whole path is in --json)
+    logs = [str(Path(r.log).relative_to(r.run_dir)) for r in state.processes]
     out.result(payload, lambda console: console.print(table(
-        f"{state.job_id}  {payload['state']}  steps {payload['steps']}",
+        f"{state.job_id}  {payload['state']}  steps {payload['steps']}  ({state.run_dir})",
         ("process", "kind", "node", "pid", "state", "log"),
-        [(r["name"], r["kind"], r["node"], r["pid"], r["state"], r["log"]) for r in rows])))
+        [(r["name"], r["kind"], r["node"], r["pid"], r["state"], log)
+         for r, log in zip(rows, logs, strict=True)])))
+
+
+def _render_jobs(console, rows: list[dict], run_root: Path | None) -> None:
+    """One line per job, the id never cut (``logs`` and ``stop`` take it); its mode and start
+    time are in the id (and in --json); with no job, where status looked."""
+    from tiderl.launch.registry import DEFAULT_RUN_ROOT
+
+    if not rows:
+        root = Path(run_root or DEFAULT_RUN_ROOT).resolve()
+        hint = "" if run_root else (f" ({DEFAULT_RUN_ROOT}/ of this folder; give --run-root DIR "
+                                    "for jobs launched from another one)")
+        console.print(f"no jobs in {root}/{hint}", markup=False)
+        return
+    console.print(table("jobs", ("job", "where", "processes", "steps", "state"),
+                        [(r["job"], r["where"], r["processes"], r["steps"], r["state"])
+                         for r in rows], keep=("job", "state")))
 
 
 def _job_summary(state: JobState, strict: bool = False

@@ -42,10 +42,17 @@ class Output:
         sys.stderr.write(f"error: {message}\n")
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+          keep: Sequence[str] = ()) -> Table:
+    """A table of data (never rich markup); the columns named in ``keep`` are never cut or
+    wrapped (the others give way on a narrow terminal)."""
     out = Table(title=title, title_justify="left")
-    for column in columns:
-        out.add_column(column)
+    for i, column in enumerate(columns):
+        if column in keep:
+            widest = max((len(str(row[i])) for row in rows), default=0)
+            out.add_column(column, no_wrap=True, min_width=max(widest, len(column)))
+        else:
+            out.add_column(column)
     for row in rows:
         out.add_row(*(Text("" if v is None else str(v)) for v in row))  # data, not markup
     return out

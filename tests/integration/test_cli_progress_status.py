@@ -1,11 +1,144 @@
 """`tiderl launch` and `tiderl status` as a new user first meets them (issue 20), the real
-`tiderl` in a subprocess: status in a folder with no jobs."""
+`tiderl` in a subprocess: the progress line in an 80-column terminal (tmux) and through a pipe,
+the job list at 80 columns, and status in a folder with no jobs."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
 
+import pytest
+
+from tests.integration.running_job import SMALL_JOB
+from tests.integration.serving import tiderl_command
 from tests.integration.test_cli import tiderl
+
+WIDTH = 80
+STEP_LINE = re.compile(r"^step (\d+)/(\d+)  ")
+
+
+def small_job_args(run_root: Path, steps: int) -> list[str]:
+    args = ["launch", "--run-root", str(run_root), "--set", f"runtime.steps={steps}"]
+    for item in SMALL_JOB:
+        args += ["--set", item]
+    return args
+
+
+class Terminal:
+    """A tmux server of our own with one WIDTH-column pane running ``command``."""
+
+    def __init__(self, command: str, run_for_s: int = 600) -> None:
+        tmux = shutil.which("tmux")
+        if tmux is None:
+            if os.environ.get("CI"):
+                pytest.fail("tmux is not installed; CI must install it")
+            pytest.skip("tmux is not installed")
+        self.base = [tmux, "-L", f"tiderl-cli-{uuid.uuid4().hex[:12]}"]
+        self._tmux("new-session", "-d", "-x", str(WIDTH), "-y", "40", "-s", "cli",
+                   f"{command}; echo EXIT=$?; sleep {run_for_s}")
+        self.socket = Path(self._tmux("display-message", "-p", "#{socket_path}").strip())
+
+    def _tmux(self, *args: str) -> str:
+        return subprocess.run([*self.base, *args], check=True, capture_output=True, text=True,
+                              timeout=30).stdout
+
+    def lines(self) -> list[str]:
+        """The pane's lines, a line the terminal wrapped joined back (-J): what was printed."""
+        return self._tmux("capture-pane", "-p", "-J", "-t", "cli").splitlines()
+
+    def wait_exit(self, timeout_s: float) -> list[str]:
+        """The pane once its command has exited (EXIT=<code> shows)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = self.lines()
+            if any(line.startswith("EXIT=") for line in lines):
+                return lines
+            assert time.monotonic() < deadline, "\n".join(lines)
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True, timeout=30)
+        self.socket.unlink(missing_ok=True)
+
+
+def test_the_first_job_at_80_columns_shows_its_step_counter_and_status_the_whole_id(tmp_path):
+    run_root = tmp_path / "runs"
+    command = shlex.join([*tiderl_command(), *small_job_args(run_root, steps=3)])
+    term = Terminal(command)
+    try:
+        lines = term.wait_exit(timeout_s=300)
+    finally:
+        term.kill()
+    assert "EXIT=0" in lines, "\n".join(lines)
+    progress = [line for line in lines if STEP_LINE.match(line)]
+    assert progress, "\n".join(lines)  # the line the launcher left: its last redraw
+    assert all(len(line) <= WIDTH for line in progress), progress
+    assert STEP_LINE.match(progress[-1]).groups() == ("3", "3"), progress
+
+    job = next(path.name for path in run_root.iterdir())
+    term = Terminal(shlex.join([*tiderl_command(), "status", "--run-root", str(run_root)]))
+    try:
+        lines = term.wait_exit(timeout_s=60)
+    finally:
+        term.kill()
+    assert "EXIT=0" in lines, "\n".join(lines)
+    row = next((line for line in lines if job in line), None)
+    assert row is not None, "\n".join(lines)  # the whole id, never cut
+    assert len(row) <= WIDTH and re.search(r"\bdone\b", row), row
+
+
+def test_launch_through_a_pipe_prints_one_plain_line_per_step_as_it_goes(tmp_path):
+    run_root = tmp_path / "runs"
+    proc = subprocess.Popen([*tiderl_command(), *small_job_args(run_root, steps=1000)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any(STEP_LINE.match(line) and STEP_LINE.match(line).group(1) == "2"
+                      for line in seen):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no line for step 2 while the job ran 300 s: {''.join(seen)}")
+            assert line is not None, "".join(seen)  # the launcher ended before step 2
+            seen.append(line)
+        assert proc.poll() is None  # step lines come while the job runs, not at its end
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher stops the whole job
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(30)
+    while (line := lines.get_nowait()) is not None:
+        seen.append(line)
+    steps = [int(STEP_LINE.match(line).group(1)) for line in seen if STEP_LINE.match(line)]
+    assert steps[:2] == [1, 2] and steps == sorted(set(steps)), seen  # one line per step
+    assert not any("\r" in line or "\x1b" in line for line in seen), seen
+    assert all(line.count("step ") == 1 for line in seen if STEP_LINE.match(line))
+    listing = json.loads(tiderl("status", "--run-root", str(run_root), "--json").stdout)
+    assert [job["state"] for job in listing] == ["stopped"]  # SIGTERM: `tiderl stop`'s way
 
 
 def test_status_in_a_folder_without_jobs_says_where_it_looked(tmp_path):

@@ -17,18 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from tests.integration.serving import free_port
+from tests.integration.serving import free_port, wait_healthy
 from tiderl.engine.config import SERVED_MODEL_NAME, EngineConfig
 from tiderl.engine.kv_cache_manager import TokenUsage
 from tiderl.engine.llm_engine import EngineMetrics, GenerateOutput, LLMEngine
@@ -439,14 +437,7 @@ def running(fake: FakeServer) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert thread.is_alive(), "the fake server stopped"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "the fake server did not start"
-        time.sleep(0.05)
+    wait_healthy(url, lambda: None if thread.is_alive() else "the fake server's thread ended")
     try:
         yield url
     finally:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.serving import free_port, serving, stop_process, tiderl_command
+from tests.integration.serving import (
+    free_port,
+    process_exit,
+    serving,
+    stop_process,
+    tiderl_command,
+    wait_healthy,
+)
 from tiderl.env.client import EnvClientError, HTTPEnvClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,15 +77,18 @@ def test_a_stalled_service_fails_each_call_within_its_deadline(tmp_path):
 def test_a_crashed_service_is_retried_until_it_is_back(tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    first = subprocess.Popen([*tiderl_command(), *env_args(port)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.STDOUT)
+    with (tmp_path / "first.log").open("w") as out:
+        first = subprocess.Popen([*tiderl_command(), *env_args(port)], stdout=out,
+                                 stderr=subprocess.STDOUT)
     second = None
     try:
+        wait_healthy(f"http://127.0.0.1:{port}", process_exit(first, tmp_path / "first.log"))
+
         async def scenario():
             nonlocal second
             async with HTTPEnvClient(f"http://127.0.0.1:{port}", retries=12, backoff_s=0.2,
                                      max_backoff_s=1.0, deadline_s=30.0) as client:
-                await client.health()  # up (retried while it starts)
+                await client.health()
                 first.kill()
                 first.wait()
                 with pytest.raises(EnvClientError, match="ConnectError"):

@@ -17,6 +17,7 @@ from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient
 from tiderl.engine.prometheus import parse_prometheus
 from tiderl.engine.request import SamplingParams
+from tiderl.models.init import write_random_checkpoint
 from tiderl.models.vocab import VOCAB
 
 BLOCK = 16
@@ -27,9 +28,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    for seed in (0, 1):
-        proc = tiderl("model", "init", "--out", str(root / f"m{seed}"), "--seed", str(seed))
-        assert proc.returncode == 0, proc.stderr
+    for seed in (0, 1):  # what `tiderl model init --seed N` writes (test_cli_model runs it)
+        write_random_checkpoint("tiny", root / f"m{seed}", seed)
     port = free_port()
     args = ["engine", "serve", "--model", str(root / "m0"), "--port", str(port),
             "--kv-cache-tokens", str(KV_TOKENS)]

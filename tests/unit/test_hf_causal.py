@@ -1,7 +1,7 @@
 """An HF causal LM of another architecture (a tiny random-init Llama, saved and loaded as a local
 folder) behind the trainer's forward (tiderl.models.hf_causal): the packed logprobs equal the
-ones from its own logits, the parameters keep the folder's names, and a two-rank DDP or FSDP2
-step trains what one process trains."""
+ones from its own logits and the parameters keep the folder's names. That a two-rank DDP or
+FSDP2 step trains what one process trains is tests/integration/test_hf_causal_ranks.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from tiderl.models.qwen2 import packed_token_logprobs
 from tiderl.models.vocab import VOCAB as WORDS
 from tiderl.profile import load_profile
 from tiderl.trainer.parallel import make_backend
-from tiderl.trainer.spawn import RankContext, run_ranks
 
 VOCAB = len(WORDS)  # the word-level tokenizer's: the folder carries its tokenizer.json
 
@@ -32,7 +31,7 @@ def folder(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (3, 12), generator=generator)
     mask = torch.zeros(3, 12, dtype=torch.long)
@@ -44,7 +43,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_packed_logprobs_equal_the_models_own_logits_and_names_are_the_folders(folder):
     model = load_hf_causal(folder)
-    ids, mask = _batch()
+    ids, mask = batch()
     got = packed_token_logprobs(model, ids, mask, chunk_tokens=4)
     from transformers import AutoModelForCausalLM
 
@@ -63,40 +62,6 @@ def test_packed_logprobs_equal_the_models_own_logits_and_names_are_the_folders(f
 def test_a_model_without_a_base_or_an_output_embedding_is_refused():
     with pytest.raises(ValueError, match="not a causal LM"):
         HFCausalLM(torch.nn.Linear(2, 2))
-
-
-def _step(model: HFCausalLM, backend: str, parts: list[tuple[torch.Tensor, torch.Tensor]],
-          total_tokens: int) -> dict[str, torch.Tensor]:
-    wrapped = make_backend(backend, model)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    for ids, mask in parts:
-        with wrapped.grad_sync(True):
-            loss = -(wrapped.logprobs(ids, mask) * mask).sum() / total_tokens
-            loss.backward()
-    wrapped.reduce_gradients()
-    scale = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    for param in wrapped.parameters():  # the group averaged: a sum over the whole batch
-        param.grad.mul_(scale)
-    optimizer.step()
-    return {k: v.detach().clone() for k, v in wrapped.full_state_dict().items()}
-
-
-def _rank(ctx: RankContext, args: tuple[str, str]) -> dict[str, torch.Tensor]:
-    folder, backend = args
-    ids, mask = _batch()
-    rows = [0, 1] if ctx.rank == 0 else [2]
-    return _step(load_hf_causal(folder), backend, [(ids[rows], mask[rows])], int(mask.sum()))
-
-
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_two_rank_step_of_an_hf_model_equals_one_process_step(folder, backend):
-    ids, mask = _batch()
-    want = _step(load_hf_causal(folder), "ddp", [(ids, mask)], int(mask.sum()))
-    for state in run_ranks(_rank, 2, (str(folder), backend), timeout_s=120):
-        assert state.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_job_loads_another_architecture_through_transformers_and_writes_it_back(

@@ -1,4 +1,6 @@
-"""Weight sync between two real rank processes (gloo): bucketed broadcast of the actor's state."""
+"""Weight sync between two real rank processes (gloo): bucketed broadcast of the actor's state,
+and a rank joining the actors with the source's weights and AdamW state. One spawned group runs
+every scenario (``synced``); the bucket plans are checked in this process."""
 
 from __future__ import annotations
 
@@ -6,20 +8,26 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.trainer.batch import pack
+from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import RankContext, run_ranks
 from tiderl.trainer.sync import (
     LayoutMismatchError,
+    load_weights,
     param_layout,
     plan_buckets,
     state_layout,
     sync_params,
 )
+from tiderl.trainer.synthetic import synthetic_samples
+from tiderl.trainer.worker import ActorWorker, optimizer_layout
 
 SMALL_BUCKET = 64 << 10
 BUCKET_SIZES = (SMALL_BUCKET, 64 << 20, 0)
@@ -69,6 +77,7 @@ def _sync_rank(ctx: RankContext, arg: None) -> bytes:
         out["logits"] = model(ids)
     out["errors"] = _mismatch_errors(ctx, model, layout)
     out["fsdp2_full"] = make_backend("fsdp2", init_model("tiny", seed=2)).full_state_dict()
+    out["joined"] = _join(ctx)
     return out
 
 
@@ -86,6 +95,37 @@ def _mismatch_errors(ctx: RankContext, model: Qwen2ForCausalLM, layout: list) ->
         except (LayoutMismatchError, ValueError) as exc:
             errors.append(type(exc).__name__)
     return errors
+
+
+JOIN_CONFIG = TrainerConfig(lr=1e-2, kl_beta=0.0)
+
+
+def _actor_step(actor: ActorWorker, seed: int) -> None:
+    batch = pack(synthetic_samples(4, vocab_size=1568, min_tokens=8, max_tokens=24, seed=seed))
+    actor.train(batch, None, sync=True)
+    actor.optimizer_step(batch.num_loss_tokens)
+
+
+def _join(ctx: RankContext) -> dict[str, torch.Tensor]:
+    """Rank 0 is the source actor after one step; rank 1 has only its own initial model (as a
+    rank taking the actor role has), receives weights and AdamW state, builds its actor from
+    them. Both then take the same step."""
+    alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]  # no DDP across
+    model = init_model("tiny", seed=ctx.rank)
+    layout, moments = param_layout(model), optimizer_layout(model)
+    actor = ActorWorker(make_backend("ddp", model, alone), JOIN_CONFIG) if ctx.rank == 0 else None
+    if actor is not None:
+        _actor_step(actor, seed=1)
+    source = {k: v.clone() for k, v in actor.backend.full_state_dict().items()} if actor else None
+    weights = sync_params(source, layout, 1 if actor else None, src=0).state
+    state = sync_params(actor.optimizer_state() if actor else None, moments,
+                        1 if actor else None, src=0).state
+    if actor is None:
+        load_weights(model, weights)
+        actor = ActorWorker(make_backend("ddp", model, alone), JOIN_CONFIG)
+        actor.load_optimizer_state(state)
+    _actor_step(actor, seed=2)
+    return actor.backend.full_state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +198,10 @@ def test_fsdp2_full_state_dict_is_the_unsharded_model(synced: list[dict]) -> Non
         full = synced[rank]["fsdp2_full"]
         assert full.keys() == expected.keys()
         assert all(torch.equal(full[name], expected[name]) for name in expected)
+
+
+def test_a_joining_rank_gets_the_sources_optimizer_state_over_the_broadcast(
+        synced: list[dict]) -> None:
+    source, joiner = synced[0]["joined"], synced[1]["joined"]
+    assert source.keys() == joiner.keys()
+    assert all(torch.equal(joiner[k], source[k]) for k in source)

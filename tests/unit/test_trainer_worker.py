@@ -1,5 +1,6 @@
 """A new actor joins with the source actor's weights and AdamW state: packing, the layout every
-rank builds alone, loading, and the broadcast between two real rank processes (gloo)."""
+rank builds alone, loading. The broadcast between two real rank processes (gloo) is
+tests/integration/test_trainer_sync.py."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.parallel import make_backend
-from tiderl.trainer.spawn import RankContext, run_ranks
-from tiderl.trainer.sync import load_weights, param_layout, state_layout, sync_params
+from tiderl.trainer.sync import load_weights, param_layout, state_layout
 from tiderl.trainer.synthetic import synthetic_samples
 from tiderl.trainer.worker import ActorWorker, optimizer_layout
 
@@ -71,34 +71,6 @@ def test_load_weights_takes_a_sync_without_the_tied_lm_head() -> None:
     load_weights(target, {k: v for k, v in source.state_dict().items() if k in names})
     assert torch.equal(target.lm_head.weight, source.model.embed_tokens.weight)
     assert all(torch.equal(t, source.state_dict()[k]) for k, t in target.state_dict().items())
-
-
-def _join_rank(ctx: RankContext, _arg: None) -> dict[str, torch.Tensor]:
-    """Rank 0 is the source actor after one step; rank 1 has only its own initial model (as a
-    rank taking the actor role has), receives weights and AdamW state, builds its actor from
-    them. Both then take the same step."""
-    alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]  # no DDP across
-    model = init_model("tiny", seed=ctx.rank)
-    layout, moments = param_layout(model), optimizer_layout(model)
-    actor = _actor(model, alone) if ctx.rank == 0 else None
-    if actor is not None:
-        _step(actor, seed=1)
-    weights = sync_params(_weights(actor) if actor else None, layout, 1 if actor else None,
-                          src=0).state
-    state = sync_params(actor.optimizer_state() if actor else None, moments,
-                        1 if actor else None, src=0).state
-    if actor is None:
-        load_weights(model, weights)
-        actor = _actor(model, alone)
-        actor.load_optimizer_state(state)
-    _step(actor, seed=2)
-    return actor.backend.full_state_dict()
-
-
-def test_a_joining_rank_gets_the_sources_optimizer_state_over_the_broadcast() -> None:
-    source, joiner = run_ranks(_join_rank, 2, timeout_s=120)
-    assert source.keys() == joiner.keys()
-    assert all(torch.equal(joiner[k], source[k]) for k in source)
 
 
 def test_the_lr_schedule_warms_up_then_follows_a_cosine_to_its_floor() -> None:

@@ -6,18 +6,25 @@ P + O - 1 tokens of KV (the last sampled token is never fed back), so its cached
 """
 
 import asyncio
+import contextlib
 import itertools
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
-from tests.integration.serving import free_port, serving
+from tests.integration.serving import free_port, serving, wait_healthy
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.engine.clients import EngineRequestError, TideRLHTTPClient
+from tiderl.engine.config import EngineConfig
+from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.prometheus import parse_prometheus
 from tiderl.engine.request import SamplingParams
+from tiderl.models.config import ModelConfig
 from tiderl.models.init import write_random_checkpoint
+from tiderl.models.loading import model_from_config
 from tiderl.models.vocab import VOCAB
 
 BLOCK = 16
@@ -261,3 +268,73 @@ def test_sleep_frees_the_engine_and_wake_up_serves_the_folder_it_is_given(server
     assert other.output_ids != first.output_ids
     assert back.version == 5 and back.output_ids == first.output_ids
     assert awake == {"status": "ok", "version": 5, "asleep": False}
+
+
+def _loading_server(load):
+    """A LoadingServer on a free port, run in a thread: (url, server, thread, gone), where
+    gone() says the thread ended (for wait_healthy)."""
+    from tiderl.engine.starting import LoadingServer
+
+    server = LoadingServer(load, port=free_port())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def gone():
+        return None if thread.is_alive() else "the server's thread ended"
+    return f"http://127.0.0.1:{server.config.port}", server, thread, gone
+
+
+def test_health_answers_loading_until_the_engine_is_built_then_ok():
+    """The socket is open before the engine exists: /health is 503 "loading" (so 200 still
+    means ready to generate), every other route 503; then the engine's routes serve."""
+    release = threading.Event()
+
+    def load():
+        release.wait(60)
+        model, tokenizer = model_from_config(ModelConfig(size="tiny"))
+        return LLMEngine(model, EngineConfig(kv_cache_tokens=256), model.config.eos_token_id), \
+            tokenizer
+
+    url, server, thread, gone = _loading_server(load)
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while (loading := _answer(http, "/health")) is None:  # until it listens
+                assert gone() is None
+                time.sleep(0.05)
+            completion = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+            metrics = http.get("/metrics")
+            release.set()
+            wait_healthy(url, gone)
+            ready = http.get("/health").json()
+            out = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 2}).json()
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+    assert (loading.status_code, loading.json()) == (503, {"status": "loading"})
+    assert completion.status_code == metrics.status_code == 503
+    assert completion.json()["error"]["type"] == "loading"
+    assert ready == {"status": "ok", "version": 0, "asleep": False}
+    assert len(out["choices"][0]["token_ids"]) == 2
+    assert not thread.is_alive() and server.failure is None
+
+
+def _answer(http: httpx.Client, path: str) -> httpx.Response | None:
+    with contextlib.suppress(httpx.HTTPError):
+        return http.get(path)
+    return None
+
+
+def test_a_load_that_fails_stops_the_server_and_is_raised():
+    from tiderl.engine.starting import serve_loading
+
+    def load():
+        raise RuntimeError("no such weights")
+
+    url, server, thread, _ = _loading_server(load)
+    thread.join(60)
+    assert not thread.is_alive() and isinstance(server.failure, RuntimeError)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
+    with pytest.raises(RuntimeError, match="no such weights"):
+        serve_loading(load, port=free_port())

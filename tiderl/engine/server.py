@@ -17,6 +17,10 @@ refused 409 (``pin_refused``): the task goes on unpinned. A completion without `
 forgotten when it returns; a task's state otherwise lives until ``/tiderl/forget`` or
 ``/tiderl/flush``. ``max_tokens`` is cut to the context left after the prompt (as vLLM).
 
+:func:`tiderl.engine.starting.serve_loading` opens the socket before the engine exists: until
+:func:`build_app` serves, ``/health`` answers 503 ``{"status": "loading"}``, so that 200 keeps
+meaning "ready to generate".
+
 Bad input (malformed JSON, wrong types, an empty prompt, token ids outside the vocabulary, a
 prompt that leaves no room in the context, an unknown route, a body over ``MAX_BODY_BYTES``) is
 answered 4xx with ``{"error": {"message", "type"}}``; the server keeps serving.

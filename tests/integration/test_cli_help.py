@@ -45,3 +45,13 @@ def test_help_imports_no_heavy_library():
     heavy = {"torch", "transformers", "numpy", "matplotlib", "zmq", "httpx", "fastapi",
              "uvicorn", "paramiko", "fabric"}
     assert heavy.isdisjoint(modules), sorted(heavy & set(modules))
+
+
+def test_the_profile_default_launch_shows_is_the_one_it_loads():
+    """launch.py writes the default out (importing it would load the profile code on --help)."""
+    from tiderl.profile import DEFAULT_PROFILE
+
+    proc = subprocess.run([*tiderl_command(), "launch", "--help"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert f"[default: {DEFAULT_PROFILE}]" in proc.stdout

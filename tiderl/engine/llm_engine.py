@@ -313,6 +313,7 @@ class LLMEngine:
                                       "flight (finish or abort them first)")
             self.scheduler.kv_cache.drop_all()
             self.runner.kv_cache = None
+            self.runner.linears.clear()
             for name, param in self.model.named_parameters():
                 self._shapes[name] = (param, param.shape)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)

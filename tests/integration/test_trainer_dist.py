@@ -58,25 +58,34 @@ def _reference_step() -> dict[str, torch.Tensor]:
     return actor.backend.full_state_dict()
 
 
-def _data_parallel_rank(ctx: RankContext, backend: str) -> dict[str, torch.Tensor]:
+def _data_parallel_rank(ctx: RankContext, backends: tuple[str, ...]
+                        ) -> dict[str, dict[str, torch.Tensor]]:
+    """One step of each backend, from the same weights, on this rank's half of the samples."""
     samples = _samples()
     half = len(samples) // 2
     mine = samples[:half] if ctx.rank == 0 else samples[half:]
-    ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
-    actor = _actor(backend)
-    # two micro-batches per rank: the first accumulates without a reduction
-    for part, sync in ((mine[:4], False), (mine[4:], True)):
-        batch = pack(part)
-        actor.train(batch, ref.ref_logprobs(batch), sync=sync)
-    actor.optimizer_step(sum(s.num_loss_tokens for s in samples))
-    return actor.backend.full_state_dict()
+    out = {}
+    for backend in backends:
+        ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
+        actor = _actor(backend)
+        # two micro-batches per rank: the first accumulates without a reduction
+        for part, sync in ((mine[:4], False), (mine[4:], True)):
+            batch = pack(part)
+            actor.train(batch, ref.ref_logprobs(batch), sync=sync)
+        actor.optimizer_step(sum(s.num_loss_tokens for s in samples))
+        out[backend] = actor.backend.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_parallel() -> list[dict[str, dict[str, torch.Tensor]]]:
+    return run_ranks(_data_parallel_rank, 2, ("ddp", "fsdp2"), timeout_s=120)  # one group
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_two_rank_step_equals_one_process_step(backend):
+def test_two_rank_step_equals_one_process_step(data_parallel, backend):
     want = _reference_step()
-    got = run_ranks(_data_parallel_rank, 2, backend, timeout_s=120)
-    for state in got:
+    for state in (rank[backend] for rank in data_parallel):
         assert state.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(state[name], want[name], rtol=1e-6, atol=1e-6,

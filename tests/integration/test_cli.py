@@ -73,11 +73,6 @@ def test_bad_usage_is_one_line_with_exit_2():
     assert_one_line_error(tiderl("no-such-command"), 2)
 
 
-def test_commands_not_built_yet_exit_1_with_one_line():
-    line = assert_one_line_error(tiderl("bench", "ctb"), 1)
-    assert line.endswith("not built yet")
-
-
 @pytest.mark.parametrize(("args", "text"), [
     (["top", "j1"], "no job 'j1'"), (["status", "j1"], "no job 'j1'"),
     (["logs", "j1"], "no job 'j1'"), (["stop", "j1"], "no job 'j1'"),

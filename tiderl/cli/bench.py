@@ -12,7 +12,7 @@ from types import ModuleType
 import typer
 from rich.console import Console
 
-from tiderl.cli.errors import CLIError, not_built
+from tiderl.cli.errors import CLIError
 from tiderl.cli.output import JsonFlag, Output, table
 
 app = typer.Typer(help="Benchmarks, side by side in one run: JSON + table.", no_args_is_help=True)
@@ -35,9 +35,20 @@ def ra2p(
 
 
 @app.command("ctb")
-def ctb() -> None:
-    """CTB vs request-level rollout: KV hit rate and generation throughput."""
-    raise not_built("bench ctb")
+def ctb(
+    out: Path = typer.Option(Path("bench/results/ctb.json"), "--out",
+                             help="Where the JSON result is written (the PNG goes beside it)."),
+    steps: int = typer.Option(6, "--steps", min=1, help="Training steps of each job."),
+    quick: bool = typer.Option(False, "--quick",
+                               help="2 steps per job (a check that it runs, not a measurement)."),
+    json_mode: bool = JsonFlag,
+) -> None:
+    """CTB vs request-level rollout at fixed concurrency (paper Fig. 12/13): real jobs on the
+    embedded engine where KV is scarce; KV hit rate, generation throughput, step time."""
+    output = Output(json_mode)
+    output.note("running bench/ctb.py: 3 jobs of 2 ranks each (minutes on 2 cores) ...")
+    result = _run_script("ctb", out, ["--steps", str(steps)] + ["--quick"] * quick, output)
+    output.result(result, lambda console: _render_ctb(console, result))
 
 
 @app.command("engine")
@@ -117,6 +128,16 @@ def _render_engine(console: Console, result: dict) -> None:
                  ratios["throughput_ratio"], ""))
     console.print(table("multi-turn workload, KV pool < working set",
                         ("policy", "hit rate", "decode tok/s", "preemptions"), rows))
+
+
+def _render_ctb(console: Console, result: dict) -> None:
+    rows = [(name, v["kv_hit_rate"], v["gen_tok_s"], v["step_s_mean"], v["generated_tokens"])
+            for name, v in result["policies"].items()]
+    console.print(table("rollout policies (same jobs but for ctb.policy)",
+                        ("policy", "KV hit", "gen tok/s", "step s", "generated"), rows))
+    paper = result["paper"]
+    console.print(table("CTB / request-level at max concurrency", ("ratio", "measured", "paper"),
+                        [(k, v, paper.get(k, "-")) for k, v in result["ratios"].items()]))
 
 
 def _render_ra2p(console: Console, result: dict) -> None:

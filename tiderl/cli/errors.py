@@ -14,11 +14,6 @@ class CLIError(Exception):
         self.exit_code = exit_code
 
 
-def not_built(command: str) -> CLIError:
-    """The error a command that does not exist yet raises: it never fakes output."""
-    return CLIError(f"tiderl {command}: not built yet", EXIT_FAILURE)
-
-
 def check_port_free(command: str, host: str, port: int) -> None:
     """CLIError (exit 2) unless a server can listen on ``host:port`` now. A server command calls
     it before it imports torch or loads a model, so a port in use fails at once in one line

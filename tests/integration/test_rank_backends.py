@@ -70,9 +70,18 @@ async def _play(daemon: RankDaemon) -> None:
                                       ref_ranks=[], actor_ranks=actors, max_aggregate=2))
 
 
-def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
-    backend, port, run_dir = arg
-    dist.destroy_process_group()  # the daemon joins its own world, as in a job
+def _rank(ctx: RankContext, runs: list[tuple[str, int, str]]) -> dict[str, dict]:
+    """Each (backend, port, run dir) in turn: a daemon that joins its own world, as in a job,
+    plays the plan and leaves its world before the next one joins."""
+    dist.destroy_process_group()
+    out = {}
+    for backend, port, run_dir in runs:
+        out[backend] = _daemon_run(ctx, backend, port, run_dir)
+        dist.destroy_process_group()
+    return out
+
+
+def _daemon_run(ctx: RankContext, backend: str, port: int, run_dir: str) -> dict:
     profile = load_profile("local", [f"trainer.backend={backend}", "trainer.lr=1e-3",
                                      "trainer.kl_beta=0", f"runtime.num_ranks={WORLD}",
                                      f"trainer.activation_checkpointing={backend == 'fsdp2'}",
@@ -94,12 +103,11 @@ def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    out = {}
-    for backend in ("ddp", "fsdp2"):
-        run_dir = tmp_path_factory.mktemp(backend)
-        out[backend] = run_ranks(_rank, WORLD, (backend, free_port(), str(run_dir)),
-                                 timeout_s=300)
-    return out
+    """Both backends in one spawned group (a world each, one after the other)."""
+    backends = ("ddp", "fsdp2")
+    runs = [(backend, free_port(), str(tmp_path_factory.mktemp(backend))) for backend in backends]
+    ranks = run_ranks(_rank, WORLD, runs, timeout_s=300)
+    return {backend: [rank[backend] for rank in ranks] for backend in backends}
 
 
 def test_fsdp2_trains_the_ddp_policy_through_an_actor_leaving_and_joining(runs):

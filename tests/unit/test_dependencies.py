@@ -1,9 +1,11 @@
 """Every third-party module imported under tiderl/ is declared in pyproject.toml: one imported
-when its module is (at module level, not under ``try`` or ``if``) in ``[project] dependencies``;
-one imported late or guarded (an optional backend) there or in an extra other than ``dev``,
-which only the tests install. Import names map to distributions through the installed
-packages' metadata (``yaml`` is PyYAML); a module not installed here is looked up by its own
-name (``flash_attn`` is flash-attn)."""
+when its module is (at module level, not under ``try`` or ``if``) in ``[project] dependencies``,
+which is all `make run` installs; one imported late or guarded (an optional backend) there or in
+an extra other than ``dev``, which only `make test` installs. Every one the tests import is in
+the dependencies or the dev extra. An extra may name others (``tiderl[logging,gym]``): it holds
+theirs too. Import names map to distributions through the installed packages' metadata (``yaml``
+is PyYAML); a module not installed here is looked up by its own name (``flash_attn`` is
+flash-attn)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[2]
+LOCAL = ("tiderl", "tests", "bench")  # the repository's own packages
 LATE = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Try, ast.If)  # import not run, or guarded
 
 
@@ -47,15 +50,24 @@ def _imports(node: ast.AST, is_eager: bool = True) -> Iterator[tuple[str, bool, 
         yield from _imports(child, is_eager and not isinstance(child, LATE))
 
 
-def third_party_imports() -> dict[str, list[tuple[str, bool]]]:
-    """{module: [(file:line, is_eager)]} over tiderl/."""
+def third_party_imports(folder: str = "tiderl") -> dict[str, list[tuple[str, bool]]]:
+    """{module: [(file:line, is_eager)]} over ``folder``; in tests, ``pytest.importorskip("x")``
+    is a late import of x."""
     found: dict[str, list[tuple[str, bool]]] = {}
-    for path in sorted((ROOT / "tiderl").rglob("*.py")):
-        for module, is_eager, line in _imports(ast.parse(path.read_text(), str(path))):
-            if module not in sys.stdlib_module_names and module != "tiderl":
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for module, is_eager, line in [*_imports(tree), *_skipped_unless(tree)]:
+            if module not in sys.stdlib_module_names and module not in LOCAL:
                 where = f"{path.relative_to(ROOT)}:{line}"
                 found.setdefault(module, []).append((where, is_eager))
     return found
+
+
+def _skipped_unless(tree: ast.AST) -> Iterator[tuple[str, bool, int]]:
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("importorskip")
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            yield node.args[0].value.split(".")[0], False, node.lineno
 
 
 @functools.cache
@@ -68,13 +80,34 @@ def distributions(module: str) -> set[str]:
     return {_normalize(name) for name in names}
 
 
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def extras() -> dict[str, set[str]]:
+    """Each extra's requirement names, an extra that names others (``tiderl[a,b]``) with
+    theirs."""
+    raw = _project().get("optional-dependencies", {})
+
+    def names(extra: str, seen: frozenset[str]) -> set[str]:
+        out: set[str] = set()
+        for requirement in raw[extra]:
+            named = re.match(r"tiderl\[([^\]]+)\]", requirement)
+            if named is None:
+                out |= _requirement_names([requirement])
+                continue
+            for other in (e.strip() for e in named.group(1).split(",")):
+                assert other in raw and other not in seen, f"{extra}: tiderl[{other}]"
+                out |= names(other, seen | {other})
+        return out
+    return {extra: names(extra, frozenset({extra})) for extra in raw}
+
+
 def declared() -> tuple[set[str], set[str]]:
     """(the dependencies, the dependencies and every extra but dev)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    required = _requirement_names(project["dependencies"])
-    extras = [r for name, reqs in project.get("optional-dependencies", {}).items()
-              if name != "dev" for r in reqs]
-    return required, required | _requirement_names(extras)
+    required = _requirement_names(_project()["dependencies"])
+    optional = set().union(*(names for extra, names in extras().items() if extra != "dev"))
+    return required, required | optional
 
 
 def test_the_scan_sees_the_imports_it_is_about():
@@ -98,3 +131,21 @@ def test_every_late_or_guarded_import_is_declared():
     missing = {module: [w for w, _ in sites] for module, sites in third_party_imports().items()
                if not distributions(module) & anywhere}
     assert not missing, f"imported, declared neither in dependencies nor in an extra: {missing}"
+
+
+def test_an_extra_that_names_others_holds_their_requirements():
+    every = extras()
+    assert every["logging"] == {"tensorboard", "wandb"}
+    assert every["logging"] | every["gym"] | every["megatron"] <= every["dev"]
+    assert "tiderl" not in set().union(*every.values())
+
+
+def test_make_test_installs_every_module_the_tests_import():
+    """`make test` installs the dependencies and the dev extra: a test never fails, or skips, for
+    a module that only another extra (or nothing) would bring."""
+    required, _ = declared()
+    installed = required | extras()["dev"]
+    missing = {module: [w for w, _ in sites]
+               for module, sites in third_party_imports("tests").items()
+               if not distributions(module) & installed}
+    assert not missing, f"imported by tests, in neither the dependencies nor dev: {missing}"

@@ -1,11 +1,12 @@
-"""`tiderl bench e2e` renders every ratio its bench writes, with or without CPU ceilings."""
+"""`tiderl bench e2e` and `bench ctb` render every ratio their benches write (e2e: with or without CPU
+ceilings)."""
 
 import json
 from pathlib import Path
 
 from rich.console import Console
 
-from tiderl.cli.bench import _render_e2e
+from tiderl.cli.bench import _render_ctb, _render_e2e
 
 RESULT = Path(__file__).parents[2] / "bench" / "results" / "e2e.json"
 
@@ -30,3 +31,14 @@ def test_a_cpu_ceiling_is_shown_beside_its_ratio():
     result["cpu_bounds"] = {"tiderl_over_sync_at_most": 1.234}
     line = next(row for row in _render(result).splitlines() if "tiderl_over_sync " in row)
     assert "1.234" in line
+
+
+def test_bench_ctb_shows_each_policy_and_each_ratio_beside_the_paper():
+    result = json.loads((RESULT.parent / "ctb.json").read_text())
+    console = Console(record=True, width=120)
+    _render_ctb(console, result)
+    text = console.export_text()
+    for name in result["policies"]:
+        assert name in text
+    line = next(row for row in text.splitlines() if "hit_rate_ratio " in row)
+    assert str(result["ratios"]["hit_rate_ratio"]) in line and "1.58" in line

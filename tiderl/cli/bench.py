@@ -38,7 +38,7 @@ def ra2p(
 def ctb(
     out: Path = typer.Option(Path("bench/results/ctb.json"), "--out",
                              help="Where the JSON result is written (the PNG goes beside it)."),
-    steps: int = typer.Option(6, "--steps", min=1, help="Training steps of each job."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
     json_mode: bool = JsonFlag,

@@ -14,11 +14,11 @@ identical but for ``ctb.policy``, side by side in one run:
 Workload: KV is scarce and contexts grow: the shop environment (long observations: result pages
 and product pages), up to 10 turns, a lognormal environment pause per turn, one rollout rank
 with a 4096-token KV pool, 64 tasks a step (8 groups of 8), the small model. ERS is off, so
-every policy rolls out on the same rank for the whole job. Figures per policy: the KV prefix-cache hit
-rate (hits / lookups, in tokens, per step, averaged), generation throughput (output tokens per
-second the rollout rank could generate: the job's wall time less its rollout wait, RWT, for the
-trainer), mean step time; and the ratios CTB / f-max (paper: 1.58x hit rate,
-1.15x throughput, 15.6% shorter steps). A plot goes beside the JSON.
+every policy rolls out on the same rank for the whole job. Figures per policy: the KV
+prefix-cache hit rate (hits / lookups, in tokens, per step, averaged), generation throughput
+(output tokens per second the rollout rank could generate: the job's wall time less its rollout
+wait, RWT, for the trainer), mean step time; and the ratios CTB / f-max (paper: 1.58x hit rate,
+1.15x throughput, 15.6% shorter steps) and CTB / f-half. A plot goes beside the JSON.
 
 Run: ``.venv/bin/python bench/ctb.py [--quick]`` or ``tiderl bench ctb``.
 """

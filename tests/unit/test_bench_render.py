@@ -1,5 +1,5 @@
-"""`tiderl bench e2e` and `bench ctb` render every ratio their benches write (e2e: with or without CPU
-ceilings)."""
+"""`tiderl bench e2e` and `bench ctb` render every ratio their benches write (e2e: with or
+without CPU ceilings)."""
 
 import json
 from pathlib import Path

@@ -1,6 +1,7 @@
 """A two-rank DDP or FSDP2 step of an HF causal LM of another architecture (the tiny Llama
 folder of tests/tiny_llama.py) trains what one process trains. One spawned group runs both
-backends; the in-process checks of the model are in tests/unit/test_hf_causal.py."""
+backends; the in-process checks of the model are in tests/unit/test_hf_causal.py (not imported
+here: each rank process imports this module, and that one would bring a job's worth of it)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,23 @@ import pytest
 import torch
 
 from tests.tiny_llama import write_tiny_llama
-from tests.unit.test_hf_causal import batch
 from tiderl.models.hf_causal import HFCausalLM, load_hf_causal
+from tiderl.models.vocab import VOCAB
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import RankContext, run_ranks
 
 BACKENDS = ("ddp", "fsdp2")
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of the word-level vocabulary (the folder's tokenizer), each its own loss span;
+    row 1 ends early (padding after it)."""
+    ids = torch.randint(0, len(VOCAB), (3, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    mask[0, 4:12] = 1
+    mask[1, 2:7] = 1
+    mask[2, 9:11] = 1
+    return ids, mask
 
 
 @pytest.fixture(scope="module")

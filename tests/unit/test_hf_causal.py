@@ -31,7 +31,7 @@ def folder(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (3, 12), generator=generator)
     mask = torch.zeros(3, 12, dtype=torch.long)
@@ -43,7 +43,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_packed_logprobs_equal_the_models_own_logits_and_names_are_the_folders(folder):
     model = load_hf_causal(folder)
-    ids, mask = batch()
+    ids, mask = _batch()
     got = packed_token_logprobs(model, ids, mask, chunk_tokens=4)
     from transformers import AutoModelForCausalLM
 

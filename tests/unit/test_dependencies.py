@@ -50,6 +50,7 @@ def _imports(node: ast.AST, is_eager: bool = True) -> Iterator[tuple[str, bool, 
         yield from _imports(child, is_eager and not isinstance(child, LATE))
 
 
+@functools.cache  # one scan of each folder per session (a few seconds each)
 def third_party_imports(folder: str = "tiderl") -> dict[str, list[tuple[str, bool]]]:
     """{module: [(file:line, is_eager)]} over ``folder``; in tests, ``pytest.importorskip("x")``
     is a late import of x."""

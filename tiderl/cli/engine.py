@@ -51,17 +51,22 @@ def serve(
     except ConfigError as exc:
         raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
     check_port_free("tiderl engine serve", host, port)  # before torch and the model load
-    # late imports: torch loads only when a server really starts
-    from tiderl.engine.llm_engine import LLMEngine
-    from tiderl.engine.server import serve as serve_app
-    from tiderl.models.loading import ModelLoadError, model_from_config
-
-    try:
-        weights, tokenizer = model_from_config(model_config, device)
-    except (ModelLoadError, RuntimeError) as exc:
-        raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
-    engine = LLMEngine(weights, engine_config, weights.config.eos_token_id)
     name = model.name if model is not None else f"tiderl-{size}"
-    Output().note(f"tiderl engine: {model or name} on http://{host}:{port} "
-                  f"(KV pool {kv_cache_tokens} tokens, {device})")
-    serve_app(engine, host, port, tokenizer, model_name=name, admin_token=admin_token)
+
+    def load():  # in the server's loader thread, while /health answers 503 "loading"
+        from tiderl.engine.llm_engine import LLMEngine
+        from tiderl.models.loading import ModelLoadError, model_from_config
+
+        try:
+            weights, tokenizer = model_from_config(model_config, device)
+        except (ModelLoadError, RuntimeError) as exc:
+            raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
+        engine = LLMEngine(weights, engine_config, weights.config.eos_token_id)
+        Output().note(f"tiderl engine: {model or name} on http://{host}:{port} "
+                      f"(KV pool {kv_cache_tokens} tokens, {device})")
+        return engine, tokenizer
+
+    # uvicorn only: the socket opens at once, torch and the model load behind it
+    from tiderl.engine.starting import serve_loading
+
+    serve_loading(load, host, port, model_name=name, admin_token=admin_token)

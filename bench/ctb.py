@@ -28,15 +28,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from jobs import run_job
 from machine import machine_info, write_result
-
-from tiderl.launch.job import run_local
-from tiderl.profile import load_profile
-from tiderl.runtime.report import read_records, summarize
 
 MAX_NUM_SEQS = 32
 WORKLOAD = [
@@ -57,14 +53,8 @@ PAPER = {"hit_rate_ratio": 1.58, "throughput_ratio": 1.15, "step_time_reduction"
 def run_bench(steps: int, root: Path, note) -> dict:
     results: dict[str, dict] = {}
     for name, overrides in POLICIES.items():
-        profile = load_profile("local", [*WORKLOAD, *overrides, f"runtime.steps={steps}"])
-        note(f"{name}: {steps} steps ...")
-        start = time.monotonic()
-        job = run_local(profile, run_root=root, job_id=name)
-        if job.exit_code != 0:
-            raise SystemExit(f"{name}: the job failed (see {job.run_dir}/logs)")
-        metrics = read_records(job.run_dir / "metrics.jsonl")
-        summary = summarize(metrics)
+        job = run_job(name, [*WORKLOAD, *overrides], steps, root, note)
+        metrics, summary = job.metrics, job.summary
         lookups = [m.kv_hit_rate for m in metrics if m.kv_hit_rate is not None]
         results[name] = {
             "kv_hit_rate": summary["kv_hit_rate_mean"],
@@ -78,7 +68,7 @@ def run_bench(steps: int, root: Path, note) -> dict:
             "rwt_s": round(summary["rwt_total_s"], 2),
             "generated_tokens": summary["generated_tokens_total"],
             "step_s_mean": round(sum(m.step_s for m in metrics) / len(metrics), 3),
-            "wall_s": summary["wall_time_s"], "job_s": round(time.monotonic() - start, 1),
+            "wall_s": summary["wall_time_s"], "job_s": job.job_s,
             "trained_samples": sum(m.trained_samples for m in metrics),
             "rollout_saturated_s": round(sum(m.rollout_saturated_s or 0 for m in metrics), 2),
         }

@@ -31,16 +31,13 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from jobs import run_job
 from machine import CpuSampler, machine_info, write_result
 
 from tiderl.core.records import StepRecord
-from tiderl.launch.job import run_local
-from tiderl.profile import load_profile
-from tiderl.runtime.report import read_records, summarize
 
 WORKLOAD = [
     "env.envs=[guess,shop]", "env.max_turns=8", "env.step_latency.kind=lognormal",
@@ -98,14 +95,8 @@ def run_bench(steps: int, root: Path, note, cpu: CpuSampler) -> dict:
     results: dict[str, dict] = {}
     series: dict[str, list[StepRecord]] = {}
     for name, overrides in _runs(4):
-        profile = load_profile("local", [*WORKLOAD, *overrides, f"runtime.steps={steps}"])
-        note(f"{name}: {steps} steps ...")
-        start = time.monotonic()
-        job = run_local(profile, run_root=root, job_id=name)
-        if job.exit_code != 0:
-            raise SystemExit(f"{name}: the job failed (see {job.run_dir}/logs)")
-        metrics = read_records(job.run_dir / "metrics.jsonl")
-        summary = summarize(metrics)
+        job = run_job(name, [*WORKLOAD, *overrides], steps, root, note)
+        metrics, summary = job.metrics, job.summary
         series[name] = metrics
         results[name] = {
             "goodput_tok_s": summary["goodput_end_tok_s"],
@@ -114,7 +105,7 @@ def run_bench(steps: int, root: Path, note, cpu: CpuSampler) -> dict:
             "staleness_max": summary["staleness_max"],
             "trained_samples": sum(m.trained_samples for m in metrics),
             "trained_tokens": summary["trained_tokens_total"],
-            "wall_s": summary["wall_time_s"], "job_s": round(time.monotonic() - start, 1),
+            "wall_s": summary["wall_time_s"], "job_s": job.job_s,
             "modes_used": summary["modes"],
             "role_changes": summary["num_role_changes"],
             **_cpu(cpu, job.run_dir / "metrics.jsonl", metrics[-1]),

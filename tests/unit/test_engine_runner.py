@@ -11,6 +11,7 @@ from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import EngineAsleepError, EngineBusyError, LLMEngine
 from tiderl.engine.request import SamplingParams
 from tiderl.engine.sampler import Sampler
+from tiderl.models.attention import PagedBatch
 from tiderl.models.init import init_model
 from tiderl.models.qwen2 import token_logprobs
 
@@ -240,3 +241,28 @@ def test_kv_on_update_decides_whether_a_pinned_prefix_survives_an_update(
     eng.update_weights(init_model("tiny", seed=1).state_dict(), version=1)
     (again,) = run(eng, [("a", [*turn.prompt_token_ids, *turn.output_token_ids, 5], GREEDY)])
     assert again.num_cached_tokens == cached
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_runner_forward_equals_the_model_paged_forward(model, dtype, tol):
+    """The runner's own forward (packed projections, decode attention by batched matmuls) against
+    the model's forward_paged, step by step on separate caches: chunked prefill, a mixed step,
+    then decode steps of sequences of different lengths over scattered blocks."""
+    local = init_model("tiny", seed=0).to(dtype)
+    runner = LLMEngine(local, EngineConfig(kv_cache_tokens=128, block_size=BS), None).runner
+    reference = local.new_kv_cache(32, BS)
+    tables = [[5, 17, 2, 30, 9, 11, 25], [8, 1, 19, 4, 27], [14, 3, 22, 7]]
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 1500, (n,), generator=gen).tolist() for n in (26, 19, 15)]
+    done = [0, 0, 0]
+    for step in ([9, 4, 6], [7, 1, 6], [1, 1, 1], [1, 1, 1], [1, 1, 1]):
+        positions, batch = PagedBatch.build(tables, done, step, BS)
+        ids = torch.tensor([t for s, n in enumerate(step) for t in seqs[s][done[s]:done[s] + n]])
+        rows = batch.last_token_indices()
+        decode = all(n == 1 for n in step)
+        with torch.inference_mode():
+            ours = runner._forward(ids, positions, batch, None if decode else rows)
+            theirs = local.forward_paged(ids, positions, reference, batch, rows)
+        assert ours.dtype == theirs.dtype == dtype
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=tol, rtol=tol)
+        done = [d + n for d, n in zip(done, step, strict=True)]

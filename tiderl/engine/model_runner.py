@@ -1,7 +1,8 @@
 """The torch side of an engine step: SchedulerOutput in, sampled tokens and logprobs out.
 
     SchedulerOutput ──> flat input_ids / positions / slot_mapping, padded block tables
-                    ──> model.forward_paged (one call: every prefill chunk and decode token)
+                    ──> ModelRunner._forward (one call: every prefill chunk and decode token;
+                        the model's forward_paged with packed projections, docs/engine.md)
                     ──> logits of each sampling request's last token ──> Sampler
                     ──> ModelRunnerOutput {request_id: token}, {request_id: logprob}
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from tiderl.engine.packed_linear import PackedLinears
 from tiderl.engine.sampler import Sampler
 from tiderl.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from tiderl.models.attention import PagedBatch, gather_blocks, write_kv
+from tiderl.models.attention import PagedBatch, gather_heads, paged_attention, write_kv
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 
 
@@ -33,7 +34,7 @@ class ModelRunner:
         self.kv_cache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(seed)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, folded sin
-        self.linears = PackedLinears(model)  # decode GEMMs (packed_linear.py)
+        self.linears = PackedLinears(decode_groups(model))  # decode GEMMs (packed_linear.py)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -42,18 +43,15 @@ class ModelRunner:
         items = output.scheduled
         input_ids, positions, batch = self._inputs(output)
         sampling = [i for i, item in enumerate(items) if item.samples]
-        if not sampling:  # only prefill chunks this step: write their KV, sample nothing
-            self.model.forward_paged(input_ids, positions, self.kv_cache, batch,
-                                     logits_indices=batch.query_start_loc[:1])
-            return ModelRunnerOutput({}, {})
         if len(input_ids) == len(items):  # every request decodes one token
-            logits = self._decode_forward(input_ids, positions, batch)
-        else:
+            logits = self._forward(input_ids, positions, batch, None)
+        else:  # prefill chunks (maybe with decodes): logits of the sampling rows only
             rows = batch.query_start_loc[1:] - 1
             if len(sampling) < len(items):
-                rows = rows[torch.tensor(sampling, device=self.device)]
-            logits = self.model.forward_paged(input_ids, positions, self.kv_cache, batch,
-                                              logits_indices=rows)
+                rows = rows[torch.tensor(sampling or [0], device=self.device)]
+            logits = self._forward(input_ids, positions, batch, rows)
+        if not sampling:  # only prefill chunks this step: their KV is written, nothing sampled
+            return ModelRunnerOutput({}, {})
         chosen = [items[i] for i in sampling]
         tokens, logprobs = self.sampler(logits, [c.sampling for c in chosen],
                                         [c.num_output_tokens for c in chosen])
@@ -85,52 +83,79 @@ class ModelRunner:
         positions = tensor(list(chain.from_iterable(i.positions for i in items)))
         return input_ids, positions, batch
 
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        batch: PagedBatch) -> torch.Tensor:
-        """The paged forward for a step of single-token sequences, with less per-layer work
-        than :func:`~tiderl.models.attention.paged_attention`: the projections through
-        :class:`PackedLinears` (oneDNN, reordered weights, the gate's SiLU fused), rotary rows
-        looked up in a table kept across steps (same formula as
-        :class:`~tiderl.models.qwen2.Rotary`), each sequence's blocks gathered by one
-        ``index_select``, and one ``scaled_dot_product_attention`` with the query heads of a KV
-        head as its queries (grouped-query attention without repeating keys, no query padding,
-        no causal mask). Same weights; equal to the generic path to float rounding (tests:
-        1e-5)."""
-        cos, sin = self._rotary_rows(positions)
-        block_tables, slots = batch.block_tables, batch.slot_mapping
-        num_seqs, width = block_tables.shape
-        key_pos = torch.arange(width * self.block_size, device=self.device)
-        valid = (key_pos < batch.context_lens.unsqueeze(-1)).view(num_seqs, 1, 1, -1)
-        bias = torch.zeros(valid.shape, dtype=self.model.dtype, device=self.device)
-        bias.masked_fill_(~valid, float("-inf"))
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+                 logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """The paged forward (:meth:`Qwen2ForCausalLM.forward_paged`, same weights, equal to
+        float rounding; tests: 1e-5) with less work per layer:
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # x * cos + rotate_half(x) * sin
-            swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-            return torch.addcmul(x * cos, swapped, sin)
-
-        def attend(attn, x: torch.Tensor) -> torch.Tensor:
-            heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            q = rotate(linear(attn.q_proj, x).view(num_seqs, kv_heads, heads // kv_heads, dim))
-            k = rotate(linear(attn.k_proj, x).view(num_seqs, kv_heads, 1, dim))
-            v = linear(attn.v_proj, x).view(num_seqs, kv_heads, dim)
-            layer = self.kv_cache[attn.layer]
-            write_kv(layer, k.view(num_seqs, kv_heads, dim), v, slots)
-            context = gather_blocks(layer, block_tables).transpose(2, 3)  # [2, B, Hkv, L, D]
-            out = F.scaled_dot_product_attention(q, context[0].to(q.dtype),
-                                                 context[1].to(q.dtype), attn_mask=bias)
-            return linear(attn.o_proj, out.reshape(num_seqs, heads * dim))
-
+        - four GEMMs a layer through :class:`PackedLinears` (q/k/v stacked, o, gate/up stacked,
+          down; oneDNN with reordered weights on the CPU, 2-2.5x ``F.linear`` for decode rows
+          and for prefill chunks alike);
+        - q and k rotated together, their rows looked up in a table kept across steps (same
+          formula as :class:`~tiderl.models.qwen2.Rotary`);
+        - when every sequence has one new token (``logits_rows`` None: a decode step),
+          :meth:`_decode_attention`; otherwise :func:`paged_attention`, and the lm_head only on
+          ``logits_rows``."""
         model, linear = self.model.model, self.linears
         linear.refresh()
+        attn0 = model.layers[0].self_attn
+        heads, kv_heads, dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        qk_width, num_tokens = (heads + kv_heads) * dim, len(input_ids)
+        cos, sin = self._rotary_rows(positions)
+        bias = self._decode_mask(batch, kv_heads, heads // kv_heads) if logits_rows is None \
+            else None
+
+        def attend(attn, x: torch.Tensor) -> torch.Tensor:
+            qkv = linear(attn.q_proj, x)  # [T, (H + 2 Hkv) D]: q, k, v side by side
+            qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim)
+            swapped = torch.cat((qk[..., dim // 2:], qk[..., :dim // 2]), dim=-1)
+            qk = torch.addcmul(qk * cos, swapped, sin)  # x cos + rotate_half(x) sin
+            layer = self.kv_cache[attn.layer]
+            write_kv(layer, qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim),
+                     batch.slot_mapping)
+            if bias is None:
+                out = paged_attention(qk[:, :heads], layer, positions, batch)
+            else:
+                out = self._decode_attention(qk[:, :heads], layer, batch, bias)
+            return linear(attn.o_proj, out.reshape(num_tokens, heads * dim))
+
         x = model.embed_tokens(input_ids)
         for layer in model.layers:  # DecoderLayer._forward, with the packed projections
             x = x + attend(layer.self_attn, layer.input_layernorm(x))
-            h, mlp = layer.post_attention_layernorm(x), layer.mlp
-            x = x + linear(mlp.down_proj, linear(mlp.gate_proj, h, "silu") * linear(mlp.up_proj, h))
+            mlp = layer.mlp
+            gate_up = linear(mlp.gate_proj, layer.post_attention_layernorm(x))
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + linear(mlp.down_proj, F.silu(gate).mul_(up))
+        if logits_rows is not None:
+            x = x[logits_rows]
         return linear(self.model.lm_head, model.norm(x))
 
+    def _decode_mask(self, batch: PagedBatch, kv_heads: int, groups: int) -> torch.Tensor:
+        """Additive float32 mask [B * Hkv, G, L] of a decode step, shared by every layer: 0 up
+        to each sequence's context length, -inf past it."""
+        num_seqs, width = batch.block_tables.shape
+        key_pos = torch.arange(width * self.block_size, device=self.device)
+        bias = torch.zeros((num_seqs, 1, 1, len(key_pos)), device=self.device)
+        bias.masked_fill_(key_pos >= batch.context_lens.view(-1, 1, 1, 1), float("-inf"))
+        return bias.expand(num_seqs, kv_heads, groups, -1).reshape(num_seqs * kv_heads, groups, -1)
+
+    def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, batch: PagedBatch,
+                          bias: torch.Tensor) -> torch.Tensor:
+        """Attention of one query token per sequence, q [B, H, D] -> [B, H, D] (q's dtype):
+        each sequence's blocks gathered by one ``index_select`` into [B * Hkv, L, D] (float32),
+        then two batched matmuls with the query heads of a KV head as the rows of one problem
+        (grouped-query attention without repeating keys, no causal mask, scores and softmax in
+        float32). For one query row per head the fused CPU attention kernel costs 2-3x this
+        (docs/engine.md)."""
+        num_seqs, heads, dim = q.shape
+        keys, values = gather_heads(layer_cache, batch.block_tables)
+        rows = q.reshape(len(keys), heads * num_seqs // len(keys), dim).float()
+        scores = torch.baddbmm(bias, rows, keys.transpose(1, 2), alpha=dim ** -0.5)
+        out = torch.bmm(scores.softmax(dim=-1), values)  # [B * Hkv, G, D]
+        return out.view(num_seqs, heads, dim).to(q.dtype)
+
     def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [B, 1, 1, D] of each position, from tables grown to twice the
+        """cos and sign-folded sin [B, 1, D] of each position, from tables grown to twice the
         largest position seen (rebuilt only then): ``rotate_half(x) * sin`` is
         ``swap_halves(x) * sin_folded`` with the first half of ``sin_folded`` negated."""
         needed = int(positions.max()) + 1
@@ -144,10 +169,21 @@ class ModelRunner:
             folded[:, :rotary.head_dim // 2].neg_()
             self._rope = (angles.cos().to(self.model.dtype), folded.to(self.model.dtype))
         cos, sin = self._rope
-        shape = (len(positions), 1, 1, -1)
+        shape = (len(positions), 1, -1)
         return (cos.index_select(0, positions).view(shape),
                 sin.index_select(0, positions).view(shape))
 
     def reset_kv_cache(self) -> None:
         """Zero the cache (not needed for correctness: stale slots are never attended)."""
         self.kv_cache.zero_()
+
+
+def decode_groups(model: Qwen2ForCausalLM) -> list[tuple[torch.nn.Linear, ...]]:
+    """The linears a decode step runs, grouped by shared input: per layer q/k/v, o, gate/up,
+    down; then the lm_head."""
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups += [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
+                   (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+    return [*groups, (model.lm_head,)]

@@ -11,8 +11,10 @@ distribution is degenerate, so its logprob is the model's own, ``log_softmax(log
 temperature 1 without top-p (as vLLM reports for greedy requests).
 
 Sampling is the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per token, an exact
-draw from ``p``. A request with a seed draws its noise from a ``torch.Generator`` seeded by
-``(seed, num_output_tokens)``, so its n-th token depends only on its seed and its context:
+draw from ``p``; ``E`` is drawn as ``-log U`` with ``U`` uniform (``Tensor.exponential_`` costs
+about 5x ``rand`` + ``log`` on the CPU: 0.9 ms against 0.19 ms for 32 x 1568). A request with a
+seed draws its noise from a ``torch.Generator`` seeded by ``(seed, num_output_tokens)``, so its
+n-th token depends only on its seed and its context:
 reproducible across batches, and across a preemption and recompute. Unseeded rows share the
 sampler's own generator.
 """
@@ -38,12 +40,12 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, V] -> (token ids int64 [N], logprobs float32 [N]), both on the CPU."""
         logits = logits.float()
+        if all(p.temperature == 0 for p in params):
+            tokens = logits.argmax(dim=-1, keepdim=True)
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens)
+            return tokens.squeeze(-1).cpu(), picked.squeeze(-1).cpu()
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         greedy = temps == 0
-        if bool(greedy.all()):
-            logprobs = torch.log_softmax(logits, dim=-1)
-            tokens = logits.argmax(dim=-1)
-            return tokens.cpu(), logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cpu()
         scale = torch.where(greedy, torch.ones_like(temps), temps).to(logits.device)
         logprobs = torch.log_softmax(logits / scale.unsqueeze(-1), dim=-1)
         top_p = torch.tensor([1.0 if p.temperature == 0 else p.top_p for p in params])
@@ -58,12 +60,12 @@ class Sampler:
     def _noise(self, shape: torch.Size, params: Sequence[SamplingParams],
                num_output_tokens: Sequence[int]) -> torch.Tensor:
         """Exp(1) noise [N, V]; seeded rows from their own generator."""
-        noise = torch.empty(shape, dtype=torch.float32).exponential_(generator=self.generator)
+        noise = torch.rand(shape, generator=self.generator)
         for row, (p, n) in enumerate(zip(params, num_output_tokens, strict=True)):
             if p.seed is not None and p.temperature > 0:
                 gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + n) % 2**63)
-                noise[row] = torch.empty(shape[-1]).exponential_(generator=gen)
-        return noise
+                noise[row] = torch.rand(shape[-1], generator=gen)
+        return noise.log_().neg_()
 
 
 def _top_p(logprobs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

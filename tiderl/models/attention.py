@@ -187,3 +187,17 @@ def gather_blocks(layer_cache: torch.Tensor, block_tables: torch.Tensor) -> torc
     _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
     rows = layer_cache.view(2, num_blocks, -1).index_select(1, block_tables.view(-1))
     return rows.view(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+
+
+def gather_heads(layer_cache: torch.Tensor, block_tables: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of each sequence's blocks, float32 [num_seqs * Hkv, L, D], contiguous:
+    the rows of one batched matmul per (sequence, KV head). :func:`gather_blocks`, then one
+    copy that moves the heads before the positions and casts."""
+    gathered = gather_blocks(layer_cache, block_tables)  # [2, B, L, Hkv, D]
+    two, num_seqs, length, num_kv_heads, head_dim = gathered.shape
+    out = torch.empty((two, num_seqs, num_kv_heads, length, head_dim), dtype=torch.float32,
+                      device=gathered.device)
+    out.copy_(gathered.transpose(2, 3))
+    out = out.view(two, num_seqs * num_kv_heads, length, head_dim)
+    return out[0], out[1]

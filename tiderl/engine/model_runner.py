@@ -13,16 +13,18 @@ plain lists; nothing loops over tokens in Python besides concatenating the sched
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tiderl.engine.packed_linear import PackedLinears
 from tiderl.engine.sampler import Sampler
 from tiderl.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tiderl.models.attention import PagedBatch, gather_heads, paged_attention, write_kv
-from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.qwen2 import Qwen2ForCausalLM, RMSNorm
 
 
 class ModelRunner:
@@ -34,7 +36,14 @@ class ModelRunner:
         self.kv_cache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(seed)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, folded sin
-        self.linears = PackedLinears(decode_groups(model))  # decode GEMMs (packed_linear.py)
+        self.linears = PackedLinears(projection_groups(model))  # the GEMMs (packed_linear.py)
+        # Each layer's modules, looked up once (nn.Module attribute lookups cost per step).
+        self._layers = [_Layer(i, layer.input_layernorm, layer.self_attn.q_proj,
+                               layer.self_attn.o_proj, layer.post_attention_layernorm,
+                               layer.mlp.gate_proj, layer.mlp.down_proj)
+                        for i, layer in enumerate(model.model.layers)]
+        attn = model.model.layers[0].self_attn
+        self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -96,39 +105,35 @@ class ModelRunner:
         - when every sequence has one new token (``logits_rows`` None: a decode step),
           :meth:`_decode_attention`; otherwise :func:`paged_attention`, and the lm_head only on
           ``logits_rows``."""
-        model, linear = self.model.model, self.linears
+        linear, (heads, kv_heads, dim) = self.linears, self._heads
         linear.refresh()
-        attn0 = model.layers[0].self_attn
-        heads, kv_heads, dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         qk_width, num_tokens = (heads + kv_heads) * dim, len(input_ids)
         cos, sin = self._rotary_rows(positions)
         bias = self._decode_mask(batch, kv_heads, heads // kv_heads) if logits_rows is None \
             else None
 
-        def attend(attn, x: torch.Tensor) -> torch.Tensor:
-            qkv = linear(attn.q_proj, x)  # [T, (H + 2 Hkv) D]: q, k, v side by side
+        def attend(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            qkv = linear(layer.qkv, x)  # [T, (H + 2 Hkv) D]: q, k, v side by side
             qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim)
             swapped = torch.cat((qk[..., dim // 2:], qk[..., :dim // 2]), dim=-1)
             qk = torch.addcmul(qk * cos, swapped, sin)  # x cos + rotate_half(x) sin
-            layer = self.kv_cache[attn.layer]
-            write_kv(layer, qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim),
+            cache = self.kv_cache[layer.index]
+            write_kv(cache, qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim),
                      batch.slot_mapping)
             if bias is None:
-                out = paged_attention(qk[:, :heads], layer, positions, batch)
+                out = paged_attention(qk[:, :heads], cache, positions, batch)
             else:
-                out = self._decode_attention(qk[:, :heads], layer, batch, bias)
-            return linear(attn.o_proj, out.reshape(num_tokens, heads * dim))
+                out = self._decode_attention(qk[:, :heads], cache, batch, bias)
+            return linear(layer.o, out.reshape(num_tokens, heads * dim))
 
-        x = model.embed_tokens(input_ids)
-        for layer in model.layers:  # DecoderLayer._forward, with the packed projections
-            x = x + attend(layer.self_attn, layer.input_layernorm(x))
-            mlp = layer.mlp
-            gate_up = linear(mlp.gate_proj, layer.post_attention_layernorm(x))
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = x + linear(mlp.down_proj, F.silu(gate).mul_(up))
+        x = self.model.model.embed_tokens(input_ids)
+        for layer in self._layers:  # DecoderLayer._forward, with the packed projections
+            x = x + attend(layer, rms_norm(layer.input_norm, x))
+            gate, up = linear(layer.gate_up, rms_norm(layer.post_norm, x)).chunk(2, dim=-1)
+            x = x + linear(layer.down, F.silu(gate).mul_(up))
         if logits_rows is not None:
             x = x[logits_rows]
-        return linear(self.model.lm_head, model.norm(x))
+        return linear(self.model.lm_head, rms_norm(self.model.model.norm, x))
 
     def _decode_mask(self, batch: PagedBatch, kv_heads: int, groups: int) -> torch.Tensor:
         """Additive float32 mask [B * Hkv, G, L] of a decode step, shared by every layer: 0 up
@@ -178,8 +183,30 @@ class ModelRunner:
         self.kv_cache.zero_()
 
 
-def decode_groups(model: Qwen2ForCausalLM) -> list[tuple[torch.nn.Linear, ...]]:
-    """The linears a decode step runs, grouped by shared input: per layer q/k/v, o, gate/up,
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """A decoder layer's modules as :meth:`ModelRunner._forward` uses them; ``qkv`` and
+    ``gate_up`` are the first members of their :class:`PackedLinears` groups."""
+
+    index: int
+    input_norm: RMSNorm
+    qkv: nn.Linear
+    o: nn.Linear
+    post_norm: RMSNorm
+    gate_up: nn.Linear
+    down: nn.Linear
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; in float32 as one fused ``F.rms_norm`` (equal: the module computes in float32
+    too), in other dtypes the module itself (it rounds before the weight multiplies)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    return norm(x)
+
+
+def projection_groups(model: Qwen2ForCausalLM) -> list[tuple[nn.Linear, ...]]:
+    """The linears a step runs, grouped by shared input: per layer q/k/v, o, gate/up,
     down; then the lm_head."""
     groups = []
     for layer in model.model.layers:

@@ -40,7 +40,10 @@ class PackedLinears:
         the group's outputs side by side, and is called by its first member."""
         self.groups = [tuple(group) for group in groups]
         self.modules = [m for group in self.groups for m in group]
-        self.enabled = onednn_available(self.modules[0].weight.device)
+        # The Parameter objects (sleep and wake_up swap their storage, not the objects): the
+        # per-step check reads them without nn.Module attribute lookups.
+        self._weights = [m.weight for m in self.modules]
+        self.enabled = onednn_available(self._weights[0].device)
         self.packed: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._stamp: tuple[tuple[int, int], ...] = ()
 
@@ -57,7 +60,7 @@ class PackedLinears:
 
     def refresh(self) -> None:
         """Rebuild every copy if any weight changed since the last call (call once a step)."""
-        stamp = tuple((m.weight.data_ptr(), m.weight._version) for m in self.modules)
+        stamp = tuple((w.data_ptr(), w._version) for w in self._weights)
         if stamp != self._stamp:
             self.packed = {group[0]: self._pack(group) for group in self.groups}
             self._stamp = stamp

@@ -4,6 +4,7 @@ import textwrap
 
 import pytest
 
+from tiderl.core.config import ConfigError
 from tiderl.core.ctb import CTBConfig
 from tiderl.engine.config import EngineConfig
 from tiderl.profile import (
@@ -14,6 +15,7 @@ from tiderl.profile import (
     profile_to_dict,
     resolve_profile_path,
 )
+from tiderl.runtime.config import RuntimeConfig
 
 
 def write(tmp_path, text, name="x.yaml"):
@@ -187,3 +189,11 @@ def test_trainer_backend_settings_are_checked_against_the_job(overrides, message
 def test_a_tensor_parallel_megatron_job_on_whole_tp_blocks_is_accepted():
     profile = load_profile("local", [*MEGATRON, "trainer.tensor_parallel=2"])
     assert profile.trainer.tensor_parallel == 2
+
+
+def test_runtime_config_built_in_code_says_why_one_rank_cannot_split():
+    with pytest.raises(ConfigError) as error:
+        RuntimeConfig(num_ranks=1)
+    assert str(error.value) == ("num_ranks: expected at least 2 in mode tiderl (a rollout rank "
+                                "and a trainer rank; mode sync runs on one), got 1")
+    assert RuntimeConfig(num_ranks=1, rollout_ranks=1, mode="sync").num_ranks == 1

@@ -60,6 +60,9 @@ class RuntimeConfig:
             require(self.rollout_ranks == self.num_ranks, "rollout_ranks",
                     f"expected num_ranks ({self.num_ranks}) in mode sync, got {self.rollout_ranks}")
         else:
+            require(self.num_ranks >= 2, "num_ranks",
+                    f"expected at least 2 in mode {self.mode} (a rollout rank and a trainer "
+                    f"rank; mode sync runs on one), got {self.num_ranks}")
             require(1 <= self.rollout_ranks < self.num_ranks, "rollout_ranks",
                     f"expected 1..{self.num_ranks - 1} (at least one trainer rank), "
                     f"got {self.rollout_ranks}")

@@ -119,6 +119,13 @@ def _render_engine(console: Console, result: dict) -> None:
     console.print(table("decode tokens/s (greedy, 64 new tokens)",
                         ("config/dtype/batch", "engine", "transformers", "ratio"),
                         [(k, v, hf[k], round(v / hf[k], 2)) for k, v in ours.items()]))
+    split = result.get("b32_fp32_split", {})
+    console.print(table("batch 32, float32: prefill ms / decode step ms",
+                        ("model/threads", "engine", "transformers", "tok/s ratio"),
+                        [(k, f"{v['engine']['prefill_ms']} / {v['engine']['decode_step_ms']}",
+                          f"{v['transformers']['prefill_ms']} / "
+                          f"{v['transformers']['decode_step_ms']}", v["speedup"])
+                         for k, v in split.items()]))
     reuse = result["prefix_reuse"]
     console.print(table("prefix reuse", ("figure", "value"), list(reuse.items())))
     rows = [(name, *(result[name][k] for k in ("hit_rate", "decode_tok_s", "num_preemptions")))

@@ -85,9 +85,11 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
 def test_ctb_pauses_tasks_on_engine_servers(tmp_path):
     """Two rollout ranks whose CTB budget is 5% of their servers' KV: CTB pauses tasks while
     the job runs, and every group is trained, dropped or accounted as still out (a server
-    killed or stopped under a job: tests/chaos)."""
+    killed or stopped under a job: tests/chaos). CTB admits by headroom alone here: with its
+    growth projection it would place one task per rank, which it never pauses."""
     profile = load_profile("local", [*SMALL, "runtime.steps=4", "runtime.rollout_ranks=2",
-                                     "ers.enabled=false", "ctb.budget_fraction=0.05"])
+                                     "ers.enabled=false", "ctb.budget_fraction=0.05",
+                                     "ctb.project_growth=false"])
     paused: list[float] = []
     result = run_local(profile, run_root=tmp_path,
                        on_snapshot=lambda snap: paused.append(snap.metrics.get("paused", 0)))

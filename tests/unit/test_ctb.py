@@ -13,6 +13,7 @@ from tiderl.core.ctb import (
     TaskBook,
     make_policy,
     priority,
+    projected_peak,
 )
 from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 
@@ -48,6 +49,11 @@ def run(
 
 def schedule(book: TaskBook, config: CTBConfig | None = None) -> list:
     return CTBPolicy(config or CTBConfig()).schedule(book)
+
+
+# placement by headroom alone: the books below admit before any task finished, so with
+# project_growth each task would count as growing to the default 512 tokens
+NO_GROWTH = CTBConfig(project_growth=False)
 
 
 # --------------------------------------------------------------------------- pausing
@@ -208,18 +214,18 @@ def test_resume_goes_to_the_rank_holding_most_of_its_group():
     book = _affinity_book()
     _fill(book, 3, 100)  # rank 3 has the most headroom, rank 0 is its last rank
 
-    assert schedule(book) == [Resume("g3", 1)]
+    assert schedule(book, NO_GROWTH) == [Resume("g3", 1)]
 
 
 def test_resume_falls_back_to_the_next_group_rank_then_its_last_rank_then_most_headroom():
     book = _affinity_book()
     _fill(book, 1, 750)  # rank 1: 50 left
-    assert schedule(book) == [Resume("g3", 2)]
+    assert schedule(book, NO_GROWTH) == [Resume("g3", 2)]
     _fill(book, 2, 850)  # rank 2: 50 left
-    assert schedule(book) == [Resume("g3", 0)]
+    assert schedule(book, NO_GROWTH) == [Resume("g3", 0)]
     _fill(book, 0, 950)  # rank 0: 50 left
     _fill(book, 3, 100)
-    assert schedule(book) == [Resume("g3", 3)]
+    assert schedule(book, NO_GROWTH) == [Resume("g3", 3)]
 
 
 def test_removed_rank_pauses_its_tasks_without_a_rank_and_they_resume_elsewhere():
@@ -234,7 +240,7 @@ def test_removed_rank_pauses_its_tasks_without_a_rank_and_they_resume_elsewhere(
     assert book.rank_ids == (1,)
     assert (book.task("a0").state, book.task("a0").rank) == (TaskState.PAUSED, None)
     assert (book.num_active, book.num_paused, book.ranks[1].usage) == (1, 2, 300)
-    assert schedule(book) == [Resume("a0", 1), Resume("a1", 1)]
+    assert schedule(book, NO_GROWTH) == [Resume("a0", 1), Resume("a1", 1)]
 
 
 def test_a_task_larger_than_every_budget_runs_alone_on_an_empty_rank():
@@ -368,7 +374,7 @@ def test_admission_fills_the_roomiest_ranks_and_stops_when_nothing_fits():
 
     # Headroom minus 256 per "shop" task already there; g5 fits nowhere.
     expected = [("g0-0", 1), ("g1-0", 0), ("g2-0", 1), ("g3-0", 0), ("g4-0", 1)]
-    assert schedule(book) == [Admit(task_id, rank) for task_id, rank in expected]
+    assert schedule(book, NO_GROWTH) == [Admit(task_id, rank) for task_id, rank in expected]
 
 
 def test_a_joining_rank_takes_its_share_of_a_burst_by_expected_footprint():
@@ -388,6 +394,66 @@ def test_a_joining_rank_takes_its_share_of_a_burst_by_expected_footprint():
     # usage alone rank 1 would take all 20 (100,000 - 20 x 500 > 60,000).
     ranks = [d.rank for d in schedule(book, CTBConfig(diversity_penalty_tokens=0))]
     assert ranks == [1] * 10 + [0, 1] * 5
+
+
+# --------------------------------------------------------------------------- growth projection
+
+
+def test_projected_peak_of_tasks_of_one_age_and_of_tasks_spread_over_their_lives():
+    assert projected_peak([], 300) == 0
+    assert projected_peak([100, 100, 100], 300) == 900  # together: 3 x 300 as they end
+    # spread: now 450; as 250 ends 2 x 300 + 0 -> (100, 200, 300) = 600; then fewer
+    assert projected_peak([50, 150, 250], 300) == 600
+    assert projected_peak([50, 150, 250], 250) == 450  # the oldest ends now: the usage is it
+    assert projected_peak([400, 500], 300) == 900  # past the final footprint: counted now only
+    assert projected_peak([60, 400], 300) == 460
+
+
+def _grown_book(budget: int, final: int) -> TaskBook:
+    """A rank whose finished tasks ended at ``final`` tokens, and a group g of 8 probed at 60."""
+    book = make_book([budget])
+    add(book, "done")
+    run(book, "done0", 0, final)
+    book.finish_task("done0")
+    assert book.expected_footprint == final
+    add(book, "g", size=8)
+    run(book, "g0", 0, 60)
+    return book
+
+
+def test_admission_counts_each_task_at_the_footprint_it_grows_to():
+    # By headroom alone the probe's 7 siblings fit (8 x 60 = 480 <= 1000), and a turn or two
+    # later the rank is over its budget and pauses. Projected, 3 tasks of one age grow to 900.
+    assert schedule(_grown_book(1000, 300), NO_GROWTH) == [Admit(f"g{i}", 0) for i in range(1, 8)]
+    book = _grown_book(1000, 300)
+    plan = schedule(book)
+    assert plan == [Admit("g1", 0), Admit("g2", 0)]
+    book.apply(plan)
+    # the three grew apart (240, 180, 120): a new task at 60 peaks with them at 840, a second
+    # at 960, a third at 1020 > 1000
+    for task_id, footprint in [("g0", 240), ("g1", 180), ("g2", 120)]:
+        book.report_turn(task_id, footprint, footprint)
+    assert book.ranks[0].footprints == [120, 180, 240]
+    assert schedule(book) == [Admit("g3", 0), Admit("g4", 0)]
+    assert schedule(book, NO_GROWTH) == [Admit(f"g{i}", 0) for i in range(3, 8)]
+
+
+def test_a_paused_task_resumes_only_where_its_growth_fits():
+    book = _grown_book(850, 300)
+    for i in (1, 2):
+        book.apply([Admit(f"g{i}", 0)])
+    for i in range(3, 8):
+        book.drop_task(f"g{i}")
+    book.report_turn("g2", 200, 200)
+    book.apply([Pause("g2")])
+    add(book, "h")
+    run(book, "h0", 0, 150)
+    # rank 0 holds 60, 60, 150 (usage 270, peak 120 + 2 x 240 = 720 <= 850); with g2 at 200
+    # the peak is 470 + 4 x 100 = 870 > 850, though 470 is well within the budget
+    assert (book.ranks[0].usage, projected_peak(book.ranks[0].footprints, 300)) == (270, 720)
+    assert projected_peak([60, 60, 150, 200], 300) == 870
+    assert schedule(book) == []
+    assert schedule(book, NO_GROWTH) == [Resume("g2", 0)]
 
 
 # --------------------------------------------------------------------------- the baseline

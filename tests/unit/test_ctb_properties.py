@@ -9,7 +9,7 @@ from datetime import timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, priority
+from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, priority, projected_peak
 from tiderl.core.ctb_state import RankRecord, TaskRecord
 from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 
@@ -57,9 +57,14 @@ def _add_group(draw, book: TaskBook, group_id: str, size: int) -> None:
             book.finish_task(spec.task_id)
 
 
-def fits(rank: RankRecord, footprint: int) -> bool:
-    """The policy's notion of fitting: within headroom, or alone on an empty rank with a budget."""
-    return footprint <= rank.headroom or (not rank.active and rank.budget > 0)
+def fits(book: TaskBook, rank: RankRecord, footprint: int) -> bool:
+    """The policy's notion of fitting: within headroom with the projected peak within the
+    budget, or alone on an empty rank with a budget."""
+    if not rank.active:
+        return footprint <= rank.headroom or rank.budget > 0
+    footprints = sorted([*(t.footprint for t in rank.active.values()), footprint])
+    return (footprint <= rank.headroom
+            and projected_peak(footprints, book.expected_footprint) <= rank.budget)
 
 
 def applied(book: TaskBook, decisions: list) -> TaskBook:
@@ -86,7 +91,8 @@ def test_every_task_left_paused_fits_nowhere_once_resumes_are_done(scenario):
     paused_this_round = {d.task_id for d in plan if isinstance(d, Pause)}
     for task in after_resumes.paused.values():
         if task.task_id not in paused_this_round:
-            assert not any(fits(rank, task.footprint) for rank in after_resumes.ranks.values())
+            assert not any(fits(after_resumes, rank, task.footprint)
+                           for rank in after_resumes.ranks.values())
 
 
 @PROPERTY
@@ -132,9 +138,9 @@ def test_placements_honour_group_affinity(scenario):
             counts = state.group_of(task).num_active_on
             if counts:
                 preferred = min(counts, key=lambda r: (-counts[r], r))
-                if fits(state.ranks[preferred], task.footprint):
+                if fits(state, state.ranks[preferred], task.footprint):
                     assert decision.rank == preferred
-            assert fits(state.ranks[decision.rank], task.footprint)
+            assert fits(state, state.ranks[decision.rank], task.footprint)
         state.apply([decision])
 
 
@@ -172,6 +178,7 @@ def test_book_indexes_match_a_recount(scenario):
     book, _ = scenario
     for rank in book.ranks.values():
         assert rank.usage == sum(t.footprint for t in rank.active.values())
+        assert rank.footprints == sorted(t.footprint for t in rank.active.values())
         assert all(
             t.state is TaskState.ACTIVE and t.rank == rank.rank for t in rank.active.values()
         )

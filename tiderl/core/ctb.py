@@ -7,6 +7,11 @@ Resumes, then Admits); it never mutates the book, ``book.apply(plan)`` does. One
     resume phase   paused tasks by descending P(t): group-affinity rank, else expected headroom
     admit phase    NEW tasks, FIFO by group: env sessions, staleness, probing, fit, diversity
 
+A task fits a rank when its footprint is within the headroom and, with ``project_growth``, the
+rank's projected peak with it stays within the budget (:func:`projected_peak`: its tasks grow
+until they reach the footprint finished tasks reached, then finish): contexts grow every turn,
+so a rank filled to its budget by footprints now goes over it a turn later, and pauses.
+
 Algorithm 1 in the paper loops rank-major (fill rank r with resumes, then admissions, then the
 next rank). Here each phase runs task-major over all ranks, so that a task's affinity picks its
 rank rather than the order ranks are visited in, and every resume precedes every admission.
@@ -16,8 +21,11 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import sub
+from itertools import accumulate, repeat
+from operator import add, mul, sub
 from typing import ClassVar
 
 from tiderl.core.config import require, require_choice, require_int
@@ -39,6 +47,7 @@ __all__ = [
     "TaskBook",
     "make_policy",
     "priority",
+    "projected_peak",
 ]
 
 # --------------------------------------------------------------------------- config
@@ -60,6 +69,8 @@ class CTBConfig:
     # Off by default: the paper asks group affinity of resumes only, and concentrating whole
     # groups on one rank unbalances decode when KV is plentiful (docs/simulator.md, Fig. 8).
     admit_with_group: bool = False
+    # Place a task only where the rank's projected peak (projected_peak) stays within B_r.
+    project_growth: bool = True
 
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
@@ -103,15 +114,39 @@ class SchedulingPolicy(ABC):
     def schedule(self, book: TaskBook) -> list[Decision]: ...
 
 
+def projected_peak(footprints: Sequence[int], final: float) -> float:
+    """The most KV a rank's active tasks will hold if each grows at the same pace until its
+    footprint reaches ``final`` and then finishes; ``footprints`` sorted ascending.
+
+    Once each task has grown by x tokens, the tasks still there are those with f + x <= final,
+    holding the sum of f + x. That is largest now (x = 0: the usage) or just as the j-th smallest
+    task reaches ``final`` (x = final - f_j, the j smallest left): f_1 + ... + f_j
+    + j * (final - f_j). Tasks of one age peak together at n * final; tasks spread evenly over
+    their lives peak about now. A task at or past ``final`` counts now only.
+    """
+    below = footprints[:bisect_left(footprints, final)]
+    now = sum(footprints)
+    if not below:
+        return now
+    counts = range(1, len(below) + 1)
+    grown = map(add, map(sub, accumulate(below), map(mul, counts, below)),
+                map(mul, counts, repeat(final)))
+    return max(now, max(grown))
+
+
 class _Draft:
-    """One round's tentative view: the book's ranks after this round's decisions so far."""
+    """One round's tentative view: the book's ranks after this round's decisions so far.
+
+    After the pause phase it only gains tasks, so a footprint that did not fit a rank (or any
+    rank) earlier in a round does not fit it later in the round either."""
 
     __slots__ = (
-        "book", "budget", "env_delta", "group_delta", "max_headroom", "num_active",
-        "num_admitted_train", "num_empty", "num_open", "reserved", "usage",
+        "book", "budget", "env_delta", "final", "footprints", "group_delta", "max_headroom",
+        "no_fit", "num_active", "num_admitted_train", "num_empty", "num_open", "reserved",
+        "usage",
     )  # fmt: skip
 
-    def __init__(self, book: TaskBook):
+    def __init__(self, book: TaskBook, project_growth: bool = False):
         self.book = book
         self.budget = {r: rec.budget for r, rec in book.ranks.items()}
         self.usage = {r: rec.usage for r, rec in book.ranks.items()}
@@ -122,6 +157,12 @@ class _Draft:
         self.num_open = book.num_open_sessions
         self.num_admitted_train = book.num_admitted_train
         self.reserved: set[str] = set()  # groups whose first admission is in this round
+        # the final footprint tasks grow to (None: no projection); per rank, a copy of its
+        # sorted footprints once this round changed them; (rank, footprint) and (None,
+        # footprint) that did not fit there / anywhere after the pause phase
+        self.final = book.expected_footprint if project_growth else None
+        self.footprints: dict[int, list[int]] = {}
+        self.no_fit: set[tuple[int | None, int]] = set()
         self.refresh()
 
     def refresh(self) -> None:
@@ -132,17 +173,40 @@ class _Draft:
         return num_active == 0 and self.budget[rank] > 0
 
     def fits(self, footprint: int, rank: int) -> bool:
-        """Within the headroom, or alone on an empty rank with a budget, however large it is
-        (else a task bigger than every budget could never run: it runs alone instead)."""
+        """Within the headroom (and the projected peak within the budget), or alone on an empty
+        rank with a budget, however large it is (else a task bigger than every budget could
+        never run: it runs alone instead)."""
         if footprint <= self.budget[rank] - self.usage[rank]:
-            return True
+            return self._peak_fits(footprint, rank)
         return self._is_open_empty(rank, self.num_active[rank])
 
+    def _peak_fits(self, footprint: int, rank: int) -> bool:
+        """Whether the rank's projected peak with one more task of ``footprint`` stays within
+        its budget (always, without projection)."""
+        if self.final is None or self.num_active[rank] == 0:
+            return True
+        if (rank, footprint) in self.no_fit:
+            return False
+        footprints = list(self.footprints.get(rank, self.book.ranks[rank].footprints))
+        insort(footprints, footprint)
+        if projected_peak(footprints, self.final) <= self.budget[rank]:
+            return True
+        self.no_fit.add((rank, footprint))
+        return False
+
     def fits_somewhere(self, footprint: int) -> bool:
-        return footprint <= self.largest_fit()
+        """Within the headroom of some rank (necessary: the rank found may refuse it by its
+        projected peak) and not refused by every rank earlier in the round."""
+        if footprint > (float("inf") if self.num_empty else self.max_headroom):
+            return False  # inlined largest_fit(): this is called for every task a round pops
+        return not self.no_fit or (None, footprint) not in self.no_fit
+
+    def fits_nowhere(self, footprint: int) -> None:
+        """No rank took a task of ``footprint``: none takes one for the rest of the round."""
+        self.no_fit.add((None, footprint))
 
     def largest_fit(self) -> float:
-        """The largest footprint that fits on some rank."""
+        """The largest footprint within the headroom of some rank."""
         return float("inf") if self.num_empty else self.max_headroom
 
     def take_off(self, task: TaskRecord) -> None:
@@ -155,6 +219,14 @@ class _Draft:
             self.refresh()
 
     def _move(self, task: TaskRecord, rank: int, sign: int) -> None:
+        if self.final is not None:
+            footprints = self.footprints.get(rank)
+            if footprints is None:
+                footprints = self.footprints[rank] = list(self.book.ranks[rank].footprints)
+            if sign > 0:
+                insort(footprints, task.footprint)
+            else:
+                del footprints[bisect_left(footprints, task.footprint)]
         self.num_empty -= self._is_open_empty(rank, self.num_active[rank])
         self.usage[rank] += sign * task.footprint
         self.num_active[rank] += sign
@@ -182,19 +254,31 @@ class _Draft:
         admission burst lands on it whole; as those tasks grow together it decodes several
         times the others' batch and its groups finish last (measured on sim/cluster32: 118
         tasks on the new rank against 20-48 on the others, 7.9 M tokens discarded as stale)."""
+        scores, best = self._scores(task, penalty)
+        if best is None or self._peak_fits(task.footprint, best):
+            return best
+        # the best rank's projected peak refuses it: the next best, in order
+        ranked = sorted((-score, rank) for rank, score in scores.items() if rank != best)
+        return next((rank for _, rank in ranked if self._peak_fits(task.footprint, rank)), None)
+
+    def _scores(self, task: TaskRecord, penalty: int) -> tuple[dict[int, float], int | None]:
+        """Per rank within whose headroom it is: its expected headroom - the penalty; and the
+        rank scoring best (ties: lower id)."""
+        scores: dict[int, float] = {}
         best, best_score, footprint = None, 0.0, task.footprint
         grown = self.book.expected_footprint
         for rank, usage in self.usage.items():
             budget, num_active = self.budget[rank], self.num_active[rank]
             if footprint > budget - usage and not self._is_open_empty(rank, num_active):
-                continue  # it does not fit (inlined fits(): this loop is hot)
+                continue  # it is not within the headroom (inlined fits(): this loop is hot)
             score = budget - max(usage, num_active * grown)  # before the penalty
             if penalty:
                 same_env = self.book.ranks[rank].num_env.get(task.env, 0)
                 score -= penalty * (same_env + self.env_delta.get((task.env, rank), 0))
+            scores[rank] = score
             if best is None or score > best_score:
                 best, best_score = rank, score
-        return best
+        return scores, best
 
 
 class CTBPolicy(SchedulingPolicy):
@@ -222,7 +306,7 @@ class CTBPolicy(SchedulingPolicy):
         self.config = config
 
     def schedule(self, book: TaskBook) -> list[Decision]:
-        draft = _Draft(book)
+        draft = _Draft(book, self.config.project_growth)
         pauses = self._pause_phase(book, draft)
         draft.refresh()
         resumes = self._resume_phase(book, draft)
@@ -254,10 +338,13 @@ class CTBPolicy(SchedulingPolicy):
         smallest = -max(entry[1] for entry in queue)
         heapq.heapify(queue)
         plan: list[Decision] = []
-        while queue and draft.fits_somewhere(smallest):
+        while queue and draft.largest_fit() >= smallest:
             task = heapq.heappop(queue)[3]
             if draft.fits_somewhere(task.footprint):
                 rank = _resume_rank(task, book, draft)
+                if rank is None:
+                    draft.fits_nowhere(task.footprint)
+                    continue
                 draft.put_on(task, rank)
                 plan.append(Resume(task.task_id, rank))
         return plan
@@ -268,7 +355,7 @@ class CTBPolicy(SchedulingPolicy):
         largest = draft.largest_fit()
         for group in book.pending_groups.values():
             estimate = book.admission_estimate(group)
-            if estimate is None or estimate > largest:
+            if estimate is None or estimate > largest or (None, estimate) in draft.no_fit:
                 continue  # O(1) per group that cannot be admitted: this loop is hot
             if self._is_env_full(draft):
                 break
@@ -287,7 +374,9 @@ class CTBPolicy(SchedulingPolicy):
             rank = draft.sibling_rank(task) if self.config.admit_with_group else None
             if rank is None:
                 rank = draft.roomiest_rank(task, self.config.diversity_penalty_tokens)
-            assert rank is not None, "fits_somewhere() promised a rank"
+            if rank is None:  # every rank's projected peak refuses it
+                draft.fits_nowhere(task.footprint)
+                break
             draft.put_on(task, rank)
             draft.num_open += 1
             draft.num_admitted_train += cost
@@ -301,13 +390,14 @@ class CTBPolicy(SchedulingPolicy):
         return cap > 0 and draft.num_open >= cap
 
 
-def _resume_rank(task: TaskRecord, book: TaskBook, draft: _Draft) -> int:
+def _resume_rank(task: TaskRecord, book: TaskBook, draft: _Draft) -> int | None:
+    """Its group's rank, else its last rank, else the most expected headroom; None when every
+    rank's projected peak refuses it."""
     rank = draft.sibling_rank(task)
     if rank is None and task.rank in book.ranks and draft.fits(task.footprint, task.rank):
         rank = task.rank
     if rank is None:
         rank = draft.roomiest_rank(task, penalty=0)
-    assert rank is not None, "fits_somewhere() promised a rank"
     return rank
 
 

@@ -18,6 +18,7 @@ then the group's probed first-turn footprint); an ACTIVE or PAUSED task's is its
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 
@@ -138,7 +139,8 @@ class RankRecord:
     """A rollout rank: its budget B_r, its active tasks and their usage.
 
     ``heap`` orders the active tasks by (priority, footprint, task_id) lazily: an entry whose
-    stamp is not its task's current one is stale and skipped.
+    stamp is not its task's current one is stale and skipped. ``footprints`` keeps their
+    footprints sorted, for CTB's projected peak (``tiderl.core.ctb.projected_peak``).
     """
 
     rank: int
@@ -146,6 +148,7 @@ class RankRecord:
     usage: int = 0  # sum of the footprints of its active tasks
     num_running: int = 0  # active tasks with a generation in flight
     active: dict[TaskId, TaskRecord] = field(default_factory=dict)
+    footprints: list[int] = field(default_factory=list)  # of its active tasks, ascending
     num_env: dict[str, int] = field(default_factory=dict)  # env -> active tasks there
     heap: list[HeapEntry] = field(default_factory=list, compare=False, repr=False)
 
@@ -349,7 +352,10 @@ class TaskBook:
             raise ValueError(f"task {task_id!r} reported a turn before it was admitted")
         _check_tokens(footprint, "footprint")
         if task.state is TaskState.ACTIVE:
-            self.ranks[task.rank].usage += footprint - task.footprint
+            record = self.ranks[task.rank]
+            record.usage += footprint - task.footprint
+            _unsort(record.footprints, task.footprint)
+            insort(record.footprints, footprint)
         task.footprint, task.context_len = footprint, context_len
         self._set_running(task, is_running)
         task.num_turns += 1
@@ -445,6 +451,7 @@ class TaskBook:
         record = self._rank(rank)
         record.active[task.task_id] = task
         record.usage += task.footprint
+        insort(record.footprints, task.footprint)
         _bump(record.num_env, task.env, 1)
         _bump(self.groups[task.group_id].num_active_on, rank, 1)
         task.state, task.rank = TaskState.ACTIVE, rank
@@ -456,6 +463,7 @@ class TaskBook:
         record = self.ranks[task.rank]
         del record.active[task.task_id]
         record.usage -= task.footprint
+        _unsort(record.footprints, task.footprint)
         _bump(record.num_env, task.env, -1)
         _bump(self.groups[task.group_id].num_active_on, task.rank, -1)
         self._set_running(task, False)
@@ -509,6 +517,11 @@ class TaskBook:
             group.probe_task_id = next(iter(group.pending), None)
         if group.num_open == 0:
             del self.groups[group.group_id]
+
+
+def _unsort(values: list[int], value: int) -> None:
+    """Remove one ``value`` from the sorted list ``values``."""
+    del values[bisect_left(values, value)]
 
 
 def _check_tokens(value: int, name: str) -> None:

@@ -20,6 +20,7 @@ servers listen on the loopback only).
 from __future__ import annotations
 
 import abc
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -155,14 +156,16 @@ class EmbeddedClient(EngineClient):
                               str(out.finish_reason), out.num_prompt_tokens,
                               out.num_cached_tokens, out.version)
 
+    # Pins take the engine's lock, which a step holds for its whole duration: in a thread, as
+    # the HTTP server does, they leave the event loop (every other task's turn) running.
     async def pin(self, task_id: str) -> int:
-        return self.engine.pin(task_id)
+        return await asyncio.to_thread(self.engine.pin, task_id)
 
     async def unpin(self, task_id: str) -> None:
-        self.engine.unpin(task_id)
+        await asyncio.to_thread(self.engine.unpin, task_id)
 
     async def forget(self, task_id: str) -> None:
-        self.engine.forget(task_id)
+        await asyncio.to_thread(self.engine.forget, task_id)
 
     async def token_usage(self) -> TokenUsage:
         return self.engine.token_usage()

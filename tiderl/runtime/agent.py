@@ -18,9 +18,11 @@ next turn boundary and ``run`` raises :class:`TaskDetachedError` with a :class:`
 environment session, the turns so far, the next context), from which another rank's loop goes on.
 
 A pin the engine refuses (:class:`PinRefused`: too little KV left beside the other pins) leaves
-the task unpinned for that turn; it goes on. When a task ends here (done, a cap, a failure, or
-detached), the loop tells the engine to ``forget`` it (its pin and remembered context dropped),
-so the engine's per-task state lives only as long as the task.
+the task unpinned for that turn; it goes on. A pin is taken while the environment plays the
+turn's action (it waits for the engine's step in flight; the environment need not). When a task
+ends here (done, a cap, a failure, or detached), the loop tells the engine to ``forget`` it (its
+pin and remembered context dropped), so the engine's per-task state lives only as long as the
+task.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tiderl.core.types import Trajectory, Turn
 from tiderl.engine.clients import EngineClient, PinRefused
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
-from tiderl.env.protocol import Message
+from tiderl.env.protocol import Message, ObservationResponse
 from tiderl.models.chat import TurnEncoder
 
 T = TypeVar("T")
@@ -164,6 +166,22 @@ class AgentLoop:
         except PinRefused as exc:
             log.info("task %s goes on unpinned: %s", task_id, exc)
 
+    async def _step_pinned(self, task_id: str, session: str,
+                           output_ids: list[int]) -> ObservationResponse:
+        """The environment step of a turn, the task's KV pinned meanwhile (when it pins): the
+        pin waits for the engine's step in flight, the environment does not wait for the pin.
+        The pin is done before this returns, whatever the step did."""
+        if not self.pin:
+            return await self.env.step(session, self.encoder.decode(output_ids))
+        pinning = asyncio.ensure_future(self._pin(task_id))
+        try:
+            step = await self.env.step(session, self.encoder.decode(output_ids))
+        except BaseException:
+            await asyncio.gather(pinning, return_exceptions=True)  # forget() comes after it
+            raise
+        await pinning
+        return step
+
     async def _forget(self, task_id: str) -> None:
         """The task ended here: the engine drops its state (a failure only leaves it to the
         engine's own bound)."""
@@ -215,8 +233,6 @@ class AgentLoop:
                     break
                 out = await _reach(self.engine.generate(task.task_id, prompt, self.sampling,
                                                         RESUMED_PRIORITY if resumed else 0))
-                if self.pin:
-                    await self._pin(task.task_id)
                 version = out.version if out.version is not None else self.version()
                 trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version))
                 self._note(task.task_id, turn=len(trajectory.turns) - 1,
@@ -224,7 +240,7 @@ class AgentLoop:
                 context = prompt + out.output_ids
                 self._report(task.task_id, len(context), len(out.output_ids), version,
                              False, False)
-                step = await self.env.step(session, self.encoder.decode(out.output_ids))
+                step = await self._step_pinned(task.task_id, session, out.output_ids)
                 self._report(task.task_id, len(context), len(out.output_ids), version,
                              step.done, not step.done)
                 if step.done:

@@ -27,7 +27,7 @@ from tiderl.core.system import System
 from tiderl.engine.config import EngineConfig
 from tiderl.env.config import EnvConfig
 from tiderl.models.config import ModelConfig
-from tiderl.runtime.config import LoggingConfig, RuntimeConfig
+from tiderl.runtime.config import LoggingConfig, ReportConfig, RuntimeConfig
 from tiderl.sim.config import SimConfig
 from tiderl.trainer.config import TrainerConfig
 
@@ -48,6 +48,7 @@ class Profile:
     ers: ERSConfig = field(default_factory=ERSConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:

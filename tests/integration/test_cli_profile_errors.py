@@ -23,4 +23,4 @@ def test_set_errors_say_what_to_change():
                     "runtime.rollout_ranks=1")
     line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", "runtme.steps=3"), 2)
     assert line == ("error: --set runtme.steps: unknown key 'runtme' (known: model, engine, env, "
-                    "trainer, ctb, ra2p, ers, runtime, logging, sim)")
+                    "trainer, ctb, ra2p, ers, runtime, logging, report, sim)")

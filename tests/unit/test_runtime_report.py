@@ -9,7 +9,14 @@ import pytest
 
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
-from tiderl.runtime.report import ReportError, read_jsonl, read_records, summarize, write_report
+from tiderl.runtime.report import (
+    IMAGES,
+    ReportError,
+    read_jsonl,
+    read_records,
+    summarize,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENS = [100, 120, 140, 160, 180, 200]
@@ -107,6 +114,16 @@ def test_report_has_summary_steps_role_changes_and_valid_images(run_dir: Path):
         data = (run_dir / name).read_bytes()
         assert data[:8] == PNG_MAGIC
         assert len(data) > 10_000
+
+
+def test_without_plots_the_report_has_its_tables_and_says_the_figures_were_not_drawn(
+        run_dir: Path):
+    text = write_report(run_dir, title="Demo run", plots=False).read_text()
+    assert not list(run_dir.glob("*.png"))
+    figures = "\n\n".join(f"![{name[:-4]}]({name})" for name in IMAGES)
+    assert text == write_report(run_dir, title="Demo run").read_text().replace(
+        figures, "Not drawn (the profile's report.plots is false).")
+    assert "| trained tokens | 900 |" in text and "## Figures" in text
 
 
 def test_missing_files_still_give_a_report_that_says_so(tmp_path: Path):

@@ -83,7 +83,8 @@ def _coordinator(args: argparse.Namespace) -> int:
             run_log.close()
             if exporter is not None:
                 exporter.close()
-    path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}")
+    path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}",
+                        plots=profile.report.plots)
     logger.info("report: %s", path)
     return code
 

@@ -1,6 +1,7 @@
 """Runtime section of a profile: the job's shape (ranks, steps, groups, staleness), and the
 step cycle a whole profile asks the coordinator for; the logging section: where the coordinator
-writes each step's record (:mod:`tiderl.runtime.log_backends`)."""
+writes each step's record (:mod:`tiderl.runtime.log_backends`); the report section: what the run
+report at the job's end holds (:mod:`tiderl.runtime.report`)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ class LoggingConfig:
                 f"metrics.jsonl), got {self.backends}")
         require(bool(self.wandb_project), "wandb_project", "expected a project name, got ''")
         require_choice(self.wandb_mode, WANDB_MODES, "wandb_mode")
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """The run report the coordinator writes when the job ends: report.md always; its figures
+    (three PNGs, a few seconds of matplotlib) unless ``plots`` is false."""
+
+    plots: bool = True
 
 
 def control_config(profile: Profile) -> StepControlConfig:

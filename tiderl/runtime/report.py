@@ -12,6 +12,9 @@ beside them:
     report.md            summary table, per-step table, role changes, the three images, and
                          the TensorBoard logdir and wandb runs the job wrote (logging.backends)
 
+The PNGs take a few seconds of matplotlib; ``report.plots: false`` in the profile leaves them
+out (report.md says so), as the tests of jobs that do not look at them do.
+
 `read_records` reads metrics.jsonl back into records; `summarize` gives the summary numbers
 alone (the benchmarks and the CLI reuse both). `goodput_reward_figure` and `readiness_figure`
 build the figures the PNGs are saved from. Plots use matplotlib's Agg backend: no display needed.
@@ -115,15 +118,16 @@ def summarize(metrics: list[StepRecord]) -> Row:
     }
 
 
-def write_report(run_dir: Path, *, title: str | None = None) -> Path:
-    """Write the three PNGs (when there are steps) and `report.md` into `run_dir`."""
+def write_report(run_dir: Path, *, title: str | None = None, plots: bool = True) -> Path:
+    """Write the three PNGs (when there are steps and ``plots``: the profile's
+    ``report.plots``) and `report.md` into `run_dir`."""
     run_dir = Path(run_dir)
     # a resumed job appended the steps it trained again after its checkpoint: the last run's
     # record of each step is the one its model descends from
     metrics = list({m.step: m for m in read_records(run_dir / "metrics.jsonl")}.values())
     metrics.sort(key=lambda m: m.step)
     events = read_jsonl(run_dir / "events.jsonl")
-    if metrics:
+    if metrics and plots:
         save_figure(goodput_reward_figure(metrics), run_dir / IMAGES[0])
         _plot_roles(metrics, run_dir / IMAGES[1])
         plot_readiness(metrics, run_dir / IMAGES[2])
@@ -136,7 +140,8 @@ def write_report(run_dir: Path, *, title: str | None = None) -> Path:
     lines += _events_section(events)
     if metrics:
         lines += ["## Figures", ""]
-        lines += [line for name in IMAGES for line in (f"![{name[:-4]}]({name})", "")]
+        lines += ([line for name in IMAGES for line in (f"![{name[:-4]}]({name})", "")] if plots
+                  else ["Not drawn (the profile's report.plots is false).", ""])
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -22,7 +22,7 @@ JOB = [
     "ers.batch_min=4", "ers.batch_ideal=8", "env.envs=[calc]", "env.tasks={}", "env.options={}",
     "env.max_turns=3",
     "engine.max_new_tokens=24", "engine.kv_cache_tokens=4096", "runtime.heartbeat_s=0.5",
-    "runtime.steps=2", "logging.rollouts=true",
+    "runtime.steps=2", "logging.rollouts=true", "report.plots=false",
 ]
 
 

@@ -22,11 +22,13 @@ from tiderl.runtime.bus import (
     load_job_keys,
     rank_identity,
 )
+from tiderl.runtime.report import IMAGES
 
 SMALL = [
     "runtime.num_ranks=3", "runtime.rollout_ranks=2", "runtime.group_size=4",
     "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
+    "report.plots=false",  # the report's figures: drawn by the jobs of the tests that read them
 ]
 
 
@@ -54,7 +56,8 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     Meanwhile a client with other keys knocks on the bus. Its coordinator logs to TensorBoard
     and an offline wandb run too."""
     offline_wandb(monkeypatch, tmp_path / "home")
-    profile = _small(3, "runtime.rollout_ranks=1", "logging.backends=[jsonl,tensorboard,wandb]")
+    profile = _small(3, "runtime.rollout_ranks=1", "logging.backends=[jsonl,tensorboard,wandb]",
+                     "report.plots=true")
     knocked = threading.Event()
 
     def knock(state: JobState) -> None:
@@ -97,7 +100,8 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     # the stranger never got in: the bus rejected it and said so
     log = (result.run_dir / "logs" / "coordinator.log").read_text()
     assert "bus: rejected a peer" in log and "unknown CURVE key" in log
-    assert "report.md" in str(result.report) and (result.run_dir / "roles.png").exists()
+    assert "report.md" in str(result.report)
+    assert all((result.run_dir / name).stat().st_size > 0 for name in IMAGES)
     # the same steps in TensorBoard and in the wandb run, and the report links both
     steps = [m["step"] for m in metrics]
     assert [step for step, _ in tensorboard_scalars(result.run_dir / "tensorboard")["loss"]] == \

@@ -20,6 +20,7 @@ SMALL_JOB = [
     "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
     "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
+    "report.plots=false",  # the report's figures: drawn by the jobs of the tests that read them
 ]
 
 

@@ -21,6 +21,7 @@ from tests.integration.sshd import SSHNode, client_key, sshd
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.launch.local import JobState, group_members, is_running
 from tiderl.runtime.bus.keys import SERVER_SECRET
+from tiderl.runtime.report import IMAGES
 
 TIMEOUT_S = 300
 
@@ -72,7 +73,7 @@ def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
     _, a, b = nodes
     hosts = _hosts_yaml(tmp_path / "hosts.yaml", a, b)
     logging = ["--set", "logging.backends=[jsonl,tensorboard,wandb]",
-               "--set", "logging.rollouts=true"]
+               "--set", "logging.rollouts=true", "--set", "report.plots=true"]
     proc = subprocess.run([*tiderl_command(), *_launch_argv(hosts, tmp_path / "runs", 3),
                            *logging], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,6 +103,7 @@ def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
     assert accounting["fed"] == sum(accounting[k] for k in ("trained", "dropped", "buffered",
                                                               "rolling_out"))
     assert (run_dir / "report.md").exists()
+    assert all((run_dir / name).stat().st_size > 0 for name in IMAGES)  # the figures too
     assert "rank2" in (run_dir / "logs" / "rank2.log").read_text()  # fetched from node b
     # the coordinator's TensorBoard and wandb folders (nested) and each node's recorded episodes
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,5 +1,5 @@
 """Stopping processes on a node, run there over SSH by the launcher and ``tiderl stop`` (the same
-code the local executor uses; states are read with a plain ``cat /proc/PID/stat``)::
+code the local executor uses; states are read from ``/proc/PID/stat`` over SFTP)::
 
     python -m tiderl.launch.nodectl stop [--grace S] PID...  {"PID": "terminated" | ...}
 

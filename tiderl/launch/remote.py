@@ -20,6 +20,7 @@ following a job is one piece of code (:func:`tiderl.launch.job.follow_job`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
@@ -82,17 +83,20 @@ class SSHExecutor:
         self._polled = 0.0
 
     def start(self, specs: Sequence[ProcessSpec]) -> None:
-        """Start each process on its node; if one fails, stop everything started and raise."""
-        for spec in specs:
-            log = f"{spec.run_dir}/logs/{spec.name}.log"
+        """Start each process on its node, in order, a node's consecutive ones in one command;
+        if one fails, stop everything started and raise."""
+        for host, group in itertools.groupby(specs, key=lambda spec: spec.host):
+            batch = [(spec, f"{spec.run_dir}/logs/{spec.name}.log") for spec in group]
             try:
-                pid = self.sessions[spec.host].start(spec.argv, spec.env, log)
+                pids = self.sessions[host].start([(spec.argv, spec.env, log)
+                                                  for spec, log in batch])
             except NodeError:
                 self.stop(grace_s=2.0)
                 raise
-            self.state.processes.append(ProcessRecord(
-                name=spec.name, kind=spec.kind, pid=pid, log=log, argv=list(spec.argv),
-                rank=spec.rank, host=spec.host))
+            for (spec, log), pid in zip(batch, pids, strict=True):
+                self.state.processes.append(ProcessRecord(
+                    name=spec.name, kind=spec.kind, pid=pid, log=log, argv=list(spec.argv),
+                    rank=spec.rank, host=spec.host))
             self.state.save()
 
     def exited(self) -> list[tuple[ProcessRecord, int]]:

@@ -8,6 +8,7 @@ torch, ZeroMQ or SSH client (``tests/integration/test_cli_help.py`` checks it).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -62,7 +63,17 @@ app.add_typer(model.app, name="model")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; every error becomes one line on stderr and an exit code, never a traceback
-    (unless ``--debug`` or ``TIDERL_DEBUG=1``)."""
+    (unless ``--debug`` or ``TIDERL_DEBUG=1``). Run as the program (``argv`` None: the
+    process exits next), it spares the exit its last garbage collections over every object a
+    command made (about 0.5 s of CPU after one that loaded torch); atexit handlers still run."""
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            gc.freeze()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("TIDERL_DEBUG") == "1"
     command = typer.main.get_command(app)

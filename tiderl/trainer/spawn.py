@@ -7,6 +7,7 @@ group the same way (``init_rank``) from an address the coordinator hands out. Ea
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -74,6 +75,10 @@ def _child(rank: int, world_size: int, init_method: str, fn: Callable, arg: Any,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # the parent joins this process: skip the exit's last garbage collections over every
+        # object torch made (about 1 s on 2 cores); the result is on the queue, which is
+        # flushed at exit as before
+        gc.freeze()
 
 
 def _check_alive(procs: list, values: dict, deadline: float, timeout_s: float) -> None:

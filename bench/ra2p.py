@@ -77,8 +77,9 @@ class BenchConfig:
     model_size: str = "tiny"
 
 
-QUICK = BenchConfig(num_micro_batches=4, seq_tokens=128, profile_iters=2, mode_repeats=1,
-                    grid_ras=(0, 4), grid_tprm_s=(0.2,))
+# a check that it runs (tests/integration/test_trainer_dist.py), not a measurement
+QUICK = BenchConfig(num_micro_batches=2, seq_tokens=32, profile_iters=2, mode_repeats=1,
+                    grid_ras=(0, 2), grid_tprm_s=(0.1,))
 
 
 def _step(config: BenchConfig, vocab_size: int) -> StepInput:
@@ -348,7 +349,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="4 smaller micro-batches, a 2-cell grid, no repeats")
+                        help="2 micro-batches of 12x32 tokens, a 2-cell grid, no repeats "
+                             "(a check that it runs)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "ra2p.json")
     args = parser.parse_args()

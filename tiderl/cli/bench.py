@@ -23,8 +23,8 @@ def ra2p(
     out: Path = typer.Option(Path("bench/results/ra2p.json"), "--out",
                              help="Where the JSON result is written (the PNG goes beside it)."),
     quick: bool = typer.Option(False, "--quick",
-                               help="4 smaller micro-batches, a 2-cell grid, no repeats "
-                                    "(a check that it runs, not a measurement)."),
+                               help="2 micro-batches of 12x32 tokens, a 2-cell grid, no "
+                                    "repeats (a check that it runs, not a measurement)."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """RA2P modes (colocated, decoupled, vanilla streaming) on local ranks vs the cost model."""

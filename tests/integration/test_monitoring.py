@@ -1,6 +1,7 @@
-"""Monitoring against real processes: the coordinator's /metrics of a running job, `tiderl profile
-kv` against that job, a real `tiderl engine serve` and recorded vLLM/SGLang pages, and `tiderl
-profile readiness` on the job's metrics.jsonl.
+"""Monitoring against real processes: `tiderl profile kv` against a real `tiderl engine serve` and
+recorded vLLM/SGLang pages, and the one-line errors of `profile kv` and `profile readiness`. The
+coordinator's /metrics of a running job, and `profile kv` and `profile readiness` of that job:
+tests/integration/test_job_control.py (one job for the commands that act on one).
 
 vLLM and SGLang cannot run here: ``FakeVLLMMetricsServer`` and ``FakeSGLangMetricsServer`` are
 real HTTP servers that serve their recorded formats (see tests/unit/test_profile_kv.py), with
@@ -14,11 +15,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.integration.running_job import running_job
 from tests.integration.serving import free_port, serving, tiderl_command
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tests.unit.test_profile_kv import sglang_text, vllm_text
@@ -167,61 +163,6 @@ async def _repeat_prompts(url: str, until: float) -> None:
         while time.monotonic() < until:
             await client.generate(f"t{k}", list(range(10, 58)), sampling)
             k += 1
-
-
-# -- a real job ----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("monitoring") / "runs"
-    with running_job(root, wait_steps=2) as (state, _launcher):
-        yield state, root
-
-
-def test_the_coordinator_serves_its_metrics(job):
-    state, _root = job
-    text = httpx.get(state.info["metrics"], timeout=5).text
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
-    names = {name for name, _ in samples}
-    assert set(TEN) <= names, set(TEN) - names
-    assert samples[("tiderl_trained_tokens_total", ())] > 0
-    assert samples[("tiderl_goodput_tokens_total", ())] == samples[
-        ("tiderl_trained_tokens_total", ())]
-    ranks = {dict(labels)["role"]: v for (name, labels), v in samples.items()
-             if name == "tiderl_ranks"}
-    assert set(ranks) == {"rollout", "ref", "actor", "idle"}
-    assert sum(ranks.values()) == 3
-    modes = [v for (name, _), v in samples.items() if name == "tiderl_ra2p_mode"]
-    assert sorted(modes) == [0, 0, 0, 0, 1]  # one series per step mode, the last step's 1
-
-
-def test_profile_kv_of_the_job(job):
-    state, root = job
-    data = profile_kv_json("--job", state.job_id, "--run-root", str(root), "--duration", "2",
-                           "--interval", "0.5")
-    assert data["source"] == "tiderl coordinator"
-    assert data["url"] == state.info["metrics"]
-    assert len(data["samples"]) == 4
-    assert all(0.0 <= s["usage"] <= 1.0 and s["capacity_tokens"] > 0 for s in data["samples"])
-    assert {s["hit_rate_kind"] for s in data["samples"]} == {"gauge"}
-
-
-def test_profile_readiness_of_the_job(job):
-    state, root = job
-    proc = tiderl("profile", "readiness", "--job", state.job_id, "--run-root", str(root))
-    assert proc.returncode == 0, proc.stderr
-    assert "RAS" in proc.stdout and "TPRM s" in proc.stdout and "micro-batches" in proc.stdout
-    png = f"{state.run_dir}/readiness.png"
-    assert f"plot: {png}" in proc.stdout.replace("\n", "")
-    data = json.loads(tiderl("profile", "readiness", "--job", state.job_id, "--run-root",
-                             str(root), "--json").stdout)
-    assert len(data["steps"]) >= 2
-    assert set(data["steps"][0]) == {"step", "ras", "tprm_s", "mode", "num_micro_batches",
-                                     "step_s"}
-    assert data["png"] == png
-    with open(png, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_readiness_of_no_job_is_one_line(tmp_path):

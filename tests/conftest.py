@@ -6,6 +6,16 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests that run torch in this process use tiny models: one intra-op thread. Two (the
+    default on 2 cores) spin against whatever else runs there: three trainer test files took
+    21-76 s with two and 9-17 s with one while other processes shared the cores (on idle cores
+    the unit and fuzz tests take about the same either way, 48.6 s vs 47.2 s)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _has_cuda() -> bool:
     try:
         import torch

@@ -2,7 +2,11 @@
 
 Used by the trainer benchmark and the multi-process tests; the runtime's rank daemons join their
 group the same way (``init_rank``) from an address the coordinator hands out. Each rank is a real
-``spawn``-ed process with its own interpreter, so nothing is shared but the sockets.
+process of its own, so nothing is shared but the sockets: multiprocessing's ``forkserver``
+forks it from a server process that has only imported ``PRELOAD`` (torch, and what DDP imports
+on first use), once for all the groups this process runs. A ``spawn``-ed interpreter imported
+all of it again for every rank: about 5 s of CPU each (2 of them DDP's first wrap, which
+imports torch._dynamo through torch.distributed._functional_collectives).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import gc
 import os
 import pickle
 import queue
+import random
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 T = TypeVar("T")
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed._functional_collectives",
+           "tiderl.trainer.parallel", "tiderl.trainer.spawn")
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,11 @@ def init_rank(rank: int, world_size: int, init_method: str, *, device: str = "cp
 def _child(rank: int, world_size: int, init_method: str, fn: Callable, arg: Any,
            device: str, threads: int, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # forked, it starts with the server's random state: seeded afresh, as a new interpreter is
+    random.seed()
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     try:
         ctx = init_rank(rank, world_size, init_method, device=device, threads=threads)
         value = fn(ctx, arg)
@@ -92,13 +106,14 @@ def _check_alive(procs: list, values: dict, deadline: float, timeout_s: float) -
 
 def run_ranks(fn: Callable[[RankContext, Any], T], world_size: int, arg: Any = None, *,
               device: str = "cpu", threads: int = 1, timeout_s: float = 600.0) -> list[T]:
-    """``fn(ctx, arg)`` on ``world_size`` spawned processes; their return values by rank.
+    """``fn(ctx, arg)`` on ``world_size`` rank processes; their return values by rank.
 
     ``fn`` must be a module-level function and its argument and result picklable. The first
     rank to fail (or a timeout) raises ``RankError`` with its traceback, and every rank process
     is terminated: nothing is left running.
     """
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the first call
     results = context.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [context.Process(target=_child, daemon=True,

@@ -9,8 +9,8 @@ another (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, made a
 On a CPU with oneDNN each stacked weight is kept in oneDNN's own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``, the pair
 inductor's weight freezing uses), which runs 2-2.5x as fast as ``F.linear`` for these shapes,
-decode rows and prefill chunks alike (docs/engine.md), and can fuse a SiLU ("swish") into the
-GEMM. Elsewhere it is ``F.linear`` on the stacked weight.
+decode rows and prefill chunks alike (docs/engine.md). Elsewhere it is ``F.linear`` on the
+stacked weight.
 
 The copies cost the weights' memory once more; the parameters stay as they are (weight sync and
 the trainer read them). The copies follow the parameters: :meth:`refresh` checks every weight's
@@ -25,8 +25,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-_ACTIVATIONS = {"none": "none", "silu": "swish"}  # ours -> oneDNN's post-op name
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -47,16 +45,12 @@ class PackedLinears:
         self.packed: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._stamp: tuple[tuple[int, int], ...] = ()
 
-    def __call__(self, first: nn.Linear, x: torch.Tensor, activation: str = "none"
-                 ) -> torch.Tensor:
-        """The outputs of the group led by ``first`` on ``x``, concatenated, then the activation
-        (``none`` or ``silu``)."""
+    def __call__(self, first: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """The outputs of the group led by ``first`` on ``x``, concatenated."""
         weight, bias = self.packed[first]
         if not self.enabled:
-            out = F.linear(x, weight, bias)
-            return F.silu(out) if activation == "silu" else out
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, _ACTIVATIONS[activation],
-                                                  [], "")
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     def refresh(self) -> None:
         """Rebuild every copy if any weight changed since the last call (call once a step)."""

@@ -1,7 +1,8 @@
 """The commands that act on a running local job, on one real job started for this module:
-`tiderl status | logs | top | profile | stop` and the coordinator's /metrics (a job killed under
-its ranks: tests/chaos). The tests read the job in turn; the last one follows it with `top` (in
-a real terminal, through a frozen coordinator) and `logs -f` until `tiderl stop` ends it."""
+`tiderl status | logs | top | profile | stop`, the coordinator's /metrics and the launcher's
+own progress lines (a job killed under its ranks: tests/chaos). The tests read the job in turn;
+the last one follows it with `top` (in a real terminal, through a frozen coordinator) and
+`logs -f` until `tiderl stop` ends it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.running_job import running_job
 from tests.integration.serving import tiderl_command
 from tests.integration.test_cli import assert_one_line_error, tiderl
+from tests.integration.test_cli_progress_status import STEP_LINE
 from tests.integration.test_monitoring import TEN, profile_kv_json
 from tests.integration.test_top import CONNECTED, STEP, Pane, require_tmux, status_line
 from tiderl.launch.local import JobState, group_members, is_running
@@ -56,6 +59,28 @@ def test_status_and_logs_read_the_running_job(job):
     assert all(p["state"].startswith("running") for p in detail["processes"])
     coordinator = tiderl("logs", state.job_id, "--process", "coordinator", *root)
     assert coordinator.returncode == 0 and "rank 2 up" in coordinator.stdout
+
+
+def test_off_a_terminal_the_launcher_prints_one_plain_line_per_step_as_it_goes(job):
+    """Its output goes to a file here (running_job), which is to it what a pipe is: not a
+    terminal. Read while the job runs: a line per step, no redraws, no colour codes."""
+    _state, launcher, run_root = _running(job)
+    log = run_root / "launcher.log"
+    deadline = time.monotonic() + 120
+    while not any(_step(line) == 2 for line in log.read_text().splitlines()):
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    lines = log.read_text().splitlines()
+    steps = [_step(line) for line in lines if _step(line) is not None]
+    assert steps[:2] == [1, 2] and steps == sorted(set(steps)), lines  # one line per step
+    assert not any("\r" in line or "\x1b" in line for line in lines), lines
+    assert all(line.count("step ") == 1 for line in lines if _step(line) is not None)
+
+
+def _step(line: str) -> int | None:
+    match = STEP_LINE.match(line)
+    return int(match.group(1)) if match else None
 
 
 def test_top_once_shows_the_newest_job(job):

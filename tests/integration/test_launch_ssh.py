@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -128,26 +129,17 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         job = _wait_for_step(run_root, tmp_path / "a", launcher, step=1)
-        status = tiderl("status", job, "--run-root", str(run_root), "--json")
-        assert status.returncode == 0, status.stderr
-        payload = json.loads(status.stdout)
-        assert payload["state"] == "running" and payload["where"] == "a, b"
-        assert {p["node"] for p in payload["processes"] if p["name"] == "rank2"} == {"b"}
-        assert all(p["state"].startswith("running") for p in payload["processes"])
-        logs = tiderl("logs", job, "--rank", "2", "--run-root", str(run_root))
-        assert logs.returncode == 0 and " rank2 " in logs.stdout  # read from node b over SSH
-        every = tiderl("logs", job, "--run-root", str(run_root))
-        assert "coordinator | " in every.stdout and "      rank2 | " in every.stdout
-        assert_one_line_error(tiderl("logs", job, "--rank", "7", "--run-root", str(run_root)), 1)
+        root = ("--run-root", str(run_root))
         state = JobState.load(run_root / job)
-        _top_rebalance_and_profile_work_on_it(job, run_root, state)
-        stop = tiderl("stop", job, "--run-root", str(run_root), "--json")
+        _reads_work_on_it(job, root, state)
+        _rebalance_works_on_it(job, root)
+        stop = tiderl("stop", job, *root, "--json")
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout)["launcher_stopped"] is True
         assert launcher.wait(30) == 143  # SIGTERM: it stopped the job and said so
         _assert_nothing_left(state)
         assert (run_root / job / "metrics.jsonl").exists()  # fetched when it stopped
-        ended = tiderl("top", job, "--run-root", str(run_root), "--once", "--timeout", "5")
+        ended = tiderl("top", job, *root, "--once", "--timeout", "5")
         assert "ended" in assert_one_line_error(ended, 1)  # read on its nodes over SSH
     finally:
         if launcher.poll() is None:
@@ -156,14 +148,49 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
         log.close()
 
 
-def _top_rebalance_and_profile_work_on_it(job: str, run_root: Path, state: JobState) -> None:
-    root = ("--run-root", str(run_root))
-    top = tiderl("top", job, *root, "--once", "--json")
+def _reads_work_on_it(job: str, root: tuple[str, ...], state: JobState) -> None:
+    """The commands that only read the job, each a new `tiderl` process as a user runs it, all
+    at once (over SSH on both nodes, and from the coordinator), and its /metrics."""
+    commands = {
+        "status": ("status", job, *root, "--json"),
+        "logs of rank 2": ("logs", job, "--rank", "2", *root),
+        "every log": ("logs", job, *root),
+        "logs of rank 7": ("logs", job, "--rank", "7", *root),
+        "top": ("top", job, *root, "--once", "--json"),
+        "readiness": ("profile", "readiness", "--job", job, *root, "--json"),
+        "kv": ("profile", "kv", "--job", job, *root, "--duration", "1", "--interval", "0.5",
+               "--json"),
+    }
+    with ThreadPoolExecutor(len(commands)) as pool:
+        running = {name: pool.submit(tiderl, *args) for name, args in commands.items()}
+        text = httpx.get(state.info["metrics"], timeout=10).text  # the coordinator's /metrics
+        done = {name: future.result() for name, future in running.items()}
+    assert "tiderl_goodput_tokens_total" in text and 'tiderl_ranks{role="rollout"}' in text
+    status = done["status"]
+    assert status.returncode == 0, status.stderr
+    payload = json.loads(status.stdout)
+    assert payload["state"] == "running" and payload["where"] == "a, b"
+    assert {p["node"] for p in payload["processes"] if p["name"] == "rank2"} == {"b"}
+    assert all(p["state"].startswith("running") for p in payload["processes"])
+    logs = done["logs of rank 2"]
+    assert logs.returncode == 0 and " rank2 " in logs.stdout  # read from node b over SSH
+    every = done["every log"]
+    assert "coordinator | " in every.stdout and "      rank2 | " in every.stdout
+    assert_one_line_error(done["logs of rank 7"], 1)
+    top = done["top"]
     assert top.returncode == 0, top.stderr
     snapshot = json.loads(top.stdout)["snapshot"]
     assert len(snapshot["roles"]) == 3 and snapshot["metrics"]["steps"] == 500
-    text = httpx.get(state.info["metrics"], timeout=10).text  # the coordinator's /metrics
-    assert "tiderl_goodput_tokens_total" in text and 'tiderl_ranks{role="rollout"}' in text
+    readiness = done["readiness"]
+    assert readiness.returncode == 0, readiness.stderr
+    steps = json.loads(readiness.stdout)["steps"]  # metrics.jsonl, fetched from node a
+    assert len(steps) >= 1 and Path(json.loads(readiness.stdout)["png"]).exists()
+    kv = done["kv"]
+    assert kv.returncode == 0, kv.stderr
+    assert json.loads(kv.stdout)["samples"]
+
+
+def _rebalance_works_on_it(job: str, root: tuple[str, ...]) -> None:
     rebalance = tiderl("rebalance", job, "--rollout", "2", "--trainer", "1", *root, "--json")
     assert rebalance.returncode == 0, rebalance.stderr
     applied = json.loads(rebalance.stdout)
@@ -171,14 +198,6 @@ def _top_rebalance_and_profile_work_on_it(job: str, run_root: Path, state: JobSt
         "actor", "rollout", "rollout"]
     refused = tiderl("rebalance", job, "--rollout", "3", "--trainer", "1", *root)
     assert "3 live ranks" in assert_one_line_error(refused, 1)
-    readiness = tiderl("profile", "readiness", "--job", job, *root, "--json")
-    assert readiness.returncode == 0, readiness.stderr
-    steps = json.loads(readiness.stdout)["steps"]  # metrics.jsonl, fetched from node a
-    assert len(steps) >= 1 and Path(json.loads(readiness.stdout)["png"]).exists()
-    kv = tiderl("profile", "kv", "--job", job, *root, "--duration", "1", "--interval", "0.5",
-                "--json")
-    assert kv.returncode == 0, kv.stderr
-    assert json.loads(kv.stdout)["samples"]
 
 
 def _wait_for_step(run_root: Path, workdir_a: Path, launcher: subprocess.Popen,

@@ -1,12 +1,12 @@
-"""`tiderl bench e2e` and `bench ctb` render every ratio their benches write (e2e: with or
-without CPU ceilings)."""
+"""`tiderl bench e2e`, `bench ctb` and `bench engine` render every ratio their benches write (e2e:
+with or without CPU ceilings)."""
 
 import json
 from pathlib import Path
 
 from rich.console import Console
 
-from tiderl.cli.bench import _render_ctb, _render_e2e
+from tiderl.cli.bench import _render_ctb, _render_e2e, _render_engine
 
 RESULT = Path(__file__).parents[2] / "bench" / "results" / "e2e.json"
 
@@ -42,3 +42,17 @@ def test_bench_ctb_shows_each_policy_and_each_ratio_beside_the_paper():
         assert name in text
     line = next(row for row in text.splitlines() if "hit_rate_ratio " in row)
     assert str(result["ratios"]["hit_rate_ratio"]) in line and "1.58" in line
+
+
+def test_bench_engine_shows_each_decode_ratio_and_the_batch_32_split():
+    result = json.loads((RESULT.parent / "engine.json").read_text())
+    console = Console(record=True, width=120)
+    _render_engine(console, result)
+    text = console.export_text()
+    for key in result["decode_tok_s"]:
+        assert key in text
+    for key, split in result["b32_fp32_split"].items():
+        line = next(row for row in text.splitlines() if f"{key} " in row)
+        engine = split["engine"]
+        assert f"{engine['prefill_ms']} / {engine['decode_step_ms']}" in line
+        assert str(split["speedup"]) in line

@@ -4,6 +4,7 @@ and per-task state that ends with its task (exact counts, not memory)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import pytest
@@ -118,3 +119,41 @@ def test_per_task_state_ends_with_the_task_and_with_a_flush(model):
     assert after_flush == {"kept"}  # a flush frees every unpinned task's state
     eng.forget("kept")
     assert kv.task_ids == set() and eng.token_usage().num_pinned_tokens == 0
+
+
+def test_generate_waits_for_a_step_off_the_event_loop_and_a_cancelled_turn_leaves_nothing(model):
+    """A step holds the engine lock for its whole forward: ``generate`` waits for it in a
+    thread, so the event loop keeps serving; cancelled while it waits, the turn is withdrawn
+    (whichever of the cancel and the queueing thread comes first)."""
+    eng = engine(model)
+    held, ticked, seen = threading.Event(), threading.Event(), {}
+
+    def step() -> None:  # holds the lock until the event loop has run on (or 30 s passed)
+        with eng._lock:
+            held.set()
+            seen["loop_ran"] = ticked.wait(30)
+
+    async def scenario():
+        turn = asyncio.create_task(eng.generate("t", [7, 8, 9], SamplingParams(3, 0.0)))
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        ticked.set()
+        waiting = not turn.done()
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        for _ in range(1000):  # the queueing thread may still be on its way to the lock
+            if not eng._withdrawn:
+                break
+            await asyncio.sleep(0.01)
+        return waiting, await eng.generate("u", [7, 8, 9], SamplingParams(3, 0.0))
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    held.wait()
+    waiting, after = asyncio.run(scenario())
+    stepping.join()
+    assert seen["loop_ran"] and waiting
+    assert eng._withdrawn == set() and not eng.scheduler.has_unfinished
+    assert not eng.scheduler.requests  # the cancelled turn is not left queued
+    assert len(after.output_ids) == 3  # and the engine still serves

@@ -94,6 +94,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[str, asyncio.Future[Request]] = {}
+        self._withdrawn: set[str] = set()  # cancelled before their thread queued them
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -132,29 +133,45 @@ class LLMEngine:
                     sampling: SamplingParams) -> Request:
         """Validate and queue one turn (the synchronous half of ``generate``); ``max_tokens``
         is cut to the context left after the prompt."""
+        request = self._new_request(task_id, prompt_ids, sampling)
+        self._enqueue(request)
+        return request
+
+    def _new_request(self, task_id: str, prompt_ids: list[int],
+                     sampling: SamplingParams) -> Request:
         self._validate(prompt_ids, sampling)
         room = self.max_model_len - len(prompt_ids)
         if sampling.max_tokens > room:
             sampling = replace(sampling, max_tokens=room)
         self._validate_kv(prompt_ids, sampling)
-        request = Request(f"{task_id}#{next(self._ids)}", task_id, list(prompt_ids), sampling)
+        return Request(f"{task_id}#{next(self._ids)}", task_id, list(prompt_ids), sampling)
+
+    def _enqueue(self, request: Request) -> None:
         with self._lock:
+            if request.request_id in self._withdrawn:  # its caller was cancelled first
+                self._withdrawn.discard(request.request_id)
+                return
             if self._asleep:
                 raise EngineAsleepError("the engine is asleep: wake_up loads weights first")
             self.scheduler.add_request(request)
-        return request
 
     async def generate(self, task_id: str, prompt_ids: list[int],
                        sampling: SamplingParams) -> GenerateOutput:
-        request = self.add_request(task_id, prompt_ids, sampling)
+        """Queue the turn and wait for it. The engine lock is taken off the event loop (a step
+        holds it for its whole forward); the future is registered before the request reaches
+        the scheduler, so a step that finishes it at once still finds it."""
+        request = self._new_request(task_id, prompt_ids, sampling)
         future = asyncio.get_running_loop().create_future()
         self._futures[request.request_id] = future
-        self._start_loop()
         try:
+            await asyncio.to_thread(self._enqueue, request)
+            self._start_loop()
             await future
         except asyncio.CancelledError:
-            with self._lock:
-                self.scheduler.abort_request(request.request_id)
+            with self._lock:  # queued: abort it; not yet (its thread still runs): withdraw it
+                if self.scheduler.abort_request(request.request_id) is None \
+                        and request.finish_reason is None:
+                    self._withdrawn.add(request.request_id)
             self._versions.pop(request.request_id, None)
             raise
         finally:

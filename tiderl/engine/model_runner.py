@@ -102,15 +102,14 @@ class ModelRunner:
           and for prefill chunks alike);
         - q and k rotated together, their rows looked up in a table kept across steps (same
           formula as :class:`~tiderl.models.qwen2.Rotary`);
-        - when every sequence has one new token (``logits_rows`` None: a decode step),
-          :meth:`_decode_attention`; otherwise :func:`paged_attention`, and the lm_head only on
-          ``logits_rows``."""
+        - attention in two parts (:meth:`_parts`): the sequences with one new token through
+          :meth:`_decode_attention`, those with more through :func:`paged_attention`;
+        - the lm_head only on ``logits_rows`` (None: every row)."""
         linear, (heads, kv_heads, dim) = self.linears, self._heads
         linear.refresh()
         qk_width, num_tokens = (heads + kv_heads) * dim, len(input_ids)
         cos, sin = self._rotary_rows(positions)
-        bias = self._decode_mask(batch, kv_heads, heads // kv_heads) if logits_rows is None \
-            else None
+        parts = self._parts(positions, batch)
 
         def attend(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             qkv = linear(layer.qkv, x)  # [T, (H + 2 Hkv) D]: q, k, v side by side
@@ -120,10 +119,14 @@ class ModelRunner:
             cache = self.kv_cache[layer.index]
             write_kv(cache, qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim),
                      batch.slot_mapping)
-            if bias is None:
-                out = paged_attention(qk[:, :heads], cache, positions, batch)
+            q = qk[:, :heads]
+            if len(parts) == 1:
+                out = self._attention(parts[0], q, cache)
             else:
-                out = self._decode_attention(qk[:, :heads], cache, batch, bias)
+                out = torch.empty_like(q)
+                for part in parts:
+                    out.index_copy_(0, part.rows, self._attention(
+                        part, q.index_select(0, part.rows), cache))
             return linear(layer.o, out.reshape(num_tokens, heads * dim))
 
         x = self.model.model.embed_tokens(input_ids)
@@ -134,6 +137,46 @@ class ModelRunner:
         if logits_rows is not None:
             x = x[logits_rows]
         return linear(self.model.lm_head, rms_norm(self.model.model.norm, x))
+
+    def _parts(self, positions: torch.Tensor, batch: PagedBatch) -> list[_Part]:
+        """The step's attention problems: the sequences that decode one token, and those with a
+        prefill chunk. Apart, a mixed step costs what its two halves cost: padded into one
+        problem, each decode row would be padded to the longest chunk (one 40-token chunk
+        joining 16 decoding sequences of the small model made a 5.9 ms step 39 ms). Each part's
+        block tables are cut to its own longest context."""
+        counts = batch.query_start_loc.diff()
+        decode = (counts == 1).nonzero().view(-1)
+        if len(decode) in (0, len(counts)):  # one kind only: the whole batch, as it is
+            return [self._part(positions, batch, decode=len(decode) > 0)]
+        prefill = (counts > 1).nonzero().view(-1)
+        starts = batch.query_start_loc.tolist()
+        prefill_rows = list(chain.from_iterable(range(starts[s], starts[s + 1])
+                                                for s in prefill.tolist()))
+        return [self._part(positions, batch, True, decode, batch.query_start_loc[decode]),
+                self._part(positions, batch, False, prefill,
+                           torch.tensor(prefill_rows, device=self.device))]
+
+    def _part(self, positions: torch.Tensor, batch: PagedBatch, decode: bool,
+              seqs: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> _Part:
+        """The attention problem of the batch's sequences ``seqs`` (None: all of them), whose new
+        tokens are the packed ``rows``; ``decode``: each has one new token."""
+        if seqs is not None:
+            context_lens = batch.context_lens.index_select(0, seqs)
+            width = -(-int(context_lens.max()) // self.block_size)
+            counts = batch.query_start_loc.diff().index_select(0, seqs)
+            batch = PagedBatch(batch.slot_mapping.index_select(0, rows),
+                               batch.block_tables.index_select(0, seqs)[:, :width].contiguous(),
+                               context_lens, F.pad(counts.cumsum(0), (1, 0)))
+            positions = positions.index_select(0, rows)
+        heads, kv_heads, _ = self._heads
+        bias = self._decode_mask(batch, kv_heads, heads // kv_heads) if decode else None
+        return _Part(rows, positions, batch, bias)
+
+    def _attention(self, part: _Part, q: torch.Tensor, layer_cache: torch.Tensor
+                   ) -> torch.Tensor:
+        if part.decode_bias is None:
+            return paged_attention(q, layer_cache, part.positions, part.batch)
+        return self._decode_attention(q, layer_cache, part.batch, part.decode_bias)
 
     def _decode_mask(self, batch: PagedBatch, kv_heads: int, groups: int) -> torch.Tensor:
         """Additive float32 mask [B * Hkv, G, L] of a decode step, shared by every layer: 0 up
@@ -181,6 +224,18 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """Zero the cache (not needed for correctness: stale slots are never attended)."""
         self.kv_cache.zero_()
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One attention problem of a step: the packed ``rows`` of its sequences' new tokens (None:
+    every row), their positions and batch; ``decode_bias`` (the additive mask of
+    :meth:`ModelRunner._decode_mask`) when each of its sequences has one new token."""
+
+    rows: torch.Tensor | None
+    positions: torch.Tensor
+    batch: PagedBatch
+    decode_bias: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)

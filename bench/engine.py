@@ -9,7 +9,8 @@
    the split: prefill (prompts and first token) and each further decode step, both sides, at 2
    threads and at 1.
 2. Prefix reuse: prompt tokens computed for a turn that extends a cached context vs the same
-   prompt with an empty cache.
+   prompt with an empty cache. Mixed steps: a prompt joining 16 or 32 decoding sequences, with
+   decode and prefill attention apart (the engine) vs padded into one problem.
 3. Multi-turn tasks with environment pauses (asyncio sleeps) on a KV pool smaller than the working
    set: request-level scheduling at a fixed concurrency (no pins) vs token-budget admission with
    pinning (a task is admitted only when its final footprint fits the pool; pinned while active).
@@ -183,6 +184,57 @@ def prefix_section() -> dict:
             "turn_s_without_cache": round(sorted(s for _, s in without_cache)[1], 4)}
 
 
+# -- mixed steps -----------------------------------------------------------------------------------
+
+def mixed_section(note: Callable[[str], None]) -> dict:
+    """One step of 16 or 32 sequences decoding (200-token prompts, 5 tokens out) that a new
+    prompt of 40 or 300 tokens joins, small model, float32, best of 4: decode and prefill
+    attention apart (the engine) vs padded into one problem (every decode row padded to the
+    chunk), and the decode step without the chunk."""
+    model = init_model("small")
+    config = EngineConfig(kv_cache_tokens=16384, block_size=16, max_num_seqs=64,
+                          max_num_batched_tokens=2048)
+    engine = LLMEngine(model, config, eos_token_id=None)
+    runner, gen, ids = engine.runner, torch.Generator().manual_seed(0), iter(range(10**6))
+    split = runner._parts
+
+    def padded(positions, batch):  # the whole step as one problem
+        return [runner._part(positions, batch, decode=bool((batch.query_start_loc.diff()
+                                                            == 1).all()))]
+
+    def step_ms(batch: int, chunk: int) -> float:
+        times = []
+        for _ in range(4):
+            requests = [engine.add_request(f"d{next(ids)}", torch.randint(
+                10, 1000, (200,), generator=gen).tolist(), SamplingParams(50, 0.0))
+                for _ in range(batch)]
+            for _ in range(5):
+                engine.step()
+            if chunk:
+                engine.add_request(f"p{next(ids)}", torch.randint(
+                    10, 1000, (chunk,), generator=gen).tolist(), SamplingParams(1, 0.0))
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            for request in requests:
+                engine.scheduler.abort_request(request.request_id)
+            while engine.scheduler.has_unfinished:
+                engine.step()
+        return round(min(times) * 1e3, 1)
+
+    out = {}
+    for batch in (16, 32):
+        out[f"b{batch}/decode_only_ms"] = step_ms(batch, 0)
+        for chunk in (40, 300):
+            runner._parts = padded
+            one = step_ms(batch, chunk)
+            runner._parts = split
+            out[f"b{batch}/chunk{chunk}"] = {"apart_ms": step_ms(batch, chunk),
+                                             "padded_ms": one}
+        note(f"mixed steps b{batch}: {out}")
+    return out
+
+
 # -- multi-turn workload ---------------------------------------------------------------------------
 
 WORKLOAD = {"tasks": 24, "turns": (3, 7), "prompt": (96, 160), "observation": (24, 64),
@@ -296,6 +348,7 @@ def run_bench(quick: bool = False, note: Callable[[str], None] = lambda _: None)
     result = decode_section(quick, note)
     result["prefix_reuse"] = prefix_section()
     note(f"prefix reuse: {result['prefix_reuse']}")
+    result["mixed_step"] = mixed_section(note)
     result |= workload_section()
     note(f"pinned vs request-level: {result['pinned_vs_request_level']}")
     result["total_wall_s"] = round(time.perf_counter() - start, 1)

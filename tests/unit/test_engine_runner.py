@@ -9,6 +9,7 @@ import torch
 
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import EngineAsleepError, EngineBusyError, LLMEngine
+from tiderl.engine.model_runner import padding_pays
 from tiderl.engine.request import SamplingParams
 from tiderl.engine.sampler import Sampler
 from tiderl.models.attention import PagedBatch
@@ -246,9 +247,10 @@ def test_kv_on_update_decides_whether_a_pinned_prefix_survives_an_update(
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_runner_forward_equals_the_model_paged_forward(model, dtype, tol):
     """The runner's own forward (packed projections, decode attention by batched matmuls) against
-    the model's forward_paged, step by step on separate caches: chunked prefill, mixed steps
-    (a decoding sequence among prefill chunks, a chunk among decoding sequences), then decode
-    steps of sequences of different lengths over scattered blocks."""
+    the model's forward_paged, step by step on separate caches: prefill chunks of unequal
+    lengths (one attention problem each), mixed steps (a decoding sequence among prefill chunks
+    that share one problem, a chunk among decoding sequences), then decode steps of sequences
+    of different lengths over scattered blocks."""
     local = init_model("tiny", seed=0).to(dtype)
     runner = LLMEngine(local, EngineConfig(kv_cache_tokens=128, block_size=BS), None).runner
     reference = local.new_kv_cache(32, BS)
@@ -256,7 +258,7 @@ def test_runner_forward_equals_the_model_paged_forward(model, dtype, tol):
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(3, 1500, (n,), generator=gen).tolist() for n in (26, 19, 15)]
     done = [0, 0, 0]
-    for step in ([9, 4, 6], [7, 1, 6], [1, 3, 1], [1, 1, 1], [1, 1, 1]):
+    for step in ([12, 2, 3], [7, 1, 6], [1, 3, 1], [1, 1, 1], [1, 1, 1]):
         positions, batch = PagedBatch.build(tables, done, step, BS)
         ids = torch.tensor([t for s, n in enumerate(step) for t in seqs[s][done[s]:done[s] + n]])
         rows = batch.last_token_indices()
@@ -267,3 +269,9 @@ def test_runner_forward_equals_the_model_paged_forward(model, dtype, tol):
         assert ours.dtype == theirs.dtype == dtype
         torch.testing.assert_close(ours.float(), theirs.float(), atol=tol, rtol=tol)
         done = [d + n for d, n in zip(done, step, strict=True)]
+
+
+def test_prefill_chunks_share_one_padded_problem_unless_it_more_than_doubles_their_work():
+    assert padding_pays([33] * 32, [33] * 32)  # equal prompts: no padding at all
+    assert not padding_pays([300, *[30] * 7], [300, *[280] * 7])  # 4.8x the work
+    assert padding_pays([7, 6], [19, 9]) and not padding_pays([12, 2, 3], [12, 2, 3])

@@ -126,6 +126,12 @@ def _render_engine(console: Console, result: dict) -> None:
                           f"{v['transformers']['prefill_ms']} / "
                           f"{v['transformers']['decode_step_ms']}", v["speedup"])
                          for k, v in split.items()]))
+    mixed = result.get("mixed_step", {})
+    console.print(table("a prompt joining decoding sequences: step ms (small, float32)",
+                        ("batch/chunk", "apart", "padded into one", "decode only"),
+                        [(k, v["apart_ms"], v["padded_ms"],
+                          mixed[k.split("/")[0] + "/decode_only_ms"])
+                         for k, v in mixed.items() if isinstance(v, dict)]))
     reuse = result["prefix_reuse"]
     console.print(table("prefix reuse", ("figure", "value"), list(reuse.items())))
     rows = [(name, *(result[name][k] for k in ("hit_rate", "decode_tok_s", "num_preemptions")))

@@ -4,10 +4,10 @@
 
 1. Decode tokens/s (generated tokens / wall time of the whole batch, 32-token prompts included)
    of our engine vs transformers ``generate`` on the same weights: greedy, exactly 64 new tokens
-   (no eos), batch 1/8/32/64, tiny and small, float32 and bfloat16, best of 2 timed runs after a
-   warm-up. Target: >= 2x at batch 32 (tiny and small, float32). At batch 32 in float32 also
-   the split: prefill (prompts and first token) and each further decode step, both sides, at 2
-   threads and at 1.
+   (no eos), batch 1/8/32/64, tiny and small, float32 and bfloat16, best of 3 timed runs after a
+   warm-up, the two sides taking turns. Target: >= 2x at batch 32 (tiny and small, float32).
+   At batch 32 in float32 also the split: prefill (prompts and first token) and each further
+   decode step, both sides, at 2 threads and at 1.
 2. Prefix reuse: prompt tokens computed for a turn that extends a cached context vs the same
    prompt with an empty cache. Mixed steps: a prompt joining 16 or 32 decoding sequences, with
    decode and prefill attention apart (the engine) vs padded into one problem.
@@ -82,19 +82,33 @@ def hf_runner(hf_model, prompts: torch.Tensor) -> Callable[[int], float]:
     return once
 
 
-def tokens_per_s(once: Callable[[int], float], batch: int, repeats: int = 2) -> float:
-    once(8)  # warm-up
-    return batch * NEW_TOKENS / min(once(NEW_TOKENS) for _ in range(repeats))
+def best_times(runners: list[Callable[[int], float]], tokens: int, repeats: int = 3
+               ) -> list[float]:
+    """Each runner's best time for ``tokens`` tokens over ``repeats`` rounds, the runners taking
+    turns within each round (this machine's speed drifts by up to 2x over a minute: turns put
+    both sides under the same drift)."""
+    times: list[list[float]] = [[] for _ in runners]
+    for _ in range(repeats):
+        for once, out in zip(runners, times, strict=True):
+            out.append(once(tokens))
+    return [min(out) for out in times]
 
 
-def split_times(once: Callable[[int], float], repeats: int = 3) -> dict:
-    """Prefill (the prompts and the first token) and each further decode step, from the best
-    of ``repeats`` runs of 1 and of NEW_TOKENS tokens."""
-    once(8)
-    first = min(once(1) for _ in range(repeats))
-    full = min(once(NEW_TOKENS) for _ in range(repeats))
-    return {"prefill_ms": round(first * 1e3, 1),
-            "decode_step_ms": round((full - first) / (NEW_TOKENS - 1) * 1e3, 3)}
+def tokens_per_s(runners: list[Callable[[int], float]], batch: int) -> list[float]:
+    for once in runners:
+        once(8)  # warm-up
+    return [batch * NEW_TOKENS / t for t in best_times(runners, NEW_TOKENS)]
+
+
+def split_times(runners: list[Callable[[int], float]]) -> list[dict]:
+    """Prefill (the prompts and the first token) and each further decode step of each runner,
+    from its best runs of 1 and of NEW_TOKENS tokens."""
+    for once in runners:
+        once(8)
+    firsts, fulls = best_times(runners, 1), best_times(runners, NEW_TOKENS)
+    return [{"prefill_ms": round(first * 1e3, 1),
+             "decode_step_ms": round((full - first) / (NEW_TOKENS - 1) * 1e3, 3)}
+            for first, full in zip(firsts, fulls, strict=True)]
 
 
 def hf_copy(model, dtype: torch.dtype):
@@ -120,8 +134,8 @@ def decode_section(quick: bool, note: Callable[[str], None]) -> dict:
                     continue
                 prompts = torch.randint(10, 1000, (batch, PROMPT_LEN),
                                         generator=torch.Generator().manual_seed(batch))
-                ours[key] = round(tokens_per_s(engine_runner(model, batch, prompts), batch), 1)
-                hf[key] = round(tokens_per_s(hf_runner(hf_model, prompts), batch), 1)
+                ours[key], hf[key] = (round(v, 1) for v in tokens_per_s(
+                    [engine_runner(model, batch, prompts), hf_runner(hf_model, prompts)], batch))
                 note(f"decode {key}: engine {ours[key]} tok/s, transformers {hf[key]} tok/s")
             key = f"{size}/{dname}/b32"
             speedup[f"{size}/{dname}"] = round(ours[key] / hf[key], 2)
@@ -142,11 +156,12 @@ def split_section(note: Callable[[str], None]) -> dict:
         for threads in (2, 1):
             torch.set_num_threads(threads)
             key = f"{size}/threads{threads}"
-            ours = engine_runner(model, 32, prompts)
-            theirs = hf_runner(hf_model, prompts)
-            out[key] = {"engine": split_times(ours), "transformers": split_times(theirs),
-                        "engine_tok_s": round(tokens_per_s(ours, 32), 1),
-                        "transformers_tok_s": round(tokens_per_s(theirs, 32), 1)}
+            runners = [engine_runner(model, 32, prompts), hf_runner(hf_model, prompts)]
+            ours, theirs = split_times(runners)
+            ours_tok_s, theirs_tok_s = tokens_per_s(runners, 32)
+            out[key] = {"engine": ours, "transformers": theirs,
+                        "engine_tok_s": round(ours_tok_s, 1),
+                        "transformers_tok_s": round(theirs_tok_s, 1)}
             out[key]["speedup"] = round(out[key]["engine_tok_s"]
                                         / out[key]["transformers_tok_s"], 2)
             note(f"split {key}: {out[key]}")

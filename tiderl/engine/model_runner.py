@@ -187,28 +187,33 @@ class ModelRunner:
         return self._decode_attention(q, layer_cache, part.batch, part.decode_bias)
 
     def _decode_mask(self, batch: PagedBatch, kv_heads: int, groups: int) -> torch.Tensor:
-        """Additive float32 mask [B * Hkv, G, L] of a decode step, shared by every layer: 0 up
-        to each sequence's context length, -inf past it."""
+        """Additive float32 mask [Hkv * B, G, L] of a decode step (head-major rows, as
+        :func:`gather_heads`), shared by every layer: 0 up to each sequence's context length,
+        -inf past it."""
         num_seqs, width = batch.block_tables.shape
         key_pos = torch.arange(width * self.block_size, device=self.device)
-        bias = torch.zeros((num_seqs, 1, 1, len(key_pos)), device=self.device)
-        bias.masked_fill_(key_pos >= batch.context_lens.view(-1, 1, 1, 1), float("-inf"))
-        return bias.expand(num_seqs, kv_heads, groups, -1).reshape(num_seqs * kv_heads, groups, -1)
+        bias = torch.zeros((1, num_seqs, 1, len(key_pos)), device=self.device)
+        bias.masked_fill_(key_pos >= batch.context_lens.view(1, -1, 1, 1), float("-inf"))
+        return bias.expand(kv_heads, num_seqs, groups, -1).reshape(kv_heads * num_seqs, groups, -1)
 
     def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, batch: PagedBatch,
                           bias: torch.Tensor) -> torch.Tensor:
         """Attention of one query token per sequence, q [B, H, D] -> [B, H, D] (q's dtype):
-        each sequence's blocks gathered by one ``index_select`` into [B * Hkv, L, D] (float32),
-        then two batched matmuls with the query heads of a KV head as the rows of one problem
-        (grouped-query attention without repeating keys, no causal mask, scores and softmax in
-        float32). For one query row per head the fused CPU attention kernel costs 2-3x this
+        each sequence's blocks gathered for every KV head by one ``index_select`` into
+        [Hkv * B, L, D] (float32, no further copy: the cache is head-major), then two batched
+        matmuls with the query heads of a KV head as the rows of one problem (grouped-query
+        attention without repeating keys, no causal mask, scores and softmax in float32). For
+        one query row per head the fused CPU attention kernel costs 2-3x this
         (docs/engine.md)."""
         num_seqs, heads, dim = q.shape
         keys, values = gather_heads(layer_cache, batch.block_tables)
-        rows = q.reshape(len(keys), heads * num_seqs // len(keys), dim).float()
+        kv_heads = len(keys) // num_seqs
+        rows = q.view(num_seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1).float()
+        rows = rows.reshape(len(keys), heads // kv_heads, dim)
         scores = torch.baddbmm(bias, rows, keys.transpose(1, 2), alpha=dim ** -0.5)
-        out = torch.bmm(scores.softmax(dim=-1), values)  # [B * Hkv, G, D]
-        return out.view(num_seqs, heads, dim).to(q.dtype)
+        out = torch.bmm(scores.softmax(dim=-1), values)  # [Hkv * B, G, D]
+        return out.view(kv_heads, num_seqs, -1, dim).transpose(0, 1).reshape(
+            num_seqs, heads, dim).to(q.dtype)
 
     def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [B, 1, D] of each position, from tables grown to twice the

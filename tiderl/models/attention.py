@@ -2,8 +2,12 @@
 
 Paged KV cache layout (one tensor for the whole model)::
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
                            ^ 0 = keys, 1 = values
+
+Heads come before blocks: gathering a set of blocks for every head at once (one
+``index_select``) yields each (KV head, sequence) pair's keys as one contiguous [L, head_dim]
+matrix, the operand of a batched matmul, with no second copy to move the heads.
 
 A *slot* is one token's place in the cache: ``slot = block_id * block_size + offset``. A
 sequence's block table lists its block ids in order, so its token at position ``p`` lives in
@@ -83,7 +87,7 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
                  head_dim: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """A zeroed cache in the layout above."""
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -127,10 +131,10 @@ except ImportError:
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values [num_tokens, Hkv, D] at their slots; ``layer_cache`` is
-    ``kv_cache[layer]`` ([2, num_blocks, block_size, Hkv, D]), written in place."""
-    num_kv_heads, head_dim = layer_cache.shape[-2:]
-    flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
-    flat.index_copy_(1, slot_mapping, torch.stack((k, v)).to(flat.dtype))  # one scatter
+    ``kv_cache[layer]`` ([2, Hkv, num_blocks, block_size, D]), written in place."""
+    num_kv_heads, head_dim = layer_cache.shape[1], layer_cache.shape[-1]
+    flat = layer_cache.view(2, num_kv_heads, -1, head_dim)
+    flat.index_copy_(2, slot_mapping, torch.stack((k, v)).transpose(1, 2).to(flat.dtype))
 
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, positions: torch.Tensor,
@@ -149,15 +153,15 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, positions: torch
     # Padding queries sit at position 0 so that no row of the mask is empty (no NaN).
     pos_pad = positions.new_zeros(batch.num_seqs, max_new)
     pos_pad[seq_ids, rows] = positions
-    keys, values = _gather_context(layer_cache, batch.block_tables)
+    keys, values = gather_blocks(layer_cache, batch.block_tables).transpose(1, 2)
     max_context = int(batch.context_lens.max())
-    keys, values = keys[:, :max_context], values[:, :max_context]
+    keys, values = keys[:, :, :max_context], values[:, :, :max_context]  # [B, Hkv, L, D]
     key_pos = torch.arange(max_context, device=q.device)
     mask = key_pos.view(1, 1, -1) <= pos_pad.unsqueeze(-1)
     mask &= key_pos.view(1, 1, -1) < batch.context_lens.view(-1, 1, 1)
-    groups = num_heads // keys.shape[2]
-    keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2).to(q.dtype)
-    values = values.repeat_interleave(groups, dim=2).transpose(1, 2).to(q.dtype)
+    groups = num_heads // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1).to(q.dtype)
+    values = values.repeat_interleave(groups, dim=1).to(q.dtype)
     out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values,
                                          attn_mask=mask.unsqueeze(1))
     return out.transpose(1, 2)[seq_ids, rows]
@@ -172,32 +176,24 @@ def _token_rows(batch: PagedBatch, num_tokens: int) -> tuple[torch.Tensor, torch
     return seq_ids, rows
 
 
-def _gather_context(layer_cache: torch.Tensor,
-                    block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's cached keys and values, [num_seqs, max_blocks * block_size, Hkv, D]."""
-    gathered = gather_blocks(layer_cache, block_tables)
-    return gathered[0], gathered[1]
-
-
 def gather_blocks(layer_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[2, num_seqs, max_blocks * block_size, Hkv, D]: the blocks of each sequence's table, in
-    order, keys and values. One ``index_select`` over whole blocks (a block is one contiguous
-    row of the cache), several times faster on the CPU than advanced indexing."""
+    """[2, Hkv, num_seqs, max_blocks * block_size, D], contiguous: for each KV head, the blocks
+    of each sequence's table in order, keys and values. One ``index_select`` over whole blocks
+    (a block of one head is one contiguous row of the cache), several times faster on the CPU
+    than advanced indexing."""
     num_seqs, max_blocks = block_tables.shape
-    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
-    rows = layer_cache.view(2, num_blocks, -1).index_select(1, block_tables.view(-1))
-    return rows.view(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    _, num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape
+    rows = layer_cache.view(2 * num_kv_heads, num_blocks, -1).index_select(
+        1, block_tables.view(-1))
+    return rows.view(2, num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
 
 
 def gather_heads(layer_cache: torch.Tensor, block_tables: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each sequence's blocks, float32 [num_seqs * Hkv, L, D], contiguous:
-    the rows of one batched matmul per (sequence, KV head). :func:`gather_blocks`, then one
-    copy that moves the heads before the positions and casts."""
-    gathered = gather_blocks(layer_cache, block_tables)  # [2, B, L, Hkv, D]
-    two, num_seqs, length, num_kv_heads, head_dim = gathered.shape
-    out = torch.empty((two, num_seqs, num_kv_heads, length, head_dim), dtype=torch.float32,
-                      device=gathered.device)
-    out.copy_(gathered.transpose(2, 3))
-    out = out.view(two, num_seqs * num_kv_heads, length, head_dim)
+    """Keys and values of each sequence's blocks, float32 [Hkv * num_seqs, L, D] (head-major:
+    row ``h * num_seqs + s``), contiguous: the operands of one batched matmul per (KV head,
+    sequence), straight from :func:`gather_blocks` (cast once if the cache is not float32)."""
+    gathered = gather_blocks(layer_cache, block_tables).float()
+    two, num_kv_heads, num_seqs, length, head_dim = gathered.shape
+    out = gathered.view(two, num_kv_heads * num_seqs, length, head_dim)
     return out[0], out[1]

@@ -33,11 +33,16 @@ def test_a_cpu_ceiling_is_shown_beside_its_ratio():
     assert "1.234" in line
 
 
-def test_bench_ctb_shows_each_policy_and_each_ratio_beside_the_paper():
-    result = json.loads((RESULT.parent / "ctb.json").read_text())
+def _rendered(render, name: str) -> tuple[dict, str]:
+    """The committed ``bench/results/NAME``, and its rendering at 120 columns."""
+    result = json.loads((RESULT.parent / name).read_text())
     console = Console(record=True, width=120)
-    _render_ctb(console, result)
-    text = console.export_text()
+    render(console, result)
+    return result, console.export_text()
+
+
+def test_bench_ctb_shows_each_policy_and_each_ratio_beside_the_paper():
+    result, text = _rendered(_render_ctb, "ctb.json")
     for name in result["policies"]:
         assert name in text
     line = next(row for row in text.splitlines() if "hit_rate_ratio " in row)
@@ -45,10 +50,7 @@ def test_bench_ctb_shows_each_policy_and_each_ratio_beside_the_paper():
 
 
 def test_bench_engine_shows_each_decode_ratio_and_the_batch_32_split():
-    result = json.loads((RESULT.parent / "engine.json").read_text())
-    console = Console(record=True, width=120)
-    _render_engine(console, result)
-    text = console.export_text()
+    result, text = _rendered(_render_engine, "engine.json")
     for key in result["decode_tok_s"]:
         assert key in text
     for key, split in result["b32_fp32_split"].items():

@@ -14,7 +14,7 @@ plain lists; nothing loops over tokens in Python besides concatenating the sched
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +145,8 @@ class ModelRunner:
         halves cost: padded into one problem, each decode row would be padded to the longest
         chunk (one 40-token chunk joining 16 decoding sequences of the small model made a
         5.9 ms step 39 ms). Each part's block tables are cut to its own longest context."""
-        counts = batch.query_start_loc.diff().tolist()
+        starts = batch.query_start_loc.tolist()
+        counts = [b - a for a, b in pairwise(starts)]
         decode = [s for s, n in enumerate(counts) if n == 1]
         prefill = [s for s, n in enumerate(counts) if n > 1]
         if not prefill:
@@ -154,7 +155,6 @@ class ModelRunner:
         together = padding_pays([counts[s] for s in prefill], [context[s] for s in prefill])
         if together and not decode:  # the whole batch, as it is
             return [self._part(positions, batch, decode=False)]
-        starts = batch.query_start_loc.tolist()
 
         def part(seqs: list[int], is_decode: bool) -> _Part:
             rows = chain.from_iterable(range(starts[s], starts[s + 1]) for s in seqs)
@@ -169,12 +169,7 @@ class ModelRunner:
         """The attention problem of the batch's sequences ``seqs`` (None: all of them), whose new
         tokens are the packed ``rows``; ``decode``: each has one new token."""
         if seqs is not None:
-            context_lens = batch.context_lens.index_select(0, seqs)
-            width = -(-int(context_lens.max()) // self.block_size)
-            counts = batch.query_start_loc.diff().index_select(0, seqs)
-            batch = PagedBatch(batch.slot_mapping.index_select(0, rows),
-                               batch.block_tables.index_select(0, seqs)[:, :width].contiguous(),
-                               context_lens, F.pad(counts.cumsum(0), (1, 0)))
+            batch = batch.select(seqs, rows, self.block_size)
             positions = positions.index_select(0, rows)
         heads, kv_heads, _ = self._heads
         bias = self._decode_mask(batch, kv_heads, heads // kv_heads) if decode else None

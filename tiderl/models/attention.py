@@ -74,6 +74,16 @@ class PagedBatch:
         lens = [c + n for c, n in zip(num_cached, num_new, strict=True)]
         return tensor(positions), cls(tensor(slots), tensor(padded), tensor(lens), tensor(starts))
 
+    def select(self, seqs: torch.Tensor, rows: torch.Tensor, block_size: int) -> PagedBatch:
+        """The batch of sequences ``seqs`` alone, whose new tokens are the packed ``rows``; its
+        block tables cut to its own longest context."""
+        context_lens = self.context_lens.index_select(0, seqs)
+        width = -(-int(context_lens.max()) // block_size)
+        counts = self.query_start_loc.diff().index_select(0, seqs)
+        return PagedBatch(self.slot_mapping.index_select(0, rows),
+                          self.block_tables.index_select(0, seqs)[:, :width], context_lens,
+                          F.pad(counts.cumsum(0), (1, 0)))
+
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
@@ -184,7 +194,7 @@ def gather_blocks(layer_cache: torch.Tensor, block_tables: torch.Tensor) -> torc
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape
     rows = layer_cache.view(2 * num_kv_heads, num_blocks, -1).index_select(
-        1, block_tables.view(-1))
+        1, block_tables.reshape(-1))
     return rows.view(2, num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
 
 

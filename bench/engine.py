@@ -49,12 +49,13 @@ TARGET_SPEEDUP = 2.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def engine_runner(model, batch: int, prompts: torch.Tensor) -> Callable[[int], float]:
+def engine_runner(model, batch: int, prompts: torch.Tensor, kernels: str = "native"
+                  ) -> Callable[[int], float]:
     """Seconds for the batch to generate ``n`` tokens each on a fresh engine's prompts (a new
-    leading token per call, so no prefix is cached)."""
+    leading token per call, so no prefix is cached); ``kernels``: ``engine.kernels``."""
     config = EngineConfig(kv_cache_tokens=max(2048, 2 * batch * (PROMPT_LEN + NEW_TOKENS)),
                           block_size=16, max_num_seqs=max(64, batch),
-                          max_num_batched_tokens=max(2048, batch * PROMPT_LEN))
+                          max_num_batched_tokens=max(2048, batch * PROMPT_LEN), kernels=kernels)
     engine = LLMEngine(model, config, eos_token_id=None)
     tags = iter(range(1, 10**6))
 
@@ -147,7 +148,9 @@ def decode_section(quick: bool, note: Callable[[str], None]) -> dict:
 
 def split_section(note: Callable[[str], None]) -> dict:
     """Batch 32, float32: where the time goes (prefill vs each decode step), engine and
-    transformers, at 2 threads and at 1 (each side's better thread count may differ)."""
+    transformers, at 2 threads and at 1 (each side's better thread count may differ); and the
+    engine with its non-GEMM parts in plain torch (``engine.kernels=torch``, what an engine runs
+    without a C++ compiler) beside them."""
     out = {}
     for size in ("tiny", "small"):
         model, hf_model = init_model(size), hf_copy(init_model(size), torch.float32)
@@ -156,12 +159,14 @@ def split_section(note: Callable[[str], None]) -> dict:
         for threads in (2, 1):
             torch.set_num_threads(threads)
             key = f"{size}/threads{threads}"
-            runners = [engine_runner(model, 32, prompts), hf_runner(hf_model, prompts)]
-            ours, theirs = split_times(runners)
-            ours_tok_s, theirs_tok_s = tokens_per_s(runners, 32)
-            out[key] = {"engine": ours, "transformers": theirs,
+            runners = [engine_runner(model, 32, prompts), hf_runner(hf_model, prompts),
+                       engine_runner(model, 32, prompts, kernels="torch")]
+            ours, theirs, plain = split_times(runners)
+            ours_tok_s, theirs_tok_s, plain_tok_s = tokens_per_s(runners, 32)
+            out[key] = {"engine": ours, "transformers": theirs, "engine_torch_kernels": plain,
                         "engine_tok_s": round(ours_tok_s, 1),
-                        "transformers_tok_s": round(theirs_tok_s, 1)}
+                        "transformers_tok_s": round(theirs_tok_s, 1),
+                        "engine_torch_kernels_tok_s": round(plain_tok_s, 1)}
             out[key]["speedup"] = round(out[key]["engine_tok_s"]
                                         / out[key]["transformers_tok_s"], 2)
             note(f"split {key}: {out[key]}")

@@ -224,6 +224,9 @@ def test_serve_without_a_model_folder_is_one_line_exit_2(tmp_path):
     assert line == f"error: tiderl engine serve: --model {tmp_path / 'none'}: no such folder"
     line = assert_one_line_error(tiderl("engine", "serve", "--model", str(tmp_path)), 2)
     assert "config.json: not found" in line
+    line = assert_one_line_error(tiderl("engine", "serve", "--kernels", "fast"), 2)
+    assert line == ("error: tiderl engine serve: kernels: expected one of auto, native, torch, "
+                    "got 'fast'")
 
 
 def test_concurrent_tasks_share_the_engine(server):

@@ -58,6 +58,8 @@ def test_bench_engine_shows_each_decode_ratio_and_the_batch_32_split():
         engine = split["engine"]
         assert f"{engine['prefill_ms']} / {engine['decode_step_ms']}" in line
         assert str(split["speedup"]) in line
+        plain = split["engine_torch_kernels"]
+        assert line.rstrip(" │|").endswith(f"{plain['prefill_ms']} / {plain['decode_step_ms']}")
     for key, mixed in result["mixed_step"].items():
         if isinstance(mixed, dict):
             line = next(row for row in text.splitlines() if f"{key} " in row)

@@ -147,7 +147,7 @@ def test_a_server_backend_gets_an_engine_server_per_rank_on_its_node_and_device(
                                    "serve")
     assert ("--size tiny --seed 0 --dtype float32 --host 127.0.0.1 --port 6002 "
             "--device cuda:1 --kv-cache-tokens 8192") in engine2
-    assert engine2.endswith("--kv-on-update flush --max-num-seqs 8")  # server_args last
+    assert engine2.endswith("--kv-on-update flush --kernels auto --max-num-seqs 8")  # args last
     assert engines[2].env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
                               "TIDERL_JOB_KEYS": engines[2].run_dir + "/keys"}
     rank2 = " ".join(plan.ranks[2].argv)

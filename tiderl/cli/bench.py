@@ -120,12 +120,15 @@ def _render_engine(console: Console, result: dict) -> None:
                         ("config/dtype/batch", "engine", "transformers", "ratio"),
                         [(k, v, hf[k], round(v / hf[k], 2)) for k, v in ours.items()]))
     split = result.get("b32_fp32_split", {})
+
+    def times(side: dict | None) -> str:
+        return f"{side['prefill_ms']} / {side['decode_step_ms']}" if side else "-"
+
     console.print(table("batch 32, float32: prefill ms / decode step ms",
-                        ("model/threads", "engine", "transformers", "tok/s ratio"),
-                        [(k, f"{v['engine']['prefill_ms']} / {v['engine']['decode_step_ms']}",
-                          f"{v['transformers']['prefill_ms']} / "
-                          f"{v['transformers']['decode_step_ms']}", v["speedup"])
-                         for k, v in split.items()]))
+                        ("model/threads", "engine", "transformers", "tok/s ratio",
+                         "engine, torch kernels"),
+                        [(k, times(v["engine"]), times(v["transformers"]), v["speedup"],
+                          times(v.get("engine_torch_kernels"))) for k, v in split.items()]))
     mixed = result.get("mixed_step", {})
     console.print(table("a prompt joining decoding sequences: step ms (small, float32)",
                         ("batch/chunk", "apart", "padded into one", "decode only"),

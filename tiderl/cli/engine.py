@@ -30,6 +30,9 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
     kv_on_update: str = typer.Option("flush", "--kv-on-update",
                                      help="flush or keep the cached KV on a weight update."),
+    kernels: str = typer.Option("auto", "--kernels",
+                                help="auto, native or torch: a step's non-GEMM parts in C++ on "
+                                     "the CPU (auto: when they build)."),
     admin_token: str | None = typer.Option(
         None, "--admin-token", envvar="TIDERL_ADMIN_TOKEN", show_envvar=True,
         help="Bearer token the /tiderl/ admin routes require (without one they answer "
@@ -46,7 +49,7 @@ def serve(
         engine_config = EngineConfig(
             kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-            kv_on_update=kv_on_update)
+            kv_on_update=kv_on_update, kernels=kernels)
         model_config = ModelConfig(path=str(model or ""), size=size, seed=seed, dtype=dtype)
     except ConfigError as exc:
         raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None

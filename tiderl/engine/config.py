@@ -15,6 +15,7 @@ from tiderl.core.config import (
 BACKENDS = ("embedded", "http", "vllm", "sglang")
 SERVER_BACKENDS = ("http", "vllm", "sglang")  # a server process per rank, beside it
 GPU_SERVERS = ("vllm", "sglang")
+KERNEL_CHOICES = ("auto", "native", "torch")  # tiderl/engine/kernels.py
 KV_ON_UPDATE = ("flush", "keep")
 SERVED_MODEL_NAME = "tiderl"  # the model name the launcher gives vLLM and SGLang servers
 SERVER_UP_TIMEOUT_S = 900.0  # a rank waits this long for its server (vLLM loads for minutes)
@@ -41,6 +42,8 @@ class EngineConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     enable_prefix_caching: bool = True
+    kernels: str = "auto"  # embedded: a step's non-GEMM parts in C++ on the CPU (auto: when
+    # they build, else plain torch with a warning; native: an error then; torch: never)
 
     @property
     def uses_server(self) -> bool:
@@ -54,6 +57,7 @@ class EngineConfig:
         require(0.0 < self.gpu_memory_utilization < 1.0, "gpu_memory_utilization",
                 f"expected a fraction in (0, 1), got {self.gpu_memory_utilization}")
         require_choice(self.kv_on_update, KV_ON_UPDATE, "kv_on_update")
+        require_choice(self.kernels, KERNEL_CHOICES, "kernels")
         require(self.keep_versions >= 2, "keep_versions",  # a server may load the one before
                 f"expected at least 2, got {self.keep_versions}")
         require_non_negative(self.host_kv_gib, "host_kv_gib")

@@ -87,7 +87,7 @@ class LLMEngine:
         self.max_model_len = model.config.max_position_embeddings
         self.scheduler = Scheduler(engine_config, eos_token_id)
         self.runner = ModelRunner(model, self.scheduler.kv_cache.pool.num_blocks,
-                                  engine_config.block_size)
+                                  engine_config.block_size, kernels=engine_config.kernels)
         self.prompt_tokens_computed = 0
         self.decode_tokens = 0
         self._versions: dict[str, int] = {}  # request id -> version of its first output token

@@ -17,24 +17,26 @@ from dataclasses import dataclass
 from itertools import chain, pairwise
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tiderl.engine.kernels import kernels_for
 from tiderl.engine.packed_linear import PackedLinears
 from tiderl.engine.sampler import Sampler
 from tiderl.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from tiderl.models.attention import PagedBatch, gather_heads, paged_attention, write_kv
+from tiderl.models.attention import PagedBatch, paged_attention
 from tiderl.models.qwen2 import Qwen2ForCausalLM, RMSNorm
 
 
 class ModelRunner:
     def __init__(self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, kernels: str = "auto") -> None:
+        """``kernels``: ``engine.kernels`` (:func:`~tiderl.engine.kernels.kernels_for`)."""
         self.model = model.eval()
         self.block_size = block_size
         self.device = model.device
         self.kv_cache = model.new_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(seed)
+        self.kernels = kernels_for(self.device, kernels)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, folded sin
         self.linears = PackedLinears(projection_groups(model))  # the GEMMs (packed_linear.py)
         # Each layer's modules, looked up once (nn.Module attribute lookups cost per step).
@@ -42,6 +44,8 @@ class ModelRunner:
                                layer.self_attn.o_proj, layer.post_attention_layernorm,
                                layer.mlp.gate_proj, layer.mlp.down_proj)
                         for i, layer in enumerate(model.model.layers)]
+        # The norm after each layer's residual add: the next layer's input norm, or the final.
+        self._next_norms = [layer.input_norm for layer in self._layers[1:]] + [model.model.norm]
         attn = model.model.layers[0].self_attn
         self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
@@ -100,26 +104,25 @@ class ModelRunner:
         - four GEMMs a layer through :class:`PackedLinears` (q/k/v stacked, o, gate/up stacked,
           down; oneDNN with reordered weights on the CPU, 2-2.5x ``F.linear`` for decode rows
           and for prefill chunks alike);
-        - q and k rotated together, their rows looked up in a table kept across steps (same
-          formula as :class:`~tiderl.models.qwen2.Rotary`);
+        - the rest in four in-place calls of :mod:`~tiderl.engine.kernels` (C++ on the CPU):
+          residual add with the next norm, SiLU-and-multiply, q and k rotated with k and v
+          written to the cache (positions looked up in tables kept across steps), and the
+          decode attention read from the paged cache;
         - attention in two parts (:meth:`_parts`): the sequences with one new token through
-          :meth:`_decode_attention`, those with more through :func:`paged_attention`;
+          ``paged_decode_attention``, those with more through :func:`paged_attention`;
         - the lm_head only on ``logits_rows`` (None: every row)."""
-        linear, (heads, kv_heads, dim) = self.linears, self._heads
+        linear, kernels, (heads, kv_heads, dim) = self.linears, self.kernels, self._heads
         linear.refresh()
-        qk_width, num_tokens = (heads + kv_heads) * dim, len(input_ids)
-        cos, sin = self._rotary_rows(positions)
+        num_tokens = len(input_ids)
+        cos, sin = self._rotary_tables(positions)
         parts = self._parts(positions, batch)
 
         def attend(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             qkv = linear(layer.qkv, x)  # [T, (H + 2 Hkv) D]: q, k, v side by side
-            qk = qkv[:, :qk_width].view(num_tokens, heads + kv_heads, dim)
-            swapped = torch.cat((qk[..., dim // 2:], qk[..., :dim // 2]), dim=-1)
-            qk = torch.addcmul(qk * cos, swapped, sin)  # x cos + rotate_half(x) sin
             cache = self.kv_cache[layer.index]
-            write_kv(cache, qk[:, heads:], qkv[:, qk_width:].view(num_tokens, kv_heads, dim),
-                     batch.slot_mapping)
-            q = qk[:, :heads]
+            kernels.rotary_write_kv(qkv, positions, cos, sin, cache, batch.slot_mapping,
+                                    heads, kv_heads)
+            q = qkv[:, :heads * dim].view(num_tokens, heads, dim)
             if len(parts) == 1:
                 out = self._attention(parts[0], q, cache)
             else:
@@ -127,16 +130,24 @@ class ModelRunner:
                 for part in parts:
                     out.index_copy_(0, part.rows, self._attention(
                         part, q.index_select(0, part.rows), cache))
-            return linear(layer.o, out.reshape(num_tokens, heads * dim))
+            return linear(layer.o, out.view(num_tokens, heads * dim))
 
-        x = self.model.model.embed_tokens(input_ids)
-        for layer in self._layers:  # DecoderLayer._forward, with the packed projections
-            x = x + attend(layer, rms_norm(layer.input_norm, x))
-            gate, up = linear(layer.gate_up, rms_norm(layer.post_norm, x)).chunk(2, dim=-1)
-            x = x + linear(layer.down, F.silu(gate).mul_(up))
+        residual = self.model.model.embed_tokens(input_ids)
+        x = residual.clone()
+        norm = self._layers[0].input_norm
+        kernels.add_rms_norm(x, None, norm.weight, norm.eps)
+        for layer, norm in zip(self._layers, self._next_norms, strict=True):
+            x = attend(layer, x)  # DecoderLayer._forward, with the packed projections
+            post = layer.post_norm
+            kernels.add_rms_norm(x, residual, post.weight, post.eps)  # residual += x; x = norm
+            gate_up = linear(layer.gate_up, x)
+            x = gate_up.new_empty((num_tokens, gate_up.shape[1] // 2))
+            kernels.silu_and_mul(x, gate_up)
+            x = linear(layer.down, x)
+            kernels.add_rms_norm(x, residual, norm.weight, norm.eps)  # next layer's, or final
         if logits_rows is not None:
             x = x[logits_rows]
-        return linear(self.model.lm_head, rms_norm(self.model.model.norm, x))
+        return linear(self.model.lm_head, x)
 
     def _parts(self, positions: torch.Tensor, batch: PagedBatch) -> list[_Part]:
         """The step's attention problems: the sequences that decode one token as one, and those
@@ -171,48 +182,20 @@ class ModelRunner:
         if seqs is not None:
             batch = batch.select(seqs, rows, self.block_size)
             positions = positions.index_select(0, rows)
-        heads, kv_heads, _ = self._heads
-        bias = self._decode_mask(batch, kv_heads, heads // kv_heads) if decode else None
-        return _Part(rows, positions, batch, bias)
+        return _Part(rows, positions, batch, decode)
 
     def _attention(self, part: _Part, q: torch.Tensor, layer_cache: torch.Tensor
                    ) -> torch.Tensor:
-        if part.decode_bias is None:
+        if not part.decode:
             return paged_attention(q, layer_cache, part.positions, part.batch)
-        return self._decode_attention(q, layer_cache, part.batch, part.decode_bias)
+        out = q.new_empty(q.shape)
+        self.kernels.paged_decode_attention(out, q, layer_cache, part.batch.block_tables,
+                                            part.batch.context_lens, self._heads[2] ** -0.5)
+        return out
 
-    def _decode_mask(self, batch: PagedBatch, kv_heads: int, groups: int) -> torch.Tensor:
-        """Additive float32 mask [Hkv * B, G, L] of a decode step (head-major rows, as
-        :func:`gather_heads`), shared by every layer: 0 up to each sequence's context length,
-        -inf past it."""
-        num_seqs, width = batch.block_tables.shape
-        key_pos = torch.arange(width * self.block_size, device=self.device)
-        bias = torch.zeros((1, num_seqs, 1, len(key_pos)), device=self.device)
-        bias.masked_fill_(key_pos >= batch.context_lens.view(1, -1, 1, 1), float("-inf"))
-        return bias.expand(kv_heads, num_seqs, groups, -1).reshape(kv_heads * num_seqs, groups, -1)
-
-    def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, batch: PagedBatch,
-                          bias: torch.Tensor) -> torch.Tensor:
-        """Attention of one query token per sequence, q [B, H, D] -> [B, H, D] (q's dtype):
-        each sequence's blocks gathered for every KV head by one ``index_select`` into
-        [Hkv * B, L, D] (float32, no further copy: the cache is head-major), then two batched
-        matmuls with the query heads of a KV head as the rows of one problem (grouped-query
-        attention without repeating keys, no causal mask, scores and softmax in float32). For
-        one query row per head the fused CPU attention kernel costs 2-3x this
-        (docs/engine.md)."""
-        num_seqs, heads, dim = q.shape
-        keys, values = gather_heads(layer_cache, batch.block_tables)
-        kv_heads = len(keys) // num_seqs
-        rows = q.view(num_seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1).float()
-        rows = rows.reshape(len(keys), heads // kv_heads, dim)
-        scores = torch.baddbmm(bias, rows, keys.transpose(1, 2), alpha=dim ** -0.5)
-        out = torch.bmm(scores.softmax(dim=-1), values)  # [Hkv * B, G, D]
-        return out.view(kv_heads, num_seqs, -1, dim).transpose(0, 1).reshape(
-            num_seqs, heads, dim).to(q.dtype)
-
-    def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [B, 1, D] of each position, from tables grown to twice the
-        largest position seen (rebuilt only then): ``rotate_half(x) * sin`` is
+    def _rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [P, D] (the model's dtype) for positions up to twice the
+        largest seen (rebuilt only then): ``rotate_half(x) * sin`` is
         ``swap_halves(x) * sin_folded`` with the first half of ``sin_folded`` negated."""
         needed = int(positions.max()) + 1
         if self._rope is None or self._rope[0].shape[0] < needed:
@@ -224,10 +207,7 @@ class ModelRunner:
             folded = angles.sin()
             folded[:, :rotary.head_dim // 2].neg_()
             self._rope = (angles.cos().to(self.model.dtype), folded.to(self.model.dtype))
-        cos, sin = self._rope
-        shape = (len(positions), 1, -1)
-        return (cos.index_select(0, positions).view(shape),
-                sin.index_select(0, positions).view(shape))
+        return self._rope
 
     def reset_kv_cache(self) -> None:
         """Zero the cache (not needed for correctness: stale slots are never attended)."""
@@ -237,13 +217,12 @@ class ModelRunner:
 @dataclass(frozen=True, slots=True)
 class _Part:
     """One attention problem of a step: the packed ``rows`` of its sequences' new tokens (None:
-    every row), their positions and batch; ``decode_bias`` (the additive mask of
-    :meth:`ModelRunner._decode_mask`) when each of its sequences has one new token."""
+    every row), their positions and batch; ``decode``: each of its sequences has one new token."""
 
     rows: torch.Tensor | None
     positions: torch.Tensor
     batch: PagedBatch
-    decode_bias: torch.Tensor | None
+    decode: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,14 +237,6 @@ class _Layer:
     post_norm: RMSNorm
     gate_up: nn.Linear
     down: nn.Linear
-
-
-def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; in float32 as one fused ``F.rms_norm`` (equal: the module computes in float32
-    too), in other dtypes the module itself (it rounds before the weight multiplies)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
-    return norm(x)
 
 
 def padding_pays(new_tokens: list[int], context_lens: list[int]) -> bool:

@@ -133,7 +133,7 @@ def engine_command(profile: Profile, python: str, port: int | str, device: str,
                 "--max-num-seqs", str(e.max_num_seqs),
                 "--max-num-batched-tokens", str(e.max_num_batched_tokens),
                 "--prefix-caching" if e.enable_prefix_caching else "--no-prefix-caching",
-                "--kv-on-update", e.kv_on_update, *e.server_args)
+                "--kv-on-update", e.kv_on_update, "--kernels", e.kernels, *e.server_args)
         return argv, {"OMP_NUM_THREADS": str(profile.runtime.threads_per_rank)}
     index = device.removeprefix("cuda:")
     common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",

@@ -245,6 +245,17 @@ void paged_decode_attention_kernel(T* out, const T* q, int64_t q_stride_seq, int
       const int64_t* table = block_tables + s * table_stride;
       const T* keys = cache + h * head_stride;
       const T* values = keys + kv_heads * head_stride;
+      // The blocks lie anywhere in the cache, so the hardware cannot see the next one coming:
+      // ask for all of this pair's keys and values before reading the first (a few KB each).
+      const int64_t tile_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b * block_size < length; ++b) {
+        const char* k = reinterpret_cast<const char*>(keys + table[b] * block_size * dim);
+        const char* v = reinterpret_cast<const char*>(values + table[b] * block_size * dim);
+        for (int64_t off = 0; off < tile_bytes; off += 64) {
+          __builtin_prefetch(k + off);
+          __builtin_prefetch(v + off);
+        }
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const T* row = q + s * q_stride_seq + (h * groups + g) * q_stride_head;
         for (int64_t d = 0; d < dim; ++d) query[d] = f32(row[d]) * scale;

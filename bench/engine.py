@@ -4,7 +4,7 @@
 
 1. Decode tokens/s (generated tokens / wall time of the whole batch, 32-token prompts included)
    of our engine vs transformers ``generate`` on the same weights: greedy, exactly 64 new tokens
-   (no eos), batch 1/8/32/64, tiny and small, float32 and bfloat16, best of 3 timed runs after a
+   (no eos), batch 1/8/32/64, tiny and small, float32 and bfloat16, best of 5 timed runs after a
    warm-up, the two sides taking turns. Target: >= 2x at batch 32 (tiny and small, float32).
    At batch 32 in float32 also the split: prefill (prompts and first token) and each further
    decode step, both sides, at 2 threads and at 1.
@@ -83,7 +83,7 @@ def hf_runner(hf_model, prompts: torch.Tensor) -> Callable[[int], float]:
     return once
 
 
-def best_times(runners: list[Callable[[int], float]], tokens: int, repeats: int = 3
+def best_times(runners: list[Callable[[int], float]], tokens: int, repeats: int = 5
                ) -> list[float]:
     """Each runner's best time for ``tokens`` tokens over ``repeats`` rounds, the runners taking
     turns within each round (this machine's speed drifts by up to 2x over a minute: turns put

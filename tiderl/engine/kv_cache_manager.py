@@ -129,9 +129,13 @@ class KVCacheManager:
         nothing changed. The first allocation of a request counts a prefix-cache query.
         """
         computed = new_computed_blocks or []
+        rid = request.request_id
+        held = self._req_blocks.get(rid)
+        if not computed and held and (cdiv(request.num_computed_tokens + num_new_tokens,
+                                           self.block_size) <= len(held)):
+            return []  # the blocks it holds have room (15 of 16 decode steps)
         if not self.can_allocate(request, num_new_tokens, computed):
             return None
-        rid = request.request_id
         blocks = self._req_blocks.setdefault(rid, [])
         if computed:
             if blocks or request.num_computed_tokens:
@@ -157,8 +161,8 @@ class KVCacheManager:
         blocks = self._req_blocks.get(rid, [])
         start = self._num_cached_blocks.get(rid, 0)
         end = min(request.num_computed_tokens // self.block_size, len(blocks))
-        if start < 0:
-            return  # a collision stopped caching for this request
+        if start < 0 or start >= end:
+            return  # a collision stopped caching for this request, or no block newly full
         hashes = self._block_hashes(request)
         for i in range(start, end):
             parent_id = ROOT_CACHE_ID if i == 0 else blocks[i - 1].cache_id

@@ -7,7 +7,8 @@
    (no eos), batch 1/8/32/64, tiny and small, float32 and bfloat16, best of 5 timed runs after a
    warm-up, the two sides taking turns. Target: >= 2x at batch 32 (tiny and small, float32).
    At batch 32 in float32 also the split: prefill (prompts and first token) and each further
-   decode step, both sides, at 2 threads and at 1.
+   decode step, both sides, at 2 threads and at 1, and the engine on plain torch kernels
+   (``engine.kernels=torch``, its path without a C++ compiler) beside them.
 2. Prefix reuse: prompt tokens computed for a turn that extends a cached context vs the same
    prompt with an empty cache. Mixed steps: a prompt joining 16 or 32 decoding sequences, with
    decode and prefill attention apart (the engine) vs padded into one problem.

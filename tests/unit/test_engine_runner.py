@@ -285,3 +285,37 @@ def test_prefill_chunks_share_one_padded_problem_unless_it_more_than_doubles_the
     assert padding_pays([33] * 32, [33] * 32)  # equal prompts: no padding at all
     assert not padding_pays([300, *[30] * 7], [300, *[280] * 7])  # 4.8x the work
     assert padding_pays([7, 6], [19, 9]) and not padding_pays([12, 2, 3], [12, 2, 3])
+
+
+def test_a_decode_step_in_one_call_equals_the_layer_loop(model):
+    """With the C++ kernels a decode step runs every layer in one ``decode_layers`` call; the
+    same step through the Python layer loop (same kernels, same projections) gives the same
+    logits, and the one-call path is the one a decode step takes."""
+    try:
+        runner = LLMEngine(model, EngineConfig(kv_cache_tokens=128, block_size=BS,
+                                               kernels="native"), None).runner
+    except KernelsUnavailable as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+    tables, lens = [[3, 9, 4], [7, 1], [12, 5, 2, 8]], [9, 5, 13]
+    prompts = [list(range(20 + 40 * s, 20 + 40 * s + n)) for s, n in enumerate(lens)]
+    with torch.inference_mode():
+        positions, batch = PagedBatch.build(tables, [0, 0, 0], lens, BS)
+        runner._forward(torch.tensor([t for p in prompts for t in p]), positions, batch,
+                        batch.last_token_indices())
+        positions, batch = PagedBatch.build(tables, lens, [1, 1, 1], BS)
+        ids = torch.tensor([5, 6, 7])
+        calls, original = [], runner._decode_layers
+
+        def counted(*args):
+            calls.append(args)
+            return original(*args)
+
+        runner._decode_layers = counted
+        one_call = runner._forward(ids, positions, batch, None)
+        assert len(calls) == 1
+        runner._one_call = False
+        loop = runner._forward(ids, positions, batch, None)
+    assert len(calls) == 1
+    torch.testing.assert_close(one_call, loop, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,9 @@ in about 25 small ATen calls per layer (norms, rotary, cache writes, residual ad
 microseconds of dispatch for a few microseconds of work. ``csrc/kernels.cpp`` does these parts in
 four in-place calls per layer, the four vLLM's CPU backend has (``fused_add_rms_norm``,
 ``silu_and_mul``, ``rotary_embedding`` with ``reshape_and_cache``, ``paged_attention``); the
-attention reads each key and value where it lies in the paged cache.
+attention reads each key and value where it lies in the paged cache. A fifth C++ call,
+``decode_layers``, runs a decode step's whole layer loop (projections and the four kernels) with
+no Python between them; it has no torch twin (the runner's Python loop is that).
 
 :class:`TorchKernels` computes the same four in plain torch: the reference the tests hold the C++
 ones to (tests/unit/test_kernels.py), and the path on other devices or where no compiler is.

@@ -1,9 +1,9 @@
 // CPU kernels of the embedded engine's step: the parts of a decoder layer that are not GEMMs.
 //
-// Built and loaded by tiderl/engine/cpu_ops.py (g++ against the installed torch), registered as
-// torch.ops.tiderl.*; each has a plain-torch twin in tiderl/engine/model_runner.py that computes
-// the same thing (tests/unit/test_cpu_ops.py holds them equal). They write in place and return
-// nothing, so a decode step allocates no intermediate tensors for them:
+// Built and loaded by tiderl/engine/kernels.py (g++ against the installed torch), registered as
+// torch.ops.tiderl.*. The first four have plain-torch twins (TorchKernels in kernels.py) that
+// compute the same thing (tests/unit/test_kernels.py holds them equal); they write in place and
+// return nothing:
 //
 //   add_rms_norm           residual += x (when given); x = rms_norm(residual or x) * weight
 //   silu_and_mul           out = silu(gate) * up, from the stacked [gate | up] GEMM output
@@ -12,13 +12,17 @@
 //   paged_decode_attention one query token per sequence against its paged keys and values,
 //                          read where they lie in the cache (no gather), grouped-query heads
 //                          sharing each key they read
+//   decode_layers          a decode step's layer loop: the projections and the four above,
+//                          no Python between them (ModelRunner._decode_layers)
 //
 // Arithmetic follows the torch twins: float32 accumulation, and rounding to the model's dtype
 // where the torch code rounds (so bfloat16 agrees to the last bit wherever the order of float
 // sums allows).
 
 #include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -347,6 +351,61 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q,
   });
 }
 
+// The projections of decode_layers: oneDNN's linear on weights it reordered once
+// (PackedLinears, tiderl/engine/packed_linear.py), or at::linear on plain ones.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, bool onednn) {
+  if (!onednn) return at::linear(x, weight, bias);
+  static const auto linear =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return linear.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                     std::nullopt);
+}
+
+at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& residual,
+                         at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                         at::TensorList norms, const at::Tensor& kv_cache,
+                         const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, int64_t heads, int64_t kv_heads,
+                         double eps, bool onednn) {
+  // A decode step's decoder layers in one call (one token per sequence): per layer the four
+  // projections and the four kernels above, as ModelRunner._forward runs them from Python.
+  // weights, biases: 4 a layer (q/k/v stacked, o, gate/up stacked, down); norms: 2 a layer
+  // (post-attention, then the next layer's input norm or the final one). hidden: [B, hidden],
+  // already through the first layer's input norm; residual: [B, hidden], updated in place.
+  // Returns the hidden states after the final norm.
+  const int64_t layers = kv_cache.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(biases.size()) == 4 * layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers,
+              "decode_layers: 4 weights, 4 biases and 2 norms a layer of the cache expected");
+  const int64_t seqs = hidden.size(0), dim = kv_cache.size(-1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  at::Tensor x = hidden;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor cache = kv_cache.select(0, l);
+    const at::Tensor qkv = project(x, weights[4 * l], biases.get(4 * l), onednn);
+    rotary_write_kv(qkv, positions, cos, sin, cache, slot_mapping, heads, kv_heads);
+    const at::Tensor q = qkv.narrow(1, 0, heads * dim).view({seqs, heads, dim});
+    const at::Tensor attended = at::empty({seqs, heads, dim}, qkv.options());
+    paged_decode_attention(attended, q, cache, block_tables, context_lens, scale);
+    x = project(attended.view({seqs, heads * dim}), weights[4 * l + 1], biases.get(4 * l + 1),
+                onednn);
+    add_rms_norm(x, residual, norms[2 * l], eps);
+    const at::Tensor gate_up = project(x, weights[4 * l + 2], biases.get(4 * l + 2), onednn);
+    const at::Tensor act = at::empty({seqs, gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul(act, gate_up);
+    x = project(act, weights[4 * l + 3], biases.get(4 * l + 3), onednn);
+    add_rms_norm(x, residual, norms[2 * l + 1], eps);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tiderl, m) {
@@ -358,6 +417,11 @@ TORCH_LIBRARY(tiderl, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor layer_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> ()");
+  m.def(
+      "decode_layers(Tensor hidden, Tensor(a!) residual, Tensor[] weights, Tensor?[] biases, "
+      "Tensor[] norms, Tensor(b!) kv_cache, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, int kv_heads, "
+      "float eps, bool onednn) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tiderl, CPU, m) {
@@ -365,4 +429,9 @@ TORCH_LIBRARY_IMPL(tiderl, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_layers", &decode_layers);
 }
+
+// decode_layers receives oneDNN-reordered weights (opaque MkldnnCPU tensors), which route the
+// call by that dispatch key.
+TORCH_LIBRARY_IMPL(tiderl, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }

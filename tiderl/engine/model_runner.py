@@ -163,8 +163,8 @@ class ModelRunner:
     def _decode_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """The layer loop of :meth:`_forward` for a decode step, as one call of the C++
-        ``decode_layers`` (the same projections and kernels, no Python between them: it saved
-        0.15 of the tiny model's 1.2 ms batch-32 step, 0.35 of the small one's 4.5 ms)."""
+        ``decode_layers`` (the same projections and kernels, no Python between them: batch-32
+        steps of 1.14 -> 0.99 ms on the tiny model, 5.96 -> 5.51 ms on the small one)."""
         packed = self.linears.packed
         if self._flat is None or self._flat[0] is not packed:  # repacked since: new copies
             pairs = [packed[m] for layer in self._layers

@@ -9,8 +9,8 @@ another (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``, made a
 On a CPU with oneDNN each stacked weight is kept in oneDNN's own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``, the pair
 inductor's weight freezing uses), which runs 2-2.5x as fast as ``F.linear`` for these shapes,
-decode rows and prefill chunks alike (docs/engine.md). Elsewhere it is ``F.linear`` on the
-stacked weight.
+decode rows and prefill chunks alike (docs/engine.md). Elsewhere (another device, or bf16 on a
+CPU without AVX-512) it is ``F.linear`` on the stacked weight.
 
 The copies cost the weights' memory once more; the parameters stay as they are (weight sync and
 the trainer read them). The copies follow the parameters: :meth:`refresh` checks every weight's
@@ -20,6 +20,7 @@ storage and version counter and rebuilds all copies when any was written in plac
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -27,9 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def onednn_available(device: torch.device) -> bool:
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+@functools.cache
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs here for ``dtype``: its bf16 path needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT, which a CPU with AVX2 alone lacks; probed once."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinears:
@@ -41,7 +51,7 @@ class PackedLinears:
         # The Parameter objects (sleep and wake_up swap their storage, not the objects): the
         # per-step check reads them without nn.Module attribute lookups.
         self._weights = [m.weight for m in self.modules]
-        self.enabled = onednn_available(self._weights[0].device)
+        self.enabled = onednn_available(self._weights[0].device, self._weights[0].dtype)
         self.packed: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._stamp: tuple[tuple[int, int], ...] = ()
 
@@ -56,6 +66,8 @@ class PackedLinears:
         """Rebuild every copy if any weight changed since the last call (call once a step)."""
         stamp = tuple((w.data_ptr(), w._version) for w in self._weights)
         if stamp != self._stamp:
+            first = self._weights[0]
+            self.enabled = onednn_available(first.device, first.dtype)
             self.packed = {group[0]: self._pack(group) for group in self.groups}
             self._stamp = stamp
 

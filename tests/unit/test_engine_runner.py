@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
 
+from tests.native import native_or_skip
 from tiderl.engine.config import EngineConfig
-from tiderl.engine.kernels import KernelsUnavailable, TorchKernels
+from tiderl.engine.kernels import TorchKernels
 from tiderl.engine.llm_engine import EngineAsleepError, EngineBusyError, LLMEngine
 from tiderl.engine.model_runner import padding_pays
 from tiderl.engine.request import SamplingParams
@@ -256,12 +256,8 @@ def test_runner_forward_equals_the_model_paged_forward(model, dtype, tol, kernel
     then decode steps of sequences of different lengths over scattered blocks."""
     local = init_model("tiny", seed=0).to(dtype)
     config = EngineConfig(kv_cache_tokens=128, block_size=BS, kernels=kernels)
-    try:
+    with native_or_skip():
         runner = LLMEngine(local, config, None).runner
-    except KernelsUnavailable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
     assert isinstance(runner.kernels, TorchKernels) == (kernels == "torch")
     reference = local.new_kv_cache(32, BS)
     tables = [[5, 17, 2, 30, 9, 11, 25], [8, 1, 19, 4, 27], [14, 3, 22, 7]]
@@ -291,13 +287,9 @@ def test_a_decode_step_in_one_call_equals_the_layer_loop(model):
     """With the C++ kernels a decode step runs every layer in one ``decode_layers`` call; the
     same step through the Python layer loop (same kernels, same projections) gives the same
     logits, and the one-call path is the one a decode step takes."""
-    try:
+    with native_or_skip():
         runner = LLMEngine(model, EngineConfig(kv_cache_tokens=128, block_size=BS,
                                                kernels="native"), None).runner
-    except KernelsUnavailable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
     tables, lens = [[3, 9, 4], [7, 1], [12, 5, 2, 8]], [9, 5, 13]
     prompts = [list(range(20 + 40 * s, 20 + 40 * s + n)) for s, n in enumerate(lens)]
     with torch.inference_mode():

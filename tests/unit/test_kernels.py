@@ -11,17 +11,14 @@ import sys
 import pytest
 import torch
 
+from tests.native import native_or_skip
 from tiderl.engine.kernels import KernelsUnavailable, TorchKernels, build, kernels_for
 
 
 @pytest.fixture(scope="module")
 def native():
-    try:
+    with native_or_skip():
         return kernels_for(torch.device("cpu"), "native")
-    except KernelsUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must build the C++ kernels: {exc}")
-        pytest.skip(str(exc))
 
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}  # bf16: one rounding step of the output

@@ -71,8 +71,8 @@ def test_same_task_and_seed_give_the_same_episode(name):
 WORD_LEVEL = [name for name in ENV_NAMES if make_env(name).is_word_level]
 
 
-def test_only_the_tool_calling_environment_is_meant_for_a_byte_level_tokenizer():
-    assert set(ENV_NAMES) - set(WORD_LEVEL) == {"calc"}
+def test_only_the_tool_calling_and_gui_environments_are_meant_for_a_byte_level_tokenizer():
+    assert set(ENV_NAMES) - set(WORD_LEVEL) == {"calc", "gui"}
 
 
 @pytest.mark.parametrize("name", WORD_LEVEL)

@@ -16,7 +16,7 @@ OPTIONS = {"envs": "--envs", "max_turns": "--max-turns", "max_sessions": "--max-
 
 @app.command("serve")
 def serve(
-    envs: str = typer.Option("guess,shop,household,calc", "--envs",
+    envs: str = typer.Option("guess,shop,household,calc,gui", "--envs",
                              help="Environments to serve (built-ins, gym:..., verifiers:..., "
                                   "or a dotted path)."),
     host: str = typer.Option("127.0.0.1", "--host"),

@@ -13,17 +13,21 @@ An observation (:data:`Observation`) is either plain text or a list of OpenAI-st
     messages     [Message("system", ...),        -> on the wire: these messages, and their
                   Message("user", ...)]             contents joined (:func:`observation_text`)
                  [Message("tool", "391", tool_call_id="call_0", name="calculator")]
+                 [Message("user", [image_part(png),      -> text: "<image>\nClick ..."
+                                   TextPart("Click ...")])]
 
-A plain-text environment (guess, shop, household, the gymnasium adapter) returns strings and
-needs nothing else. A chat environment returns messages: a system and a user message from
-``reset``, tool results (role ``tool``) and/or user text from ``step``; it declares the tools
-the model may call as OpenAI schemas in :attr:`Environment.tools` (sent with ``/start``). The
-action is always the model's raw text: an environment parses tool calls out of it with
+A plain-text environment (guess, shop, household, the gymnasium adapter on text observations)
+returns strings and needs nothing else. A chat environment returns messages: a system and a
+user message from ``reset``, tool results (role ``tool``) and/or user text from ``step``; it
+declares the tools the model may call as OpenAI schemas in :attr:`Environment.tools` (sent with
+``/start``). A message's content may be text and PNG image parts (:mod:`tiderl.env.protocol`;
+the gui environment, the gymnasium adapter on image observations). The action is always the
+model's raw text: an environment parses tool calls out of it with
 :func:`tiderl.env.tools.parse_tool_calls`; :class:`tiderl.env.tools.ToolEnvironment` does all
 of that for tools that are Python callables.
 
 :func:`make_env` builds one by name: a built-in (:data:`ENV_NAMES`), ``gym:ENV_ID`` or
-``gym:module:factory`` (a gymnasium env with text observations and actions, see
+``gym:module:factory`` (a gymnasium env with text actions, see
 :mod:`tiderl.env.gym_adapter`), ``verifiers:ENV_ID`` or ``verifiers:module:factory`` (a
 verifiers multi-turn environment, see :mod:`tiderl.env.verifiers_adapter`), or a dotted path
 ``package.module:ClassName`` / ``package.module.ClassName`` naming a subclass of
@@ -41,13 +45,14 @@ from tiderl.env.protocol import Message, messages_text
 
 Observation: TypeAlias = str | list[Message]
 
-ENV_NAMES: tuple[str, ...] = ("guess", "shop", "household", "calc")
+ENV_NAMES: tuple[str, ...] = ("guess", "shop", "household", "calc", "gui")
 
 _BUILTIN_PATHS = {
     "guess": "tiderl.env.guess:GuessEnv",
     "shop": "tiderl.env.shop:ShopEnv",
     "household": "tiderl.env.household:HouseholdEnv",
     "calc": "tiderl.env.calc:CalcEnv",
+    "gui": "tiderl.env.gui:GuiEnv",
 }
 
 

@@ -26,7 +26,10 @@ Every failure is an :class:`EnvClientError` that names the call and the session.
 
 Both return the protocol's answers: :class:`StartResponse` (``observation``, ``messages``,
 ``tools``) and :class:`ObservationResponse` (``observation``, ``messages``, ``reward``, ``done``),
-whose messages are :class:`Message` s with :class:`ToolCall` s (re-exported here).
+whose messages are :class:`Message` s with :class:`ToolCall` s (re-exported here), their
+content text or text and PNG image parts (:meth:`Message.text`, :meth:`Message.images`). An
+answer whose image breaks the limits of :mod:`tiderl.env.images` fails the call ("unexpected
+answer"), as any answer that does not decode.
 """
 
 from __future__ import annotations

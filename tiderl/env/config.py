@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
 
-BUILTIN_ENVS = ("guess", "shop", "household", "calc")
+BUILTIN_ENVS = ("guess", "shop", "household", "calc", "gui")
 LATENCY_KINDS = ("none", "fixed", "lognormal")
 
 

@@ -1,4 +1,4 @@
-"""Serve a gymnasium env whose observations and actions are text as a TideRL :class:`Environment`.
+"""Serve a gymnasium env whose actions are text as a TideRL :class:`Environment`.
 
 ``make_env("gym:ENV_ID")`` builds a registered gymnasium id with ``gymnasium.make``;
 ``make_env("gym:package.module:factory")`` calls ``factory()`` (no arguments), which returns a
@@ -7,21 +7,41 @@
     reset(task, seed) → env.reset(seed=seed, options={"task": task} if task else None)
     step(action)      → env.step(action)          (the action string, unchanged)
     observation       → str(observation)          (a ``gymnasium.spaces.Text`` space, ideally)
+                      or an image message          (see below)
     reward, terminated or truncated → StepResult.reward, StepResult.done
 
 and ends the episode itself at ``max_turns`` steps (``info["truncated"] = True``). Info values
 that are not JSON types are dropped (StepResult.info crosses the wire). gymnasium is optional:
 without it, ``make_env("gym:...")`` raises :class:`GymUnavailable` naming the install.
+
+Image observations become one user message, the image (a PNG part) before the text:
+
+    uint8 array H x W x 3 (a ``Box(0, 255, (H, W, 3), uint8)``)  → [image]
+    dict with "image" or "pixels" (uint8 H x W x 3),             → [image, text]
+         and "text" or "mission" (the text, if any; other keys are dropped)
+
+Any other observation (a dict without an image key, a float array) is ``str(observation)`` as
+before. An image key holding anything but a uint8 H x W x 3 array, or an image over the limits
+of :mod:`tiderl.env.images`, is an :class:`~tiderl.env.images.ImageError` (the service answers
+422).
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 from typing import Any
 
-from tiderl.env.base import Environment, StepResult, UnknownEnvironment
+import numpy as np  # gymnasium's own dependency (and matplotlib's)
+from PIL import Image
+
+from tiderl.env.base import Environment, Observation, StepResult, UnknownEnvironment
+from tiderl.env.images import MAX_IMAGE_PIXELS, ImageError
+from tiderl.env.protocol import ContentPart, ImagePart, Message, TextPart, image_part
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
+IMAGE_KEYS = ("image", "pixels")
+TEXT_KEYS = ("text", "mission")
 
 
 class GymUnavailable(UnknownEnvironment):
@@ -47,8 +67,46 @@ def _import_gymnasium() -> Any:
                              "`pip install gymnasium`") from exc
 
 
+def _is_rgb_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3 \
+        and value.shape[2] == 3 and value.size > 0
+
+
+def _image_part(array: np.ndarray) -> ImagePart:
+    """The PNG part of an H x W x 3 array, its size checked before it is encoded."""
+    height, width = array.shape[:2]
+    if height * width > MAX_IMAGE_PIXELS:
+        raise ImageError(f"image: {width}x{height} = {width * height} pixels, more than the "
+                         f"limit ({MAX_IMAGE_PIXELS})")
+    out = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(array)).save(out, format="PNG")
+    return image_part(out.getvalue())
+
+
+def gym_observation(observation: Any) -> Observation:
+    """A gymnasium observation as text or as one user message with its image (see the module
+    docstring)."""
+    if _is_rgb_array(observation):
+        return [Message(role="user", content=[_image_part(observation)])]
+    if not isinstance(observation, dict):
+        return str(observation)
+    image_key = next((key for key in IMAGE_KEYS if key in observation), None)
+    if image_key is None:
+        return str(observation)
+    image = observation[image_key]
+    if not _is_rgb_array(image):
+        raise ImageError(f"gym: observation[{image_key!r}]: expected a uint8 array of shape "
+                         f"(H, W, 3), got {type(image).__name__} "
+                         f"{getattr(image, 'dtype', '')} {getattr(image, 'shape', '')}")
+    parts: list[ContentPart] = [_image_part(image)]
+    text = next((observation[key] for key in TEXT_KEYS if key in observation), None)
+    if text is not None and str(text):
+        parts.append(TextPart(str(text)))
+    return [Message(role="user", content=parts)]
+
+
 class GymEnv(Environment):
-    """One gymnasium env, text in and text out."""
+    """One gymnasium env, text in; text, or an image message, out."""
 
     name = "gym"
 
@@ -58,10 +116,10 @@ class GymEnv(Environment):
         self.turns = 0
         self.done = True
 
-    def reset(self, task: str | None, seed: int) -> tuple[str, dict[str, Any]]:
+    def reset(self, task: str | None, seed: int) -> tuple[Observation, dict[str, Any]]:
         observation, info = self.env.reset(seed=seed, options={"task": task} if task else None)
         self.turns, self.done = 0, False
-        return str(observation), _json_info(info)
+        return gym_observation(observation), _json_info(info)
 
     def step(self, action: str) -> StepResult:
         if self.done:
@@ -73,7 +131,7 @@ class GymEnv(Environment):
             truncated = True
         out.update(turns=self.turns, terminated=bool(terminated), truncated=bool(truncated))
         self.done = bool(terminated or truncated)
-        return StepResult(str(observation), float(reward), self.done, out)
+        return StepResult(gym_observation(observation), float(reward), self.done, out)
 
 
 def make_gym_env(spec: str, *, max_turns: int = 20) -> GymEnv:

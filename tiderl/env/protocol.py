@@ -14,6 +14,19 @@ tool results and/or user text) and ``observation``, the same contents as plain t
 newlines) for clients without a chat template. The action is the model's raw text; the
 environment parses tool calls out of it (:mod:`tiderl.env.tools`).
 
+A message's ``content`` is a string or a list of OpenAI-style content parts, what vLLM's and
+SGLang's OpenAI chat APIs take:
+
+    "higher . 17 turns left ."                                  (on the wire exactly as before)
+    [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR..."}},
+     {"type": "text", "text": "Click the red button."}]
+
+Images are PNG data URLs only, checked by :mod:`tiderl.env.images` (size in bytes and pixels,
+the PNG header), at most ``MAX_IMAGES_PER_MESSAGE`` a message. Consumers read a message through
+:meth:`Message.text` (the parts' text joined by newlines, each image as ``IMAGE_MARKER``) and
+:meth:`Message.images` (the PNG bytes, in order); producers build parts with :func:`image_part`.
+The plain-text ``observation`` shows each image as ``IMAGE_MARKER``.
+
 Errors are ``{"error": {"message", "type"}}`` with a 4xx status (see :mod:`tiderl.env.server`).
 """
 
@@ -22,6 +35,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+
+from tiderl.env.images import ImageError, decode_png_data_url, png_data_url
 
 MAX_ACTION_CHARS = 4096
 MAX_TASK_CHARS = 4096
@@ -59,14 +74,55 @@ class ToolCall(msgspec.Struct):
     type: str = "function"
 
 
+MAX_IMAGES_PER_MESSAGE = 10  # the paper's GUI runs keep at most ten screenshots in a context
+IMAGE_MARKER = "<image>"  # an image in the plain-text form of a message
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    """``{"type": "text", "text": ...}``"""
+
+    text: str
+
+
+class ImageURL(msgspec.Struct):
+    """``{"url": "data:image/png;base64,..."}``, checked when built or decoded
+    (:func:`tiderl.env.images.decode_png_data_url`); other OpenAI fields (``detail``) are
+    ignored."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        decode_png_data_url(self.url)
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
+    """``{"type": "image_url", "image_url": {"url": ...}}``"""
+
+    image_url: ImageURL
+
+    @property
+    def png(self) -> bytes:
+        return decode_png_data_url(self.image_url.url)
+
+
+ContentPart = TextPart | ImagePart
+
+
+def image_part(png: bytes) -> ImagePart:
+    """The content part of a PNG image; :class:`~tiderl.env.images.ImageError` if the image
+    breaks the limits of :mod:`tiderl.env.images`."""
+    return ImagePart(ImageURL(png_data_url(png)))
+
+
 class Message(msgspec.Struct, omit_defaults=True):
-    """One OpenAI-style chat message. ``tool_calls`` only on an assistant message;
-    ``tool_call_id`` and ``name`` (the function's) only on a tool message. Checked on
-    construction and on decoding (a wrong role or field is a ``ValueError`` /
-    ``msgspec.ValidationError``)."""
+    """One OpenAI-style chat message. ``content``: a string, or content parts (text and PNG
+    images, at most ``MAX_IMAGES_PER_MESSAGE`` images); ``tool_calls`` only on an assistant
+    message; ``tool_call_id`` and ``name`` (the function's) only on a tool message. Checked on
+    construction and on decoding (a wrong role, field or image is a ``ValueError`` /
+    ``msgspec.ValidationError``; a bad image an :class:`~tiderl.env.images.ImageError`)."""
 
     role: str  # one of ROLES
-    content: str = ""
+    content: str | list[ContentPart] = ""
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -78,11 +134,41 @@ class Message(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"tool_calls: only an assistant message has them, not {self.role}")
         if self.role != "tool" and (self.tool_call_id is not None or self.name is not None):
             raise ValueError(f"tool_call_id, name: only a tool message has them, not {self.role}")
+        if not isinstance(self.content, str):
+            for part in self.content:
+                if not isinstance(part, ContentPart):
+                    raise TypeError(f"content: expected a string or TextPart and ImagePart "
+                                    f"items, got a {type(part).__name__}")
+            if self.num_images > MAX_IMAGES_PER_MESSAGE:
+                raise ImageError(f"content: {self.num_images} images in one message, more "
+                                 f"than the limit ({MAX_IMAGES_PER_MESSAGE})")
+
+    @property
+    def num_images(self) -> int:
+        if isinstance(self.content, str):
+            return 0
+        return sum(isinstance(part, ImagePart) for part in self.content)
+
+    def text(self, image_marker: str = IMAGE_MARKER) -> str:
+        """The content as text: a string as is; parts joined by newlines (as vLLM joins them),
+        each image shown as ``image_marker`` (``""``: images left out)."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = (part.text if isinstance(part, TextPart) else image_marker
+                 for part in self.content)
+        return "\n".join(text for text in texts if text)
+
+    def images(self) -> list[bytes]:
+        """The PNG bytes of the content's images, in order (none for a string)."""
+        if isinstance(self.content, str):
+            return []
+        return [part.png for part in self.content if isinstance(part, ImagePart)]
 
 
 def messages_text(messages: list[Message]) -> str:
-    """The plain-text form of messages: their non-empty contents joined by newlines."""
-    return "\n".join(m.content for m in messages if m.content)
+    """The plain-text form of messages: their non-empty texts (:meth:`Message.text`, each
+    image as ``IMAGE_MARKER``) joined by newlines."""
+    return "\n".join(text for m in messages if (text := m.text()))
 
 
 class StartResponse(msgspec.Struct):

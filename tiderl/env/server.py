@@ -10,9 +10,10 @@ Bodies are decoded with msgspec (:mod:`tiderl.env.protocol`). Bad input is answe
 ``{"error": {"message", "type"}}``: 400 malformed JSON (too deep a nesting included) / unknown
 env, 401 no or a wrong token, 404 unknown, expired or evicted session (or an unknown route),
 405 a wrong method, 409 a step on a paused or finished session, 413 a body over
-``MAX_BODY_BYTES``, 422 missing fields, wrong types or an action over the length limit, 429
-(with ``Retry-After: 1``) when the session table is full and every session is in a step. The
-server keeps serving after any of them.
+``MAX_BODY_BYTES``, 422 missing fields, wrong types or an action over the length limit (and
+``invalid_observation``: an observation whose image breaks the limits of
+:mod:`tiderl.env.images`), 429 (with ``Retry-After: 1``) when the session table is full and
+every session is in a step. The server keeps serving after any of them.
 
 Token: with one (``serve``'s ``token``, else ``TIDERL_ENV_TOKEN``, else the job's, see
 :mod:`tiderl.auth`) every route but ``/health`` and ``/metrics`` needs

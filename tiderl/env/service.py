@@ -6,7 +6,9 @@
 
 Every answer carries both forms of an observation (:func:`tiderl.env.base.observation_messages`
 and ``observation_text``), whichever form the environment returned, and ``/start`` the
-environment's tool schemas.
+environment's tool schemas. An observation whose image breaks the limits of
+:mod:`tiderl.env.images` (the environment raised :class:`ImageError` building it) is answered
+422 ``invalid_observation``, the session left as the environment left it.
 
 A session is "in a step" from the start of its /observation (latency included) to its answer;
 the table never evicts it meanwhile, and /start is refused (429) only when every session is.
@@ -31,6 +33,7 @@ from tiderl.env.base import (
     observation_text,
 )
 from tiderl.env.config import EnvConfig
+from tiderl.env.images import ImageError
 from tiderl.env.latency import LatencyModel
 from tiderl.env.protocol import (
     ObservationRequest,
@@ -83,6 +86,8 @@ class EnvService:
             observation, info = env.reset(req.task, req.seed)
         except UnknownEnvironment as exc:
             raise ProtocolError(str(exc), "unknown_env", 400) from exc
+        except ImageError as exc:
+            raise _bad_observation(req.env, exc) from exc
         except ValueError as exc:  # e.g. a task the environment cannot parse
             raise ProtocolError(f"{req.env}: {exc}", "invalid_task", 400) from exc
         messages = observation_messages(observation)
@@ -99,6 +104,8 @@ class EnvService:
             self.table.touch(req.session, self.clock())
             try:
                 result = session.env.step(req.action)
+            except ImageError as exc:
+                raise _bad_observation(session.env_name, exc) from exc
             except ValueError as exc:
                 raise ProtocolError(f"action: {exc}", "invalid_action", 400) from exc
         finally:
@@ -136,6 +143,10 @@ class EnvService:
         if session.is_done:
             raise SessionConflict(f"session {session_id!r}: the episode is done; /end it")
         return session
+
+
+def _bad_observation(env: str, exc: ImageError) -> ProtocolError:
+    return ProtocolError(f"{env}: observation: {exc}", "invalid_observation", 422)
 
 
 async def _sleep(seconds: float) -> None:

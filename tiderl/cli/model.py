@@ -16,7 +16,10 @@ app = typer.Typer(help="Local model checkpoints.", no_args_is_help=True)
 
 @app.command("init")
 def init(
-    size: str = typer.Option("tiny", "--size", help="tiny or small."),
+    size: str = typer.Option(
+        "tiny", "--size",
+        help="tiny, small, or tiny-vl: a Qwen2-VL (tiny's language part and a small vision "
+             "tower) whose tokenizer adds <|vision_start|>, <|vision_end|> and <|image_pad|>."),
     out: Path = typer.Option(..., "--out", help="Output folder."),
     seed: int = typer.Option(0, "--seed"),
     tokenizer: str = typer.Option(
@@ -28,7 +31,8 @@ def init(
                                "are replaced, other files are left."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Write config.json, model.safetensors and the tokenizer files for a random-init model.
+    """Write config.json, model.safetensors and the tokenizer files for a random-init model
+    (tiny-vl: also generation_config.json and preprocessor_config.json).
 
     The folder must be new or empty, unless --force."""
     if size not in MODEL_SIZES:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tiderl.core.config import require_choice
 
-MODEL_SIZES = ("tiny", "small")
+MODEL_SIZES = ("tiny", "small", "tiny-vl")  # tiny-vl: a Qwen2-VL (tiderl.models.init)
 TOKENIZER_KINDS = ("word", "bpe")  # of `tiderl model init --tokenizer`
 DTYPES = ("float32", "bfloat16")
 
@@ -18,7 +18,8 @@ class ModelConfig:
     """Which weights the engine and the trainer load.
 
     ``path`` is an HF-format folder (config.json, *.safetensors, tokenizer.json); empty means a
-    seeded random-init model of ``size`` made locally (no downloads). ``chat_template``: apply
+    seeded random-init model of ``size`` made locally (no downloads; ``tiny-vl``: a Qwen2-VL
+    whose word-level tokenizer has the vision tokens). ``chat_template``: apply
     the folder's chat template to the environment's messages when it has one (else, and for
     ``false``, the observation text is encoded as is).
     """

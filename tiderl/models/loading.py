@@ -2,9 +2,13 @@
 ``model.safetensors.index.json``) + ``tokenizer.json``, and where the folder has them the files
 transformers and the engines read beside it: ``tokenizer_config.json`` (special tokens, the chat
 template), ``chat_template.jinja``, ``special_tokens_map.json`` and ``generation_config.json``
-(its ``eos_token_id`` joins config.json's: the eos set ends a generation).
+(its ``eos_token_id`` joins config.json's: the eos set ends a generation), and for a vision
+model ``preprocessor_config.json`` and ``chat_template.json`` (the processor's).
 
-A real Qwen2 / Qwen2.5 checkpoint on local disk loads as is; nothing is downloaded.
+A real Qwen2 / Qwen2.5 checkpoint on local disk loads as is, and so does a Qwen2-VL / Qwen2.5-VL
+one (:mod:`tiderl.models.qwen2_vl`; weights named as on the hub, ``model.*`` and ``visual.*``,
+or as transformers 5 names them in memory, ``model.language_model.*`` and ``model.visual.*``);
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from tiderl.models.config import ModelConfig, model_type
 from tiderl.models.qwen2 import DTYPES, Qwen2Config, Qwen2ForCausalLM
+from tiderl.models.qwen2_vl import VL_MODEL_TYPES, Qwen2VLConfig, Qwen2VLForCausalLM
+from tiderl.models.vision_inputs import image_settings
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -28,8 +34,13 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                    GENERATION_CONFIG_FILE)
+                    GENERATION_CONFIG_FILE, "preprocessor_config.json", "chat_template.json")
 TIED_KEY = "lm_head.weight"
+# transformers 5's in-memory names of a vision model's weights -> the hub's (ours)
+VL_KEY_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+EMBEDDED_MODEL_TYPES = ("qwen2", *VL_MODEL_TYPES)  # built here; others load via transformers
+
+ModelArchitecture = Qwen2ForCausalLM | Qwen2VLForCausalLM
 
 
 class ModelLoadError(Exception):
@@ -37,10 +48,15 @@ class ModelLoadError(Exception):
 
 
 def load_config(path: str | Path) -> Qwen2Config:
-    """config.json, with generation_config.json's eos tokens joined to its own."""
+    """config.json, with generation_config.json's eos tokens joined to its own: a
+    :class:`Qwen2VLConfig` for model_type qwen2_vl and qwen2_5_vl, else a Qwen2 one."""
     file = Path(path) / CONFIG_FILE
     try:
-        config = Qwen2Config.from_hf(json.loads(file.read_text()))
+        data = json.loads(file.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        kind = Qwen2VLConfig if data.get("model_type") in VL_MODEL_TYPES else Qwen2Config
+        config = kind.from_hf(data)
         eos = joined_eos(config.eos_token_id, Path(path))
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{file}: not found") from exc
@@ -80,25 +96,32 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     folder = Path(path)
     index = folder / INDEX_FILE
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: {exc!r}") from None
     elif (folder / WEIGHTS_FILE).exists():
         files = [WEIGHTS_FILE]
     else:
         raise ModelLoadError(f"{folder}: no {WEIGHTS_FILE} or {INDEX_FILE}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(str(folder / name), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[key] = handle.get_tensor(key)
+        try:
+            with safe_open(str(folder / name), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[key] = handle.get_tensor(key)
+        except (OSError, SafetensorError) as exc:
+            raise ModelLoadError(f"{folder / name}: {exc}") from None
     return tensors
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
-    """Build the model from a folder; ``dtype`` defaults to the config's ``torch_dtype``."""
+               device: torch.device | str = "cpu") -> ModelArchitecture:
+    """Build the model from a folder (:class:`Qwen2VLForCausalLM` for a vision model);
+    ``dtype`` defaults to the config's ``torch_dtype``."""
     config = load_config(path)
     model = _empty_model(config, dtype or config.torch_dtype, device)
-    state = {k: v for k, v in load_state_dict(path).items()
+    state = {_hub_name(k): v for k, v in load_state_dict(path).items()
              if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints saved the rope table
     if config.tie_word_embeddings:
         state.pop(TIED_KEY, None)
@@ -106,11 +129,28 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     if missing or unexpected:
         raise ModelLoadError(f"{path}: weights do not match config.json "
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    expected = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} not {tuple(expected[k].shape)}"
+             for k, v in state.items() if v.shape != expected[k].shape]
+    if wrong:
+        raise ModelLoadError(f"{path}: weights do not match config.json ({', '.join(wrong[:3])})")
     model.load_state_dict(state, strict=False)  # tied lm_head shares the embedding
+    if isinstance(model, Qwen2VLForCausalLM):
+        try:
+            model.image_settings = image_settings(path, model.config)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
     return model.eval()
 
 
-def save_model(model: Qwen2ForCausalLM, path: str | Path,
+def _hub_name(key: str) -> str:
+    for prefix, hub in VL_KEY_PREFIXES:
+        if key.startswith(prefix):
+            return hub + key[len(prefix):]
+    return key
+
+
+def save_model(model: ModelArchitecture, path: str | Path,
                max_shard_bytes: int | None = None) -> None:
     """Write ``config.json`` and the weights (one file, or shards of at most
     ``max_shard_bytes`` plus an index). Tied models omit ``lm_head.weight``, as HF does."""
@@ -176,30 +216,35 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def model_from_config(config: ModelConfig,
-                      device: torch.device | str = "cpu") -> tuple[Qwen2ForCausalLM, Tokenizer]:
+                      device: torch.device | str = "cpu") -> tuple[ModelArchitecture, Tokenizer]:
     """The profile's model and tokenizer: the folder at ``config.path``, or (empty path) a
-    seeded random-init model of ``config.size`` with the word-level tokenizer. A folder of
-    another ``model_type`` than qwen2 loads through transformers
-    (:class:`tiderl.models.hf_causal.HFCausalLM`: the trainer runs it; engines: vLLM, SGLang)."""
-    if config.path and _model_type(config.path) != "qwen2":
+    seeded random-init model of ``config.size`` with the word-level tokenizer (with the
+    vision tokens for ``tiny-vl``). A folder of another ``model_type`` than qwen2, qwen2_vl and
+    qwen2_5_vl loads through transformers (:class:`tiderl.models.hf_causal.HFCausalLM`: the
+    trainer runs it; engines: vLLM, SGLang)."""
+    if config.path and _model_type(config.path) not in EMBEDDED_MODEL_TYPES:
         from tiderl.models.hf_causal import load_hf_causal
 
         return (load_hf_causal(config.path, DTYPES[config.dtype], device),
                 load_tokenizer(config.path))
     if config.path:
         return load_model(config.path, config.dtype, device), load_tokenizer(config.path)
-    from tiderl.models.init import init_model
-    from tiderl.models.tokenizer import word_tokenizer
+    from tiderl.models.init import init_model, is_vision_size
+    from tiderl.models.tokenizer import with_vision_tokens, word_tokenizer
 
     model = init_model(config.size, config.seed)
-    return model.to(device=device, dtype=DTYPES[config.dtype]), word_tokenizer()
+    tokenizer = word_tokenizer()
+    if is_vision_size(config.size):
+        tokenizer = with_vision_tokens(tokenizer)
+    return model.to(device=device, dtype=DTYPES[config.dtype]), tokenizer
 
 
 def _empty_model(config: Qwen2Config, dtype: str | torch.dtype,
-                 device: torch.device | str) -> Qwen2ForCausalLM:
+                 device: torch.device | str) -> ModelArchitecture:
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    architecture = Qwen2VLForCausalLM if isinstance(config, Qwen2VLConfig) else Qwen2ForCausalLM
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+        model = architecture(config)
     # Module.to_empty, with torch.empty: empty_like of a meta tensor runs a Python reference
     # that imports sympy (0.7 s of `tiderl engine serve`'s start-up)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -208,7 +253,7 @@ def _empty_model(config: Qwen2Config, dtype: str | torch.dtype,
     return model
 
 
-def _check_keys(model: Qwen2ForCausalLM, state: dict) -> tuple[list[str], list[str]]:
+def _check_keys(model: ModelArchitecture, state: dict) -> tuple[list[str], list[str]]:
     expected = set(model.state_dict())
     if model.config.tie_word_embeddings:
         expected.discard(TIED_KEY)

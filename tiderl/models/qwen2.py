@@ -72,35 +72,43 @@ class Qwen2Config:
         """Read an HF ``config.json`` dict (legacy and transformers-5 spellings)."""
         if data.get("model_type", "qwen2") != "qwen2":
             raise ValueError(f"unsupported model_type {data['model_type']!r}: the embedded "
-                             "engine and the trainer build Qwen2 (docs/models.md)")
-        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"unsupported rope scaling {rope!r}")
-        if data.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        head_dim = data.get("head_dim")
-        if head_dim not in (None, data["hidden_size"] // data["num_attention_heads"]):
-            raise ValueError(f"unsupported head_dim {head_dim}")
-        eos = data.get("eos_token_id")
-        return cls(
-            vocab_size=data["vocab_size"], hidden_size=data["hidden_size"],
-            intermediate_size=data["intermediate_size"],
-            num_hidden_layers=data["num_hidden_layers"],
-            num_attention_heads=data["num_attention_heads"],
-            num_key_value_heads=data.get("num_key_value_heads", data["num_attention_heads"]),
-            rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-            rope_theta=data.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            tie_word_embeddings=data.get("tie_word_embeddings", False),
-            max_position_embeddings=data.get("max_position_embeddings", 32768),
-            torch_dtype=data.get("torch_dtype") or data.get("dtype") or "float32",
-            bos_token_id=data.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+                             "engine and the trainer build Qwen2 and Qwen2-VL (docs/models.md)")
+        return cls(**text_fields(data))
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers reads as a ``Qwen2Config``."""
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                 "hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False,
                 "use_cache": True, "initializer_range": 0.02, **asdict(self)}
+
+
+def text_fields(data: dict[str, Any], rope_types: tuple[str, ...] = ("default",)
+                ) -> dict[str, Any]:
+    """The :class:`Qwen2Config` fields of an HF config dict (legacy and transformers-5
+    spellings); a ValueError for what the model does not build: a rope type outside
+    ``rope_types``, sliding-window attention, a head_dim other than hidden / heads."""
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in (*rope_types, None):
+        raise ValueError(f"unsupported rope scaling {rope!r}")
+    if data.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported")
+    head_dim = data.get("head_dim")
+    if head_dim not in (None, data["hidden_size"] // data["num_attention_heads"]):
+        raise ValueError(f"unsupported head_dim {head_dim}")
+    eos = data.get("eos_token_id")
+    return dict(
+        vocab_size=data["vocab_size"], hidden_size=data["hidden_size"],
+        intermediate_size=data["intermediate_size"],
+        num_hidden_layers=data["num_hidden_layers"],
+        num_attention_heads=data["num_attention_heads"],
+        num_key_value_heads=data.get("num_key_value_heads", data["num_attention_heads"]),
+        rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+        rope_theta=data.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        tie_word_embeddings=data.get("tie_word_embeddings", False),
+        max_position_embeddings=data.get("max_position_embeddings", 32768),
+        torch_dtype=data.get("torch_dtype") or data.get("dtype") or "float32",
+        bos_token_id=data.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
 
 
 class RMSNorm(nn.Module):
@@ -171,11 +179,15 @@ class Attention(nn.Module):
         return self.o_proj(varlen_attention(q, k, v, cu_seqlens).reshape(x.shape))
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                      kv_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        """Paged: x [num_tokens, hidden], positions [num_tokens]."""
+                      kv_cache: torch.Tensor, batch: PagedBatch,
+                      cache_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged: x [num_tokens, hidden], positions [num_tokens] (or what ``rotary`` takes).
+        ``cache_positions`` [num_tokens]: each token's place in its sequence's cache, when the
+        rotary positions are not it (multimodal rotary); by default ``positions``."""
         q, k, v = self._qkv(x, positions, rotary)
         write_kv(kv_cache[self.layer], k, v, batch.slot_mapping)
-        out = paged_attention(q, kv_cache[self.layer], positions, batch)
+        places = positions if cache_positions is None else cache_positions
+        out = paged_attention(q, kv_cache[self.layer], places, batch)
         return self.o_proj(out.reshape(x.shape))
 
 
@@ -215,9 +227,11 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    """The decoder stack (HF prefix ``model.``)."""
+    """The decoder stack (HF prefix ``model.``). ``rotary``: the position embedding its
+    attention applies (default :class:`Rotary` of the config; Qwen2-VL passes its multimodal
+    one)."""
 
-    def __init__(self, config: Qwen2Config):
+    def __init__(self, config: Qwen2Config, rotary: Rotary | None = None):
         super().__init__()
         # nn.Embedding's own init (normal_), skipped on the meta device, where the loader
         # builds a model before its weights arrive: a meta normal_ runs a Python reference
@@ -229,10 +243,13 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.rotary = rotary if rotary is not None else Rotary(config.head_dim, config.rope_theta)
 
     def hidden_states(self, input_ids: torch.Tensor, attend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        return self.run_layers(self.embed_tokens(input_ids), attend)
+
+    def run_layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The layers and the final norm over embedded tokens x [..., hidden]."""
         for layer in self.layers:
             x = layer(x, attend)
         return self.norm(x)

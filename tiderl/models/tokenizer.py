@@ -10,7 +10,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, normalizers, pre_tokenizers
 from tokenizers.models import WordLevel
 
-from tiderl.models.vocab import SPECIALS, UNK, VOCAB
+from tiderl.models.vocab import SPECIALS, UNK, VISION_TOKENS, VOCAB
 
 
 def word_tokenizer() -> Tokenizer:
@@ -22,4 +22,12 @@ def word_tokenizer() -> Tokenizer:
         pre_tokenizers.Punctuation(behavior="isolated"),
     ])
     tokenizer.add_special_tokens(list(SPECIALS))
+    return tokenizer
+
+
+def with_vision_tokens(tokenizer: Tokenizer) -> Tokenizer:
+    """``tokenizer`` (changed in place) with :data:`~tiderl.models.vocab.VISION_TOKENS` added
+    as special tokens after its vocabulary: ids ``n``, ``n + 1``, ``n + 2`` for a vocabulary
+    of ``n``."""
+    tokenizer.add_special_tokens(list(VISION_TOKENS))
     return tokenizer

@@ -69,3 +69,8 @@ WORDS: tuple[str, ...] = tuple(dict.fromkeys(
     if w not in NUMBERS and not any(c in PUNCTUATION for c in w)))
 
 VOCAB: tuple[str, ...] = (*SPECIALS, *NUMBERS, *PUNCTUATION, *WORDS)
+
+# The tokens that frame an image in a vision model's text (Qwen2-VL's spellings): a ``tiny-vl``
+# tokenizer adds them as specials after its own vocabulary, in this order.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+VISION_START, VISION_END, IMAGE_PAD = VISION_TOKENS

@@ -64,7 +64,8 @@ def serve(
             weights, tokenizer = model_from_config(model_config, device)
         except (ModelLoadError, RuntimeError) as exc:
             raise CLIError(f"tiderl engine serve: {exc}", EXIT_USAGE) from None
-        engine = LLMEngine(weights, engine_config, weights.config.eos_token_id)
+        engine = LLMEngine(weights, engine_config, weights.config.eos_token_id,
+                           model_folder=str(model) if model else None)
         Output().note(f"tiderl engine: {model or name} on http://{host}:{port} "
                       f"(KV pool {kv_cache_tokens} tokens, {device})")
         return engine, tokenizer

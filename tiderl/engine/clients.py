@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from tiderl.auth import ADMIN, bearer_headers, resolve_token
+from tiderl.core.types import ImageRef
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import (
@@ -41,7 +43,7 @@ from tiderl.engine.metric_names import (
     MetricNames,
 )
 from tiderl.engine.prometheus import info_labels, parse_prometheus
-from tiderl.engine.request import SamplingParams
+from tiderl.engine.request import Images, SamplingParams
 
 if TYPE_CHECKING:
     from tiderl.engine.kv_cache_manager import TokenUsage
@@ -50,6 +52,12 @@ if TYPE_CHECKING:
 
 class NotSupported(Exception):
     """The backend has no such call."""
+
+
+def image_body(ref: ImageRef, png: bytes) -> dict[str, Any]:
+    """An image of a completion request to ``tiderl engine serve``."""
+    return {"key": ref.key, "offset": ref.offset, "num_tokens": ref.num_tokens,
+            "grid": list(ref.grid), "png": base64.b64encode(png).decode()}
 
 
 class EngineRequestError(ValueError):
@@ -86,9 +94,11 @@ class ClientMetrics:
 class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0) -> GenerateResult:
+                       priority: int = 0, images: Images = ()) -> GenerateResult:
         """One turn. ``priority``: lower runs first where the engine schedules by priority
-        (vLLM, SGLang as the launcher starts them); ours schedules first come, first served."""
+        (vLLM, SGLang as the launcher starts them); ours schedules first come, first served.
+        ``images``: the images among ``prompt_ids`` (their placeholder tokens) with their PNG
+        bytes, for a model that reads images."""
 
     async def pin(self, task_id: str) -> int:
         """Keep the task's cached context resident; returns the pinned tokens."""
@@ -150,8 +160,8 @@ class EmbeddedClient(EngineClient):
         self.engine = engine
 
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0) -> GenerateResult:
-        out = await self.engine.generate(task_id, prompt_ids, sampling)
+                       priority: int = 0, images: Images = ()) -> GenerateResult:
+        out = await self.engine.generate(task_id, prompt_ids, sampling, images)
         return GenerateResult(out.task_id, list(out.output_ids), list(out.logprobs),
                               str(out.finish_reason), out.num_prompt_tokens,
                               out.num_cached_tokens, out.version)
@@ -266,8 +276,10 @@ class TideRLHTTPClient(_HTTPClient):
                          bearer_headers(resolve_token(ADMIN, admin_token)))
 
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0) -> GenerateResult:
+                       priority: int = 0, images: Images = ()) -> GenerateResult:
         body = completion_body(prompt_ids, sampling) | {"task_id": task_id}
+        if images:
+            body["images"] = [image_body(ref, png) for ref, png in images]
         return parse_completion(task_id, await self._post("/v1/completions", body))
 
     async def pin(self, task_id: str) -> int:
@@ -322,7 +334,10 @@ class VLLMClient(_HTTPClient):
         self.flush_on_update = flush_on_update
 
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0) -> GenerateResult:
+                       priority: int = 0, images: Images = ()) -> GenerateResult:
+        if images:
+            raise NotSupported("VLLMClient.generate: images with token-id prompts are not "
+                               "wired to vLLM yet")
         body = completion_body(prompt_ids, sampling) | {
             "model": self.model, "return_token_ids": True, "return_weight_versions": True}
         if priority:
@@ -429,7 +444,10 @@ class SGLangClient(_HTTPClient):
         self.flush_on_update = flush_on_update
 
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0) -> GenerateResult:
+                       priority: int = 0, images: Images = ()) -> GenerateResult:
+        if images:
+            raise NotSupported("SGLangClient.generate: images with token-id prompts are not "
+                               "wired to SGLang yet")
         body = sglang_generate_body(prompt_ids, sampling)
         if priority:
             body["priority"] = priority

@@ -21,14 +21,16 @@ it plus the number of task pins that hold it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiderl.core.types import ImageRef
 from tiderl.engine import block_pool
 from tiderl.engine.block_pool import ROOT_CACHE_ID, ROOT_HASH, BlockPool, KVCacheBlock
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.request import Request
 
-_Content = tuple[int, tuple[int, ...]]  # (block hash, token ids) of one full block
+_Content = tuple[int, tuple]  # (block hash, content key: token ids [+ image keys]) of a full block
 
 
 def cdiv(a: int, b: int) -> int:
@@ -304,8 +306,14 @@ class KVCacheManager:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _block_tokens(self, request: Request, i: int) -> list[int]:
-        return request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+    def _block_tokens(self, request: Request, i: int) -> tuple:
+        """Block ``i``'s content key: its token ids, then the hash of each image among them
+        (equal pad tokens of different pictures must not hit each other)."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        tokens = tuple(request.all_token_ids[start:end])
+        if request.images is None:
+            return tokens
+        return tokens + block_image_keys(request.images.refs, start, end)
 
     def _block_hashes(self, request: Request) -> list[int]:
         """Chained hashes of the request's full blocks, extended as its tokens grow."""
@@ -334,3 +342,11 @@ class KVCacheManager:
 
     def _release_pin(self, task_id: str) -> None:
         self.pool.free_blocks(reversed(self._pins[task_id]))
+
+
+def block_image_keys(refs: Sequence[ImageRef], start: int, end: int
+                     ) -> tuple[tuple[str, int], ...]:
+    """The images overlapping sequence indices start..end-1 (one KV block): (hash, the
+    image's offset relative to ``start``) each, for the block's prefix-cache key."""
+    return tuple((ref.key, ref.offset - start) for ref in refs
+                 if ref.offset < end and ref.offset + ref.num_tokens > start)

@@ -31,11 +31,14 @@ import torch
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.kv_cache_manager import TokenUsage
 from tiderl.engine.model_runner import ModelRunner
-from tiderl.engine.request import Request, SamplingParams
+from tiderl.engine.multimodal import ImageEncoder
+from tiderl.engine.request import Images, Request, SamplingParams
 from tiderl.engine.scheduler import Scheduler, SchedulerOutput
 from tiderl.models.config import ModelConfig
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.qwen2_vl import Qwen2VLForCausalLM
+from tiderl.models.vision_inputs import image_settings
 
 
 class EngineAsleepError(ValueError):
@@ -73,13 +76,20 @@ class EngineMetrics:
 
 
 class LLMEngine:
-    def __init__(self, model: Qwen2ForCausalLM, engine_config: EngineConfig,
-                 eos_token_id: int | Collection[int] | None, version: int = 0) -> None:
+    def __init__(self, model: Qwen2ForCausalLM | Qwen2VLForCausalLM,
+                 engine_config: EngineConfig, eos_token_id: int | Collection[int] | None,
+                 version: int = 0, model_folder: str | None = None) -> None:
         """``eos_token_id``: the token, or the set of tokens, that ends a generation (an HF
-        folder's config.json and generation_config.json may each name several)."""
-        if not isinstance(model, Qwen2ForCausalLM):
-            raise ValueError(f"the embedded engine runs Qwen2, not {type(model).__name__}: a "
-                             "model of another architecture rolls out on vLLM or SGLang")
+        folder's config.json and generation_config.json may each name several).
+        ``model_folder``: where a model that reads images keeps its image settings
+        (preprocessor_config.json; the model's patch sizes and the default pixel budget
+        without one)."""
+        if not isinstance(model, Qwen2ForCausalLM | Qwen2VLForCausalLM):
+            raise ValueError(f"the embedded engine runs Qwen2 and Qwen2-VL, not "
+                             f"{type(model).__name__}: a model of another architecture rolls "
+                             "out on vLLM or SGLang")
+        self.images = ImageEncoder(model, image_settings(model_folder, model.config)) \
+            if isinstance(model, Qwen2VLForCausalLM) else None
         self.config = engine_config
         self.model = model
         self.version = version
@@ -129,42 +139,49 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def add_request(self, task_id: str, prompt_ids: list[int],
-                    sampling: SamplingParams) -> Request:
+    def add_request(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                    images: Images = ()) -> Request:
         """Validate and queue one turn (the synchronous half of ``generate``); ``max_tokens``
         is cut to the context left after the prompt."""
-        request = self._new_request(task_id, prompt_ids, sampling)
-        self._enqueue(request)
+        request = self._new_request(task_id, prompt_ids, sampling, images)
+        self._enqueue(request, images)
         return request
 
-    def _new_request(self, task_id: str, prompt_ids: list[int],
-                     sampling: SamplingParams) -> Request:
+    def _new_request(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                     images: Images = ()) -> Request:
         self._validate(prompt_ids, sampling)
+        if images and self.images is None:
+            raise ValueError(f"images: this engine's model ({type(self.model).__name__}) "
+                             "reads no images")
         room = self.max_model_len - len(prompt_ids)
         if sampling.max_tokens > room:
             sampling = replace(sampling, max_tokens=room)
         self._validate_kv(prompt_ids, sampling)
         return Request(f"{task_id}#{next(self._ids)}", task_id, list(prompt_ids), sampling)
 
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: Request, images: Images = ()) -> None:
+        """Queue the request; a model that reads images first encodes the images it has not
+        cached (the vision tower runs here, between two steps)."""
         with self._lock:
             if request.request_id in self._withdrawn:  # its caller was cancelled first
                 self._withdrawn.discard(request.request_id)
                 return
             if self._asleep:
                 raise EngineAsleepError("the engine is asleep: wake_up loads weights first")
+            if self.images is not None:
+                request.images = self.images.prompt(request.prompt_token_ids, images)
             self.scheduler.add_request(request)
 
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateOutput:
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       images: Images = ()) -> GenerateOutput:
         """Queue the turn and wait for it. The engine lock is taken off the event loop (a step
         holds it for its whole forward); the future is registered before the request reaches
         the scheduler, so a step that finishes it at once still finds it."""
-        request = self._new_request(task_id, prompt_ids, sampling)
+        request = self._new_request(task_id, prompt_ids, sampling, images)
         future = asyncio.get_running_loop().create_future()
         self._futures[request.request_id] = future
         try:
-            await asyncio.to_thread(self._enqueue, request)
+            await asyncio.to_thread(self._enqueue, request, images)
             self._start_loop()
             await future
         except asyncio.CancelledError:

@@ -25,6 +25,7 @@ from tiderl.engine.sampler import Sampler
 from tiderl.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tiderl.models.attention import PagedBatch, paged_attention
 from tiderl.models.qwen2 import Qwen2ForCausalLM, RMSNorm
+from tiderl.models.qwen2_vl import Qwen2VLForCausalLM
 
 
 class ModelRunner:
@@ -51,6 +52,7 @@ class ModelRunner:
         # Decode steps run every layer in one C++ call when the kernels are C++: the packed
         # weights in call order (rebuilt when PackedLinears repacks), each layer's two norms.
         self._one_call = not isinstance(self.kernels, TorchKernels)
+        self._reads_images = isinstance(model, Qwen2VLForCausalLM)
         self._flat: tuple[dict, list[torch.Tensor], list[torch.Tensor | None]] | None = None
         self._norm_weights = [norm.weight for layer, after in zip(
             self._layers, self._next_norms, strict=True) for norm in (layer.post_norm, after)]
@@ -61,14 +63,15 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         items = output.scheduled
         input_ids, positions, batch = self._inputs(output)
+        images = self._step_images(output) if self._reads_images else None
         sampling = [i for i, item in enumerate(items) if item.samples]
         if len(input_ids) == len(items):  # every request decodes one token
-            logits = self._forward(input_ids, positions, batch, None)
+            logits = self._forward(input_ids, positions, batch, None, images)
         else:  # prefill chunks (maybe with decodes): logits of the sampling rows only
             rows = batch.query_start_loc[1:] - 1
             if len(sampling) < len(items):
                 rows = rows[torch.tensor(sampling or [0], device=self.device)]
-            logits = self._forward(input_ids, positions, batch, rows)
+            logits = self._forward(input_ids, positions, batch, rows, images)
         if not sampling:  # only prefill chunks this step: their KV is written, nothing sampled
             return ModelRunnerOutput({}, {})
         chosen = [items[i] for i in sampling]
@@ -102,8 +105,54 @@ class ModelRunner:
         positions = tensor(list(chain.from_iterable(i.positions for i in items)))
         return input_ids, positions, batch
 
+    def _step_images(self, output: SchedulerOutput) -> _StepImages:
+        """A model that reads images: the step's rotary positions (multimodal: [3, T], each
+        request's from :meth:`PromptImages.rope_positions
+        <tiderl.engine.multimodal.PromptImages.rope_positions>`) as rows of rotary tables, and
+        the image embeddings that replace the token embeddings of its image-pad rows."""
+        parts, rows, values, at = [], [], [], 0
+        for item in output.scheduled:
+            start, count = item.num_computed_tokens, len(item.token_ids)
+            if item.images is None:
+                parts.append(torch.tensor(item.positions).expand(3, -1))
+            else:
+                parts.append(item.images.rope_positions(start, start + count))
+                for offset, embeds in item.images.embed_rows(start, start + count):
+                    rows.append(torch.arange(at + offset, at + offset + len(embeds)))
+                    values.append(embeds)
+            at += count
+        rope = torch.cat(parts, dim=1).to(self.device)
+        if torch.equal(rope[0], rope[1]) and torch.equal(rope[0], rope[2]):
+            index = rope[0].contiguous()  # text only: plain rotary at these positions
+            cos, sin = self._rotary_tables(index)
+        else:
+            index = torch.arange(rope.shape[1], device=self.device)
+            cos, sin = self._mrope_rows(rope)
+        if not rows:
+            return _StepImages(index, cos, sin, None, None)
+        return _StepImages(index, cos, sin, torch.cat(rows).to(self.device),
+                           torch.cat(values).to(self.model.dtype))
+
+    def _mrope_rows(self, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [T, D] of multimodal positions [3, T]: frequency pair j
+        turns with the component its ``mrope_section`` gives it (as
+        :class:`~tiderl.models.qwen2_vl.MRotary`)."""
+        rotary = self.model.model.rotary
+        dim = rotary.head_dim
+        inv_freq = 1.0 / (rotary.theta ** (
+            torch.arange(0, dim, 2, device=self.device).float() / dim))
+        component = torch.repeat_interleave(torch.arange(3, device=self.device),
+                                            torch.tensor(rotary.mrope_section,
+                                                         device=self.device))
+        freqs = rope.t().float()[:, component] * inv_freq  # [T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        folded = angles.sin()
+        folded[:, :dim // 2].neg_()
+        return angles.cos().to(self.model.dtype), folded.to(self.model.dtype)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
-                 logits_rows: torch.Tensor | None) -> torch.Tensor:
+                 logits_rows: torch.Tensor | None, images: _StepImages | None = None
+                 ) -> torch.Tensor:
         """The paged forward (:meth:`Qwen2ForCausalLM.forward_paged`, same weights, equal to
         float rounding; tests: 1e-5) with less work per layer:
 
@@ -118,17 +167,24 @@ class ModelRunner:
           ``paged_decode_attention``, those with more through :func:`paged_attention`;
         - a decode step with the C++ kernels runs the whole layer loop as one C++ call
           (:meth:`_decode_layers`);
-        - the lm_head only on ``logits_rows`` (None: every row)."""
+        - the lm_head only on ``logits_rows`` (None: every row).
+
+        ``images`` (a model that reads images): the rotary rows of each token (else its
+        position's) and the image embeddings put in place of the pad tokens' embeddings."""
         linear, kernels, (heads, kv_heads, dim) = self.linears, self.kernels, self._heads
         linear.refresh()
         num_tokens = len(input_ids)
-        cos, sin = self._rotary_tables(positions)
+        if images is None:
+            rope = positions
+            cos, sin = self._rotary_tables(positions)
+        else:
+            rope, cos, sin = images.rope_index, images.cos, images.sin
         parts = self._parts(positions, batch)
 
         def attend(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             qkv = linear(layer.qkv, x)  # [T, (H + 2 Hkv) D]: q, k, v side by side
             cache = self.kv_cache[layer.index]
-            kernels.rotary_write_kv(qkv, positions, cos, sin, cache, batch.slot_mapping,
+            kernels.rotary_write_kv(qkv, rope, cos, sin, cache, batch.slot_mapping,
                                     heads, kv_heads)
             q = qkv[:, :heads * dim].view(num_tokens, heads, dim)
             if len(parts) == 1:
@@ -141,11 +197,13 @@ class ModelRunner:
             return linear(layer.o, out.view(num_tokens, heads * dim))
 
         residual = self.model.model.embed_tokens(input_ids)
+        if images is not None and images.embed_rows is not None:
+            residual.index_copy_(0, images.embed_rows, images.embed_values)
         x = residual.clone()
         norm = self._layers[0].input_norm
         kernels.add_rms_norm(x, None, norm.weight, norm.eps)
         if self._one_call and len(parts) == 1 and parts[0].decode:
-            x = self._decode_layers(x, residual, positions, cos, sin, batch)
+            x = self._decode_layers(x, residual, rope, cos, sin, batch)
             return linear(self.model.lm_head, x)
         for layer, norm in zip(self._layers, self._next_norms, strict=True):
             x = attend(layer, x)  # DecoderLayer._forward, with the packed projections
@@ -160,7 +218,7 @@ class ModelRunner:
             x = x[logits_rows]
         return linear(self.model.lm_head, x)
 
-    def _decode_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+    def _decode_layers(self, x: torch.Tensor, residual: torch.Tensor, rope: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """The layer loop of :meth:`_forward` for a decode step, as one call of the C++
         ``decode_layers`` (the same projections and kernels, no Python between them: batch-32
@@ -173,7 +231,7 @@ class ModelRunner:
         _, weights, biases = self._flat
         heads, kv_heads, _ = self._heads
         return self.kernels.decode_layers(
-            x, residual, weights, biases, self._norm_weights, self.kv_cache, positions, cos, sin,
+            x, residual, weights, biases, self._norm_weights, self.kv_cache, rope, cos, sin,
             batch.slot_mapping, batch.block_tables, batch.context_lens, heads, kv_heads,
             self._layers[0].post_norm.eps, self.linears.enabled)
 
@@ -240,6 +298,18 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """Zero the cache (not needed for correctness: stale slots are never attended)."""
         self.kv_cache.zero_()
+
+
+@dataclass(frozen=True, slots=True)
+class _StepImages:
+    """A step of a model that reads images: each token's row of the rotary tables ``cos`` and
+    ``sin``, and the rows whose embeddings are image embeddings (None: no image this step)."""
+
+    rope_index: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    embed_rows: torch.Tensor | None
+    embed_values: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,17 @@ Any unfinished request can also be aborted (FINISHED with reason ABORT).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+from tiderl.core.types import ImageRef
+
+if TYPE_CHECKING:
+    from tiderl.engine.multimodal import PromptImages
+
+Images = Sequence[tuple[ImageRef, bytes]]  # images among a prompt's ids, with their PNG bytes
 
 
 class RequestStatus(str, Enum):
@@ -60,7 +69,9 @@ class Request:
     """A turn: ``prompt_token_ids`` is the task's whole context so far; outputs are appended.
 
     ``num_computed_tokens`` counts leading tokens whose KV is in the cache (hit or computed);
-    ``block_ids`` is the block table, written only by the KV cache manager.
+    ``block_ids`` is the block table, written only by the KV cache manager. ``images``: the
+    prompt's images, with their embeddings and multimodal positions (a model that reads images:
+    :mod:`tiderl.engine.multimodal`).
     """
 
     request_id: str
@@ -75,6 +86,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit tokens at first admission
+    images: PromptImages | None = None
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

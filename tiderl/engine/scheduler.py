@@ -22,11 +22,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tiderl.engine.block_pool import KVCacheBlock
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.kv_cache_manager import KVCacheManager, TokenUsage, cdiv
 from tiderl.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from tiderl.engine.multimodal import PromptImages
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,7 @@ class ScheduledRequest:
     samples: bool  # the last token's logits are sampled this step (prefill done)
     sampling: SamplingParams
     num_output_tokens: int  # outputs so far (for per-request seeded sampling)
+    images: PromptImages | None = None  # the request's (a model that reads images)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +245,7 @@ class Scheduler:
             samples=start + num_new == request.num_tokens,
             sampling=request.sampling,
             num_output_tokens=request.num_output_tokens,
+            images=request.images,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -16,19 +16,25 @@ A pin that would leave too little of the KV pool for the largest request in the 
 refused 409 (``pin_refused``): the task goes on unpinned. A completion without ``task_id`` is
 forgotten when it returns; a task's state otherwise lives until ``/tiderl/forget`` or
 ``/tiderl/flush``. ``max_tokens`` is cut to the context left after the prompt (as vLLM).
+For a model that reads images, a completion's ``images`` (TideRL extra: key, offset,
+num_tokens, grid and the base64 PNG of each image among the prompt ids) are encoded once per
+content hash and key the prefix cache (:mod:`tiderl.engine.multimodal`).
 
 :func:`tiderl.engine.starting.serve_loading` opens the socket before the engine exists: until
 :func:`build_app` serves, ``/health`` answers 503 ``{"status": "loading"}``, so that 200 keeps
 meaning "ready to generate".
 
 Bad input (malformed JSON, wrong types, an empty prompt, token ids outside the vocabulary, a
-prompt that leaves no room in the context, an unknown route, a body over ``MAX_BODY_BYTES``) is
+prompt that leaves no room in the context, images that do not match the prompt or their pixels,
+an unknown route, a body over ``MAX_BODY_BYTES``) is
 answered 4xx with ``{"error": {"message", "type"}}``; the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -46,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
 from tiderl.auth import ADMIN, ServiceGuard, resolve_token
+from tiderl.core.types import ImageRef
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import TIDERL_ENGINE
 from tiderl.engine.request import SamplingParams
@@ -78,8 +85,23 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
     task_id: str | None = Field(None, min_length=1, max_length=MAX_TASK_ID_CHARS)  # TideRL
     # extra: the task whose KV a pin keeps
+    images: list[ImageBody] = Field(default_factory=list, max_length=64)  # TideRL extra
     stream: bool = False  # accepted only as False
     n: int = 1  # accepted only as 1
+
+
+class ImageBody(BaseModel):
+    """An image among a completion's prompt ids (TideRL extra, a model that reads images): its
+    ``num_tokens`` image-pad tokens start at ``offset``; ``key`` is the sha256 of ``png``
+    (base64), its pixels; ``grid`` its (t, h, w) patch grid."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(min_length=64, max_length=64)
+    offset: StrictInt
+    num_tokens: StrictInt
+    grid: tuple[StrictInt, StrictInt, StrictInt]
+    png: str = Field(min_length=1)
 
 
 class TaskBody(BaseModel):
@@ -129,6 +151,13 @@ class EngineCollector:
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
     line = " ".join(message.split())  # one line, whatever the exception said
     return JSONResponse({"error": {"message": line, "type": kind}}, status_code=status)
+
+
+def _png(data: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"images: png is not base64: {exc}") from None
 
 
 def validate_prompt(engine: LLMEngine, prompt: list[int]) -> None:
@@ -182,8 +211,10 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
                                   top_p=body.top_p, seed=body.seed,
                                   stop_token_ids=tuple(body.stop_token_ids))
         task_id = body.task_id or uuid.uuid4().hex
+        images = [(ImageRef(i.key, i.offset, i.num_tokens, i.grid), _png(i.png))
+                  for i in body.images]
         try:
-            out = await engine.generate(task_id, list(body.prompt), sampling)
+            out = await engine.generate(task_id, list(body.prompt), sampling, images)
         finally:
             if body.task_id is None:  # nobody can come back for it
                 await asyncio.to_thread(engine.forget, task_id)

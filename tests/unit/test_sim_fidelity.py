@@ -9,12 +9,13 @@ from dataclasses import replace
 
 import pytest
 
+from tiderl.core.segments import task_of
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.cluster import Cluster, april_tasks_per_step, control_config, simulate
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
-from tiderl.sim.rollout import SimGroup, SimTask, task_of
+from tiderl.sim.rollout import SimGroup, SimTask
 from tiderl.sim.scenario import SYSTEMS, SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
 from tiderl.sim.trainer import AggregatingExecutor

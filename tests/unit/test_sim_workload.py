@@ -5,6 +5,7 @@ import statistics
 import pytest
 
 from tiderl.core.config import ConfigError
+from tiderl.core.segments import ImageWindow
 from tiderl.sim.workload import (
     PHASED,
     SCREENSHOT_TOKENS,
@@ -12,7 +13,6 @@ from tiderl.sim.workload import (
     TaskPlan,
     TurnPlan,
     WorkloadSampler,
-    live_images,
     screenshot_tokens,
     solve_turn_median,
     turn_distribution,
@@ -67,7 +67,7 @@ def test_caps_are_respected(env):
         assert 1 <= plan.num_turns <= spec.max_turns
         for context, turn in zip(plan.turn_contexts, plan.turns, strict=True):
             assert context + turn.action_tokens <= spec.context_cap
-            assert turn.num_images < spec.image_window[0]
+            assert turn.num_images < spec.image_window.limit
         if not plan.is_finished:
             assert plan.reward == 0.0
         assert 0.0 <= plan.reward <= 1.0
@@ -81,16 +81,16 @@ def test_osworld_keeps_at_most_nine_screenshots_and_prunes_to_five():
     assert all(t.pruned_tokens == 5 * SCREENSHOT_TOKENS for t in pruned)
 
 
-def replay(plan: TaskPlan, image_tokens: int, window: tuple[int, int]) -> None:
+def replay(plan: TaskPlan, image_tokens: int, window: ImageWindow) -> None:
     """Rebuild the context piece by piece and check every turn's pruning fields against it."""
     pieces: list[tuple[str, int]] = [("prompt", plan.prompt_tokens)]
     for turn in plan.turns:
         pieces += [("image", image_tokens), ("text", turn.context_add - image_tokens)]
         images = [i for i, (kind, _) in enumerate(pieces) if kind == "image"]
-        if len(images) >= window[0]:
+        if len(images) >= window.limit:
             first = images[0]
             assert turn.kept_prefix == sum(size for _, size in pieces[:first])
-            dropped = set(images[: len(images) - window[1]])
+            dropped = set(images[: len(images) - window.keep])
             pieces = [piece for i, piece in enumerate(pieces) if i not in dropped]
             assert turn.pruned_tokens == len(dropped) * image_tokens
         else:
@@ -170,8 +170,10 @@ def test_qwen3_vl_screenshot_tokens():
 
 
 def test_live_images_follow_the_sliding_window():
-    assert [live_images(n, (10, 5)) for n in (4, 9, 10, 14, 15, 35)] == [4, 9, 5, 9, 5, 5]
-    assert [live_images(n, (16, 8)) for n in (15, 16, 23, 24)] == [15, 8, 15, 8]
+    window, wide = ImageWindow(10, 5), ImageWindow(16, 8)
+    assert [window.live_after(n) for n in (4, 9, 10, 14, 15, 35)] == [4, 9, 5, 9, 5, 5]
+    assert [wide.live_after(n) for n in (15, 16, 23, 24)] == [15, 8, 15, 8]
+    assert [window.to_drop(n) for n in (1, 9, 10, 12)] == [0, 0, 5, 7]
 
 
 def test_turn_median_solves_the_capped_mean():

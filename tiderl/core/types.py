@@ -97,25 +97,59 @@ class Group:
 # --------------------------------------------------------------------------- trajectories
 
 
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """An image in a run of token ids: its ``num_tokens`` placeholder (image-pad) tokens start
+    at ``offset``; ``key`` is the content hash of its pixels (the PNG bytes travel once per
+    trajectory, keyed by it); ``grid`` is its (temporal, height, width) patch grid, which fixes
+    the placeholders' multimodal positions."""
+
+    key: str
+    offset: int
+    num_tokens: int
+    grid: tuple[int, int, int]
+
+    def shifted(self, by: int) -> ImageRef:
+        return ImageRef(self.key, self.offset + by, self.num_tokens, self.grid)
+
+
 @dataclass(slots=True)
 class Turn:
     """One generation request of a task: the new context tokens and the model's action.
 
     ``context_ids`` are the tokens appended to the context before this turn (the first turn: the
     prompt; later turns: the environment's observation). ``output_ids`` are model tokens and are
-    the only ones the loss is computed on.
+    the only ones the loss is computed on. ``images``: the images among ``context_ids`` (offsets
+    into them). ``restart``: the screenshot window pruned the context before this turn, so
+    ``context_ids`` is the whole pruned context, and this turn opens a new training segment
+    (:mod:`tiderl.core.segments`).
     """
 
     context_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
     version: int
+    images: tuple[ImageRef, ...] = ()
+    restart: bool = False
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"turn has {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One training sequence of a trajectory, flattened: ids, loss mask (1 on the model's
+    tokens of this segment's turns), behaviour logprobs, per-token versions (-1 on context) and
+    its images (offsets into ``ids``)."""
+
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    images: tuple[ImageRef, ...]
 
 
 @dataclass(slots=True)
@@ -126,6 +160,7 @@ class Trajectory:
     group_id: GroupId
     turns: list[Turn] = field(default_factory=list)
     reward: float | None = None
+    image_data: dict[str, bytes] = field(default_factory=dict)  # PNG bytes by ImageRef.key
 
     @property
     def num_tokens(self) -> int:
@@ -144,25 +179,39 @@ class Trajectory:
         return 0 if oldest is None else current_version - oldest
 
     def flatten(self) -> tuple[list[int], list[int], list[float], list[int]]:
-        """(input ids, loss mask, behaviour logprobs, versions), one entry per token.
+        """(input ids, loss mask, behaviour logprobs, versions), one entry per token, of a
+        trajectory that is one training sequence (no ``restart`` turn past the first).
 
         Context tokens get mask 0, logprob 0.0 and version -1; model tokens mask 1.
         """
-        ids: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
+        segments = self.segments()
+        if len(segments) != 1:
+            raise ValueError(f"trajectory {self.task_id} has {len(segments)} segments")
+        seg = segments[0]
+        return seg.ids, seg.mask, seg.logprobs, seg.versions
+
+    def segments(self) -> list[Segment]:
+        """Its training sequences: a ``restart`` turn closes the one before it and opens the
+        next, whose ids start from that turn's (whole, pruned) context."""
+        segments: list[Segment] = []
         for turn in self.turns:
+            if turn.restart or not segments:
+                segments.append(Segment([], [], [], [], ()))
+            seg = segments[-1]
+            images = tuple(image.shifted(len(seg.ids)) for image in turn.images)
             n_ctx = len(turn.context_ids)
-            ids += turn.context_ids
-            mask += [0] * n_ctx
-            logprobs += [0.0] * n_ctx
-            versions += [-1] * n_ctx
-            ids += turn.output_ids
-            mask += [1] * len(turn.output_ids)
-            logprobs += turn.logprobs
-            versions += [turn.version] * len(turn.output_ids)
-        return ids, mask, logprobs, versions
+            seg.ids.extend(turn.context_ids)
+            seg.mask.extend([0] * n_ctx)
+            seg.logprobs.extend([0.0] * n_ctx)
+            seg.versions.extend([-1] * n_ctx)
+            seg.ids.extend(turn.output_ids)
+            seg.mask.extend([1] * len(turn.output_ids))
+            seg.logprobs.extend(turn.logprobs)
+            seg.versions.extend([turn.version] * len(turn.output_ids))
+            if images:
+                segments[-1] = Segment(seg.ids, seg.mask, seg.logprobs, seg.versions,
+                                       seg.images + images)
+        return segments
 
 
 # --------------------------------------------------------------------------- trainer units

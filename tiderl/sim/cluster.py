@@ -33,6 +33,7 @@ from tiderl.core.commands import (
     StepOutcome,
 )
 from tiderl.core.records import reward_summary
+from tiderl.core.segments import task_of
 from tiderl.core.step_control import (
     StepControlConfig,
     StepControlError,
@@ -46,7 +47,7 @@ from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.micro import simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.results import RolloutResult, SimResult
-from tiderl.sim.rollout import RolloutPool, SimGroup, group_of, task_of
+from tiderl.sim.rollout import RolloutPool, SimGroup, group_of
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.trainer import StepExecutor, build_executor
 from tiderl.sim.workload import TaskPlan, WorkloadSampler

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tiderl.core.segments import segment_id
 from tiderl.core.step_control import RolloutControl
 from tiderl.core.types import Admit, Group, Pause, Resume, SeqRef, Task
 from tiderl.sim.engine import Request, RolloutEngine
@@ -85,17 +86,6 @@ def group_of(plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> Group:
     first footprint is probed, as on a real rollout rank)."""
     return Group(plans[0].group_id, tuple(Task(p.task_id, p.group_id, p.env, p.is_eval)
                                           for p in plans))
-
-
-def segment_id(task_id: str, k: int, num_segments: int) -> str:
-    """The id of training sequence ``k`` of a task's ``num_segments`` (the task's own id when
-    its trajectory is one sequence)."""
-    return task_id if num_segments == 1 else f"{task_id}#{k}"
-
-
-def task_of(seq_id: str) -> str:
-    """The task a training sequence belongs to (:func:`segment_id` read back)."""
-    return seq_id.partition("#")[0]
 
 
 def trajectory_tokens(plan: TaskPlan) -> int:

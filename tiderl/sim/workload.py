@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tiderl.core.config import ConfigError, require, require_int, require_positive
+from tiderl.core.segments import ImageWindow
 from tiderl.core.step_control import task_id
 
 MIN_OBS_TOKENS = 8.0  # floor for the solved mean observation size (a bare "OK" plus chat markup)
@@ -58,7 +59,7 @@ class WorkloadSpec:
     env_step_s: tuple[float, float]  # lognormal (median, sigma) per step, calibration §7
     env_reset_s: tuple[float, float]  # lognormal (median, sigma) for a reset, calibration §7
     image_tokens: int = 0  # per screenshot; 0 = text-only
-    image_window: tuple[int, int] = (10, 5)  # on reaching [0] live images keep the newest [1]
+    image_window: ImageWindow = field(default_factory=ImageWindow)  # screenshots: (10, 5)
     turn_sigma: float = 0.7  # lognormal sigma of the latent turn count
     group_share: float = 0.5  # share of the turn-count log-variance common to a group
     obs_sigma: float = 0.5  # lognormal sigma of per-turn observation text
@@ -79,9 +80,6 @@ class WorkloadSpec:
                 f"expected more than twice prompt_tokens, got {self.context_cap!r}")
         require(all(1.0 <= r < self.max_turns for r in self.rounds), "rounds",
                 f"expected means in [1, max_turns), got {self.rounds!r}")
-        window, keep = self.image_window
-        require(0 < keep < window, "image_window",
-                f"expected 0 < keep < window, got {self.image_window!r}")
         require(0.0 <= self.group_share < 1.0, "group_share", "expected a number in [0, 1)")
 
     @property
@@ -113,13 +111,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         WorkloadSpec("osworld", rounds=(35, 15), tokens=(12000, 12000), prompt_tokens=1200,
                      action_tokens=100, max_turns=50, context_cap=32768,
                      env_step_s=(3.0, 0.5), env_reset_s=(45.0, 0.7),
-                     image_tokens=SCREENSHOT_TOKENS, image_window=(10, 5), turn_sigma=0.6,
-                     reset_retry_p=0.02, max_new_tokens=512),
+                     image_tokens=SCREENSHOT_TOKENS, image_window=ImageWindow(10, 5),
+                     turn_sigma=0.6, reset_retry_p=0.02, max_new_tokens=512),
         WorkloadSpec("scienceboard", rounds=(39, 29), tokens=(24000, 23000), prompt_tokens=1500,
                      action_tokens=100, max_turns=50, context_cap=32768,
                      env_step_s=(3.0, 0.6), env_reset_s=(60.0, 0.7),
-                     image_tokens=SCREENSHOT_TOKENS, image_window=(16, 8), turn_sigma=0.6,
-                     reset_retry_p=0.02, max_new_tokens=512),
+                     image_tokens=SCREENSHOT_TOKENS, image_window=ImageWindow(16, 8),
+                     turn_sigma=0.6, reset_retry_p=0.02, max_new_tokens=512),
         # The two phases of the shifting-bottleneck workload (assumptions, not paper tasks;
         # docs/simulator-workloads.md): WebShop's task shape behind a slow, long-tailed tool
         # (rollout-bound), then few turns over long documents with a fast tool (trainer-bound).
@@ -226,16 +224,6 @@ class WorkloadShape:
     turn_limit: int  # min(max_turns, turns that fit the context cap at mean sizes)
 
 
-def live_images(num_turns: int, window: tuple[int, int]) -> int:
-    """Screenshots in the context after ``num_turns`` turns, one appended per turn."""
-    live = 0
-    for _ in range(num_turns):
-        live += 1
-        if live >= window[0]:
-            live = window[1]
-    return live
-
-
 def _lognormal_cdf(x: float, median: float, sigma: float) -> float:
     if x <= 0:
         return 0.0
@@ -270,7 +258,7 @@ def _num_obs(spec: WorkloadSpec, turns: float) -> float:
 
 
 def _final_tokens(spec: WorkloadSpec, turns: int, obs: float) -> float:
-    images = live_images(turns, spec.image_window) if spec.is_multimodal else 0
+    images = spec.image_window.live_after(turns) if spec.is_multimodal else 0
     return (spec.prompt_tokens + turns * spec.action_tokens + _num_obs(spec, turns) * obs
             + images * spec.image_tokens)
 
@@ -291,7 +279,7 @@ def calibrate(spec: WorkloadSpec, progress: float) -> WorkloadShape:
         median = solve_turn_median(rounds, spec.turn_sigma, limit)
         probs = turn_distribution(median, spec.turn_sigma, limit)
         mean_turns = sum((k + 1) * p for k, p in enumerate(probs))
-        mean_images = sum(p * live_images(k + 1, spec.image_window) for k, p in enumerate(probs))
+        mean_images = sum(p * spec.image_window.live_after(k + 1) for k, p in enumerate(probs))
         left = tokens - spec.prompt_tokens - mean_turns * spec.action_tokens
         left -= mean_images * spec.image_tokens if spec.is_multimodal else 0.0
         obs = max(MIN_OBS_TOKENS, left / max(1.0, _num_obs(spec, mean_turns)))
@@ -335,11 +323,11 @@ def _observe(spec: WorkloadSpec, context: int, starts: list[int],
     if not spec.is_multimodal:
         return obs, 0, None, starts
     starts = [*starts, context]
-    window, keep = spec.image_window
-    if len(starts) < window:
+    drop = spec.image_window.to_drop(len(starts))
+    if not drop:
         return obs + spec.image_tokens, 0, None, starts
-    pruned = (len(starts) - keep) * spec.image_tokens  # the oldest go; later tokens shift left
-    return obs + spec.image_tokens, pruned, starts[0], [s - pruned for s in starts[-keep:]]
+    pruned = drop * spec.image_tokens  # the oldest go; later tokens shift left
+    return obs + spec.image_tokens, pruned, starts[0], [s - pruned for s in starts[drop:]]
 
 
 def _draw_turns(spec: WorkloadSpec, shape: WorkloadShape, rng: random.Random,

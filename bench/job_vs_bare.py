@@ -155,8 +155,8 @@ class BareGRPO:
             group = [e.trajectory for e in episodes[g:g + GROUP_SIZE]]
             advantages = group_advantages([t.reward or 0.0 for t in group],
                                           self.profile.trainer.adv_eps)
-            samples += [TrainSample.from_trajectory(t, a)
-                        for t, a in zip(group, advantages, strict=True)]
+            samples += [s for t, a in zip(group, advantages, strict=True)
+                        for s in TrainSample.from_trajectory(t, a)]
         by_id = {s.seq_id: s for s in samples}
         mbs = form_micro_batches([s.as_sequence() for s in samples], 1,
                                  self.profile.ra2p.tokens_per_rank)

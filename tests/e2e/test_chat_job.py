@@ -37,15 +37,21 @@ def model(tmp_path_factory) -> Path:
     return folder
 
 
-def test_a_job_on_a_bpe_model_with_a_chat_template_plays_a_tool_environment(model, tmp_path):
-    profile = load_profile("local", [*JOB, f"model.path={model}"])
-    result = run_local(profile, run_root=tmp_path)
+def run_two_steps(overrides: list[str], tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """The job of ``overrides`` on the local profile: it ends well after its 2 steps, each with
+    its reward recorded; its metrics and its episodes (logging.rollouts)."""
+    result = run_local(load_profile("local", overrides), run_root=tmp_path)
     assert result.exit_code == 0, (result.run_dir / "logs" / "coordinator.log").read_text()[-3000:]
     metrics = _read(result.run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(m["reward_mean"] is not None for m in metrics)  # the reward is recorded
     episodes = [e for f in sorted((result.run_dir / "rollouts").glob("rank-*.jsonl"))
                 for e in _read(f)]
+    return metrics, episodes
+
+
+def test_a_job_on_a_bpe_model_with_a_chat_template_plays_a_tool_environment(model, tmp_path):
+    metrics, episodes = run_two_steps([*JOB, f"model.path={model}"], tmp_path)
     assert len(episodes) >= sum(m["trained_samples"] for m in metrics)
     encoder = turn_encoder(model, load_tokenizer(model), load_config(model).eos_token_id)
     assert isinstance(encoder, ChatEncoder)

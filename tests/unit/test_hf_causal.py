@@ -89,8 +89,8 @@ def test_activation_checkpointing_uses_the_models_own(folder):
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    ([], "engine.backend embedded runs Qwen2 only"),
-    (["engine.backend=http"], "engine.backend http runs Qwen2 only"),
+    ([], "engine.backend embedded runs Qwen2 and Qwen2-VL only"),
+    (["engine.backend=http"], "engine.backend http runs Qwen2 and Qwen2-VL only"),
     (["engine.backend=vllm", "trainer.backend=megatron", "runtime.device=cuda"],
      "trainer.backend megatron builds Qwen2 only"),
 ])

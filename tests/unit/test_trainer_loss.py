@@ -86,7 +86,7 @@ def test_loss_stats_add_and_round_trip():
 def test_sample_from_trajectory_masks_context_tokens():
     traj = Trajectory("t1", "g1", [Turn([5, 6], [7, 8], [-0.1, -0.2], version=3),
                                    Turn([9], [10], [-0.3], version=4)], reward=1.0)
-    sample = TrainSample.from_trajectory(traj, advantage=0.5)
+    [sample] = TrainSample.from_trajectory(traj, advantage=0.5)
     assert sample.input_ids == (5, 6, 7, 8, 9, 10)
     assert sample.loss_mask == (0, 0, 1, 1, 0, 1)
     assert sample.logprobs == (0.0, 0.0, -0.1, -0.2, 0.0, -0.3)

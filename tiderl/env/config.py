@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+from tiderl.core.segments import ImageWindow
 
 BUILTIN_ENVS = ("guess", "shop", "household", "calc", "gui")
 LATENCY_KINDS = ("none", "fixed", "lognormal")
@@ -46,6 +47,9 @@ class EnvConfig:
     call_deadline_s: float = 60.0  # one call with its retries: past it the task fails
     step_latency: LatencyConfig = field(default_factory=LatencyConfig)
     start_latency: LatencyConfig = field(default_factory=LatencyConfig)
+    # screenshots in a context: on reaching ``limit``, the newest ``keep`` stay and a new
+    # training segment starts (paper App. C.2: 10 and 5; tiderl.core.segments)
+    image_window: ImageWindow = field(default_factory=ImageWindow)
 
     def __post_init__(self) -> None:
         require(bool(self.envs), "envs", "expected at least one environment")

@@ -34,24 +34,31 @@ BPE_VOCAB_SIZE = 2048
 EPISODES_PER_ENV = 64  # of each built-in environment, scripted: a few hundred KB of text
 
 CHAT_TEMPLATE = """\
+{%- macro render(content) %}
+{%- if content is string or content is none %}{{- content or '' }}
+{%- else %}{%- for part in content %}
+{%- if part.type == 'text' %}{{- part.text }}
+{%- else %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}
+{%- endfor %}{%- endif %}
+{%- endmacro %}
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{%- if messages[0].role == 'system' %}{{- render(messages[0].content) + '\\n\\n' }}{%- endif %}
 {{- 'You may call functions. Their signatures are in <tools></tools>:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
 {{- '\\n</tools>\\nCall one as <tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>' }}
 {{- '<|im_end|>\\n' }}
 {%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{{- '<|im_start|>system\\n' + render(messages[0].content) + '<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'system' %}
 {%- elif message.role == 'tool' %}
 {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{{- '\\n<tool_response>\\n' + render(message.content) + '\\n</tool_response>' }}
 {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- else %}
-{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}
+{{- '<|im_start|>' + message.role + '\\n' + render(message.content) }}
 {%- for call in (message.tool_calls or []) %}
 {%- set fn = call.function if call.function is defined else call %}
 {%- set args = fn.arguments if fn.arguments is string else (fn.arguments | tojson) %}

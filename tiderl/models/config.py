@@ -11,6 +11,10 @@ from tiderl.core.config import require_choice
 MODEL_SIZES = ("tiny", "small", "tiny-vl")  # tiny-vl: a Qwen2-VL (tiderl.models.init)
 TOKENIZER_KINDS = ("word", "bpe")  # of `tiderl model init --tokenizer`
 DTYPES = ("float32", "bfloat16")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # config.json model_type of a Qwen2-VL folder
+# what this package builds itself (engine, trainer); a folder of another type loads via
+# transformers and rolls out on vLLM or SGLang
+EMBEDDED_MODEL_TYPES = ("qwen2", *VL_MODEL_TYPES)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from tiderl.models.config import ModelConfig, model_type
+from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, ModelConfig, model_type
 from tiderl.models.qwen2 import DTYPES, Qwen2Config, Qwen2ForCausalLM
-from tiderl.models.qwen2_vl import VL_MODEL_TYPES, Qwen2VLConfig, Qwen2VLForCausalLM
+from tiderl.models.qwen2_vl import Qwen2VLConfig, Qwen2VLForCausalLM
 from tiderl.models.vision_inputs import image_settings
 
 CONFIG_FILE = "config.json"
@@ -38,7 +38,6 @@ TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tok
 TIED_KEY = "lm_head.weight"
 # transformers 5's in-memory names of a vision model's weights -> the hub's (ours)
 VL_KEY_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-EMBEDDED_MODEL_TYPES = ("qwen2", *VL_MODEL_TYPES)  # built here; others load via transformers
 
 ModelArchitecture = Qwen2ForCausalLM | Qwen2VLForCausalLM
 

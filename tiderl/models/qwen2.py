@@ -20,7 +20,7 @@ Three forward paths share every weight:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from tiderl.models.attention import (
     varlen_attention,
     write_kv,
 )
+
+if TYPE_CHECKING:
+    from tiderl.models.image_batch import BatchImages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -376,7 +379,8 @@ def token_logprobs(model: Qwen2ForCausalLM, input_ids: torch.Tensor,
 
 
 def packed_token_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                          chunk_tokens: int = 1024) -> torch.Tensor:
+                          chunk_tokens: int = 1024, images: BatchImages | None = None
+                          ) -> torch.Tensor:
     """:func:`token_logprobs` without padding and without the [B, T, vocab] logits: the same
     [B, T] result (``out[b, t]`` where ``loss_mask[b, t]``, 0 elsewhere), from one packed
     forward of each row up to its last loss token (later tokens cannot change an earlier
@@ -384,7 +388,11 @@ def packed_token_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: 
 
     ``model`` is a :class:`Qwen2ForCausalLM` or a wrapper that forwards its call (DDP, FSDP2).
     A batch without loss tokens still runs one token through every weight, so a rank with
-    nothing to train joins its backend's gradient reduction with zero gradients."""
+    nothing to train joins its backend's gradient reduction with zero gradients.
+
+    ``images`` (a model that reads images, :mod:`tiderl.models.image_batch`): the rows' mrope
+    positions and pixels; the images within the packed tokens go through the call (the vision
+    tower runs inside it, and trains unless frozen)."""
     batch, width = input_ids.shape
     device = input_ids.device
     mask = loss_mask != 0
@@ -401,8 +409,14 @@ def packed_token_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: 
     keep = positions.unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]: the packed tokens
     starts = torch.cumsum(lengths, 0) - lengths
     cu_seqlens = [0, *torch.cumsum(lengths[lengths > 0], 0).tolist()]
-    picked = model(input_ids[keep], positions.expand(batch, width)[keep], cu_seqlens=cu_seqlens,
+    packed_positions, extra = positions.expand(batch, width)[keep], {}
+    if images is not None:
+        packed_positions = images.positions[:, keep]
+        pixels, grids = images.pixels_before(lengths.tolist())
+        if pixels is not None:
+            extra = {"pixel_values": pixels, "image_grid_thw": grids}
+    picked = model(input_ids[keep], packed_positions, cu_seqlens=cu_seqlens,
                    targets=input_ids[rows, cols], target_rows=starts[rows] + cols - 1,
-                   chunk_tokens=chunk_tokens)
+                   chunk_tokens=chunk_tokens, **extra)
     out = picked.new_zeros(batch, width)
     return out.index_put((rows, cols), picked)

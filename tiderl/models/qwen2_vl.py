@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tiderl.models.attention import PagedBatch, new_kv_cache
+from tiderl.models.config import VL_MODEL_TYPES
 from tiderl.models.qwen2 import (
     Attention,
     Qwen2Config,
@@ -40,7 +41,6 @@ from tiderl.models.qwen2 import (
 from tiderl.models.vision import Grid, VisionConfig, VisionTower, grid_list
 from tiderl.models.vision_inputs import ImageSettings
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 

@@ -8,6 +8,14 @@ The context is append-only: the model's output ids stay as sampled, and only the
 of a turn are encoded (:mod:`tiderl.models.chat`: the chat template where the model folder has
 one, else the observation text).
 
+A model that reads images (``placer``) gets each observation's screenshots among the new tokens
+as placeholder runs (:mod:`tiderl.models.image_turns`), the PNG bytes kept once per task by
+content hash. The one exception to append-only: before a turn, the screenshot window
+(``image_window``) may drop the oldest images from the context; that turn then starts from the
+whole pruned context (``restart``) and opens a new training segment
+(:mod:`tiderl.core.segments`). The KV before the first dropped image stays valid, so the
+engine's prefix cache serves it.
+
 CTB pauses and resumes whole tasks. ``pause`` takes effect at the task's next turn boundary: the
 loop unpins the task's KV (when it pins), pauses the environment session (so its idle timeout
 stops), waits for ``resume``, resumes the session and goes on with the same context; that next
@@ -28,20 +36,23 @@ task.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import httpx
 import msgspec
 
-from tiderl.core.types import Trajectory, Turn
+from tiderl.core.segments import ImageWindow, drop_images
+from tiderl.core.types import ImageRef, Trajectory, Turn
 from tiderl.engine.clients import EngineClient, PinRefused
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
 from tiderl.env.protocol import Message, ObservationResponse
 from tiderl.models.chat import TurnEncoder
+from tiderl.models.image_turns import ImagePlacer, PlacedTurn
 
 T = TypeVar("T")
 log = logging.getLogger("tiderl.agent")
@@ -75,11 +86,16 @@ class TurnEvent:
 @dataclass
 class TaskCarry:
     """A task in flight, movable to another rank: its environment session, the turns played and
-    the context the next turn starts from (everything since the last output)."""
+    the context the next turn starts from (everything since the last output; the images among
+    it, and whether the window pruned the context, which then is all of it), with the PNG bytes
+    of the task's images by content hash."""
 
     session: str
     turns: list[Turn]
     next_context: list[int]
+    next_images: list[ImageRef] = field(default_factory=list)
+    next_restart: bool = False
+    image_data: dict[str, bytes] = field(default_factory=dict)
 
 
 class EngineUnreachableError(Exception):
@@ -108,8 +124,14 @@ class AgentLoop:
                  sampling: SamplingParams, *, max_turns: int, max_context_tokens: int,
                  version: Callable[[], int] = lambda: 0,
                  on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False,
-                 record: bool = False):
+                 record: bool = False, placer: ImagePlacer | None = None,
+                 image_window: ImageWindow | None = None):
+        """``placer``: the model reads images (else an observation's images stay out of its
+        context: their text marker is all it sees); ``image_window``: the screenshot sliding
+        window applied to the context before each turn (:mod:`tiderl.core.segments`)."""
         self.engine, self.env, self.encoder = engine, env, encoder
+        self.placer = placer
+        self.image_window = image_window
         self.sampling = sampling
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
@@ -209,15 +231,19 @@ class AgentLoop:
         if carry is None:
             start = await self.env.start(task.env, task.task, task.seed)
             messages = _plain(start.messages)
-            carry = TaskCarry(start.session, [], self.encoder.opening(
-                start.observation, messages, start.tools))
+            placed = self._encode(start.messages, start.observation, lambda text:
+                                  self.encoder.opening(text, messages, start.tools))
+            carry = TaskCarry(start.session, [], placed.ids, placed.images,
+                              image_data=placed.data)
             self._note(task.task_id, messages=messages, tools=start.tools)
         else:
             await self.env.resume(carry.session)
         session = carry.session
-        trajectory = Trajectory(task.task_id, task.group_id, reward=0.0, turns=list(carry.turns))
-        context = [t for turn in trajectory.turns for t in (*turn.context_ids, *turn.output_ids)]
-        new_context = list(carry.next_context)
+        trajectory = Trajectory(task.task_id, task.group_id, reward=0.0, turns=list(carry.turns),
+                                image_data=dict(carry.image_data))
+        context, live = open_context(trajectory.turns)
+        new_context, new_images = list(carry.next_context), list(carry.next_images)
+        restart = carry.next_restart
         ended, engine_gone = True, False
         try:
             while len(trajectory.turns) < self.max_turns:
@@ -226,18 +252,26 @@ class AgentLoop:
                     ended = False
                     await self._forget(task.task_id)
                     await self.env.pause(session)
-                    raise TaskDetachedError(task.task_id, TaskCarry(session, trajectory.turns,
-                                                               new_context))
+                    raise TaskDetachedError(task.task_id, TaskCarry(
+                        session, trajectory.turns, new_context, new_images, restart,
+                        trajectory.image_data))
                 prompt = context + new_context
+                images = live + [image.shifted(len(context)) for image in new_images]
+                drop = self.image_window.to_drop(len(images)) if self.image_window else 0
+                if drop:  # a new training segment, from the pruned context
+                    prompt, images = drop_images(prompt, images, drop)
+                    new_context, new_images, restart = prompt, images, True
                 if len(prompt) + self.sampling.max_tokens > self.max_context_tokens:
                     break
-                out = await _reach(self.engine.generate(task.task_id, prompt, self.sampling,
-                                                        RESUMED_PRIORITY if resumed else 0))
+                out = await _reach(self.engine.generate(
+                    task.task_id, prompt, self.sampling, RESUMED_PRIORITY if resumed else 0,
+                    images=[(image, trajectory.image_data[image.key]) for image in images]))
                 version = out.version if out.version is not None else self.version()
-                trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version))
+                trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version,
+                                             tuple(new_images), restart))
                 self._note(task.task_id, turn=len(trajectory.turns) - 1,
                            prompt_tokens=out.num_prompt_tokens, output_ids=out.output_ids)
-                context = prompt + out.output_ids
+                context, live, restart = prompt + out.output_ids, images, False
                 self._report(task.task_id, len(context), len(out.output_ids), version,
                              False, False)
                 step = await self._step_pinned(task.task_id, session, out.output_ids)
@@ -247,8 +281,10 @@ class AgentLoop:
                     trajectory.reward = step.reward
                     break
                 messages = _plain(step.messages)
-                new_context = self.encoder.following(step.observation, messages,
-                                                     out.output_ids)
+                placed = self._encode(step.messages, step.observation, functools.partial(
+                    self.encoder.following, messages=messages, output_ids=out.output_ids))
+                new_context, new_images = placed.ids, placed.images
+                trajectory.image_data.update(placed.data)
                 self._note(task.task_id, messages=messages)
         except EngineUnreachableError:
             engine_gone = True
@@ -263,6 +299,29 @@ class AgentLoop:
             else:  # it goes on elsewhere: its record there starts at its next turn
                 self.transcripts.pop(task.task_id, None)
         return trajectory
+
+    def _encode(self, messages: list[Message], text: str,
+                encode: Callable[[str], list[int]]) -> PlacedTurn:
+        """A turn's new ids (``encode`` of its text) with the messages' images placed among
+        them, for a model that reads images; otherwise the ids as they are."""
+        images = [png for message in messages for png in message.images()]
+        if self.placer is None or not images:
+            return PlacedTurn(encode(text))
+        if not self.placer.templated:  # the placeholders stand for the images, not a marker
+            text = "\n".join(t for message in messages if (t := message.text(image_marker="")))
+        return self.placer.place(encode(text), images)
+
+
+def open_context(turns: list[Turn]) -> tuple[list[int], list[ImageRef]]:
+    """The context the turns leave (every id since the last ``restart`` turn, whose context is
+    the whole pruned one) and the images among it."""
+    start = max((k for k, turn in enumerate(turns) if turn.restart), default=0)
+    ids: list[int] = []
+    images: list[ImageRef] = []
+    for turn in turns[start:]:
+        images += [image.shifted(len(ids)) for image in turn.images]
+        ids += turn.context_ids + turn.output_ids
+    return ids, images
 
 
 def _plain(messages: list[Message]) -> list[dict]:

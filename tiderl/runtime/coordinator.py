@@ -28,8 +28,9 @@ from pathlib import Path
 from tiderl.core import commands as c
 from tiderl.core.grpo import group_advantages
 from tiderl.core.records import reward_summary
+from tiderl.core.segments import task_of
 from tiderl.core.step_control import StepController, restore, resume_point, task_id
-from tiderl.core.types import Role, Trajectory, Turn
+from tiderl.core.types import Role, Trajectory
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
 from tiderl.env.client import EnvClientError, end_sessions_of
 from tiderl.profile import Profile
@@ -49,11 +50,15 @@ from tiderl.runtime.resume import (
     write_job_state,
 )
 from tiderl.runtime.run_log import EventThrottle, RunLog
-from tiderl.runtime.step_link import StepLink, sample_data
+from tiderl.runtime.step_link import StepLink
 from tiderl.runtime.tasks import TaskRouter
+from tiderl.runtime.trajectory_wire import sample_data, sample_of, turn_of
 from tiderl.trainer.checkpoint_meta import step_dir
 from tiderl.trainer.sample import TrainSample
 
+# A job whose tasks all fail (an environment or a model that cannot play them) stops with the
+# reason after this many groups, instead of feeding new ones for ever.
+MAX_FAILED_GROUPS_IN_A_ROW = 32
 log = logging.getLogger("tiderl.coordinator")
 
 ROUND_S = 0.02  # bus poll / CTB round interval
@@ -94,6 +99,8 @@ class Coordinator:
         self.stalled_s = 0.0  # the watchdog's last alarm (0: none since the last progress)
         self.throttle = EventThrottle(run_log.event)
         self.is_finished = False
+        self.failed_in_a_row = 0  # training groups dropped for a failed task since the last one
+        self.last_task_error = ""  # the last task failure a rank reported, for the job's end
 
     # ---------------------------------------------------------------- the run
 
@@ -131,9 +138,7 @@ class Coordinator:
         ready = []
         for group in state.ready:
             run = self.dataset.run(c.GroupSpec(group.group_id, group.index, False, group.step))
-            run.samples = [TrainSample(d.seq_id, tuple(d.input_ids), tuple(d.loss_mask),
-                                       tuple(d.logprobs), d.advantage, d.version)
-                           for d in group.samples]
+            run.samples = [sample_of(d) for d in group.samples]
             for sample, reward in zip(run.samples, group.rewards, strict=True):
                 self.samples[sample.seq_id] = sample
                 self.rewards[sample.seq_id] = reward
@@ -274,8 +279,11 @@ class Coordinator:
                                 why=f"task {msg.task_id[:40]!r} is not in flight")
             return
         self.router.on_finished(msg.task_id)
-        turns = [Turn(t.context_ids, t.output_ids, t.logprobs, t.version) for t in msg.turns]
-        group.finished[msg.task_id] = Trajectory(msg.task_id, msg.group_id, turns, msg.reward)
+        if msg.error:
+            self.last_task_error = f"task {msg.task_id} on rank {msg.rank}: {msg.error}"
+        group.finished[msg.task_id] = Trajectory(msg.task_id, msg.group_id,
+                                                 [turn_of(t) for t in msg.turns], msg.reward,
+                                                 dict(msg.image_data))
         if group.is_complete:
             del self.groups[group.group_id]
             self._on_group_complete(group, now)
@@ -288,13 +296,21 @@ class Coordinator:
             ready = None
         elif any(not t.turns for t in trajectories):
             ready = None  # a task produced no turn: the group cannot be trained
+            self.failed_in_a_row += 1
+            if self.failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
+                raise CoordinatorError(
+                    f"{self.failed_in_a_row} groups in a row had a task that failed, so "
+                    f"nothing can train; the last: {self.last_task_error or 'no turn played'}")
         else:
+            self.failed_in_a_row = 0
             advantages = group_advantages(rewards, self.profile.trainer.adv_eps)
-            group.samples = [TrainSample.from_trajectory(t, a)
-                             for t, a in zip(trajectories, advantages, strict=True)]
-            for sample, reward in zip(group.samples, rewards, strict=True):
-                self.samples[sample.seq_id] = sample
-                self.rewards[sample.seq_id] = reward
+            for trajectory, advantage, reward in zip(trajectories, advantages, rewards,
+                                                     strict=True):
+                for sample in TrainSample.from_trajectory(trajectory, advantage,
+                                                          trajectory.image_data):
+                    group.samples.append(sample)
+                    self.samples[sample.seq_id] = sample
+                    self.rewards[sample.seq_id] = reward
             ready = group
         self._apply(self.controller.group_ready(group.group_id, ready, now))
 
@@ -484,19 +500,24 @@ class Coordinator:
 
     def _job_state(self) -> JobState:
         point = resume_point(self.controller, self.clock())
-        size = self.profile.runtime.group_size
         ready = []
         for group_id in point.ready:
-            ids = [task_id(group_id, i) for i in range(size)]
+            ids = self._group_seqs(group_id)
             ready.append(ReadyGroupState(group_id, int(group_id[1:]), 0,
                                          [sample_data(self.samples[i]) for i in ids],
                                          [self.rewards[i] for i in ids]))
         return JobState(point, ready)
 
+    def _group_seqs(self, group_id: str) -> list[str]:
+        """The ready training sequences of a group's tasks (a task's segments included), in
+        task order."""
+        tasks = {task_id(group_id, i) for i in range(self.profile.runtime.group_size)}
+        return [seq for seq in self.samples if task_of(seq) in tasks]
+
     def _dropped(self, command: c.GroupDropped) -> None:
-        for i in range(self.profile.runtime.group_size):
-            self.samples.pop(task_id(command.group_id, i), None)
-            self.rewards.pop(task_id(command.group_id, i), None)
+        for seq in self._group_seqs(command.group_id):
+            self.samples.pop(seq, None)
+            self.rewards.pop(seq, None)
         fields = {"oldest_version": command.oldest_version, "batch": command.batch} \
             if command.reason is c.DropReason.STALE else {}
         self.log.event("dropped_group", group=command.group_id, reason=command.reason.value,

@@ -77,9 +77,13 @@ class RankEngine(abc.ABC):
 
 class EmbeddedEngine(RankEngine):
     def __init__(self, model: Qwen2ForCausalLM, config: EngineConfig, version: int,
-                 state: dict[str, torch.Tensor] | None = None) -> None:
+                 state: dict[str, torch.Tensor] | None = None,
+                 model_folder: str | None = None) -> None:
+        """``model_folder``: the profile's (a model that reads images keeps its image
+        settings there)."""
         model.eval()
-        self.engine = LLMEngine(model, config, model.config.eos_token_id, version)
+        self.engine = LLMEngine(model, config, model.config.eos_token_id, version,
+                                model_folder)
         if state is not None:
             self.engine.update_weights(state, version)
         self.version = version

@@ -54,6 +54,7 @@ from tiderl.engine.request import SamplingParams
 from tiderl.engine.scheduler import eos_set
 from tiderl.env.client import HTTPEnvClient
 from tiderl.models.chat import TurnEncoder, turn_encoder
+from tiderl.models.image_turns import ImagePlacer, image_placer
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
@@ -90,8 +91,9 @@ from tiderl.runtime.bus import (
 from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
 from tiderl.runtime.log_backends import ROLLOUTS_DIR
 from tiderl.runtime.rank_trainer import TrainerRoles
-from tiderl.runtime.rank_wire import carry_data, carry_of, micro_batch_of, turn_data
+from tiderl.runtime.rank_wire import carry_data, carry_of, micro_batch_of
 from tiderl.runtime.resume import resume_request
+from tiderl.runtime.trajectory_wire import turn_data
 from tiderl.trainer.executors import (
     StreamedStep,
 )
@@ -134,6 +136,7 @@ class RankDaemon(TrainerRoles):
         self.device = torch.device(args.device)
         self.tokenizer = None
         self.encoder: TurnEncoder | None = None
+        self.placer: ImagePlacer | None = None  # a model that reads images
         self.rollout_log: TextIO | None = None  # rollouts/rank-N.jsonl, opened at the first
         self.layout = None  # weight-sync layout (every rank builds the same model)
         self.optimizer_layout = None  # optimizer-state sync layout, from the same model
@@ -199,6 +202,8 @@ class RankDaemon(TrainerRoles):
         self.encoder = turn_encoder(self.profile.model.path or None, self.tokenizer,
                                     eos_set(model.config.eos_token_id),
                                     self.profile.model.chat_template)
+        self.placer = image_placer(self.profile.model.path or None, model.config,
+                                   self.encoder)
         self.layout = param_layout(model)
         self.optimizer_layout = optimizer_layout(model)
         self.actor_set = _ranks_with(initial_roles, Role.ACTOR, self.is_sync)
@@ -210,7 +215,8 @@ class RankDaemon(TrainerRoles):
                                        self.args.run_dir / "weights", model.config,
                                        self.tokenizer, self.profile.model.path)
         elif self.is_sync or self.role is Role.ROLLOUT:
-            self._attach(EmbeddedEngine(model, self.profile.engine, 0))
+            self._attach(EmbeddedEngine(model, self.profile.engine, 0,
+                                        model_folder=self.profile.model.path or None))
             model = None
         if self.is_sync or self.role is Role.ACTOR:
             self._make_actor(model, None)
@@ -241,7 +247,8 @@ class RankDaemon(TrainerRoles):
             self._attach(self.server)
             return
         model, _ = await asyncio.to_thread(self._initial_model)
-        self._attach(EmbeddedEngine(model, self.profile.engine, version, state))
+        self._attach(EmbeddedEngine(model, self.profile.engine, version, state,
+                                    self.profile.model.path or None))
 
     def _attach(self, engine: RankEngine) -> None:
         self.engine = engine
@@ -255,7 +262,8 @@ class RankDaemon(TrainerRoles):
                                max_turns=env_cfg.max_turns,
                                max_context_tokens=min(engine_cfg.kv_cache_tokens,
                                                       self.model_config.max_position_embeddings),
-                               version=lambda: engine.version, on_turn=self._on_turn)
+                               version=lambda: engine.version, on_turn=self._on_turn,
+                               placer=self.placer, image_window=env_cfg.image_window)
 
     # -- the event loop --------------------------------------------------------------------------
 
@@ -409,7 +417,8 @@ class RankDaemon(TrainerRoles):
             os._exit(EXIT_ENGINE_LOST)
         except Exception as exc:  # an environment or engine failure ends the task with reward 0
             log.warning("rank %d: task %s failed: %s", self.rank, task.task_id, exc)
-            self._finish(task, Trajectory(task.task_id, task.group_id, reward=0.0))
+            self._finish(task, Trajectory(task.task_id, task.group_id, reward=0.0),
+                         error=f"{type(exc).__name__}: {exc}"[:500])
         else:
             self._finish(task, trajectory)
         finally:
@@ -420,11 +429,13 @@ class RankDaemon(TrainerRoles):
             except Exception:
                 log.exception("rank %d: loading held-back weights failed", self.rank)
 
-    def _finish(self, task: AgentTask, trajectory: Trajectory) -> None:
+    def _finish(self, task: AgentTask, trajectory: Trajectory, error: str = "") -> None:
         self._send(TaskFinished(rank=self.rank, task_id=task.task_id, group_id=task.group_id,
+                                error=error,
                                 reward=float(trajectory.reward or 0.0),
                                 turns=[turn_data(t) for t in trajectory.turns],
-                                num_tokens=trajectory.num_tokens))
+                                num_tokens=trajectory.num_tokens,
+                                image_data=trajectory.image_data))
         transcript = self.agent.take_transcript(task.task_id) if self.agent else []
         if self.profile.logging.rollouts:
             self._record(task, trajectory, transcript)
@@ -442,7 +453,9 @@ class RankDaemon(TrainerRoles):
             "task": task.task, "seed": task.seed, "eval": task.eval,
             "reward": trajectory.reward,
             "turns": [{"context_ids": list(t.context_ids), "output_ids": list(t.output_ids),
-                       "version": t.version} for t in trajectory.turns],
+                       "version": t.version, "restart": t.restart,
+                       "images": [[i.key, i.offset, i.num_tokens] for i in t.images]}
+                      for t in trajectory.turns],
             "transcript": transcript}) + "\n")
 
     def _on_turn(self, event: TurnEvent) -> None:

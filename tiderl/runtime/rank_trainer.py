@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tiderl.core.system import StepMode
 from tiderl.core.types import Role
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.qwen2_vl import Qwen2VLForCausalLM
 from tiderl.profile import Profile
 from tiderl.runtime.bus import StepDone, StepFailed, SyncWeights, TrainStep
 from tiderl.runtime.rank_wire import step_done
@@ -88,6 +89,8 @@ class TrainerRoles:
             model, _ = self._initial_model()
         if state is not None:
             load_weights(model, state)
+        if isinstance(model, Qwen2VLForCausalLM):
+            model.freeze_vision(not self.profile.trainer.train_vision)
         backend = self._backend(model, self.actor_set)
         self.actor = ActorWorker(backend, self.profile.trainer, self.version,
                                  total_steps=self.profile.runtime.steps)

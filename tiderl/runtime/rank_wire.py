@@ -3,17 +3,17 @@ turns and carry both ways (the rank daemon's conversions, in one place)."""
 
 from __future__ import annotations
 
-from tiderl.core.types import MicroBatch, SeqRef, Turn
+from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.runtime.agent import TaskCarry
-from tiderl.runtime.bus import CarryData, MicroBatchData, StepDone, TurnData
+from tiderl.runtime.bus import CarryData, MicroBatchData, StepDone
+from tiderl.runtime.trajectory_wire import image_data, images_of, sample_of, turn_data, turn_of
 from tiderl.trainer.executors import StepData, StepResult, phase_times
 from tiderl.trainer.sample import TrainSample
 
 
 def micro_batch_of(msg: MicroBatchData) -> tuple[MicroBatch, list[TrainSample]]:
     """A micro-batch as it came on the bus, as the executors take it."""
-    samples = [TrainSample(s.seq_id, tuple(s.input_ids), tuple(s.loss_mask),
-                           tuple(s.logprobs), s.advantage, s.version) for s in msg.samples]
+    samples = [sample_of(s) for s in msg.samples]
     return MicroBatch(msg.mb_id, tuple(SeqRef(s.seq_id, s.num_tokens) for s in samples)), samples
 
 
@@ -32,18 +32,15 @@ def step_done(rank: int, step: int, result: StepResult, data: StepData,
         attempt=attempt)
 
 
-def turn_data(turn: Turn) -> TurnData:
-    return TurnData(context_ids=list(turn.context_ids), output_ids=list(turn.output_ids),
-                    logprobs=list(turn.logprobs), version=turn.version)
-
-
 def carry_data(carry: TaskCarry) -> CarryData:
     """A task leaving this rank (its carry) as the bus takes it."""
     return CarryData(session=carry.session, turns=[turn_data(t) for t in carry.turns],
-                     next_context=carry.next_context)
+                     next_context=carry.next_context, next_images=image_data(carry.next_images),
+                     next_restart=carry.next_restart, image_data=carry.image_data)
 
 
 def carry_of(data: CarryData) -> TaskCarry:
     """A task coming to this rank from another, as its agent loop takes it."""
-    return TaskCarry(data.session, [Turn(t.context_ids, t.output_ids, t.logprobs, t.version)
-                                    for t in data.turns], data.next_context)
+    return TaskCarry(data.session, [turn_of(t) for t in data.turns], data.next_context,
+                     list(images_of(data.next_images)), data.next_restart,
+                     dict(data.image_data))

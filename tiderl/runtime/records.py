@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiderl.core.commands import GroupSpec
+from tiderl.core.segments import task_of
 from tiderl.core.step_control import task_id
 from tiderl.core.types import Group, SeqRef, Task, Trajectory
 from tiderl.profile import Profile
@@ -47,7 +48,9 @@ class GroupRun:
 
     @property
     def num_samples(self) -> int:
-        return len(self.samples)
+        """GRPO samples: one per task, however many training sequences (segments, the
+        screenshot window's cuts) its trajectory split into; as the simulator counts them."""
+        return len({task_of(s.seq_id) for s in self.samples})
 
 
 class Dataset:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from tiderl.core import commands as c
 from tiderl.runtime import bus as b
 from tiderl.runtime.records import CoordinatorError
+from tiderl.runtime.trajectory_wire import sample_data
 from tiderl.trainer.sample import TrainSample
 
 
@@ -121,9 +122,3 @@ class StepLink:
     def reopen(self) -> None:
         """The attempt settled without training (the step runs again): wait for the next."""
         self.start = None
-
-
-def sample_data(s: TrainSample) -> b.TrainSampleData:
-    return b.TrainSampleData(seq_id=s.seq_id, input_ids=list(s.input_ids),
-                             loss_mask=list(s.loss_mask), logprobs=list(s.logprobs),
-                             advantage=s.advantage, version=s.version)

@@ -1,6 +1,6 @@
 """Training samples (:class:`tiderl.trainer.sample.TrainSample`) packed into tensors: ``pack``
 right-pads a list of samples into one batch (padding after the real tokens never changes their
-logits under a causal mask, and it carries mask 0).
+logits under a causal mask, and it carries mask 0), each row's images beside it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiderl.models.image_batch import RowImages
 from tiderl.trainer.sample import TrainSample
 
 
@@ -22,6 +23,7 @@ class PackedBatch:
     loss_mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    images: list[RowImages] | None = None  # per row (a model that reads images), else None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -46,5 +48,7 @@ def pack(samples: Seq[TrainSample], device: torch.device | str = "cpu",
         mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         old[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    images = [[(ref, s.image_data[ref.key]) for ref in s.images] for s in samples] \
+        if any(s.images for s in samples) else None
     return PackedBatch(tuple(s.seq_id for s in samples), ids.to(device), mask.to(device),
-                       old.to(device), advantages.to(device))
+                       old.to(device), advantages.to(device), images)

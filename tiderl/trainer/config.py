@@ -28,6 +28,7 @@ class TrainerConfig:
     export_shard_mb: int = 2048  # safetensors shard size of those folders
     logits_chunk_tokens: int = 1024  # loss positions per lm_head chunk (recomputed in backward)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    train_vision: bool = False  # a model that reads images: its vision tower trains too
 
     def __post_init__(self) -> None:
         require_choice(self.backend, BACKENDS, "backend")

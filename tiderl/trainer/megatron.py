@@ -319,7 +319,11 @@ class MegatronBackend:
         # attention_mask None: the local spec's causal softmax builds the causal mask itself.
         return self.module(input_ids, positions.expand_as(input_ids), None)
 
-    def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 images: object = None) -> torch.Tensor:
+        if images is not None:
+            raise NotImplementedError("the megatron backend trains text models: a model that "
+                                      "reads images trains on ddp or fsdp2")
         # token_logprobs only calls its model on the ids, so it takes the GPTModel forward and
         # the convention (out[:, 0] = 0, masked positions 0) stays defined in one place.
         return token_logprobs(self._logits, input_ids, loss_mask)  # type: ignore[arg-type]

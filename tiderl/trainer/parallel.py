@@ -29,13 +29,14 @@ undoes that when it normalises by the global token count (see ``ActorWorker.opti
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiderl.models.image_batch import BatchImages, PixelCache, RowImages, batch_images
 from tiderl.models.qwen2 import Qwen2ForCausalLM, packed_token_logprobs
 
 BACKENDS = ("ddp", "fsdp2", "megatron")
@@ -46,7 +47,8 @@ class TrainBackend(Protocol):
     module: nn.Module
     group: dist.ProcessGroup | None
 
-    def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor: ...
+    def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 images: Sequence[RowImages] | None = None) -> torch.Tensor: ...
 
     @property
     def reduces_in_backward(self) -> bool: ...
@@ -83,14 +85,27 @@ class _DenseBackend:
         self.module = module
         self.group = group
         self.chunk_tokens = 1024
+        self._pixels: PixelCache | None = None  # decoded images (a model that reads them)
 
     reduces_in_backward = True
     gathers = False
     rewraps = True
     checkpoint_part = ""
 
-    def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        return packed_token_logprobs(self.module, input_ids, loss_mask, self.chunk_tokens)
+    def logprobs(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 images: Sequence[RowImages] | None = None) -> torch.Tensor:
+        """``images``: each row's (a model that reads images)."""
+        return packed_token_logprobs(self.module, input_ids, loss_mask, self.chunk_tokens,
+                                     self._images(input_ids, images))
+
+    def _images(self, input_ids: torch.Tensor, images: Sequence[RowImages] | None
+                ) -> BatchImages | None:
+        if images is None:
+            return None
+        if self._pixels is None:
+            self._pixels = PixelCache(self.model.image_settings)
+        return batch_images(self.model.config, self._pixels, input_ids, images,
+                            input_ids.device)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()

@@ -85,7 +85,7 @@ class RefWorker:
 
     @torch.no_grad()
     def ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        return self.backend.logprobs(batch.input_ids, batch.loss_mask)
+        return self.backend.logprobs(batch.input_ids, batch.loss_mask, batch.images)
 
 
 @dataclass
@@ -133,7 +133,7 @@ class ActorWorker:
         rank, where a backend that ``reduces_in_backward`` reduces gradients across the group
         (decided at forward time)."""
         with self.backend.grad_sync(sync):
-            logprobs = self.backend.logprobs(batch.input_ids, batch.loss_mask)
+            logprobs = self.backend.logprobs(batch.input_ids, batch.loss_mask, batch.images)
         return PendingLoss(batch, logprobs, sync)
 
     def backward(self, pending: PendingLoss, ref_logprobs: torch.Tensor | None) -> LossStats:

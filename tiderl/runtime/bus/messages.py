@@ -78,6 +78,15 @@ class TurnReport(Message, kw_only=True):
     running: bool = True  # False: the turn's generation is done, the task waits for its env
 
 
+class ImageRefData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An image among a turn's or a sample's ids (:class:`tiderl.core.types.ImageRef`)."""
+
+    key: str
+    offset: int
+    num_tokens: int
+    grid: tuple[int, int, int]
+
+
 class TurnData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One turn of a finished trajectory (nested in :class:`TaskFinished`, not a message)."""
 
@@ -85,6 +94,8 @@ class TurnData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     output_ids: list[int]
     logprobs: list[float]
     version: int
+    images: list[ImageRefData] = []
+    restart: bool = False
 
 
 class TaskFinished(Message, kw_only=True):
@@ -97,6 +108,8 @@ class TaskFinished(Message, kw_only=True):
     reward: float
     turns: list[TurnData]
     num_tokens: int
+    image_data: dict[str, bytes] = {}  # PNG bytes of the turns' images, by ImageRefData.key
+    error: str = ""  # why the task failed (it ended with reward 0), if it did
 
 
 class CarryData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -106,6 +119,9 @@ class CarryData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     session: str
     turns: list[TurnData]
     next_context: list[int]
+    next_images: list[ImageRefData] = []  # offsets into next_context
+    next_restart: bool = False
+    image_data: dict[str, bytes] = {}
 
 
 class TaskDetached(Message, kw_only=True):
@@ -256,6 +272,8 @@ class TrainSampleData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     logprobs: list[float]
     advantage: float
     version: int
+    images: list[ImageRefData] = []
+    image_data: dict[str, bytes] = {}
 
 
 class TrainStep(Message, kw_only=True):

@@ -18,6 +18,7 @@ from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
 from tiderl.models.image_turns import ImagePlacer, PlacedTurn
 from tiderl.models.init import init_model
+from tiderl.models.qwen2_vl import span_positions
 from tiderl.models.vision_inputs import image_settings, preprocess_image
 
 BS = 4
@@ -54,22 +55,27 @@ def joined(*turns: PlacedTurn) -> tuple[list[int], list[tuple[ImageRef, bytes]]]
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 def test_generation_equals_the_dense_forward(model, placer, kernels):
     """Greedy tokens and their logprobs equal a greedy loop over the model's dense forward
-    (mrope positions from the images' grids, the tower run inside it): prefill of two images
-    of different shapes among text, then decode steps at ``index + delta``."""
+    (mrope positions from the images' spans, the tower run inside it): prefill of two images
+    of different shapes among text (an image-pad token between them is text), then decode
+    steps at ``index + delta``."""
     images = [png(56, 84, 1), png(112, 56, 2)]
+    pad = model.config.image_token_id  # sampled by the model between the images: text there
     prompt, refs = joined(placer.place([5, 6, 7, 8], images[:1]),
-                          PlacedTurn([12, 13]), placer.place([9, 10, 11], images[1:]))
+                          PlacedTurn([12, pad, 13]), placer.place([9, 10, 11], images[1:]))
     with native_or_skip():
         engine = LLMEngine(model, EngineConfig(kv_cache_tokens=512, block_size=BS,
                                                kernels=kernels), None)
     out = asyncio.run(engine.generate("t", prompt, GREEDY, refs))
     settings = image_settings(None, model.config)
     pixels = torch.cat([preprocess_image(p, settings).pixel_values for p in images])
-    grids = [ref.grid for ref, _ in refs]
+    spans = [(ref.offset, ref.grid) for ref, _ in refs]
+    rows = torch.cat([torch.arange(ref.offset, ref.offset + ref.num_tokens) for ref, _ in refs])
     ids, expected = list(prompt), []
     with torch.no_grad():
         for _ in range(GREEDY.max_tokens):
-            logits = model(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grids)
+            positions, _ = span_positions(len(ids), spans, model.config.vision.spatial_merge_size)
+            logits = model(torch.tensor([ids]), positions[:, None], pixel_values=pixels,
+                           image_grid_thw=[grid for _, grid in spans], image_rows=rows)
             logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
             token = int(logprobs.argmax())
             expected.append((token, float(logprobs[token])))

@@ -11,6 +11,7 @@ from tests.unit.test_engine_images import png
 from tiderl.models.image_turns import ImagePlacer
 from tiderl.models.init import init_model
 from tiderl.models.qwen2 import token_logprobs
+from tiderl.models.qwen2_vl import span_positions
 from tiderl.models.vision_inputs import preprocess_image
 from tiderl.trainer.batch import pack
 from tiderl.trainer.parallel import make_backend
@@ -31,8 +32,11 @@ def sample(model, seq_id: str, pictures: list[bytes], words: list[int]) -> Train
 def dense_logprobs(model, s: TrainSample) -> torch.Tensor:
     pixels = torch.cat([preprocess_image(s.image_data[r.key], model.image_settings).pixel_values
                         for r in s.images])
-    logits = model(torch.tensor([s.input_ids]), pixel_values=pixels,
-                   image_grid_thw=[r.grid for r in s.images])
+    spans = [(r.offset, r.grid) for r in s.images]
+    positions, _ = span_positions(len(s.input_ids), spans, model.config.vision.spatial_merge_size)
+    rows = torch.cat([torch.arange(r.offset, r.offset + r.num_tokens) for r in s.images])
+    logits = model(torch.tensor([s.input_ids]), positions[:, None], pixel_values=pixels,
+                   image_grid_thw=[grid for _, grid in spans], image_rows=rows)
     return token_logprobs(lambda ids: logits, torch.tensor([s.input_ids]),
                           torch.tensor([s.loss_mask]))[0]
 
@@ -41,8 +45,9 @@ def dense_logprobs(model, s: TrainSample) -> torch.Tensor:
 def test_backend_logprobs_with_images_equal_the_dense_forward(train_vision):
     model = init_model("tiny-vl", seed=2)
     model.freeze_vision(not train_vision)
+    pad = model.config.image_token_id  # sampled by the model: text there
     samples = [sample(model, "a", [png(56, 84, 1), png(56, 56, 2)], list(range(5, 25))),
-               sample(model, "b", [png(84, 56, 3)], list(range(30, 42)))]
+               sample(model, "b", [png(84, 56, 3)], [*range(30, 36), pad, *range(37, 42)])]
     batch = pack(samples)
     assert batch.images is not None and [len(row) for row in batch.images] == [2, 1]
     backend = make_backend("ddp", model, chunk_tokens=7)

@@ -8,7 +8,8 @@ bytes. :class:`ImageEncoder` turns the images into what a step needs:
   hash (an LRU of ``capacity`` images), so a task that comes back with the same screenshots in
   its context, or a group whose tasks share one, encodes nothing again;
 - the prompt's multimodal rotary positions [3, L] and its ``delta``
-  (:func:`~tiderl.models.qwen2_vl.mrope_positions`): a token at index ``i >= L`` (an output)
+  (:func:`~tiderl.models.qwen2_vl.span_positions`, from the images' spans: an image-pad token
+  the model sampled itself is text): a token at index ``i >= L`` (an output)
   is at ``i + delta`` in all three components.
 
 The prefix cache tells two images apart by their hash: a block whose tokens overlap an image
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tiderl.core.types import ImageRef
-from tiderl.models.qwen2_vl import Qwen2VLForCausalLM, mrope_positions
+from tiderl.models.qwen2_vl import Qwen2VLForCausalLM, span_positions
 from tiderl.models.vision_inputs import ImageSettings, preprocess_image
 
 
@@ -84,7 +85,8 @@ class ImageEncoder:
                                  f"{ref.offset + ref.num_tokens} of the prompt are not its "
                                  f"image-pad tokens")
         embeds = tuple(self._encode(ref, data[ref.key]) for ref in refs)
-        positions, delta = mrope_positions(prompt_ids, [ref.grid for ref in refs], config)
+        positions, delta = span_positions(len(prompt_ids), [(r.offset, r.grid) for r in refs],
+                                          config.vision.spatial_merge_size)
         return PromptImages(refs, embeds, positions, delta)
 
     def _encode(self, ref: ImageRef, png: bytes) -> torch.Tensor:

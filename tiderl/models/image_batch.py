@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tiderl.core.types import ImageRef
-from tiderl.models.qwen2_vl import Qwen2VLConfig, mrope_positions
+from tiderl.models.qwen2_vl import Qwen2VLConfig, span_positions
 from tiderl.models.vision import Grid
 from tiderl.models.vision_inputs import ImageSettings, preprocess_image
 
@@ -25,22 +25,29 @@ RowImages = Sequence[tuple[ImageRef, bytes]]  # a row's images, offsets into the
 
 @dataclass(frozen=True)
 class BatchImages:
-    """``positions`` [3, B, T]: each row's mrope positions (padding continues as text);
+    """``positions`` [3, B, T]: each row's mrope positions, from its images' spans (padding,
+    and any image-pad token the model sampled, are text);
     ``rows``: per row, (offset, token count, pixel values, grid) of each image, in order."""
 
     positions: torch.Tensor
     rows: list[list[tuple[int, int, torch.Tensor, Grid]]]
 
-    def pixels_before(self, lengths: Sequence[int]) -> tuple[torch.Tensor | None, list[Grid]]:
-        """The pixel values and grids of the images within each row's first ``lengths[b]``
-        tokens, row after row (what a forward of those tokens reads)."""
-        pixels, grids = [], []
-        for row, length in zip(self.rows, lengths, strict=True):
+    def packed(self, lengths: Sequence[int], starts: Sequence[int]
+               ) -> tuple[torch.Tensor | None, list[Grid], torch.Tensor]:
+        """What a packed forward of each row's first ``lengths[b]`` tokens, row b from packed
+        index ``starts[b]``, reads: the pixel values and grids of the images within them, row
+        after row, and the packed indices of their tokens (``image_rows``)."""
+        pixels, grids, rows = [], [], []
+        for row, length, start in zip(self.rows, lengths, starts, strict=True):
             for offset, count, values, grid in row:
                 if offset + count <= length:
                     pixels.append(values)
                     grids.append(grid)
-        return (torch.cat(pixels) if pixels else None), grids
+                    rows.append(torch.arange(start + offset, start + offset + count))
+        device = self.positions.device
+        index = torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long,
+                                                                     device=device)
+        return (torch.cat(pixels) if pixels else None), grids, index
 
 
 class PixelCache:
@@ -75,5 +82,6 @@ def batch_images(config: Qwen2VLConfig, cache: PixelCache, input_ids: torch.Tens
         ordered = sorted(row, key=lambda item: item[0].offset)
         rows.append([(ref.offset, ref.num_tokens, cache.pixels(ref, png).to(device), ref.grid)
                      for ref, png in ordered])
-        positions.append(mrope_positions(ids, [ref.grid for ref, _ in ordered], config)[0])
+        positions.append(span_positions(len(ids), [(ref.offset, ref.grid) for ref, _ in ordered],
+                                        config.vision.spatial_merge_size)[0])
     return BatchImages(torch.stack(positions, dim=1).to(device), rows)

@@ -412,9 +412,10 @@ def packed_token_logprobs(model: nn.Module, input_ids: torch.Tensor, loss_mask: 
     packed_positions, extra = positions.expand(batch, width)[keep], {}
     if images is not None:
         packed_positions = images.positions[:, keep]
-        pixels, grids = images.pixels_before(lengths.tolist())
+        pixels, grids, image_rows = images.packed(lengths.tolist(), starts.tolist())
+        extra = {"image_rows": image_rows}
         if pixels is not None:
-            extra = {"pixel_values": pixels, "image_grid_thw": grids}
+            extra |= {"pixel_values": pixels, "image_grid_thw": grids}
     picked = model(input_ids[keep], packed_positions, cu_seqlens=cu_seqlens,
                    targets=input_ids[rows, cols], target_rows=starts[rows] + cols - 1,
                    chunk_tokens=chunk_tokens, **extra)

@@ -155,32 +155,39 @@ def mrope_positions(input_ids: Sequence[int] | torch.Tensor,
     positions.
     """
     ids = torch.as_tensor(input_ids).tolist()
-    merge = config.vision.spatial_merge_size
-    parts, start, grids = [], 0, iter(grid_list(image_grid_thw))
-    i = 0
-    while i < len(ids):
-        if ids[i] != config.image_token_id:
-            end = next((j for j in range(i, len(ids)) if ids[j] == config.image_token_id),
-                       len(ids))
-            parts.append(torch.arange(start, start + end - i).expand(3, -1))
-            start += end - i
-            i = end
-            continue
-        t, h, w = next(grids, (0, 0, 0))
-        h, w = h // merge, w // merge
-        count = t * h * w
+    unit = config.vision.spatial_merge_size ** 2
+    grids, spans, i = list(grid_list(image_grid_thw)), [], 0
+    for t, h, w in grids:
+        i = next((j for j in range(i, len(ids)) if ids[j] == config.image_token_id), len(ids))
+        count = t * h * w // unit
         if count == 0 or ids[i:i + count] != [config.image_token_id] * count:
             raise ValueError(f"the image tokens at index {i} do not match the image grids "
                              f"{list(image_grid_thw)}")
+        spans.append((i, (t, h, w)))
+        i += count
+    if config.image_token_id in ids[i:]:
+        raise ValueError(f"more image token runs than image grids {list(image_grid_thw)}")
+    return span_positions(len(ids), spans, config.vision.spatial_merge_size)
+
+
+def span_positions(length: int, spans: Sequence[tuple[int, Grid]], merge: int
+                   ) -> tuple[torch.Tensor, int]:
+    """:func:`mrope_positions` of a sequence of ``length`` tokens whose images are the runs
+    that start at the given offsets, with the given grids, in order; every other token is text,
+    whatever its id (a model may sample the image-pad token itself: it is text there)."""
+    parts, start, at = [], 0, 0
+    for offset, (t, h, w) in spans:
+        h, w = h // merge, w // merge
+        parts.append(torch.arange(start, start + offset - at).expand(3, -1))
+        start += offset - at
         grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
                                           indexing="ij")).reshape(3, -1)
         parts.append(grid + start)
         start += max(h, w)
-        i += count
-    if next(grids, None) is not None:
-        raise ValueError(f"fewer image token runs than image grids {list(image_grid_thw)}")
-    positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
-    delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+        at = offset + t * h * w
+    parts.append(torch.arange(start, start + length - at).expand(3, -1))
+    positions = torch.cat(parts, dim=1)
+    delta = int(positions.max()) + 1 - length if length else 0
     return positions, delta
 
 
@@ -232,14 +239,22 @@ class Qwen2VLForCausalLM(nn.Module):
         [num_image_tokens, hidden]: each image's LLM tokens in order."""
         return self.visual(pixel_values.to(self.device), grid_list(image_grid_thw))
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None
-              ) -> torch.Tensor:
-        """Token embeddings [..., hidden], the ``image_token_id`` rows replaced by
-        ``image_embeds`` [num_image_tokens, hidden] in order (their counts must match)."""
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
+              image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [..., hidden], the image tokens' rows replaced by ``image_embeds``
+        [num_image_tokens, hidden] in order: the ``image_rows`` (indices into the flattened
+        input_ids) when given, else every ``image_token_id`` token (their counts must match)."""
         x = self.model.embed_tokens(input_ids)
+        given = 0 if image_embeds is None else len(image_embeds)
+        if image_rows is not None:
+            if len(image_rows) != given:
+                raise ValueError(f"{len(image_rows)} image rows but {given} image embeddings")
+            if not given:
+                return x
+            flat = x.reshape(-1, x.shape[-1]).index_copy(0, image_rows, image_embeds.to(x.dtype))
+            return flat.view_as(x)
         is_image = input_ids == self.config.image_token_id
         count = int(is_image.sum())
-        given = 0 if image_embeds is None else len(image_embeds)
         if count != given:
             raise ValueError(f"{count} image tokens in input_ids but {given} image embeddings")
         if not count:
@@ -261,7 +276,8 @@ class Qwen2VLForCausalLM(nn.Module):
                 image_grid_thw: Sequence[Grid] | torch.Tensor | None = None,
                 cu_seqlens: list[int] | None = None, targets: torch.Tensor | None = None,
                 target_rows: torch.Tensor | None = None,
-                chunk_tokens: int = 1024) -> torch.Tensor:
+                chunk_tokens: int = 1024, image_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """:meth:`Qwen2ForCausalLM.forward <tiderl.models.qwen2.Qwen2ForCausalLM.forward>`
         with images: dense input_ids [B, T] -> logits [B, T, vocab]; packed (``cu_seqlens``)
         input_ids [N] -> logits [N, vocab], or with ``targets`` and ``target_rows`` the [M]
@@ -275,10 +291,11 @@ class Qwen2VLForCausalLM(nn.Module):
         Images: ``image_embeds`` [num_image_tokens, hidden] (:meth:`encode_images`), or
         ``pixel_values`` with ``image_grid_thw`` (the tower runs inside this call, and trains
         unless frozen: :meth:`freeze_vision`). Rows fill the ``image_token_id`` tokens of
-        input_ids in order, row-major.
+        input_ids in order, row-major, or the ``image_rows`` (flat indices) when given: a
+        sequence may hold image-pad tokens the model sampled, which are text.
         """
         image_embeds = self._image_embeds(image_embeds, pixel_values, image_grid_thw)
-        x = self.embed(input_ids, image_embeds)
+        x = self.embed(input_ids, image_embeds, image_rows)
         rotary = self.model.rotary
         if cu_seqlens is None:
             if positions is None and image_grid_thw is None:

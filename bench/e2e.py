@@ -14,8 +14,14 @@ rollout split differ:
 - ``tiderl-pinned`` and ``async-r2-pinned``: tiderl and the default split again with every rank
   pinned to cores of its own (``runtime.cpu_affinity=spread``; on 2 cores, 4 ranks pair up).
 
-Workload: guess and shop tasks, a lognormal environment latency, a small KV pool per rollout
-rank. Figures per mode: goodput (trained tokens per second of the job), the training reward at
+Workload (``--workload text``, the default): guess and shop tasks, a lognormal environment
+latency, a small KV pool per rollout rank. ``--workload gui``: the paper's multimodal case on
+this machine: a tiny Qwen2-VL (`model init --size tiny-vl --tokenizer bpe`) on the ``gui``
+screens, heavier-tailed step latency and a slow start, the screenshot window (10, 5) cutting
+training segments; the simulator's Table 2 (OSWorld, 4B VL model, 32 H100s) beside it, and only
+the four modes (the async splits swept) without the pinned and predictive extras.
+
+Figures per mode: goodput (trained tokens per second of the job), the training reward at
 equal trained samples (mean over the second half of the sample range every mode reached),
 RWT, TWT, KV hit rate, max staleness, and the machine's CPU busy share over the goodput window
 (``/proc/stat``): with it, each mode's trained tokens per CPU-second and its ceiling, the goodput
@@ -38,10 +44,19 @@ from jobs import run_job
 from machine import CpuSampler, machine_info, write_result
 
 from tiderl.core.records import StepRecord
+from tiderl.models.init import write_random_checkpoint
 
 WORKLOAD = [
     "env.envs=[guess,shop]", "env.max_turns=8", "env.step_latency.kind=lognormal",
     "env.step_latency.median_s=0.15", "env.step_latency.sigma=1.0",
+    "engine.kv_cache_tokens=4096", "engine.max_new_tokens=12",
+    "runtime.num_ranks=4", "runtime.group_size=8", "ers.batch_min=16", "ers.batch_ideal=32",
+]
+GUI_WORKLOAD = [
+    "env.envs=[gui]", "env.tasks={}", "env.options={}", "env.max_turns=12",
+    "env.step_latency.kind=lognormal", "env.step_latency.median_s=0.3",
+    "env.step_latency.sigma=1.0", "env.start_latency.kind=lognormal",
+    "env.start_latency.median_s=0.5", "env.start_latency.sigma=0.7",
     "engine.kv_cache_tokens=4096", "engine.max_new_tokens=12",
     "runtime.num_ranks=4", "runtime.group_size=8", "ers.batch_min=16", "ers.batch_ideal=32",
 ]
@@ -52,14 +67,17 @@ PINNED = "runtime.cpu_affinity=spread"
 PINNED_TAG = "-pinned"
 
 
-def _runs(num_ranks: int) -> list[tuple[str, list[str]]]:
-    """Every mode unpinned; then tiderl and the default split again with each rank pinned to
-    its own cores (``runtime.cpu_affinity=spread``)."""
+def _runs(num_ranks: int, extras: bool = True) -> list[tuple[str, list[str]]]:
+    """Every mode unpinned; then (``extras``) tiderl with the predictive planner, and tiderl and
+    the default split again with each rank pinned to its own cores
+    (``runtime.cpu_affinity=spread``)."""
     runs = [("sync", ["runtime.mode=sync", f"runtime.rollout_ranks={num_ranks}"])]
     runs += [(f"async-r{r}", ["runtime.mode=async", f"runtime.rollout_ranks={r}"])
              for r in range(1, num_ranks)]
     runs += [("stream", ["runtime.mode=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
              ("tiderl", ["runtime.mode=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
+    if not extras:
+        return runs
     runs += [("tiderl-predictive", [*runs[-1][1], "ers.planner=predictive"]),
              ("tiderl-pinned", [*runs[-1][1], PINNED]),
              (f"async-r{FIXED_SPLIT}-pinned", [*runs[FIXED_SPLIT][1], PINNED])]
@@ -91,11 +109,17 @@ def _cpu(cpu: CpuSampler, metrics_path: Path, last: StepRecord) -> dict:
             "ceiling_tok_s": round(last.goodput_tok_s / share, 1)}
 
 
-def run_bench(steps: int, root: Path, note, cpu: CpuSampler) -> dict:
+def run_bench(steps: int, root: Path, note, cpu: CpuSampler, workload: str = "text") -> dict:
     results: dict[str, dict] = {}
     series: dict[str, list[StepRecord]] = {}
-    for name, overrides in _runs(4):
-        job = run_job(name, [*WORKLOAD, *overrides], steps, root, note)
+    extras = workload == "text"
+    overrides_of = WORKLOAD
+    if workload == "gui":
+        folder = root / "tiny-vl"
+        write_random_checkpoint("tiny-vl", folder, tokenizer="bpe")
+        overrides_of = [*GUI_WORKLOAD, f"model.path={folder}"]
+    for name, overrides in _runs(4, extras):
+        job = run_job(name, [*overrides_of, *overrides], steps, root, note)
         metrics, summary = job.metrics, job.summary
         series[name] = metrics
         results[name] = {
@@ -123,12 +147,13 @@ def run_bench(steps: int, root: Path, note, cpu: CpuSampler) -> dict:
     ratios = {"tiderl_over_sync": round(t / results["sync"]["goodput_tok_s"], 3),
               "tiderl_over_async_best": round(t / results[best_async]["goodput_tok_s"], 3),
               "tiderl_over_default_split": round(t / results[default]["goodput_tok_s"], 3),
-              "tiderl_over_stream": round(t / results["stream"]["goodput_tok_s"], 3),
-              "predictive_over_rules": round(
-                  results["tiderl-predictive"]["goodput_tok_s"] / t, 3),
-              "pinned_tiderl_over_pinned_default_split": round(
-                  results["tiderl-pinned"]["goodput_tok_s"]
-                  / results[f"{default}-pinned"]["goodput_tok_s"], 3)}
+              "tiderl_over_stream": round(t / results["stream"]["goodput_tok_s"], 3)}
+    if extras:
+        ratios |= {"predictive_over_rules": round(
+                       results["tiderl-predictive"]["goodput_tok_s"] / t, 3),
+                   "pinned_tiderl_over_pinned_default_split": round(
+                       results["tiderl-pinned"]["goodput_tok_s"]
+                       / results[f"{default}-pinned"]["goodput_tok_s"], 3)}
     ceiling = results["tiderl"]["ceiling_tok_s"]
     bounds = {f"{key}_at_most": (round(ceiling / results[base]["goodput_tok_s"], 3)
                                  if ceiling else None)
@@ -136,20 +161,33 @@ def run_bench(steps: int, root: Path, note, cpu: CpuSampler) -> dict:
                                 ("tiderl_over_async_best", best_async),
                                 ("tiderl_over_default_split", default))}
     sync_reward = results["sync"]["reward_at_equal_samples"]
+    beside = {"simulator_table2": simulated_table2()} if workload == "gui" else {}
     return {
+        "workload_name": workload, **beside,
         "modes": modes, "async_sweep": asyncs, "ratios": ratios, "cpu_bounds": bounds,
         "pinned": {k: v for k, v in results.items() if PINNED_TAG in k},
-        "predictive": results["tiderl-predictive"],
+        "predictive": results.get("tiderl-predictive"),
         "targets": {"tiderl_over_sync": 1.5, "tiderl_over_async_best": 1.1,
                     "tiderl_over_default_split": 1.2, "reward_within_of_sync": 0.05},
         "reward_gap_vs_sync": round(results["tiderl"]["reward_at_equal_samples"] - sync_reward,
                                     4),
-        "equal_samples": common, "steps": steps, "workload": WORKLOAD,
+        "equal_samples": common, "steps": steps, "workload": overrides_of,
         "series": {k: [{key: m.to_dict()[key] for key in ("step", "time_s", "goodput_tok_s",
                                                           "reward_mean", "mode", "num_rollout")}
                        for m in v] for k, v in series.items()},
         "machine": machine_info(),
     }
+
+
+def simulated_table2() -> dict:
+    """The simulator's paper Table 2 (``profiles/sim/table2.yaml``: OSWorld, a 4B VL model on
+    32 H100s; stream, +RA2P, +ERS, +CTB), with the paper's figures."""
+    from tiderl.profile import load_profile
+    from tiderl.sim.experiments import run_experiment
+    from tiderl.sim.runner import scenario_from_profile
+
+    result = run_experiment("table2", scenario_from_profile(load_profile("sim/table2")))
+    return {"simulated": result.headline, "paper": result.paper}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -177,13 +215,18 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e.json"))
+    parser.add_argument("--workload", choices=("text", "gui"), default="text")
+    parser.add_argument("--out", default=None,
+                        help="default: results/e2e.json (text), results/e2e-gui.json (gui)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 steps per mode (a check it runs)")
     args = parser.parse_args()
     steps = 2 if args.quick else args.steps
+    name = "e2e.json" if args.workload == "text" else "e2e-gui.json"
+    args.out = args.out or str(Path(__file__).parent / "results" / name)
     with tempfile.TemporaryDirectory(prefix="tiderl-e2e-") as tmp, CpuSampler() as cpu:
-        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr), cpu)
+        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr), cpu,
+                           args.workload)
     write_result(args.out, result)
     plot(result, Path(args.out).with_suffix(".png"))
 

@@ -71,6 +71,8 @@ def test_bad_usage_is_one_line_with_exit_2():
     line = assert_one_line_error(tiderl("launch", "--no-such-flag"), 2)
     assert "--no-such-flag" in line
     assert_one_line_error(tiderl("no-such-command"), 2)
+    line = assert_one_line_error(tiderl("bench", "e2e", "--workload", "video"), 2)
+    assert "--workload 'video': expected one of text, gui" in line
 
 
 @pytest.mark.parametrize(("args", "text"), [

@@ -12,7 +12,7 @@ from types import ModuleType
 import typer
 from rich.console import Console
 
-from tiderl.cli.errors import CLIError
+from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
 
 app = typer.Typer(help="Benchmarks, side by side in one run: JSON + table.", no_args_is_help=True)
@@ -68,10 +68,18 @@ def engine(
     output.result(result, lambda console: _render_engine(console, result))
 
 
+E2E_WORKLOADS = ("text", "gui")
+
+
 @app.command("e2e")
 def e2e(
-    out: Path = typer.Option(Path("bench/results/e2e.json"), "--out",
-                             help="Where the JSON result is written (the PNG goes beside it)."),
+    out: Path = typer.Option(None, "--out", show_default=False,
+                             help="Where the JSON result is written (the PNG goes beside it); "
+                                  "default bench/results/e2e.json, e2e-gui.json for gui."),
+    workload: str = typer.Option("text", "--workload",
+                                 help="text: guess and shop on the tiny Qwen2; gui: the gui "
+                                      "screens on a tiny Qwen2-VL, the simulator's Table 2 "
+                                      "beside it."),
     steps: int = typer.Option(10, "--steps", min=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
@@ -80,8 +88,14 @@ def e2e(
     """The same workload under sync, async (every split), stream and tiderl: real jobs, side by
     side; goodput, reward at equal trained samples, RWT, TWT, KV hit rate."""
     output = Output(json_mode)
-    output.note("running bench/e2e.py: 6 jobs of 4 ranks each (minutes on 2 cores) ...")
-    result = _run_script("e2e", out, ["--steps", str(steps)] + ["--quick"] * quick, output)
+    if workload not in E2E_WORKLOADS:
+        raise CLIError(f"tiderl bench e2e: --workload {workload!r}: expected one of "
+                       f"{', '.join(E2E_WORKLOADS)}", EXIT_USAGE)
+    out = out or Path("bench/results") / ("e2e.json" if workload == "text" else "e2e-gui.json")
+    output.note(f"running bench/e2e.py --workload {workload}: {9 if workload == 'text' else 6} "
+                "jobs of 4 ranks each (minutes on 2 cores) ...")
+    result = _run_script("e2e", out, ["--steps", str(steps), "--workload", workload]
+                         + ["--quick"] * quick, output)
     output.result(result, lambda console: _render_e2e(console, result))
 
 
@@ -183,3 +197,9 @@ def _render_e2e(console: Console, result: dict) -> None:
     console.print(table("ratios", ("ratio", "measured", "target", "CPU ceiling"),
                         [(k, v, targets.get(k, "-"), bounds.get(f"{k}_at_most", "-"))
                          for k, v in result["ratios"].items()]))
+    table2 = result.get("simulator_table2")
+    if table2:
+        simulated, paper = table2["simulated"], table2["paper"]
+        console.print(table("simulator, paper Table 2 (k tok/s)", ("system", "simulated", "paper"),
+                            [(k, v, paper["goodput_k_tok_s"].get(k, "-"))
+                             for k, v in simulated["goodput_k_tok_s"].items()]))

@@ -23,7 +23,7 @@ $(VENV)/.torch: | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@touch $@
 
-# After the package: the engine's C++ kernels, built once into ~/.cache/tiderl (about 15 s; without
+# After the package: the engine's C++ kernels, built once into ~/.cache/tiderl (15 to 23 s; without
 # a C++ compiler the engine runs plain torch, and this only says so).
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e .

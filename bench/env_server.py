@@ -8,6 +8,7 @@ default one client with one connection per session, 256 connections in all: http
 slows down badly past a few dozen connections): start, binary-search guesses until done, end.
 Counts /observation calls answered during ``--seconds`` after a 2 s warm-up; latency is the
 client-side time of each /observation. Loopback only; the server is stopped at the end.
+Also the time to render one ``gui`` screenshot in process (``gui_render_ms``).
 Target: >= 2,000 steps/s. On the 2-core development machine the httpx client, not the server, is
 the bottleneck; ``steps_per_server_cpu_s`` is the server's own cost (its CPU time includes the
 /start and /end calls).
@@ -126,6 +127,20 @@ async def measure(url: str, sessions: int, seconds: float, per_client: int,
                                 "mean": round(statistics.fmean(latencies) * 1e3, 2)}}
 
 
+def gui_render_ms(frames: int = 50) -> dict:
+    """Rendering one ``gui`` screenshot (draw + PNG encode), in process: best and median ms."""
+    from tiderl.env.gui import GuiEnv, render
+
+    env = GuiEnv()
+    env.reset("form 4", seed=9)
+    times = []
+    for _ in range(frames):
+        began = time.perf_counter()
+        render(env.screen)
+        times.append((time.perf_counter() - began) * 1e3)
+    return {"best": round(min(times), 3), "median": round(statistics.median(times), 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=256)
@@ -150,7 +165,7 @@ def main() -> int:
               "machine": machine_info(), "env": "guess", "latency_model": "none",
               "sessions": args.sessions, "sessions_per_client": args.per_client,
               "transport": "HTTP/1.1 over loopback (httpx, uvicorn)",
-              **figures, "target_steps_per_s": TARGET_STEPS_S,
+              **figures, "gui_render_ms": gui_render_ms(), "target_steps_per_s": TARGET_STEPS_S,
               "met_target": figures["steps_per_s"] >= TARGET_STEPS_S}
     write_result(args.out, result)
     return 0

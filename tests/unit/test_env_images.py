@@ -8,7 +8,6 @@ import base64
 import io
 import re
 import struct
-import time
 import zlib
 from collections.abc import Callable
 
@@ -283,15 +282,10 @@ def test_parse_action_reads_the_first_action_anywhere_in_the_text():
     assert parse_action("click(-1, 2)") is None and parse_action("nothing") is None
 
 
-def test_gui_renders_in_a_few_milliseconds():
+def test_gui_renders_the_same_bytes_for_the_same_screen():
+    """(Its speed is measured in bench/env_server.py, ``gui_render_ms``.)"""
     env = GuiEnv()
     env.reset("form 4", seed=9)
-    times = []
-    for _ in range(20):
-        began = time.perf_counter()
-        render(env.screen)
-        times.append(time.perf_counter() - began)
-    assert min(times) < 0.005
     assert render(env.screen) == render(env.screen)
 
 

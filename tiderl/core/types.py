@@ -139,7 +139,7 @@ class Turn:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Segment:
     """One training sequence of a trajectory, flattened: ids, loss mask (1 on the model's
     tokens of this segment's turns), behaviour logprobs, per-token versions (-1 on context) and
@@ -208,9 +208,7 @@ class Trajectory:
             seg.mask.extend([1] * len(turn.output_ids))
             seg.logprobs.extend(turn.logprobs)
             seg.versions.extend([turn.version] * len(turn.output_ids))
-            if images:
-                segments[-1] = Segment(seg.ids, seg.mask, seg.logprobs, seg.versions,
-                                       seg.images + images)
+            seg.images += images
         return segments
 
 

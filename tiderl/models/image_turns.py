@@ -26,9 +26,9 @@ from tiderl.models.qwen2_vl import Qwen2VLConfig
 from tiderl.models.vision_inputs import (
     ImageSettings,
     image_digest,
+    image_grid,
     image_placeholder_ids,
     image_settings,
-    smart_resize,
 )
 
 
@@ -83,11 +83,8 @@ class ImagePlacer:
         from PIL import Image  # Pillow: a dependency of matplotlib
 
         width, height = Image.open(io.BytesIO(png)).size
-        s = self.settings
-        height, width = smart_resize(height, width, s.patch_size * s.merge_size, s.min_pixels,
-                                     s.max_pixels)
-        grid = (1, height // s.patch_size, width // s.patch_size)
-        return image_digest(png), grid, grid[1] * grid[2] // s.merge_size ** 2
+        grid, num_tokens = image_grid(height, width, self.settings)
+        return image_digest(png), grid, num_tokens
 
 
 def image_placer(folder: str | Path | None, config: object,

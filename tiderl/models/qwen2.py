@@ -258,13 +258,13 @@ class Qwen2Model(nn.Module):
         return self.norm(x)
 
 
-class Qwen2ForCausalLM(nn.Module):
-    def __init__(self, config: Qwen2Config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+class DecoderLM(nn.Module):
+    """What the text model and the vision-language one share: ``config``, the decoder
+    ``model`` (a :class:`Qwen2Model`) and ``lm_head``, set by the subclass's ``__init__``."""
+
+    config: Qwen2Config
+    model: Qwen2Model
+    lm_head: nn.Linear
 
     def tie_weights(self) -> None:
         """Share the embedding with ``lm_head`` when the config says so (call again after
@@ -279,6 +279,21 @@ class Qwen2ForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """A zeroed paged cache for the decoder, on its device, in its dtype."""
+        c = self.config
+        return new_kv_cache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                            c.head_dim, self.dtype, self.device)
+
+
+class Qwen2ForCausalLM(DecoderLM):
+    def __init__(self, config: Qwen2Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
                 cu_seqlens: list[int] | None = None, targets: torch.Tensor | None = None,
@@ -332,12 +347,6 @@ class Qwen2ForCausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(hidden)
-
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """A zeroed paged cache for this model, on its device, in its dtype."""
-        c = self.config
-        return new_kv_cache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
-                            c.head_dim, self.dtype, self.device)
 
 
 def chunked_target_logprobs(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiderl.models.attention import PagedBatch, new_kv_cache
+from tiderl.models.attention import PagedBatch
 from tiderl.models.config import VL_MODEL_TYPES
 from tiderl.models.qwen2 import (
     Attention,
+    DecoderLM,
     Qwen2Config,
     Qwen2Model,
     Rotary,
@@ -191,7 +192,7 @@ def span_positions(length: int, spans: Sequence[tuple[int, Grid]], merge: int
     return positions, delta
 
 
-class Qwen2VLForCausalLM(nn.Module):
+class Qwen2VLForCausalLM(DecoderLM):
     """Qwen2-VL / Qwen2.5-VL. The language part is :class:`~tiderl.models.qwen2.Qwen2Model`
     (so the engine's runner and the trainer treat it as the text model's); ``visual`` is the
     vision tower. Images enter as ``image_embeds`` (from :meth:`encode_images`) or as
@@ -212,20 +213,6 @@ class Qwen2VLForCausalLM(nn.Module):
         self.visual = VisionTower(config.vision)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with ``lm_head`` when the config says so (call again after
-        ``to_empty``, which unties them)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
 
     def freeze_vision(self, frozen: bool = True) -> None:
         """Stop (or restart) training the whole vision tower, merger included: its parameters
@@ -363,12 +350,6 @@ class Qwen2VLForCausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(hidden)
-
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """A zeroed paged cache for the language part, on its device, in its dtype."""
-        c = self.config
-        return new_kv_cache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
-                            c.head_dim, self.dtype, self.device)
 
 
 def cache_positions(batch: PagedBatch, num_tokens: int) -> torch.Tensor:

@@ -149,9 +149,7 @@ def preprocess_image(image: bytes | np.ndarray, settings: ImageSettings = ImageS
     from PIL import Image  # Pillow: a dependency of matplotlib
 
     picture = _rgb(image)
-    factor = settings.patch_size * settings.merge_size
-    height, width = smart_resize(picture.height, picture.width, factor, settings.min_pixels,
-                                 settings.max_pixels)
+    height, width = resized_size(picture.height, picture.width, settings)
     resized = np.asarray(picture.resize((width, height), Image.Resampling.BICUBIC))
     scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
     mean = np.array(settings.image_mean, dtype=np.float32)
@@ -161,6 +159,21 @@ def preprocess_image(image: bytes | np.ndarray, settings: ImageSettings = ImageS
     tokens = grid_h * grid_w // settings.merge_size ** 2
     return ImageInput(torch.from_numpy(patches), (1, grid_h, grid_w), tokens,
                       image_digest(image))
+
+
+def resized_size(height: int, width: int, settings: ImageSettings) -> tuple[int, int]:
+    """The (height, width) ``settings`` resize an image of this size to (:func:`smart_resize`
+    to whole merged patches within the pixel budget)."""
+    return smart_resize(height, width, settings.patch_size * settings.merge_size,
+                        settings.min_pixels, settings.max_pixels)
+
+
+def image_grid(height: int, width: int, settings: ImageSettings) -> tuple[Grid, int]:
+    """The (t, h, w) patch grid and the LLM tokens of an image of this size, as
+    :func:`preprocess_image` gives them, without decoding its pixels."""
+    height, width = resized_size(height, width, settings)
+    grid_h, grid_w = height // settings.patch_size, width // settings.patch_size
+    return (1, grid_h, grid_w), grid_h * grid_w // settings.merge_size ** 2
 
 
 def _rgb(image: bytes | np.ndarray):

@@ -33,7 +33,6 @@ The trainer side (workers, executors, the boundary's collectives) is in
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -41,7 +40,6 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TextIO
 
 import httpx
 import torch
@@ -89,10 +87,10 @@ from tiderl.runtime.bus import (
     rank_identity,
 )
 from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
-from tiderl.runtime.log_backends import ROLLOUTS_DIR
 from tiderl.runtime.rank_trainer import TrainerRoles
 from tiderl.runtime.rank_wire import carry_data, carry_of, micro_batch_of
 from tiderl.runtime.resume import resume_request
+from tiderl.runtime.rollout_log import RolloutLog
 from tiderl.runtime.trajectory_wire import turn_data
 from tiderl.trainer.executors import (
     StreamedStep,
@@ -137,7 +135,7 @@ class RankDaemon(TrainerRoles):
         self.tokenizer = None
         self.encoder: TurnEncoder | None = None
         self.placer: ImagePlacer | None = None  # a model that reads images
-        self.rollout_log: TextIO | None = None  # rollouts/rank-N.jsonl, opened at the first
+        self.rollout_log = RolloutLog(args.run_dir, self.rank)  # logging.rollouts
         self.layout = None  # weight-sync layout (every rank builds the same model)
         self.optimizer_layout = None  # optimizer-state sync layout, from the same model
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -438,25 +436,7 @@ class RankDaemon(TrainerRoles):
                                 image_data=trajectory.image_data))
         transcript = self.agent.take_transcript(task.task_id) if self.agent else []
         if self.profile.logging.rollouts:
-            self._record(task, trajectory, transcript)
-
-    def _record(self, task: AgentTask, trajectory: Trajectory, transcript: list[dict]) -> None:
-        """One line of ``rollouts/rank-N.jsonl`` (logging.rollouts): the episode's token ids
-        per turn as trained, and the turns played here as the environment and the engine saw
-        them (a task that moved here has those since its move only)."""
-        if self.rollout_log is None:
-            folder = self.args.run_dir / ROLLOUTS_DIR
-            folder.mkdir(exist_ok=True)
-            self.rollout_log = (folder / f"rank-{self.rank}.jsonl").open("a", buffering=1)
-        self.rollout_log.write(json.dumps({
-            "task_id": task.task_id, "group_id": task.group_id, "env": task.env,
-            "task": task.task, "seed": task.seed, "eval": task.eval,
-            "reward": trajectory.reward,
-            "turns": [{"context_ids": list(t.context_ids), "output_ids": list(t.output_ids),
-                       "version": t.version, "restart": t.restart,
-                       "images": [[i.key, i.offset, i.num_tokens] for i in t.images]}
-                      for t in trajectory.turns],
-            "transcript": transcript}) + "\n")
+            self.rollout_log.write(task, trajectory, transcript)
 
     def _on_turn(self, event: TurnEvent) -> None:
         self._send(TurnReport(rank=self.rank, task_id=event.task_id, tokens=event.output_tokens,

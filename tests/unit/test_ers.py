@@ -40,6 +40,12 @@ COL, DEC = Mode.COLOCATED, Mode.DECOUPLED
 TO_ROLLOUT, TO_TRAINER = Direction.TO_ROLLOUT, Direction.TO_TRAINER
 
 
+def eager(ra2p: RA2PConfig | None = None, **config) -> ERSPolicy:
+    """A policy that moves at the first boundary of a deficit (``confirm_steps=1``), for the
+    tests of what a deficit moves; the confirmation has tests of its own."""
+    return ERSPolicy(ERSConfig(**{"confirm_steps": 1, **config}), ra2p)
+
+
 def roles(layout: str) -> tuple[Role, ...]:
     return tuple(ROLES[c] for c in layout)
 
@@ -111,7 +117,7 @@ def apply(layout: tuple[Role, ...], result: ScalingPlan) -> tuple[Role, ...]:
 
 
 def test_cold_start_maximises_rollout():
-    result = ERSPolicy().plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
+    result = eager().plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
     assert result == plan(
         (4, F, R), (7, A, R), (6, A, R), mode=COL, batch=64, reason=PlanReason.COLD_START
     )
@@ -121,7 +127,7 @@ def test_cold_start_ends_when_batch_0_is_ready_even_during_an_evaluation():
     # The cold start's plan and the one at its end are both step 0's; ``is_phase_over`` (batch
     # 0 is ready) brings the lent ranks back before step 0 trains, evaluation or not.
     for is_eval in (False, True):
-        policy = ERSPolicy()
+        policy = eager()
         launch = policy.plan(make_input("RRRRFAAA", DEC, step=0, is_eval=is_eval))
         assert launch.reason is PlanReason.COLD_START
         layout = apply(roles("RRRRFAAA"), launch)
@@ -134,7 +140,7 @@ def test_cold_start_ends_when_batch_0_is_ready_even_during_an_evaluation():
 
 
 def test_cold_start_at_launch_is_undone_for_the_next_step():
-    policy = ERSPolicy()
+    policy = eager()
     launch = policy.plan(make_input("RRRRFAAA", DEC, step=0, volume=0))
     assert launch.reason is PlanReason.COLD_START
     layout = apply(roles("RRRRFAAA"), launch)
@@ -164,7 +170,7 @@ def test_num_eval_ranks_counts_the_ranks_already_lent():
 
 
 def test_evaluation_lends_as_many_ranks_as_its_tasks_fill():
-    policy = ERSPolicy(ERSConfig(max_eval_lend=1.0))
+    policy = eager(max_eval_lend=1.0)
     first = policy.plan(make_input("RRAAAAAA", is_eval=True, volume=64, phase_tasks=400,
                                    tasks_per_rank=150.0))
     assert first == plan((7, A, R), (6, A, R), (5, A, R), mode=COL, batch=64, reason=EVAL)
@@ -185,14 +191,14 @@ def test_evaluation_lends_as_many_ranks_as_its_tasks_fill():
 
 @pytest.mark.parametrize("phase_tasks, tasks_per_rank", [(0, 150.0), (400, 0.0)])
 def test_evaluation_without_known_tasks_lends_one_rank(phase_tasks, tasks_per_rank):
-    result = ERSPolicy().plan(make_input("RRRRAAAA", is_eval=True, volume=64,
+    result = eager().plan(make_input("RRRRAAAA", is_eval=True, volume=64,
                                          phase_tasks=phase_tasks, tasks_per_rank=tasks_per_rank))
     assert result == plan((7, A, R), mode=COL, batch=64, reason=EVAL)
 
 
 def test_evaluation_lends_at_most_its_share_of_the_trainer():
     # 1,200 tasks at 150 per rank want 8 ranks; half of the 6 trainer ranks is 3
-    policy = ERSPolicy()
+    policy = eager()
     first = policy.plan(make_input("RRAAAAAA", is_eval=True, volume=64, phase_tasks=1200,
                                    tasks_per_rank=150.0))
     assert first == plan((7, A, R), (6, A, R), (5, A, R), mode=COL, batch=64, reason=EVAL)
@@ -204,18 +210,18 @@ def test_evaluation_lends_at_most_its_share_of_the_trainer():
 
 
 def test_evaluation_lends_down_to_the_trainer_minimum():
-    policy = ERSPolicy(ERSConfig(min_trainer_ranks=2, max_eval_lend=1.0))
+    policy = eager(min_trainer_ranks=2, max_eval_lend=1.0)
     result = policy.plan(make_input("RRRRAAAA", is_eval=True, volume=64, phase_tasks=400,
                                     tasks_per_rank=150.0))
     assert result == plan((7, A, R), (6, A, R), mode=COL, batch=64, reason=EVAL)
     # at the minimum a Ref rank cannot leave; colocated mode turns it into an actor
-    result = ERSPolicy(ERSConfig(min_trainer_ranks=2)).plan(
+    result = eager(min_trainer_ranks=2).plan(
         make_input("RRAF", DEC, is_eval=True, volume=64))
     assert result == plan((3, F, A), mode=COL, batch=64, reason=EVAL)
 
 
 def test_idle_ranks_never_move():
-    result = ERSPolicy().plan(make_input("RIAIA", step=0))
+    result = eager().plan(make_input("RIAIA", step=0))
     assert result == plan((4, A, R), mode=COL, batch=64, reason=PlanReason.COLD_START)
 
 
@@ -223,7 +229,7 @@ def test_idle_ranks_never_move():
 
 
 def test_generation_deficit_releases_ref_ranks_then_actors():
-    policy = ERSPolicy()
+    policy = eager()
     first = policy.plan(starved("RRRRFAAA", DEC))
     assert first == plan((4, F, R), mode=COL, batch=64, reason=GEN)
     second = policy.plan(starved("RRRRRAAA", COL))
@@ -233,16 +239,16 @@ def test_generation_deficit_releases_ref_ranks_then_actors():
 def test_generation_deficit_needs_a_starved_trainer():
     # the trainer waited exactly max_idle_trainer (0.1) of the last step: not starved
     not_starved = starved("RRRRRAAA", trainer_idle_frac=0.1)
-    assert ERSPolicy().plan(not_starved) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+    assert eager().plan(not_starved) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
     just_starved = starved("RRRRRAAA", trainer_idle_frac=0.11)
-    assert ERSPolicy().plan(just_starved) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert eager().plan(just_starved) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
 
 
 def test_an_empty_boundary_with_a_busy_trainer_is_no_generation_deficit():
     # Tasks wait on their environments, rollout ranks stay busy, a streaming trainer takes every
     # micro-batch as it comes: the buffer is empty at every boundary but the trainer never
     # waits. That is no generation deficit, step after step.
-    policy = ERSPolicy()
+    policy = eager()
     for step in range(5, 10):
         env_wait = make_input("RRRRFAAA", DEC, step=step, volume=0, rollout_idle_frac=0.0,
                               trainer_idle_frac=0.0)
@@ -254,7 +260,7 @@ def test_consumption_deficit_by_hol_joins_an_actor_while_colocated_is_cheaper():
     # RAS 0 < break-even 16 (no TPRM: one gap of T_step): RA2P prefers colocated, so the joining
     # rank is an actor and an existing Ref rank becomes one too
     assert decoupled_break_even(backlogged("RRRRAA"), RA2PConfig()) == 16
-    policy = ERSPolicy()
+    policy = eager()
     first = policy.plan(backlogged("RRRRAA"))
     assert first == plan((3, R, A), mode=COL, batch=64, reason=CONS)
     second = policy.plan(backlogged("RRRFAA", DEC))
@@ -262,7 +268,7 @@ def test_consumption_deficit_by_hol_joins_an_actor_while_colocated_is_cheaper():
 
 
 def test_consumption_deficit_by_hol_at_the_break_even_provisions_a_ref_rank_then_actors():
-    policy = ERSPolicy()
+    policy = eager()
     first = policy.plan(backlogged("RRRRAA", ras=16))
     assert first == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
     second = policy.plan(backlogged("RRRFAA", DEC, ras=16))
@@ -270,7 +276,7 @@ def test_consumption_deficit_by_hol_at_the_break_even_provisions_a_ref_rank_then
 
 
 def test_fixed_decoupled_mode_provisions_a_ref_rank_below_the_break_even():
-    policy = ERSPolicy(ra2p=RA2PConfig(mode="decoupled"))
+    policy = eager(RA2PConfig(mode="decoupled"))
     assert policy.plan(backlogged("RRRRAA")) == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
     second = policy.plan(backlogged("RRRFAA", DEC))
     assert second == plan((2, R, A), mode=DEC, batch=64, reason=CONS)
@@ -285,18 +291,18 @@ def test_colocated_timings_set_the_break_even():
                      colocated_timings=dear_swaps)
     assert decoupled_break_even(same, RA2PConfig()) == 11
     assert decoupled_break_even(own, RA2PConfig()) == 0
-    assert ERSPolicy().plan(same) == plan((3, R, A), mode=COL, batch=64, reason=CONS)
-    assert ERSPolicy().plan(own) == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
+    assert eager().plan(same) == plan((3, R, A), mode=COL, batch=64, reason=CONS)
+    assert eager().plan(own) == plan((3, R, F), mode=DEC, batch=64, reason=CONS)
 
 
 def test_consumption_deficit_by_ras_at_the_break_even():
     assert break_even_ras(NUM_MB, 10.0, T, 2, 8) == 11  # long TPRM: decoupled needs a backlog
     at_break_even = make_input("RRRRAA", ras=11, tprm=10.0, hol=1.0, volume=40)
-    assert ERSPolicy().plan(at_break_even) == plan((3, R, F), mode=DEC, batch=40, reason=CONS)
+    assert eager().plan(at_break_even) == plan((3, R, F), mode=DEC, batch=40, reason=CONS)
     below = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40, trainer_idle_frac=0.5)
-    assert ERSPolicy().plan(below) == plan((5, A, R), mode=COL, batch=64, reason=GEN)
+    assert eager().plan(below) == plan((5, A, R), mode=COL, batch=64, reason=GEN)
     fed = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40, trainer_idle_frac=0.0)
-    assert ERSPolicy().plan(fed) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+    assert eager().plan(fed) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
 
 
 def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
@@ -304,9 +310,9 @@ def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
     # even with a young buffer head (HoL 1 s) a Ref rank comes first, then actors.
     assert break_even_ras(NUM_MB, 2.0, T, 2, 8) == 0
     flowing = make_input("RRRRAA", ras=0, tprm=2.0, hol=1.0, volume=16)
-    assert ERSPolicy().plan(flowing) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
+    assert eager().plan(flowing) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
     flowing = make_input("RRRFAA", DEC, ras=0, tprm=2.0, hol=1.0, volume=16)
-    assert ERSPolicy().plan(flowing) == plan((2, R, A), mode=DEC, batch=32, reason=CONS)
+    assert eager().plan(flowing) == plan((2, R, A), mode=DEC, batch=32, reason=CONS)
 
 
 def test_ras_at_the_break_even_without_a_backlog_only_provisions_the_ref_rank():
@@ -314,9 +320,9 @@ def test_ras_at_the_break_even_without_a_backlog_only_provisions_the_ref_rank():
     # decoupled mode only, so a Ref rank is provisioned once and nothing more moves.
     assert break_even_ras(NUM_MB, 3.5, T, 2, 8) == 0
     paced = make_input("RRRRAA", ras=0, tprm=3.5, hol=1.0, volume=16)
-    assert ERSPolicy().plan(paced) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
+    assert eager().plan(paced) == plan((3, R, F), mode=DEC, batch=32, reason=CONS)
     paced = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=16)
-    assert ERSPolicy().plan(paced) == plan(mode=DEC, batch=64, reason=CONS)
+    assert eager().plan(paced) == plan(mode=DEC, batch=64, reason=CONS)
 
 
 def test_idle_rollout_with_a_waiting_trainer_moves_nothing():
@@ -324,38 +330,38 @@ def test_idle_rollout_with_a_waiting_trainer_moves_nothing():
     # would not produce more, and with the trainer waiting too there is no backlog either
     idle = starved("RRRRFAAA", DEC, rollout_idle_frac=0.5, trainer_idle_frac=0.5)
     assert classify(idle, ERSConfig(), RA2PConfig()) is PlanReason.BALANCED
-    assert ERSPolicy().plan(idle) == plan(mode=DEC, batch=64, reason=PlanReason.BALANCED)
+    assert eager().plan(idle) == plan(mode=DEC, batch=64, reason=PlanReason.BALANCED)
     busy = starved("RRRRFAAA", DEC, rollout_idle_frac=0.1, trainer_idle_frac=0.5)
-    assert ERSPolicy().plan(busy) == plan((4, F, R), mode=COL, batch=64, reason=GEN)
+    assert eager().plan(busy) == plan((4, F, R), mode=COL, batch=64, reason=GEN)
 
 
 def test_idle_rollout_with_a_busy_trainer_is_a_backlog():
     # Rollout ranks idle on a full staleness window while the trainer never waited: the trainer
     # is the bottleneck. RAS 0 < break-even 16: the joining rank is an actor, the Ref rank too.
     expected = plan((3, R, A), (4, F, A), mode=COL, batch=32, reason=CONS)
-    assert ERSPolicy().plan(throttled("RRRRFAAA", DEC)) == expected
+    assert eager().plan(throttled("RRRRFAAA", DEC)) == expected
     at_limit = throttled("RRRRFAAA", DEC, trainer_idle_frac=0.1)  # waited max_idle_trainer
-    assert ERSPolicy().plan(at_limit) == expected
+    assert eager().plan(at_limit) == expected
     # step 0 has no last step whose idle share could say so
     launch = throttled("RRRRFAAA", DEC, step=0)
-    assert ERSPolicy(ERSConfig(cold_start_steps=0)).plan(launch) == plan(
+    assert eager(cold_start_steps=0).plan(launch) == plan(
         mode=DEC, batch=64, reason=PlanReason.BALANCED)
 
 
 def test_balanced_keeps_everything():
     inp = balanced("RRRRAA")
     assert classify(inp, ERSConfig(), RA2PConfig()) is PlanReason.BALANCED
-    assert ERSPolicy().plan(inp) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+    assert eager().plan(inp) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
 
 
 def test_scale_up_is_bounded_per_step():
     inp = backlogged("RRRRRAA")
-    assert ERSPolicy().plan(inp) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
-    policy = ERSPolicy(ERSConfig(max_scale_up_per_step=2))
+    assert eager().plan(inp) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
+    policy = eager(max_scale_up_per_step=2)
     assert policy.plan(inp) == plan((4, R, A), (3, R, A), mode=COL, batch=64, reason=CONS)
     inp = backlogged("RRRRRAA", ras=16)
-    assert ERSPolicy().plan(inp) == plan((4, R, F), mode=DEC, batch=64, reason=CONS)
-    policy = ERSPolicy(ERSConfig(max_scale_up_per_step=2))
+    assert eager().plan(inp) == plan((4, R, F), mode=DEC, batch=64, reason=CONS)
+    policy = eager(max_scale_up_per_step=2)
     assert policy.plan(inp) == plan((4, R, F), (3, R, A), mode=DEC, batch=64, reason=CONS)
 
 
@@ -363,20 +369,20 @@ def test_min_ranks_are_respected():
     # no rollout rank to spare: an actor becomes the Ref rank if another actor remains, and
     # only where decoupled is cheaper (RAS 16 >= break-even 16)
     at_break_even = backlogged("RAA", ras=16)
-    assert ERSPolicy().plan(at_break_even) == plan((2, A, F), mode=DEC, batch=64, reason=CONS)
-    assert ERSPolicy().plan(backlogged("RAA")) == plan(mode=COL, batch=64, reason=CONS)
-    assert ERSPolicy().plan(backlogged("RA", ras=16)) == plan(mode=COL, batch=64, reason=CONS)
-    policy = ERSPolicy(ERSConfig(min_rollout_ranks=3))
+    assert eager().plan(at_break_even) == plan((2, A, F), mode=DEC, batch=64, reason=CONS)
+    assert eager().plan(backlogged("RAA")) == plan(mode=COL, batch=64, reason=CONS)
+    assert eager().plan(backlogged("RA", ras=16)) == plan(mode=COL, batch=64, reason=CONS)
+    policy = eager(min_rollout_ranks=3)
     assert policy.plan(backlogged("RRRAA", ras=16)) == plan(
         (4, A, F), mode=DEC, batch=64, reason=CONS)
     # the trainer keeps min_trainer_ranks and at least one actor
-    assert ERSPolicy().plan(starved("RRRA")) == plan(mode=COL, batch=64, reason=GEN)
-    policy = ERSPolicy(ERSConfig(min_trainer_ranks=2))
+    assert eager().plan(starved("RRRA")) == plan(mode=COL, batch=64, reason=GEN)
+    policy = eager(min_trainer_ranks=2)
     assert policy.plan(starved("RRAA")) == plan(mode=COL, batch=64, reason=GEN)
 
 
 def test_fixed_colocated_mode_never_creates_ref_ranks():
-    policy = ERSPolicy(ra2p=RA2PConfig(mode="colocated"))
+    policy = eager(RA2PConfig(mode="colocated"))
     assert policy.plan(backlogged("RRRAA", ras=16)) == plan(
         (2, R, A), mode=COL, batch=64, reason=CONS)
     assert policy.plan(backlogged("RRRFA", DEC, ras=16)) == plan(
@@ -396,7 +402,7 @@ def test_elastic_batch_size():
 
 
 def test_adaptive_retention_is_the_step_after_a_rollout_scale_down():
-    policy = ERSPolicy()
+    policy = eager()
     paced = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=40)  # no moves
     assert policy.plan(paced).batch_size == 64
     scaled = policy.plan(make_input("RRRFAA", DEC, tprm=2.0, hol=100.0, volume=40))  # scale-down
@@ -406,13 +412,54 @@ def test_adaptive_retention_is_the_step_after_a_rollout_scale_down():
 
 
 def test_disabled_ers_is_a_noop():
-    policy = ERSPolicy(ERSConfig(enabled=False))
+    policy = eager(enabled=False)
     result = policy.plan(make_input("RRRRFAAA", DEC, step=0, volume=3))
     assert result == plan(mode=DEC, batch=64, reason=PlanReason.BALANCED)
     assert result.is_noop
 
 
 # --------------------------------------------------------------------------- hysteresis
+
+
+def test_a_deficit_moves_ranks_at_its_second_boundary_in_a_row():
+    policy = ERSPolicy()
+    assert policy.plan(starved("RRRRRAAA")) == plan(mode=COL, batch=64, reason=GEN)
+    assert policy.state == ERSState(streak=1, streak_direction=TO_ROLLOUT)
+    second = policy.plan(starved("RRRRRAAA", step=6))
+    assert second == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert policy.state == ERSState(TO_ROLLOUT)
+
+
+@pytest.mark.parametrize("between", [balanced, starved])
+def test_a_balanced_boundary_or_the_other_deficit_breaks_a_streak(between):
+    policy = ERSPolicy()
+    assert policy.plan(backlogged("RRRRAA")).changes == ()
+    assert policy.plan(between("RRRRAA", step=6)).changes == ()
+    assert policy.plan(backlogged("RRRRAA", step=7)).changes == ()
+    assert policy.state == ERSState(streak=1, streak_direction=TO_TRAINER)
+
+
+@pytest.mark.parametrize(("make_policy", "moves_at_step_2"), [(ERSPolicy, False), (eager, True)])
+def test_the_backlog_a_cold_start_leaves_behind_moves_nothing(make_policy, moves_at_step_2):
+    # The gui benchmark's trace: the rank lent to rollout until batch 0 was ready left a
+    # backlog (RAS 11) that the step-2 boundary reads as a consumption deficit; the boundary
+    # after it is balanced. Acting on the one boundary moved a rollout rank to the trainer,
+    # which then starved until the move was reverted.
+    policy = make_policy()
+    launch = policy.plan(make_input("RRAA", step=0, volume=0))
+    assert launch.reason is PlanReason.COLD_START
+    layout = apply(roles("RRAA"), launch)
+    end = policy.plan(make_input(layout, step=0, volume=64, is_phase_over=True))
+    assert end.reason is PlanReason.PHASE_END and apply(layout, end) == roles("RRAA")
+    after_launch = policy.plan(backlogged("RRAA", step=1, ras=11, goodput=(1658.0,)))
+    assert after_launch == plan(mode=COL, batch=64, reason=CONS)  # no steady step yet
+    residue = policy.plan(backlogged("RRAA", step=2, ras=11, goodput=(1658.0, 2334.0)))
+    assert residue.reason is CONS and bool(residue.changes) is moves_at_step_2
+    if not moves_at_step_2:
+        drained = policy.plan(balanced("RRAA", step=3, goodput=(1658.0, 2334.0, 2617.0)))
+        assert drained == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+        assert policy.state == ERSState()
+
 
 
 def run_alternating(config: ERSConfig, num_steps: int = 20) -> list[ScalingPlan]:
@@ -428,7 +475,7 @@ def run_alternating(config: ERSConfig, num_steps: int = 20) -> list[ScalingPlan]
 
 
 def test_alternating_signals_do_not_thrash():
-    plans = run_alternating(ERSConfig(cold_start_steps=0, hysteresis_steps=2))
+    plans = run_alternating(ERSConfig(cold_start_steps=0, confirm_steps=1, hysteresis_steps=2))
     moves = {step: p.changes for step, p in enumerate(plans) if p.changes}
     # step 0: the Ref rank goes to rollout; step 2: one actor; then the trainer is at its
     # minimum. Every consumption signal is a single opposite step and is held.
@@ -438,7 +485,7 @@ def test_alternating_signals_do_not_thrash():
 
 
 def test_without_hysteresis_the_same_signals_thrash():
-    plans = run_alternating(ERSConfig(cold_start_steps=0, hysteresis_steps=1))
+    plans = run_alternating(ERSConfig(cold_start_steps=0, confirm_steps=1, hysteresis_steps=1))
     assert [p.changes for p in plans[:4]] == [
         (RoleChange(5, F, R),), (RoleChange(5, R, A),), (RoleChange(7, A, R),),
         (RoleChange(7, R, A),),
@@ -447,25 +494,25 @@ def test_without_hysteresis_the_same_signals_thrash():
 
 
 def test_reversal_after_consecutive_opposite_signals():
-    policy = ERSPolicy(ERSConfig(hysteresis_steps=2))
+    policy = eager(hysteresis_steps=2)
     assert policy.plan(starved("RRRRFAA", DEC)).changes == (RoleChange(4, F, R),)
     assert policy.plan(backlogged("RRRRRAA")).changes == ()
-    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1)
+    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1, Direction.TO_TRAINER)
     assert policy.plan(backlogged("RRRRRAA")).changes == (RoleChange(4, R, A),)
-    assert policy.state == ERSState(Direction.TO_TRAINER, 0)
+    assert policy.state == ERSState(Direction.TO_TRAINER)
 
 
 def test_a_balanced_step_breaks_the_opposite_streak():
-    policy = ERSPolicy(ERSConfig(hysteresis_steps=2))
+    policy = eager(hysteresis_steps=2)
     policy.plan(starved("RRRRFAA", DEC))
     policy.plan(backlogged("RRRRRAA"))
     policy.plan(balanced("RRRRRAA"))
     assert policy.plan(backlogged("RRRRRAA")) == plan(mode=COL, batch=64, reason=CONS)
-    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1)
+    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1, Direction.TO_TRAINER)
 
 
 def test_a_phase_is_undone_at_its_end_and_resets_hysteresis():
-    policy = ERSPolicy(ERSConfig(hysteresis_steps=3))
+    policy = eager(hysteresis_steps=3)
     policy.plan(starved("RRRRFAA", DEC))  # -> RRRRRAA, direction: to rollout
     during = policy.plan(make_input("RRRRRAA", is_eval=True, volume=64))
     assert during == plan((6, A, R), mode=COL, batch=64, reason=EVAL)  # -> RRRRRAR
@@ -503,7 +550,7 @@ class Loop:
 def reverted_once() -> Loop:
     """Step 5 moves an actor to rollout; steps 5 and 6 train at 9 tok/s, below the 10 of the
     four steps before: step 7 undoes the move and blocks that direction for steps 7-10."""
-    loop = Loop(ERSPolicy(), roles("RRRRRAAA"))
+    loop = Loop(eager(), roles("RRRRRAAA"))
     assert loop.step(starved, 9.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
     assert loop.policy.state == ERSState(
         TO_ROLLOUT, trial=Trial(TO_ROLLOUT, (RoleChange(7, A, R),), COL, 5, 10.0))
@@ -574,7 +621,7 @@ def test_the_block_doubles_up_to_64_steps():
 
 
 def test_a_move_that_raises_goodput_is_kept():
-    loop = Loop(ERSPolicy(), roles("RRRRRAAA"))
+    loop = Loop(eager(), roles("RRRRRAAA"))
     assert loop.step(starved, 12.0) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
     assert loop.step(starved, 11.0) == plan(mode=COL, batch=64, reason=TRIAL)
     # step 7: 11.5 > 10; the judgement leaves the step to its signals
@@ -601,7 +648,7 @@ def test_a_kept_move_lifts_its_directions_block():
 
 
 def test_a_revert_restores_the_mode_and_skips_ranks_that_moved_on():
-    loop = Loop(ERSPolicy(), roles("RRRRFAAA"), DEC)
+    loop = Loop(eager(), roles("RRRRFAAA"), DEC)
     moved = loop.step(throttled, 9.0)
     assert moved == plan((3, R, A), (4, F, A), mode=COL, batch=32, reason=CONS)
     assert loop.policy.state.trial == Trial(
@@ -615,10 +662,10 @@ def test_a_revert_restores_the_mode_and_skips_ranks_that_moved_on():
 
 
 def test_a_move_is_not_on_trial_without_goodput_to_compare_with():
-    policy = ERSPolicy()
+    policy = eager()
     assert policy.plan(starved("RRRRRAAA")) == plan((7, A, R), mode=COL, batch=64, reason=GEN)
     assert policy.state == ERSState(TO_ROLLOUT)
-    policy = ERSPolicy(ERSConfig(trial_steps=0))
+    policy = eager(trial_steps=0)
     assert policy.plan(starved("RRRRRAAA", goodput=(10.0,) * 5)).changes == (
         RoleChange(7, A, R),)
     assert policy.state == ERSState(TO_ROLLOUT)
@@ -629,7 +676,7 @@ def test_a_move_is_not_on_trial_without_goodput_to_compare_with():
 def test_no_move_before_a_step_after_step_0_ran():
     # at the boundary after step 0 only its goodput is known, and its span holds the launch's
     # rollout: a backlog then moves nothing; one step later it does, on trial against step 1
-    policy = ERSPolicy()
+    policy = eager()
     first = backlogged("RRRRAA", step=1, goodput=(3.0,))
     assert policy.plan(first) == plan(mode=COL, batch=64, reason=CONS)
     later = backlogged("RRRRAA", step=2, goodput=(3.0, 10.0))
@@ -667,6 +714,7 @@ def test_batch_min_above_batch_ideal_is_refused():
         ("batch_min", 0),
         ("tau", 0.0),
         ("max_scale_up_per_step", 0),
+        ("confirm_steps", 0),
         ("hysteresis_steps", 0),
         ("min_rollout_ranks", 0),
         ("min_trainer_ranks", 0),

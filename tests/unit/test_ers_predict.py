@@ -2,6 +2,7 @@
 plans it makes through ``plan_step`` (gate, trial and revert as for the rules)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -131,16 +132,20 @@ def test_a_predicted_move_takes_the_highest_rollout_ranks_and_goes_on_trial():
     layout = (R,) * 8 + (A,) * 24
     w = window(supply=15_000.0, demand=1000.0, goodput=24_000.0)
     policy = ERSPolicy(PREDICTIVE, RA2PConfig())
-    got = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
+    first = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
+    assert first == ScalingPlan((), Mode.COLOCATED, 64, PlanReason.BALANCED)  # to be confirmed
+    assert policy.state == ERSState(streak=1, streak_direction=Direction.TO_TRAINER)
+    got = policy.plan(predictive_input(layout, step=4, goodput=(5.0, 10.0, 10.0, 10.0),
+                                       rates=w))
     moves = tuple(RoleChange(r, R, A) for r in (7, 6, 5, 4))
     assert got == ScalingPlan(moves, Mode.COLOCATED, 64, PREDICTED)  # a full batch ready
-    assert policy.state.trial == Trial(Direction.TO_TRAINER, moves, Mode.COLOCATED, 3, 10.0)
+    assert policy.state.trial == Trial(Direction.TO_TRAINER, moves, Mode.COLOCATED, 4, 10.0)
 
 
 def test_a_predicted_move_to_rollout_lends_the_highest_actor_ranks():
     layout = (R,) * 8 + (A,) * 24
     w = window(supply=math.inf, demand=8000.0, goodput=24_000.0, generating=0.5)
-    policy = ERSPolicy(PREDICTIVE, RA2PConfig())
+    policy = ERSPolicy(replace(PREDICTIVE, confirm_steps=1), RA2PConfig())
     got = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
     moves = tuple(RoleChange(r, A, R) for r in (31, 30, 29, 28))
     assert got == ScalingPlan(moves, Mode.COLOCATED, 64, PREDICTED)

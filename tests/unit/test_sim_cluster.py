@@ -129,7 +129,7 @@ def test_ers_role_moves_keep_tokens_conserved():
     """8 GPUs: cold start moves trainer ranks to rollout, later deficits move some back, so
     rollout ranks close with tasks on them (they resume elsewhere with a fresh prefill)."""
     scenario = replace(SMALL, gpus=8, steps=8, rollout_ratio=0.25, batch_groups=8,
-                       batch_min_groups=4)
+                       batch_min_groups=4, ers=replace(SMALL.ers, confirm_steps=1))
     result = simulate(SYSTEMS["tiderl"], scenario)
     layouts = {(s.num_rollout, s.num_trainer) for s in result.steps}
     assert len(layouts) > 1

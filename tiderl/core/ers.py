@@ -37,9 +37,12 @@ Called once per step at the post-update boundary, before ``sync_params``:
 Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
 REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with the highest id move
 first. Invariant: a plan never moves a rank out of a group (rollout, trainer) that is at its
-minimum, never leaves the trainer without an actor, and never reverses the direction of the last
-move before ``hysteresis_steps`` consecutive steps of the opposite deficit (a balanced step breaks
-the streak; cold start and evaluation moves reset this memory). Phase moves are temporary: the
+minimum, never leaves the trainer without an actor, makes a signal-driven move only after
+``confirm_steps`` consecutive boundaries of the same deficit (a one-step transient, such as the
+backlog the cold start's lent ranks leave behind, moves nothing), and never reverses the
+direction of the last move before ``hysteresis_steps`` consecutive boundaries of the opposite
+deficit (a balanced step or the other deficit breaks a streak; cold start and evaluation moves
+reset this memory). Phase moves are temporary: the
 layout and mode from before a cold start or evaluation phase come back in one plan when its work
 is done (``max_scale_up_per_step`` bounds signal-driven moves, not this restoration). A
 signal-driven move waits for a step after step 0 to measure against, and goes on trial.
@@ -77,7 +80,8 @@ class ERSConfig:
     batch_ideal: int = 64
     tau: float = 1.0
     max_scale_up_per_step: int = 1
-    hysteresis_steps: int = 2
+    confirm_steps: int = 2  # consecutive boundaries of one deficit before a signal-driven move
+    hysteresis_steps: int = 2  # ... and before one that reverses the last move's direction
     min_rollout_ranks: int = 1
     min_trainer_ranks: int = 1
     cold_start_steps: int = 1
@@ -99,7 +103,7 @@ class ERSConfig:
             f"expected <= batch_ideal ({self.batch_ideal}), got {self.batch_min}",
         )
         require_positive(self.tau, "tau")
-        for name in ("max_scale_up_per_step", "hysteresis_steps"):
+        for name in ("max_scale_up_per_step", "confirm_steps", "hysteresis_steps"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         for name in ("min_rollout_ranks", "min_trainer_ranks"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
@@ -181,12 +185,14 @@ class Block:
 
 @dataclass(frozen=True, slots=True)
 class ERSState:
-    """Hysteresis memory: the direction of the last signal-driven move, and how many consecutive
-    steps the opposite deficit has been seen since; during a phase (cold start, evaluation), the
-    layout and mode from before it; the move on trial; the damped directions, one block each."""
+    """Hysteresis memory: the direction of the last signal-driven move, and the deficit seen at
+    the last ``streak`` boundaries in a row (its direction ``streak_direction``) without a move;
+    during a phase (cold start, evaluation), the layout and mode from before it; the move on
+    trial; the damped directions, one block each."""
 
     last_direction: Direction | None = None
-    opposite_streak: int = 0
+    streak: int = 0
+    streak_direction: Direction | None = None
     saved_roles: tuple[Role, ...] | None = None
     saved_mode: Mode | None = None
     trial: Trial | None = None
@@ -426,12 +432,18 @@ def _scale_trainer(
     return changes, fixed or (Mode.DECOUPLED if has_pipeline else Mode.COLOCATED)
 
 
-def _gate(state: ERSState, direction: Direction, hysteresis_steps: int) -> tuple[bool, int]:
-    """(may act now, the new opposite streak)."""
-    if state.last_direction in (None, direction):
-        return True, 0
-    streak = state.opposite_streak + 1
-    return streak >= hysteresis_steps, streak
+def _gate(state: ERSState, direction: Direction, config: ERSConfig) -> tuple[bool, ERSState]:
+    """(may act now, the state with this boundary's deficit counted in the streak): a move
+    needs ``confirm_steps`` boundaries in a row of its deficit, ``hysteresis_steps`` where it
+    reverses the last move."""
+    streak = state.streak + 1 if state.streak_direction is direction else 1
+    is_reversal = state.last_direction not in (None, direction)
+    needed = config.hysteresis_steps if is_reversal else config.confirm_steps
+    return streak >= needed, replace(state, streak=streak, streak_direction=direction)
+
+
+def _no_streak(state: ERSState) -> ERSState:
+    return replace(state, streak=0, streak_direction=None)
 
 
 def _mean(values: tuple[float, ...]) -> float | None:
@@ -491,16 +503,15 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     history = inp.goodput[1:]  # step 0's span holds the launch's rollout: no baseline
     if config.trial_steps and inp.goodput and not history:
         return (), inp.mode, state  # nothing steady yet to measure a move against
-    may_act, streak = _gate(state, direction, config.hysteresis_steps)
-    state = replace(state, opposite_streak=streak)
+    may_act, state = _gate(state, direction, config)
     if not may_act:
         return (), inp.mode, state
     if direction is Direction.TO_ROLLOUT:
         changes, mode = _scale_rollout(inp, config, ra2p, _num_actors_out(inp, ra2p, num))
     else:
         changes, mode = _scale_trainer(inp, config, ra2p, num)
-    state = replace(state, last_direction=direction if changes else state.last_direction,
-                    opposite_streak=0)
+    if changes:
+        state = replace(_no_streak(state), last_direction=direction)
     baseline = _mean(history[-2 * config.trial_steps:])
     if changes and config.trial_steps and baseline:
         state = replace(state, trial=Trial(direction, changes, inp.mode, inp.step, baseline))
@@ -528,7 +539,7 @@ def _predicted_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA
         hi=num_movable - config.min_trainer_ranks, max_moves=config.predictive_max_moves,
         margin=config.predictive_margin)
     if target == num_rollout:
-        return (), inp.mode, replace(state, opposite_streak=0), PlanReason.BALANCED
+        return (), inp.mode, _no_streak(state), PlanReason.BALANCED
     direction = Direction.TO_ROLLOUT if target > num_rollout else Direction.TO_TRAINER
     changes, mode, state = _signal_moves(inp, state, config, ra2p, direction,
                                          abs(target - num_rollout))
@@ -566,7 +577,7 @@ def plan_step(
         if config.planner == "predictive":
             changes, mode, state, reason = _predicted_moves(inp, state, config, ra2p)
         elif reason is PlanReason.BALANCED:
-            state = replace(state, opposite_streak=0)
+            state = _no_streak(state)
         else:
             direction = Direction.TO_ROLLOUT if reason is PlanReason.GENERATION_DEFICIT \
                 else Direction.TO_TRAINER

@@ -15,7 +15,9 @@ Each runs uvicorn in a thread on a loopback port; it records the requests it was
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,15 +27,19 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from PIL import Image
 
 from tests.integration.serving import free_port, wait_healthy
+from tiderl.core.types import ImageRef
 from tiderl.engine.config import SERVED_MODEL_NAME, EngineConfig
 from tiderl.engine.kv_cache_manager import TokenUsage
 from tiderl.engine.llm_engine import EngineMetrics, GenerateOutput, LLMEngine
-from tiderl.engine.request import SamplingParams
+from tiderl.engine.request import Images, SamplingParams
 from tiderl.engine.sampler import Sampler
-from tiderl.models.config import model_type
+from tiderl.models.config import EMBEDDED_MODEL_TYPES, model_type
 from tiderl.models.loading import joined_eos, load_model, load_state_dict
+from tiderl.models.qwen2_vl import Qwen2VLConfig
+from tiderl.models.vision_inputs import image_digest, image_grid, image_settings
 
 SGLANG_SAMPLING_KEYS = {  # sglang/api/v1/api_types.py SamplingParams: others are a 400
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
@@ -91,8 +97,10 @@ class TransformersEngine:
     def busy(self) -> bool:
         return self.running > 0
 
-    async def generate(self, task_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams) -> GenerateOutput:
+    async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       images: Images = ()) -> GenerateOutput:
+        if images:
+            raise ValueError("images for a model without a vision tower")
         self.running += 1
         try:
             return await asyncio.to_thread(self._generate, task_id, prompt_ids, sampling)
@@ -188,10 +196,11 @@ class FakeServer:
 
     def __post_init__(self) -> None:
         # vLLM's reload and SGLang's disk update leave the KV to the caller's flush
-        if model_type(self.model) == "qwen2":
+        if model_type(self.model) in EMBEDDED_MODEL_TYPES:
             config = EngineConfig(kv_cache_tokens=self.kv_cache_tokens, kv_on_update="keep")
             model = load_model(self.model)
-            self.engine = EmbeddedEngine(model, config, model.config.eos_token_id)
+            self.engine = EmbeddedEngine(model, config, model.config.eos_token_id,
+                                         model_folder=str(self.model))
         else:
             self.engine = TransformersEngine(self.model, self.kv_cache_tokens)
         self.weight_version = "default"
@@ -230,14 +239,15 @@ class FakeServer:
         else:
             self.engine.update_weights(state, self.engine.version)
 
-    async def turn(self, body_prompt: list[int], sampling: SamplingParams, task: str):
+    async def turn(self, body_prompt: list[int], sampling: SamplingParams, task: str,
+                   images: Images = ()):
         """One generation and the weight version it started on (requests that arrive while
         paused wait for the resume, as vLLM's keep mode holds them)."""
         await self.running.wait()
         if self.awaiting_weights:
             raise ValueError("woken up without weights: reload them first")
         version = self.weight_version
-        return await self.engine.generate(task, body_prompt, sampling), version
+        return await self.engine.generate(task, body_prompt, sampling, images), version
 
 
 class FakeVLLMServer(FakeServer):
@@ -351,6 +361,32 @@ class FakeSGLangServer(FakeServer):
     def error_body(self, message: str) -> dict:
         return {"error": message}
 
+    def images(self, ids: list[int], image_data: list[str]) -> list[tuple[ImageRef, bytes]]:
+        """``image_data`` (PNG data URLs) on the image-pad runs of ``ids``, in order, as SGLang's
+        Qwen2-VL processor reads them: each image resized by the model's settings, its run as
+        long as its LLM tokens; a ValueError (SGLang: a 400) where they disagree."""
+        if not image_data:
+            return []
+        config = getattr(self.engine.model, "config", None)
+        if not isinstance(config, Qwen2VLConfig):
+            raise ValueError("image_data sent to a model without a vision tower")
+        runs = [(start + 1, end - start - 1) for start, end in _pad_runs(ids, config)]
+        if len(runs) != len(image_data):
+            raise ValueError(f"{len(image_data)} images for {len(runs)} image-pad runs")
+        settings = image_settings(str(self.model), config)
+        out = []
+        for (offset, length), url in zip(runs, image_data, strict=True):
+            head, _, data = url.partition(",")
+            if head != "data:image/png;base64":
+                raise ValueError(f"not a PNG data URL: {head[:40]!r}")
+            png = base64.b64decode(data)
+            width, height = Image.open(io.BytesIO(png)).size
+            grid, num_tokens = image_grid(height, width, settings)
+            if num_tokens != length:
+                raise ValueError(f"an image of {num_tokens} tokens on a run of {length}")
+            out.append((ImageRef(image_digest(png), offset, length, grid), png))
+        return out
+
     def build(self) -> None:
         app = self.app
 
@@ -366,7 +402,9 @@ class FakeSGLangServer(FakeServer):
                                       temperature=params.get("temperature", 1.0),
                                       top_p=params.get("top_p", 1.0),
                                       stop_token_ids=tuple(params.get("stop_token_ids", ())))
-            out, version = await self.turn(body["input_ids"], sampling, f"r{len(self.calls)}")
+            images = self.images(body["input_ids"], body.get("image_data") or [])
+            out, version = await self.turn(body["input_ids"], sampling, f"r{len(self.calls)}",
+                                           images)
             kind = "length" if out.finish_reason == "length" else "stop"
             meta = {"id": "1", "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.output_ids),
@@ -426,6 +464,12 @@ class FakeSGLangServer(FakeServer):
             self.record("/flush_cache", {})
             self.engine.flush()
             return PlainTextResponse("Cache flushed.")
+
+
+def _pad_runs(ids: list[int], config: Qwen2VLConfig) -> list[tuple[int, int]]:
+    """(vision_start, vision_end) positions of each image in ``ids``."""
+    starts = [i for i, t in enumerate(ids) if t == config.vision_start_token_id]
+    return [(start, ids.index(config.vision_end_token_id, start)) for start in starts]
 
 
 @contextlib.contextmanager

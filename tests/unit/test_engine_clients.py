@@ -9,6 +9,7 @@ import os
 import httpx
 import pytest
 
+from tiderl.core.types import ImageRef
 from tiderl.engine.clients import (
     ClientMetrics,
     EmbeddedClient,
@@ -189,6 +190,15 @@ def test_request_bodies():
         "input_ids": [5, 6], "return_logprob": True,
         "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9,
                             "sampling_seed": 3, "stop_token_ids": [2]}}
+
+
+def test_sglang_body_sends_each_image_as_a_data_url_in_the_order_of_its_run():
+    later, first = ImageRef("b", 20, 4, (1, 4, 4)), ImageRef("a", 2, 6, (1, 4, 6))
+    body = sglang_generate_body(list(range(30)), SamplingParams(max_tokens=2),
+                                [(later, b"\x89PNG-b"), (first, b"\x89PNG-a")])
+    assert body["image_data"] == ["data:image/png;base64,iVBORy1h",
+                                  "data:image/png;base64,iVBORy1i"]
+    assert "image_data" not in sglang_generate_body([1], SamplingParams(max_tokens=2))
 
 
 VLLM_RESPONSE = {

@@ -3,7 +3,8 @@
     EngineClient ─┬─ EmbeddedClient     in-process LLMEngine
                   ├─ TideRLHTTPClient   our server (tiderl/engine/server.py)
                   ├─ VLLMClient         vLLM: /v1/completions with token ids, vllm:* metrics
-                  └─ SGLangClient       SGLang: /generate with input_ids, sglang:* metrics
+                  └─ SGLangClient       SGLang: /generate with input_ids (and image_data),
+                                        sglang:* metrics
 
 vLLM and SGLang cannot pin a task's KV; with them CTB works through admission alone (keeping the
 sum of active footprints within the budget keeps their prefixes resident). Calls a backend does
@@ -31,7 +32,7 @@ import httpx
 
 from tiderl.auth import ADMIN, bearer_headers, resolve_token
 from tiderl.core.types import ImageRef
-from tiderl.engine.config import SERVED_MODEL_NAME
+from tiderl.engine.config import SERVED_MODEL_NAME, VLLM_NO_IMAGES
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import (
     FRACTIONS,
@@ -336,8 +337,7 @@ class VLLMClient(_HTTPClient):
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, images: Images = ()) -> GenerateResult:
         if images:
-            raise NotSupported("VLLMClient.generate: images with token-id prompts are not "
-                               "wired to vLLM yet")
+            raise NotSupported(VLLM_NO_IMAGES)
         body = completion_body(prompt_ids, sampling) | {
             "model": self.model, "return_token_ids": True, "return_weight_versions": True}
         if priority:
@@ -445,10 +445,7 @@ class SGLangClient(_HTTPClient):
 
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, images: Images = ()) -> GenerateResult:
-        if images:
-            raise NotSupported("SGLangClient.generate: images with token-id prompts are not "
-                               "wired to SGLang yet")
-        body = sglang_generate_body(prompt_ids, sampling)
+        body = sglang_generate_body(prompt_ids, sampling, images)
         if priority:
             body["priority"] = priority
         return parse_sglang_generate(task_id, prompt_ids, await self._post("/generate", body))
@@ -479,14 +476,28 @@ class SGLangClient(_HTTPClient):
         return not labels.get(SGLANG_PRIORITY)
 
 
-def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
+def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams,
+                         images: Images = ()) -> dict:
+    """A /generate body. ``images``: ``image_data``, one PNG data URL per image in the order
+    of their placeholder runs in ``prompt_ids``, which hold each run expanded (vision_start,
+    one image-pad per LLM token of the image, vision_end), as an HF processor writes them:
+    SGLang's Qwen2-VL processor resizes each image itself (the same ``smart_resize``), finds
+    the runs in the ids, and derives the multimodal positions from them."""
     params: dict[str, Any] = {"max_new_tokens": sampling.max_tokens,
                               "temperature": sampling.temperature, "top_p": sampling.top_p}
     if sampling.seed is not None:
         params["sampling_seed"] = sampling.seed
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
-    return {"input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
+    body = {"input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": True}
+    if images:
+        ordered = sorted(images, key=lambda image: image[0].offset)
+        body["image_data"] = [png_data_url(png) for _, png in ordered]
+    return body
+
+
+def png_data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def parse_sglang_generate(task_id: str, prompt_ids: list[int], data: dict) -> GenerateResult:

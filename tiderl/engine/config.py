@@ -18,6 +18,10 @@ GPU_SERVERS = ("vllm", "sglang")
 KERNEL_CHOICES = ("auto", "native", "torch")  # tiderl/engine/kernels.py
 KV_ON_UPDATE = ("flush", "keep")
 SERVED_MODEL_NAME = "tiderl"  # the model name the launcher gives vLLM and SGLang servers
+VLLM_NO_IMAGES = (  # why a model that reads images does not roll out on vLLM
+    "vLLM's /v1/completions takes no images beside a token-id prompt, and its token-in "
+    "/inference/v1/generate wants the items its own render step serialized; roll out a model "
+    "that reads images on engine.backend sglang, http or embedded")
 SERVER_UP_TIMEOUT_S = 900.0  # a rank waits this long for its server (vLLM loads for minutes)
 
 

@@ -33,6 +33,7 @@ from typing import Protocol
 import httpx
 import yaml
 
+from tiderl.engine.config import VLLM_NO_IMAGES
 from tiderl.launch.hosts import PORT_NAMES
 from tiderl.launch.local import (
     JobState,
@@ -42,7 +43,7 @@ from tiderl.launch.local import (
     ProcessRecord,
 )
 from tiderl.launch.plan import Endpoints, LaunchPlan, engine_port_names, plan_local
-from tiderl.models.config import EMBEDDED_MODEL_TYPES, model_type
+from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, model_type
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.runtime.log_backends import missing_backends, missing_line
@@ -188,13 +189,16 @@ def check_here(profile: Profile) -> None:
 def check_architecture(profile: Profile) -> None:
     """A model folder of another architecture than Qwen2 or Qwen2-VL (what the embedded engine,
     ``tiderl engine serve`` and every trainer backend but megatron build) rolls out on vLLM or
-    SGLang only and trains with DDP or FSDP2; a Qwen2-VL one trains with DDP or FSDP2."""
+    SGLang only and trains with DDP or FSDP2; a Qwen2-VL one rolls out on any backend but vLLM
+    (no images beside token ids) and trains with DDP or FSDP2."""
     try:
         kind = model_type(profile.model.path)
     except ValueError as exc:
         raise LaunchError(f"model.path: {exc}") from None
     if kind == "qwen2":
         return
+    if kind in VL_MODEL_TYPES and profile.engine.backend == "vllm":
+        raise LaunchError(f"model.path is a {kind} model: {VLLM_NO_IMAGES}")
     if kind not in EMBEDDED_MODEL_TYPES and profile.engine.backend not in ("vllm", "sglang"):
         raise LaunchError(f"model.path is a {kind} model: engine.backend {profile.engine.backend}"
                           " runs Qwen2 and Qwen2-VL only; use vllm or sglang (docs/models.md)")

@@ -1,10 +1,16 @@
 """`tiderl engine serve` with a model that reads images (a tiny Qwen2-VL folder): a completion
 with images answers as the in-process engine does, its next turn hits the cached blocks, and
-images that do not fit are a one-line 400 while the server keeps serving."""
+images that do not fit are a one-line 400 while the server keeps serving; an image once sent
+goes by its key."""
 
 import asyncio
+import json
+import shutil
 
+import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from tests.integration.serving import free_port, serving
 from tests.unit.test_engine_images import joined, png
@@ -62,3 +68,45 @@ def test_images_over_http_equal_the_in_process_engine(folder):
     assert "400" in str(bad) and "are not its image-pad tokens" in str(bad)
     assert "\n" not in str(bad)
     assert again.output_ids == want.output_ids
+
+
+def test_an_image_goes_by_key_once_sent_and_again_after_the_tower_changed(folder):
+    """The client sends an image's bytes once; the next turns name it by key. Weights whose
+    vision tower differs drop the server's embeddings: the next turn's key alone is answered
+    409 ``image_missing`` and the client sends the bytes again, within the same call. Weights
+    with the same tower keep them."""
+    tower = folder / "tower"
+    shutil.copytree(folder / "model", tower)
+    state = load_file(tower / "model.safetensors")
+    weight = state["visual.patch_embed.proj.weight"]
+    weight += torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+    save_file(state, tower / "model.safetensors")
+    model, _ = model_from_config(ModelConfig(path=str(folder / "model")))
+    placer = ImagePlacer(model.config, image_settings(folder / "model", model.config), False)
+    prompt, images = joined(placer.place([5, 6, 7], [png(56, 84, 1)]))
+    port = free_port()
+    args = ["engine", "serve", "--model", str(folder / "model"), "--port", str(port),
+            "--kv-cache-tokens", "1024", "--block-size", str(BLOCK), "--kv-on-update", "flush"]
+    bodies: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path == "/v1/completions":
+            bodies.append(json.loads(request.content))
+
+    async def turns(url):
+        async with TideRLHTTPClient(url) as client:
+            client.http.event_hooks = {"request": [record], "response": []}
+            first = await client.generate("a", prompt, GREEDY, images=images)
+            by_key = await client.generate("b", prompt, GREEDY, images=images)
+            await client.update_weights(str(tower), 1)
+            new_tower = await client.generate("c", prompt, GREEDY, images=images)
+            await client.update_weights(str(tower), 2)  # the same tower: embeddings kept
+            kept = await client.generate("d", prompt, GREEDY, images=images)
+            return first, by_key, new_tower, kept
+
+    with serving(args, port, folder / "server-keys.log") as (url, _):
+        first, by_key, new_tower, kept = asyncio.run(turns(url))
+    assert ["png" in body["images"][0] for body in bodies] == [True, False, False, True, False]
+    assert by_key.logprobs == pytest.approx(first.logprobs, abs=1e-5)
+    assert new_tower.logprobs[0] != pytest.approx(first.logprobs[0], abs=1e-4)
+    assert kept.logprobs == pytest.approx(new_tower.logprobs, abs=1e-5)

@@ -1,6 +1,7 @@
 """The embedded engine with a model that reads images (tiny Qwen2-VL): its generation against
 the model's dense forward, the prefix cache keyed on image hashes (exact hit counts), the vision
-tower run once per image, and the errors of images that do not fit the prompt."""
+tower run once per image (its embeddings kept until the tower's weights change), and the errors
+of images that do not fit the prompt."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.native import native_or_skip
 from tiderl.core.types import ImageRef
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
+from tiderl.engine.multimodal import ImagesMissing
 from tiderl.engine.request import SamplingParams
 from tiderl.models.image_turns import ImagePlacer, PlacedTurn
 from tiderl.models.init import init_model
@@ -125,3 +127,27 @@ def test_images_that_do_not_fit_the_prompt_are_one_line_errors(model, placer):
     with pytest.raises(ValueError, match="reads no images"):
         text.add_request("t", [5, 6, 7], GREEDY, [(ref, image)])
     assert not engine.scheduler.has_unfinished  # nothing was queued
+
+
+def test_embeddings_are_kept_by_key_until_the_tower_changes(placer):
+    """An image named by key alone uses its cached embeddings, and one the engine does not
+    hold is ImagesMissing; weights that leave the tower as it is keep the cache, a changed
+    tower drops it."""
+    own = init_model("tiny-vl", seed=1)  # this test changes its weights
+    engine = LLMEngine(own, EngineConfig(kv_cache_tokens=512, block_size=BS), None)
+    turn = placer.place([5, 6], [png(56, 56, 1)])
+    (ref,) = turn.images
+    by_key = [(ref, None)]
+    with pytest.raises(ImagesMissing) as missing:
+        engine.add_request("t", turn.ids, GREEDY, by_key)
+    assert missing.value.keys == (ref.key,)
+    engine.add_request("t", turn.ids, GREEDY, [(ref, turn.data[ref.key])])
+    engine.add_request("u", turn.ids, GREEDY, by_key)
+    state = {k: v.clone() for k, v in own.state_dict().items()}
+    engine.update_weights(state, 1)  # every parameter, the tower's unchanged
+    engine.add_request("v", turn.ids, GREEDY, by_key)
+    assert engine.images.images_encoded == 1
+    tower = {"visual.patch_embed.proj.weight": state["visual.patch_embed.proj.weight"] + 0.05}
+    engine.update_weights(tower, 2)
+    with pytest.raises(ImagesMissing):
+        engine.add_request("w", turn.ids, GREEDY, by_key)

@@ -24,6 +24,7 @@ import abc
 import asyncio
 import base64
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -55,10 +56,12 @@ class NotSupported(Exception):
     """The backend has no such call."""
 
 
-def image_body(ref: ImageRef, png: bytes) -> dict[str, Any]:
-    """An image of a completion request to ``tiderl engine serve``."""
-    return {"key": ref.key, "offset": ref.offset, "num_tokens": ref.num_tokens,
-            "grid": list(ref.grid), "png": base64.b64encode(png).decode()}
+def image_body(ref: ImageRef, png: bytes | None) -> dict[str, Any]:
+    """An image of a completion request to ``tiderl engine serve`` (``png`` None: by its key
+    alone)."""
+    body = {"key": ref.key, "offset": ref.offset, "num_tokens": ref.num_tokens,
+            "grid": list(ref.grid)}
+    return body if png is None else body | {"png": base64.b64encode(png).decode()}
 
 
 class EngineRequestError(ValueError):
@@ -267,6 +270,20 @@ def _rate(hits: float | None, queries: float | None) -> float | None:
 
 # -- TideRL server -------------------------------------------------------------------------------
 
+SENT_IMAGES = 4096  # image keys a TideRLHTTPClient remembers having sent the bytes of
+
+
+def _missing_images(response: httpx.Response) -> set[str]:
+    """The keys of a 409 ``image_missing`` (images the server no longer holds), else none."""
+    if response.status_code != 409:
+        return set()
+    try:
+        error = response.json()["error"]
+        return set(error["keys"]) if error.get("type") == "image_missing" else set()
+    except (ValueError, KeyError, TypeError):
+        return set()
+
+
 class TideRLHTTPClient(_HTTPClient):
     metric_names = TIDERL_NAMINGS
 
@@ -275,13 +292,31 @@ class TideRLHTTPClient(_HTTPClient):
                  admin_token: str | None = None) -> None:
         super().__init__(base_url, timeout, http,
                          bearer_headers(resolve_token(ADMIN, admin_token)))
+        self._sent: OrderedDict[str, None] = OrderedDict()  # image keys sent with bytes
 
     async def generate(self, task_id: str, prompt_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, images: Images = ()) -> GenerateResult:
+        """Images the server was sent before go by their key alone; those it no longer holds
+        (409 ``image_missing``) go again with their bytes."""
         body = completion_body(prompt_ids, sampling) | {"task_id": task_id}
-        if images:
-            body["images"] = [image_body(ref, png) for ref, png in images]
-        return parse_completion(task_id, await self._post("/v1/completions", body))
+        if not images:
+            return parse_completion(task_id, await self._post("/v1/completions", body))
+        held = {ref.key for ref, _ in images if ref.key in self._sent}
+        for attempt in range(2):
+            body["images"] = [image_body(ref, None if ref.key in held else png)
+                              for ref, png in images]
+            response = await self.http.post("/v1/completions", json=body)
+            missing = _missing_images(response)
+            if not missing or attempt:
+                break
+            held -= missing  # evicted there since: once more, with their bytes
+        data = _json_or_raise(response)
+        for ref, _ in images:  # the last ``SENT_IMAGES`` keys sent with their bytes
+            self._sent[ref.key] = None
+            self._sent.move_to_end(ref.key)
+        while len(self._sent) > SENT_IMAGES:
+            self._sent.popitem(last=False)
+        return parse_completion(task_id, data)
 
     async def pin(self, task_id: str) -> int:
         response = await self.http.post("/tiderl/pin", json={"task_id": task_id})

@@ -37,7 +37,7 @@ from tiderl.engine.scheduler import Scheduler, SchedulerOutput
 from tiderl.models.config import ModelConfig
 from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import Qwen2ForCausalLM
-from tiderl.models.qwen2_vl import Qwen2VLForCausalLM
+from tiderl.models.qwen2_vl import VISION_PREFIX, Qwen2VLForCausalLM
 from tiderl.models.vision_inputs import image_settings
 
 
@@ -323,6 +323,8 @@ class LLMEngine:
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(params[name].shape)}")
         with self._lock, torch.no_grad():
+            if self.images is not None and _changes_tower(params, state_dict):
+                self.images.forget()  # embeddings of the old tower
             for name, tensor in state_dict.items():
                 params[name].copy_(tensor)
             if self.config.kv_on_update == "flush":
@@ -395,3 +397,12 @@ class LLMEngine:
             prompt_tokens_computed=self.prompt_tokens_computed,
             decode_tokens=self.decode_tokens, num_pins=kv.num_pins, num_tasks=num_tasks,
             num_pins_released=kv.num_pins_released)
+
+
+def _changes_tower(params: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> bool:
+    """Whether loading ``state_dict`` changes a vision-tower parameter (a frozen tower arrives
+    unchanged with every version: its cached embeddings stay valid)."""
+    return any(name.startswith(VISION_PREFIX)
+               and not torch.equal(params[name], tensor.to(params[name].device,
+                                                           params[name].dtype))
+               for name, tensor in state_dict.items())

@@ -2,11 +2,13 @@
 
 A request's prompt holds each image as a run of image-pad tokens, named by an
 :class:`~tiderl.core.types.ImageRef` (offset, count, grid, content hash) and sent with its PNG
-bytes. :class:`ImageEncoder` turns the images into what a step needs:
+bytes, or by its key alone where the engine holds it already. :class:`ImageEncoder` turns the
+images into what a step needs:
 
 - the vision tower runs once per image: its embeddings [tokens, hidden] are kept by content
-  hash (an LRU of ``capacity`` images), so a task that comes back with the same screenshots in
-  its context, or a group whose tasks share one, encodes nothing again;
+  hash (an LRU of ``capacity`` images; dropped when the tower's weights change), so a task that
+  comes back with the same screenshots in its context, or a group whose tasks share one,
+  encodes nothing again;
 - the prompt's multimodal rotary positions [3, L] and its ``delta``
   (:func:`~tiderl.models.qwen2_vl.span_positions`, from the images' spans: an image-pad token
   the model sampled itself is text): a token at index ``i >= L`` (an output)
@@ -60,6 +62,16 @@ class PromptImages:
         return rows
 
 
+class ImagesMissing(ValueError):
+    """Images named by key alone (their bytes went with an earlier request) whose embeddings
+    this engine no longer holds: the caller sends them again, with their bytes."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = tuple(keys)
+        super().__init__("images not held here, send their png: "
+                         + ", ".join(key[:12] for key in self.keys))
+
+
 class ImageEncoder:
     def __init__(self, model: Qwen2VLForCausalLM, settings: ImageSettings,
                  capacity: int = 256) -> None:
@@ -70,10 +82,12 @@ class ImageEncoder:
         self.images_encoded = 0  # vision tower runs (one per image not already cached)
         self.images_seen = 0
 
-    def prompt(self, prompt_ids: Sequence[int], images: Sequence[tuple[ImageRef, bytes]]
-               ) -> PromptImages:
+    def prompt(self, prompt_ids: Sequence[int],
+               images: Sequence[tuple[ImageRef, bytes | None]]) -> PromptImages:
         """Check the images against the prompt's pad runs and encode the ones not cached; a
-        ValueError naming the image when a ref and the prompt or its pixels disagree."""
+        ValueError naming the image when a ref and the prompt or its pixels disagree, and
+        :class:`ImagesMissing` when an image without bytes (None: named by key alone) is not
+        cached."""
         config = self.model.config
         refs = tuple(sorted((ref for ref, _ in images), key=lambda ref: ref.offset))
         data = {ref.key: png for ref, png in images}
@@ -84,17 +98,25 @@ class ImageEncoder:
                 raise ValueError(f"image {ref.key[:12]}: tokens {ref.offset}.."
                                  f"{ref.offset + ref.num_tokens} of the prompt are not its "
                                  f"image-pad tokens")
+        missing = [ref.key for ref in refs if data[ref.key] is None and ref.key not in self._embeds]
+        if missing:
+            raise ImagesMissing(missing)
         embeds = tuple(self._encode(ref, data[ref.key]) for ref in refs)
         positions, delta = span_positions(len(prompt_ids), [(r.offset, r.grid) for r in refs],
                                           config.vision.spatial_merge_size)
         return PromptImages(refs, embeds, positions, delta)
 
-    def _encode(self, ref: ImageRef, png: bytes) -> torch.Tensor:
+    def forget(self) -> None:
+        """Drop every cached embedding (the vision tower's weights changed)."""
+        self._embeds.clear()
+
+    def _encode(self, ref: ImageRef, png: bytes | None) -> torch.Tensor:
         self.images_seen += 1
         cached = self._embeds.get(ref.key)
         if cached is not None:
             self._embeds.move_to_end(ref.key)
             return cached
+        assert png is not None  # prompt() checked: an uncached image came with its bytes
         image = preprocess_image(png, self.settings)
         if image.digest != ref.key or tuple(image.grid) != tuple(ref.grid) or \
                 image.num_tokens != ref.num_tokens:

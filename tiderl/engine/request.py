@@ -23,7 +23,9 @@ from tiderl.core.types import ImageRef
 if TYPE_CHECKING:
     from tiderl.engine.multimodal import PromptImages
 
-Images = Sequence[tuple[ImageRef, bytes]]  # images among a prompt's ids, with their PNG bytes
+# images among a prompt's ids, with their PNG bytes (None: named by key alone, its bytes sent
+# before; the engine then raises ImagesMissing where it no longer holds the image)
+Images = Sequence[tuple[ImageRef, bytes | None]]
 
 
 class RequestStatus(str, Enum):

@@ -18,7 +18,9 @@ forgotten when it returns; a task's state otherwise lives until ``/tiderl/forget
 ``/tiderl/flush``. ``max_tokens`` is cut to the context left after the prompt (as vLLM).
 For a model that reads images, a completion's ``images`` (TideRL extra: key, offset,
 num_tokens, grid and the base64 PNG of each image among the prompt ids) are encoded once per
-content hash and key the prefix cache (:mod:`tiderl.engine.multimodal`).
+content hash and key the prefix cache (:mod:`tiderl.engine.multimodal`). An image sent before
+may come by its key alone (no ``png``): where the engine no longer holds its embeddings the
+completion is answered 409 ``image_missing`` with the ``keys`` to send again with their bytes.
 
 :func:`tiderl.engine.starting.serve_loading` opens the socket before the engine exists: until
 :func:`build_app` serves, ``/health`` answers 503 ``{"status": "loading"}``, so that 200 keeps
@@ -55,6 +57,7 @@ from tiderl.auth import ADMIN, ServiceGuard, resolve_token
 from tiderl.core.types import ImageRef
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import TIDERL_ENGINE
+from tiderl.engine.multimodal import ImagesMissing
 from tiderl.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -93,7 +96,8 @@ class CompletionRequest(BaseModel):
 class ImageBody(BaseModel):
     """An image among a completion's prompt ids (TideRL extra, a model that reads images): its
     ``num_tokens`` image-pad tokens start at ``offset``; ``key`` is the sha256 of ``png``
-    (base64), its pixels; ``grid`` its (t, h, w) patch grid."""
+    (base64), its pixels (omitted: sent before, named by its key alone); ``grid`` its
+    (t, h, w) patch grid."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -101,7 +105,7 @@ class ImageBody(BaseModel):
     offset: StrictInt
     num_tokens: StrictInt
     grid: tuple[StrictInt, StrictInt, StrictInt]
-    png: str = Field(min_length=1)
+    png: str | None = Field(default=None, min_length=1)
 
 
 class TaskBody(BaseModel):
@@ -148,9 +152,10 @@ class EngineCollector:
 
 # -- app -----------------------------------------------------------------------------------------
 
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
+def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
     line = " ".join(message.split())  # one line, whatever the exception said
-    return JSONResponse({"error": {"message": line, "type": kind}}, status_code=status)
+    return JSONResponse({"error": {"message": line, "type": kind, **extra}},
+                        status_code=status)
 
 
 def _png(data: str) -> bytes:
@@ -211,8 +216,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
                                   top_p=body.top_p, seed=body.seed,
                                   stop_token_ids=tuple(body.stop_token_ids))
         task_id = body.task_id or uuid.uuid4().hex
-        images = [(ImageRef(i.key, i.offset, i.num_tokens, i.grid), _png(i.png))
-                  for i in body.images]
+        images = [(ImageRef(i.key, i.offset, i.num_tokens, i.grid),
+                   None if i.png is None else _png(i.png)) for i in body.images]
         try:
             out = await engine.generate(task_id, list(body.prompt), sampling, images)
         finally:
@@ -332,6 +337,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(ImagesMissing)
+    async def images_missing(_: Request, exc: ImagesMissing) -> JSONResponse:
+        return error_response(409, str(exc), "image_missing", keys=list(exc.keys))
 
     @app.exception_handler(PinRefused)
     async def pin_refused(_: Request, exc: PinRefused) -> JSONResponse:

@@ -192,6 +192,9 @@ def span_positions(length: int, spans: Sequence[tuple[int, Grid]], merge: int
     return positions, delta
 
 
+VISION_PREFIX = "visual."  # the vision tower's parameter names (as in HF Qwen2-VL folders)
+
+
 class Qwen2VLForCausalLM(DecoderLM):
     """Qwen2-VL / Qwen2.5-VL. The language part is :class:`~tiderl.models.qwen2.Qwen2Model`
     (so the engine's runner and the trainer treat it as the text model's); ``visual`` is the

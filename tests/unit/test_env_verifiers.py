@@ -11,15 +11,19 @@ sets ``state["reward"]``); ``FakeOldVerifiersEnv`` the dict-based 0.1.x one
 ``SingleTurnEnv`` (``max_turns`` 1, no ``env_response``)."""
 
 import asyncio
+import base64
+import io
 import json
 import re
 from dataclasses import dataclass
 
 import pytest
+from PIL import Image
 
 from tiderl.env.base import UnknownEnvironment, make_env
 from tiderl.env.client import InProcessEnvClient, Message
 from tiderl.env.config import EnvConfig
+from tiderl.env.images import ImageError, png_size
 from tiderl.env.verifiers_adapter import VerifiersEnv
 
 ROWS = [{"question": "What is 2 + 3?", "answer": "5"},
@@ -129,6 +133,43 @@ class FakeSingleTurnEnv(FakeVerifiersEnv):
         raise NotImplementedError("env_response is not implemented for SingleTurnEnv")
 
 
+def image_url(color: tuple[int, int, int], kind: str) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (16, 8), color).save(out, format=kind)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+RED_JPEG, BLUE_PNG = image_url((250, 0, 0), "JPEG"), image_url((0, 0, 250), "PNG")
+
+
+class FakeScreenEnv(FakeOldVerifiersEnv):
+    """A dict-based env whose prompt holds a JPEG and whose responses hold a PNG screenshot."""
+
+    def __init__(self, url=RED_JPEG):
+        super().__init__()
+        self.url = url
+        self.seen: list = []
+
+    def get_dataset(self):
+        return [{"prompt": [{"role": "user", "content": [
+            {"type": "text", "text": "Which color?"},
+            {"type": "image_url", "image_url": {"url": self.url}}]}],
+            "answer": "blue", "task": "colors"}]
+
+    async def env_response(self, messages, state, **kwargs):
+        self.seen = messages
+        return [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": BLUE_PNG}},
+            {"type": "text", "text": "and now?"}]}], state
+
+    async def score_rollout(self, prompt, completion, answer, state, task, info):
+        return {"reward": float(answer_of(completion[-1]["content"]) == answer)}
+
+
+def load_screens(**kwargs):
+    return FakeScreenEnv(**kwargs)
+
+
 def load_environment(**kwargs):
     """What an installed verifiers environment module exposes."""
     return FakeVerifiersEnv(**kwargs)
@@ -226,3 +267,24 @@ def test_through_the_service_inside_a_running_event_loop():
 
     final = asyncio.run(main())
     assert final.done and final.reward == 1.0
+
+
+def test_images_in_prompts_and_responses_reach_the_model_as_png_parts():
+    env = make_env("verifiers:tests.unit.test_env_verifiers:load_screens")
+    (opening,), _ = env.reset("0", seed=0)
+    (red,) = opening.images()  # the JPEG, re-encoded as PNG
+    assert opening.text() == "Which color?\n<image>" and png_size(red) == (16, 8)
+    assert Image.open(io.BytesIO(red)).getpixel((3, 3))[0] > 200
+    step = env.step("<answer>red</answer>")
+    assert [m.images() for m in step.observation] == [[base64.b64decode(BLUE_PNG[22:])]]
+    prompt = env.vf.seen[0]["content"]  # what the environment is handed keeps the image parts
+    assert [part["type"] for part in prompt] == ["text", "image_url"]
+    assert prompt[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert env.step("<answer>blue</answer>").reward == 1.0
+
+
+def test_a_remote_image_url_is_a_one_line_error():
+    env = make_env("verifiers:tests.unit.test_env_verifiers:load_screens",
+                   options={"url": "https://example.com/a.png"})
+    with pytest.raises(ImageError, match="expected an image data URL"):
+        env.reset("0", seed=0)

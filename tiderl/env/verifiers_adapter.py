@@ -26,7 +26,11 @@ handed to the environment as OpenAI-format dicts whose keys also read as attribu
 (``m["role"]`` and ``m.role``; a tool call's ``tc.name``/``tc.arguments`` and
 ``tc["function"]``), so code of either generation reads them. The episode also ends at the
 environment's own ``max_turns`` (``SingleTurnEnv``: one turn) and at ``max_turns`` here
-(``info["truncated"]``); the rubric scores the episode either way.
+(``info["truncated"]``); the rubric scores the episode either way. Images in a message's
+content parts (``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``, in
+prompts and environment responses) are kept, each re-encoded as PNG where it is another format
+(JPEG, WebP: what Pillow reads), and reach the model as the protocol's image parts; a remote
+URL is a one-line error (nothing is fetched).
 
 Not adapted: verifiers 0.4's ``verifiers.v1`` stack (``Taskset``/``Harness``/``Env``), where
 the environment runs the model itself through an OpenAI endpoint; it has no step interface.
@@ -42,9 +46,12 @@ a loop, as the service's does), so a step blocks like any environment's step.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import importlib
 import inspect
+import io
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,7 +60,8 @@ from typing import Any
 import msgspec
 
 from tiderl.env.base import Environment, StepResult, UnknownEnvironment
-from tiderl.env.protocol import Message
+from tiderl.env.images import PNG_DATA_URL_PREFIX, ImageError, png_data_url
+from tiderl.env.protocol import ContentPart, Message
 from tiderl.env.tools import assistant_message
 
 
@@ -280,17 +288,43 @@ def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
 
 
-def _text(content: Any) -> str:
-    """A message's content as text: a string, or the text of its content parts."""
+def _content(content: Any) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or the text of its content parts; parts that hold an
+    image stay parts (OpenAI shape), each image a PNG data URL."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(_get(part, "text") or "" for part in content)
+    if not any(_get(part, "type") == "image_url" for part in content):
+        return "".join(_get(part, "text") or "" for part in content)
+    return [{"type": "image_url", "image_url": {"url": _png_url(_get(_get(p, "image_url"), "url"))}}
+            if _get(p, "type") == "image_url" else {"type": "text", "text": _get(p, "text") or ""}
+            for p in content]
+
+
+def _png_url(url: Any) -> str:
+    """An image data URL as a PNG one (decoded and re-encoded where it is another format)."""
+    if not isinstance(url, str) or not url.startswith("data:image/"):
+        raise ImageError(f"image_url: expected an image data URL (nothing is fetched), got "
+                         f"{str(url)[:40]!r}")
+    if url.startswith(PNG_DATA_URL_PREFIX):
+        return url
+    head, _, data = url.partition(",")
+    if not head.endswith(";base64"):
+        raise ImageError(f"image_url: expected base64 data, got {head[:40]!r}")
+    from PIL import Image, UnidentifiedImageError  # Pillow: a dependency of matplotlib
+
+    try:
+        picture = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        out = io.BytesIO()
+        picture.convert("RGBA" if "A" in picture.getbands() else "RGB").save(out, format="PNG")
+    except (binascii.Error, ValueError, OSError, UnidentifiedImageError) as exc:
+        raise ImageError(f"image_url: {head[5:]} does not decode: {exc}") from None
+    return png_data_url(out.getvalue())
 
 
 def _record(message: Any) -> _Record:
     """Any message (dict or object, OpenAI or verifiers tool-call shape) as a :class:`_Record`
     in OpenAI shape, with verifiers' flat ``name``/``arguments`` on each tool call."""
-    out = _Record(role=_get(message, "role"), content=_text(_get(message, "content")))
+    out = _Record(role=_get(message, "role"), content=_content(_get(message, "content")))
     calls = []
     for call in _get(message, "tool_calls") or []:
         function = _get(call, "function")
@@ -311,7 +345,10 @@ def _record(message: Any) -> _Record:
 def _message(record: _Record) -> Message:
     """A :class:`_Record` as a protocol :class:`Message` (ValueError for a role it lacks)."""
     is_tool = record["role"] == "tool"
-    return Message(role=record["role"], content=record["content"],
+    content = record["content"]
+    if not isinstance(content, str):
+        content = msgspec.convert(content, list[ContentPart])
+    return Message(role=record["role"], content=content,
                    tool_call_id=record.get("tool_call_id") if is_tool else None,
                    name=record.get("name") if is_tool else None)
 

@@ -260,11 +260,22 @@ def test_a_batch_below_the_target_is_one_micro_batch():
 
 def test_tail_never_outgrows_the_rest():
     # 410 > target 400; a tail of 60+150 = 210 would outgrow the 200 left, so it stays at 60
-    mbs = form_micro_batches(seqs(200, 150, 60), 4, 100)
+    mbs = form_micro_batches(seqs(200, 150, 60), 2, 200)
     assert [ids(mb) for mb in mbs] == [["s0", "s1"], ["s2"]]
     # here the tail takes one small sequence per DP rank: 30+30+40+50 = 150 <= 300 left
     mbs = form_micro_batches(seqs(50, 40, 30, 300, 30), 4, 100)
     assert [ids(mb) for mb in mbs] == [["s3"], ["s0", "s1", "s2", "s4"]]
+
+
+def test_sequences_longer_than_the_target_still_fill_every_rank():
+    # 500-token sequences, 4 DP ranks of 100 tokens: each early micro-batch holds one per rank
+    mbs = form_micro_batches(seqs(*[500] * 10), 4, 100)
+    assert [len(mb.sequences) for mb in mbs] == [4, 5, 1]
+    assert form_micro_batches(seqs(500, 500, 500), 4, 100) == form_micro_batches(
+        seqs(500, 500, 500), 4, 10_000)  # fewer sequences than ranks: one pass
+    ready = seqs(*[500] * 5)
+    assert next_micro_batch(ready[:3], 4, 100, is_last=False) is None
+    assert len(next_micro_batch(ready, 4, 100, is_last=False).sequences) == 4
 
 
 def test_ready_time_is_the_last_sequence_ready():

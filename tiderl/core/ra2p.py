@@ -31,7 +31,9 @@ margin of 0.1 (decoupled must save 10% of the step) restores that: the break-eve
 for short TPRM and near N for long TPRM.
 
 Micro-batches: early ones are filled, in ready order, to ``tokens_per_rank · num_dp_ranks`` tokens
-so that every DP rank is saturated; the last one of a global batch holds the smallest sequences
+and at least one sequence per DP rank, so that every DP rank is saturated (with sequences longer
+than ``tokens_per_rank``, as multimodal segments are, a token target alone would leave ranks
+idle in every pass); the last one of a global batch holds the smallest sequences
 (see ``form_micro_batches``). Dispatch: zig-zag over length-sorted sequences for colocated,
 round-robin smallest-last for decoupled. Ties are broken by ``seq_id`` everywhere.
 """
@@ -201,15 +203,16 @@ def _tail_indices(sequences: list[SeqRef], num_dp_ranks: int, target: int) -> se
     return set(chosen)
 
 
-def _fill_to_target(sequences: list[SeqRef], target: int) -> list[list[SeqRef]]:
-    """Greedy chunks of ``target`` tokens or more; a short remainder joins the chunk before it."""
+def _fill_to_target(sequences: list[SeqRef], target: int, min_seqs: int) -> list[list[SeqRef]]:
+    """Greedy chunks of ``target`` tokens or more and ``min_seqs`` sequences or more; a short
+    remainder joins the chunk before it."""
     chunks: list[list[SeqRef]] = []
     current: list[SeqRef] = []
     tokens = 0
     for seq in sequences:
         current.append(seq)
         tokens += seq.num_tokens
-        if tokens >= target:
+        if tokens >= target and len(current) >= min_seqs:
             chunks.append(current)
             current, tokens = [], 0
     if current and chunks:
@@ -236,13 +239,14 @@ def form_micro_batches(
 ) -> list[MicroBatch]:
     """Split a known global batch (in ready order) into micro-batches.
 
-    A batch of at most the token target (``tokens_per_rank · num_dp_ranks``) is one micro-batch:
-    splitting it would only add passes. Otherwise the last micro-batch holds the smallest
-    sequences, at most one per DP rank: its duration is that of its largest sequence per rank, so
-    a few small ones cost little flush time. It stops growing before it would exceed the target or
-    the tokens left for the others, so it is never larger than any early micro-batch. The rest, in
-    ready order, are filled to at least the target each (a short remainder joins the one before);
-    only when they hold fewer tokens than that in all is the single early one below the target.
+    A batch of at most the token target (``tokens_per_rank · num_dp_ranks``) or of at most one
+    sequence per DP rank is one micro-batch: splitting it would only add passes. Otherwise the
+    last micro-batch holds the smallest sequences, at most one per DP rank: its duration is that
+    of its largest sequence per rank, so a few small ones cost little flush time. It stops
+    growing before it would exceed the target or the tokens left for the others, so it is never
+    larger than any early micro-batch. The rest, in ready order, are filled to at least the
+    target and a sequence per DP rank each (a short remainder joins the one before); only when
+    they hold less than that in all is the single early one below it.
     ``ready_times`` (seq_id -> time) sets each micro-batch's ready time to its last sequence's.
     """
     _require_at_least_one(num_dp_ranks, "num_dp_ranks")
@@ -250,11 +254,12 @@ def form_micro_batches(
     if not sequences:
         return []
     target = tokens_per_rank * num_dp_ranks
-    if sum(s.num_tokens for s in sequences) <= target:  # one pass cannot even saturate the ranks
+    if sum(s.num_tokens for s in sequences) <= target or len(sequences) <= num_dp_ranks:
+        # one pass cannot even saturate the ranks, or gives each rank one sequence at most
         return [_micro_batch(first_mb_id, list(sequences), ready_times)]
     tail = _tail_indices(sequences, num_dp_ranks, target)
     early = [s for i, s in enumerate(sequences) if i not in tail]
-    groups = [*_fill_to_target(early, target), [sequences[i] for i in sorted(tail)]]
+    groups = [*_fill_to_target(early, target, num_dp_ranks), [sequences[i] for i in sorted(tail)]]
     return [_micro_batch(first_mb_id + n, g, ready_times) for n, g in enumerate(groups)]
 
 
@@ -270,7 +275,8 @@ def next_micro_batch(
     """The next micro-batch to stream from the ready sequences (in ready order), or None.
 
     Before the end of the global batch (``is_last=False``: more sequences will come) it is the
-    shortest ready prefix holding the token target, or None while fewer tokens are ready. With
+    shortest ready prefix holding the token target and a sequence per DP rank, or None while
+    fewer are ready. With
     ``is_last=True`` (every remaining sequence is in ``ready``) it is the first micro-batch of
     ``form_micro_batches(ready)``, so the global batch still ends with its smallest sequences.
     The caller removes the returned sequences from ``ready``.
@@ -284,7 +290,7 @@ def next_micro_batch(
     tokens = 0
     for n, seq in enumerate(ready, start=1):
         tokens += seq.num_tokens
-        if tokens >= target:
+        if tokens >= target and n >= num_dp_ranks:
             return MicroBatch(mb_id=mb_id, sequences=tuple(ready[:n]), ready_time=ready_time)
     return None
 

@@ -253,7 +253,7 @@ def test_an_empty_boundary_with_a_busy_trainer_is_no_generation_deficit():
         env_wait = make_input("RRRRFAAA", DEC, step=step, volume=0, rollout_idle_frac=0.0,
                               trainer_idle_frac=0.0)
         assert policy.plan(env_wait) == plan(mode=DEC, batch=64, reason=PlanReason.BALANCED)
-    assert policy.state == ERSState()
+    assert policy.state == ERSState(recent=(None, None, None))
 
 
 def test_consumption_deficit_by_hol_joins_an_actor_while_colocated_is_cheaper():
@@ -421,22 +421,28 @@ def test_disabled_ers_is_a_noop():
 # --------------------------------------------------------------------------- hysteresis
 
 
-def test_a_deficit_moves_ranks_at_its_second_boundary_in_a_row():
+def test_a_deficit_moves_ranks_at_its_second_boundary_of_three():
     policy = ERSPolicy()
     assert policy.plan(starved("RRRRRAAA")) == plan(mode=COL, batch=64, reason=GEN)
-    assert policy.state == ERSState(streak=1, streak_direction=TO_ROLLOUT)
-    second = policy.plan(starved("RRRRRAAA", step=6))
-    assert second == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert policy.state == ERSState(recent=(TO_ROLLOUT,))
+    assert policy.plan(balanced("RRRRRAAA", step=6)).changes == ()  # it comes back:
+    third = policy.plan(starved("RRRRRAAA", step=7))
+    assert third == plan((7, A, R), mode=COL, batch=64, reason=GEN)
     assert policy.state == ERSState(TO_ROLLOUT)
 
 
-@pytest.mark.parametrize("between", [balanced, starved])
-def test_a_balanced_boundary_or_the_other_deficit_breaks_a_streak(between):
+def test_a_deficit_once_in_three_boundaries_moves_nothing():
     policy = ERSPolicy()
-    assert policy.plan(backlogged("RRRRAA")).changes == ()
-    assert policy.plan(between("RRRRAA", step=6)).changes == ()
-    assert policy.plan(backlogged("RRRRAA", step=7)).changes == ()
-    assert policy.state == ERSState(streak=1, streak_direction=TO_TRAINER)
+    for step, make in enumerate((backlogged, balanced, balanced, backlogged), start=5):
+        assert policy.plan(make("RRRRAA", step=step)).changes == ()
+    assert policy.state == ERSState(recent=(None, None, TO_TRAINER))
+
+
+def test_the_other_deficit_in_the_window_holds_a_move():
+    policy = ERSPolicy()
+    for step, make in enumerate((backlogged, starved, backlogged), start=5):
+        assert policy.plan(make("RRRRAA", step=step)).changes == ()
+    assert policy.state == ERSState(recent=(TO_TRAINER, TO_ROLLOUT, TO_TRAINER))
 
 
 @pytest.mark.parametrize(("make_policy", "moves_at_step_2"), [(ERSPolicy, False), (eager, True)])
@@ -458,7 +464,7 @@ def test_the_backlog_a_cold_start_leaves_behind_moves_nothing(make_policy, moves
     if not moves_at_step_2:
         drained = policy.plan(balanced("RRAA", step=3, goodput=(1658.0, 2334.0, 2617.0)))
         assert drained == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
-        assert policy.state == ERSState()
+        assert policy.state == ERSState(recent=(TO_TRAINER, None))
 
 
 
@@ -477,9 +483,9 @@ def run_alternating(config: ERSConfig, num_steps: int = 20) -> list[ScalingPlan]
 def test_alternating_signals_do_not_thrash():
     plans = run_alternating(ERSConfig(cold_start_steps=0, confirm_steps=1, hysteresis_steps=2))
     moves = {step: p.changes for step, p in enumerate(plans) if p.changes}
-    # step 0: the Ref rank goes to rollout; step 2: one actor; then the trainer is at its
-    # minimum. Every consumption signal is a single opposite step and is held.
-    assert moves == {0: (RoleChange(5, F, R),), 2: (RoleChange(7, A, R),)}
+    # step 0: the Ref rank goes to rollout; then every deficit has the other one beside it in
+    # the window of three boundaries, and nothing moves again.
+    assert moves == {0: (RoleChange(5, F, R),)}
     assert [p.reason for p in plans] == [GEN, CONS] * 10
     assert all(p.mode is COL for p in plans)
 
@@ -497,18 +503,19 @@ def test_reversal_after_consecutive_opposite_signals():
     policy = eager(hysteresis_steps=2)
     assert policy.plan(starved("RRRRFAA", DEC)).changes == (RoleChange(4, F, R),)
     assert policy.plan(backlogged("RRRRRAA")).changes == ()
-    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1, Direction.TO_TRAINER)
+    assert policy.state == ERSState(Direction.TO_ROLLOUT, (Direction.TO_TRAINER,))
     assert policy.plan(backlogged("RRRRRAA")).changes == (RoleChange(4, R, A),)
     assert policy.state == ERSState(Direction.TO_TRAINER)
 
 
-def test_a_balanced_step_breaks_the_opposite_streak():
+def test_an_opposite_deficit_must_come_back_within_the_window():
     policy = eager(hysteresis_steps=2)
     policy.plan(starved("RRRRFAA", DEC))
     policy.plan(backlogged("RRRRRAA"))
     policy.plan(balanced("RRRRRAA"))
+    policy.plan(balanced("RRRRRAA"))
     assert policy.plan(backlogged("RRRRRAA")) == plan(mode=COL, batch=64, reason=CONS)
-    assert policy.state == ERSState(Direction.TO_ROLLOUT, 1, Direction.TO_TRAINER)
+    assert policy.state == ERSState(Direction.TO_ROLLOUT, (None, None, Direction.TO_TRAINER))
 
 
 def test_a_phase_is_undone_at_its_end_and_resets_hysteresis():
@@ -626,7 +633,7 @@ def test_a_move_that_raises_goodput_is_kept():
     assert loop.step(starved, 11.0) == plan(mode=COL, batch=64, reason=TRIAL)
     # step 7: 11.5 > 10; the judgement leaves the step to its signals
     assert loop.step(balanced, 11.0) == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
-    assert loop.policy.state == ERSState(TO_ROLLOUT)
+    assert loop.policy.state == ERSState(TO_ROLLOUT, (None,))
     assert loop.layout == roles("RRRRRAAR")
 
 
@@ -715,6 +722,7 @@ def test_batch_min_above_batch_ideal_is_refused():
         ("tau", 0.0),
         ("max_scale_up_per_step", 0),
         ("confirm_steps", 0),
+        ("confirm_window", 1),
         ("hysteresis_steps", 0),
         ("min_rollout_ranks", 0),
         ("min_trainer_ranks", 0),

@@ -134,7 +134,7 @@ def test_a_predicted_move_takes_the_highest_rollout_ranks_and_goes_on_trial():
     policy = ERSPolicy(PREDICTIVE, RA2PConfig())
     first = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
     assert first == ScalingPlan((), Mode.COLOCATED, 64, PlanReason.BALANCED)  # to be confirmed
-    assert policy.state == ERSState(streak=1, streak_direction=Direction.TO_TRAINER)
+    assert policy.state == ERSState(recent=(Direction.TO_TRAINER,))
     got = policy.plan(predictive_input(layout, step=4, goodput=(5.0, 10.0, 10.0, 10.0),
                                        rates=w))
     moves = tuple(RoleChange(r, R, A) for r in (7, 6, 5, 4))

@@ -37,15 +37,16 @@ Called once per step at the post-update boundary, before ``sync_params``:
 Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
 REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with the highest id move
 first. Invariant: a plan never moves a rank out of a group (rollout, trainer) that is at its
-minimum, never leaves the trainer without an actor, makes a signal-driven move only after
-``confirm_steps`` consecutive boundaries of the same deficit (a one-step transient, such as the
-backlog the cold start's lent ranks leave behind, moves nothing), and never reverses the
-direction of the last move before ``hysteresis_steps`` consecutive boundaries of the opposite
-deficit (a balanced step or the other deficit breaks a streak; cold start and evaluation moves
-reset this memory). Phase moves are temporary: the
-layout and mode from before a cold start or evaluation phase come back in one plan when its work
-is done (``max_scale_up_per_step`` bounds signal-driven moves, not this restoration). A
-signal-driven move waits for a step after step 0 to measure against, and goes on trial.
+minimum, never leaves the trainer without an actor, makes a signal-driven move only when its
+deficit was seen at ``confirm_steps`` of the last ``confirm_window`` boundaries and the
+opposite one at none (one boundary's reading, such as the backlog the cold start's lent ranks
+leave behind, moves nothing; a deficit that comes back every other boundary does), and never
+reverses the direction of the last move before ``hysteresis_steps`` boundaries of the opposite
+deficit among the last ``confirm_window`` (cold start and evaluation moves reset this
+memory). Phase moves are temporary: the layout and mode from before a cold start or evaluation
+phase come back in one plan when its work is done (``max_scale_up_per_step`` bounds
+signal-driven moves, not this restoration). A signal-driven move waits for a step after step 0
+to measure against, and goes on trial.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class ERSConfig:
     batch_ideal: int = 64
     tau: float = 1.0
     max_scale_up_per_step: int = 1
-    confirm_steps: int = 2  # consecutive boundaries of one deficit before a signal-driven move
-    hysteresis_steps: int = 2  # ... and before one that reverses the last move's direction
+    confirm_steps: int = 2  # boundaries of one deficit, of the last confirm_window, to move
+    hysteresis_steps: int = 2  # ... to move against the last move's direction
+    confirm_window: int = 3  # the boundaries those counts look back over
     min_rollout_ranks: int = 1
     min_trainer_ranks: int = 1
     cold_start_steps: int = 1
@@ -105,6 +107,10 @@ class ERSConfig:
         require_positive(self.tau, "tau")
         for name in ("max_scale_up_per_step", "confirm_steps", "hysteresis_steps"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
+        wanted = max(self.confirm_steps, self.hysteresis_steps)
+        require(self.confirm_window >= wanted, "confirm_window",
+                f"expected >= confirm_steps and hysteresis_steps ({wanted}), got "
+                f"{self.confirm_window!r}")
         for name in ("min_rollout_ranks", "min_trainer_ranks"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         require_non_negative(self.cold_start_steps, "cold_start_steps")
@@ -185,14 +191,13 @@ class Block:
 
 @dataclass(frozen=True, slots=True)
 class ERSState:
-    """Hysteresis memory: the direction of the last signal-driven move, and the deficit seen at
-    the last ``streak`` boundaries in a row (its direction ``streak_direction``) without a move;
-    during a phase (cold start, evaluation), the layout and mode from before it; the move on
-    trial; the damped directions, one block each."""
+    """Hysteresis memory: the direction of the last signal-driven move, and what the boundaries
+    since it read (``recent``: the last ``confirm_window``, oldest first; a deficit's direction,
+    None where balanced); during a phase (cold start, evaluation), the layout and mode from
+    before it; the move on trial; the damped directions, one block each."""
 
     last_direction: Direction | None = None
-    streak: int = 0
-    streak_direction: Direction | None = None
+    recent: tuple[Direction | None, ...] = ()
     saved_roles: tuple[Role, ...] | None = None
     saved_mode: Mode | None = None
     trial: Trial | None = None
@@ -432,18 +437,20 @@ def _scale_trainer(
     return changes, fixed or (Mode.DECOUPLED if has_pipeline else Mode.COLOCATED)
 
 
+def _seen(state: ERSState, reading: Direction | None, config: ERSConfig) -> ERSState:
+    """``state`` with this boundary's reading added to the recent ones."""
+    return replace(state, recent=(*state.recent, reading)[-config.confirm_window:])
+
+
 def _gate(state: ERSState, direction: Direction, config: ERSConfig) -> tuple[bool, ERSState]:
-    """(may act now, the state with this boundary's deficit counted in the streak): a move
-    needs ``confirm_steps`` boundaries in a row of its deficit, ``hysteresis_steps`` where it
-    reverses the last move."""
-    streak = state.streak + 1 if state.streak_direction is direction else 1
+    """(may act now, the state with this boundary's deficit seen): a move needs its deficit at
+    ``confirm_steps`` of the last ``confirm_window`` boundaries (``hysteresis_steps`` where it
+    reverses the last move) and the opposite deficit at none of them."""
+    state = _seen(state, direction, config)
     is_reversal = state.last_direction not in (None, direction)
     needed = config.hysteresis_steps if is_reversal else config.confirm_steps
-    return streak >= needed, replace(state, streak=streak, streak_direction=direction)
-
-
-def _no_streak(state: ERSState) -> ERSState:
-    return replace(state, streak=0, streak_direction=None)
+    is_contested = any(seen not in (None, direction) for seen in state.recent)
+    return state.recent.count(direction) >= needed and not is_contested, state
 
 
 def _mean(values: tuple[float, ...]) -> float | None:
@@ -511,7 +518,7 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     else:
         changes, mode = _scale_trainer(inp, config, ra2p, num)
     if changes:
-        state = replace(_no_streak(state), last_direction=direction)
+        state = replace(state, recent=(), last_direction=direction)
     baseline = _mean(history[-2 * config.trial_steps:])
     if changes and config.trial_steps and baseline:
         state = replace(state, trial=Trial(direction, changes, inp.mode, inp.step, baseline))
@@ -539,7 +546,7 @@ def _predicted_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA
         hi=num_movable - config.min_trainer_ranks, max_moves=config.predictive_max_moves,
         margin=config.predictive_margin)
     if target == num_rollout:
-        return (), inp.mode, _no_streak(state), PlanReason.BALANCED
+        return (), inp.mode, _seen(state, None, config), PlanReason.BALANCED
     direction = Direction.TO_ROLLOUT if target > num_rollout else Direction.TO_TRAINER
     changes, mode, state = _signal_moves(inp, state, config, ra2p, direction,
                                          abs(target - num_rollout))
@@ -577,7 +584,7 @@ def plan_step(
         if config.planner == "predictive":
             changes, mode, state, reason = _predicted_moves(inp, state, config, ra2p)
         elif reason is PlanReason.BALANCED:
-            state = _no_streak(state)
+            state = _seen(state, None, config)
         else:
             direction = Direction.TO_ROLLOUT if reason is PlanReason.GENERATION_DEFICIT \
                 else Direction.TO_TRAINER

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.core.buffer import ReadyGroup
 from tiderl.core.commands import FeedGroups, GroupSpec
-from tiderl.core.ers import ERSState
+from tiderl.core.ers_state import ERSState
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlError
 from tiderl.core.step_control.state import GroupCount, Phase

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.fuzz.inputs import FuzzCounts, env_cases, env_flood, env_serves, send_cases
-from tests.integration.serving import free_port, serving
+from tests.integration.serving import env_serving
 from tiderl.engine.prometheus import parse_prometheus
 
 SEED = 18
@@ -22,13 +22,10 @@ MAX_SESSIONS = 16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("env-fuzz")
-    port = free_port()
-    args = ["env", "serve", "--envs", "guess,shop", "--port", str(port),
-            "--max-sessions", str(MAX_SESSIONS), "--idle-ttl", "600"]
-    with serving(args, port, root / "server.log", env={"TIDERL_ENV_TOKEN": TOKEN}) as (
-            url, proc):
-        yield {"url": url, "proc": proc, "log": root / "server.log"}
+    with env_serving(tmp_path_factory.mktemp("env-fuzz"), "guess,shop", "--max-sessions",
+                     str(MAX_SESSIONS), "--idle-ttl", "600",
+                     env={"TIDERL_ENV_TOKEN": TOKEN}) as served:
+        yield served
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -96,6 +96,17 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
+@contextlib.contextmanager
+def env_serving(root: Path, envs: str, *args: str,
+                env: dict[str, str] | None = None) -> Iterator[dict]:
+    """``tiderl env serve --envs ENVS *args`` on a free port until the block ends (``env`` added
+    to its environment); yields {"url", "proc", "log"}."""
+    port, log = free_port(), root / "server.log"
+    with serving(["env", "serve", "--envs", envs, "--port", str(port), *args], port, log,
+                 env) as (url, proc):
+        yield {"url": url, "proc": proc, "log": log}
+
+
 def run_env_scenario(url: str, scenario):
     """``await scenario(client)`` with an HTTPEnvClient of the service at ``url`` (one retry)."""
     from tiderl.env.client import HTTPEnvClient

@@ -6,15 +6,14 @@ three such servers. vLLM, which takes no images beside token ids, is refused at 
 from __future__ import annotations
 
 import asyncio
-import io
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from tests.e2e.test_chat_job import run_two_steps
 from tests.e2e.test_gui_job import JOB as GUI_JOB
 from tests.integration.fake_engines import FakeSGLangServer, running
+from tests.unit.test_engine_images import png
 from tiderl.engine.clients import (
     EmbeddedClient,
     EngineRequestError,
@@ -42,12 +41,6 @@ def model(tmp_path_factory) -> Path:
     return folder
 
 
-def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
-
-
 def placed(model: Path, screens: list[bytes]) -> tuple[PlacedTurn, Images]:
     """Text ids after ``screens``, each placed as its expanded placeholder run."""
     config = load_config(model)
@@ -62,7 +55,7 @@ async def on_sglang(url: str, ids: list[int], images: Images) -> GenerateResult:
 
 
 def test_sglang_generates_from_images_as_the_embedded_engine_does(model):
-    screens = [png(56, 84, (200, 30, 30)), png(112, 56, (30, 30, 200))]
+    screens = [png(56, 84, 1), png(112, 56, 2)]
     turn, images = placed(model, screens)
     assert [ref.num_tokens for ref in turn.images] == [6, 8]  # 28-pixel merged patches
     loaded = load_model(model)
@@ -73,7 +66,7 @@ def test_sglang_generates_from_images_as_the_embedded_engine_does(model):
     with running(fake) as url:
         got = asyncio.run(on_sglang(url, turn.ids, images))
         # the same runs with another picture in the first one: other log-probs
-        recolored = [(images[0][0], png(56, 84, (30, 200, 30))), images[1]]
+        recolored = [(images[0][0], png(56, 84, 3)), images[1]]
         other = asyncio.run(on_sglang(url, turn.ids, recolored))
     assert got.output_ids == expected.output_ids
     assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
@@ -84,7 +77,7 @@ def test_sglang_generates_from_images_as_the_embedded_engine_does(model):
 
 
 def test_an_image_that_does_not_fill_its_run_is_refused(model):
-    turn, images = placed(model, [png(56, 84, (200, 30, 30))])
+    turn, images = placed(model, [png(56, 84, 1)])
     start = turn.images[0].offset
     shorter = turn.ids[:start] + turn.ids[start + 1:]  # one pad less than the image's tokens
     fake = FakeSGLangServer(model)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.integration.serving import free_port, run_env_scenario, serving
+from tests.integration.serving import env_serving, run_env_scenario
 from tests.unit.test_env_images import BAD_PICTURES, COLORS, gymnasium
 from tiderl.env.gui import HEIGHT, WIDTH, GuiEnv
 from tiderl.env.images import PNG_DATA_URL_PREFIX
@@ -23,14 +23,10 @@ PIXELS = "tests.unit.test_env_images:make_pixel_env"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("env-images")
-    port = free_port()
-    args = ["env", "serve", "--envs", f"gui,{PICTURE}", "--port", str(port),
-            "--max-sessions", "8"]
-    if gymnasium is not None:
-        args += ["--gym", PIXELS]
-    with serving(args, port, root / "server.log", env={"PYTHONPATH": str(ROOT)}) as (url, proc):
-        yield {"url": url, "proc": proc, "log": root / "server.log"}
+    gym = ["--gym", PIXELS] if gymnasium is not None else []
+    with env_serving(tmp_path_factory.mktemp("env-images"), f"gui,{PICTURE}", "--max-sessions",
+                     "8", *gym, env={"PYTHONPATH": str(ROOT)}) as served:
+        yield served
 
 
 def run(server, scenario):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.serving import free_port, run_env_scenario, serving
+from tests.integration.serving import env_serving, run_env_scenario
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.env.client import EnvClientError, HTTPEnvClient, Message, end_sessions_of
 from tiderl.env.guess import GuessEnv
@@ -18,12 +18,9 @@ MAX_SESSIONS = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("env")
-    port = free_port()
-    args = ["env", "serve", "--envs", "guess,shop", "--port", str(port),
-            "--max-sessions", str(MAX_SESSIONS), "--idle-ttl", "60"]
-    with serving(args, port, root / "server.log") as (url, proc):
-        yield {"url": url, "proc": proc, "log": root / "server.log"}
+    with env_serving(tmp_path_factory.mktemp("env"), "guess,shop", "--max-sessions",
+                     str(MAX_SESSIONS), "--idle-ttl", "60") as served:
+        yield served
 
 
 def run(server, scenario):

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.serving import free_port, run_env_scenario, serving
+from tests.integration.serving import env_serving, run_env_scenario
 from tiderl.env.calc import CalcEnv
 from tiderl.env.client import Message
 
@@ -19,12 +19,9 @@ VERIFIERS = "verifiers:tests.unit.test_env_verifiers"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("env-tools")
-    port = free_port()
-    args = ["env", "serve", "--envs", f"calc,guess,{CAPITALS},{VERIFIERS}", "--port", str(port),
-            "--max-sessions", "8"]
-    with serving(args, port, root / "server.log", env={"PYTHONPATH": str(ROOT)}) as (url, proc):
-        yield {"url": url, "proc": proc, "log": root / "server.log"}
+    with env_serving(tmp_path_factory.mktemp("env-tools"), f"calc,guess,{CAPITALS},{VERIFIERS}",
+                     "--max-sessions", "8", env={"PYTHONPATH": str(ROOT)}) as served:
+        yield served
 
 
 def run(server, scenario):

@@ -46,6 +46,7 @@ from tiderl.engine.metric_names import (
 )
 from tiderl.engine.prometheus import info_labels, parse_prometheus
 from tiderl.engine.request import Images, SamplingParams
+from tiderl.env.images import PNG_DATA_URL_PREFIX
 
 if TYPE_CHECKING:
     from tiderl.engine.kv_cache_manager import TokenUsage
@@ -532,7 +533,9 @@ def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams,
 
 
 def png_data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
+    """The data URL of PNG bytes, unchecked (an image was checked where it entered the
+    environment protocol: :func:`tiderl.env.images.png_data_url`)."""
+    return PNG_DATA_URL_PREFIX + base64.b64encode(png).decode()
 
 
 def parse_sglang_generate(task_id: str, prompt_ids: list[int], data: dict) -> GenerateResult:

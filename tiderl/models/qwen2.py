@@ -286,6 +286,26 @@ class DecoderLM(nn.Module):
         return new_kv_cache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                             c.head_dim, self.dtype, self.device)
 
+    def _decode(self, x: torch.Tensor, positions: torch.Tensor,
+                cu_seqlens: list[int] | None, targets: torch.Tensor | None,
+                target_rows: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
+        """The layers over embedded tokens ``x``, then the head: dense logits, or packed
+        (``cu_seqlens``) logits or the targets' log-probabilities (see ``forward``)."""
+        rotary = self.model.rotary
+        if cu_seqlens is None:
+            def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
+                return attn(h, positions, rotary)
+
+            return self.lm_head(self.model.run_layers(x, attend))
+
+        def attend_varlen(attn: Attention, h: torch.Tensor) -> torch.Tensor:
+            return attn.forward_varlen(h, positions, rotary, cu_seqlens)
+
+        hidden = self.model.run_layers(x, attend_varlen)
+        if targets is None or target_rows is None:
+            return self.lm_head(hidden)
+        return chunked_target_logprobs(self.lm_head, hidden[target_rows], targets, chunk_tokens)
+
 
 class Qwen2ForCausalLM(DecoderLM):
     def __init__(self, config: Qwen2Config):
@@ -311,25 +331,12 @@ class Qwen2ForCausalLM(DecoderLM):
         each chunk's logits recomputed in backward rather than kept (no [N, vocab] tensor).
         Without them it returns the packed logits [N, vocab].
         """
-        rotary = self.model.rotary
-        if cu_seqlens is None:
-            if positions is None:
-                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-                positions = positions.expand_as(input_ids)
-
-            def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
-                return attn(x, positions, rotary)
-
-            return self.lm_head(self.model.hidden_states(input_ids, attend))
+        if cu_seqlens is None and positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = positions.expand_as(input_ids)
         assert positions is not None, "a packed forward needs each token's position"
-
-        def attend_varlen(attn: Attention, x: torch.Tensor) -> torch.Tensor:
-            return attn.forward_varlen(x, positions, rotary, cu_seqlens)
-
-        hidden = self.model.hidden_states(input_ids, attend_varlen)
-        if targets is None or target_rows is None:
-            return self.lm_head(hidden)
-        return chunked_target_logprobs(self.lm_head, hidden[target_rows], targets, chunk_tokens)
+        return self._decode(self.model.embed_tokens(input_ids), positions, cu_seqlens, targets,
+                            target_rows, chunk_tokens)
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, batch: PagedBatch,

@@ -36,7 +36,6 @@ from tiderl.models.qwen2 import (
     Qwen2Config,
     Qwen2Model,
     Rotary,
-    chunked_target_logprobs,
     text_fields,
 )
 from tiderl.models.vision import Grid, VisionConfig, VisionTower, grid_list
@@ -286,29 +285,16 @@ class Qwen2VLForCausalLM(DecoderLM):
         """
         image_embeds = self._image_embeds(image_embeds, pixel_values, image_grid_thw)
         x = self.embed(input_ids, image_embeds, image_rows)
-        rotary = self.model.rotary
-        if cu_seqlens is None:
-            if positions is None and image_grid_thw is None:
-                if image_embeds is not None and len(image_embeds):
-                    raise ValueError("the positions of images need their image_grid_thw")
+        if cu_seqlens is None and positions is None:
+            if image_grid_thw is not None:
+                positions = self._dense_positions(input_ids, image_grid_thw)
+            elif image_embeds is not None and len(image_embeds):
+                raise ValueError("the positions of images need their image_grid_thw")
+            else:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device)
                 positions = positions.expand_as(input_ids)
-            elif positions is None:
-                positions = self._dense_positions(input_ids, image_grid_thw)
-
-            def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
-                return attn(h, positions, rotary)
-
-            return self.lm_head(self.model.run_layers(x, attend))
         assert positions is not None, "a packed forward needs each token's position"
-
-        def attend_varlen(attn: Attention, h: torch.Tensor) -> torch.Tensor:
-            return attn.forward_varlen(h, positions, rotary, cu_seqlens)
-
-        hidden = self.model.run_layers(x, attend_varlen)
-        if targets is None or target_rows is None:
-            return self.lm_head(hidden)
-        return chunked_target_logprobs(self.lm_head, hidden[target_rows], targets, chunk_tokens)
+        return self._decode(x, positions, cu_seqlens, targets, target_rows, chunk_tokens)
 
     def _dense_positions(self, input_ids: torch.Tensor,
                          image_grid_thw: Sequence[Grid] | torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 import functools
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,19 +61,18 @@ def module_paths(package: Path) -> dict[str, Path]:
 
 
 def imported_modules(tree: ast.AST, module: str, is_package: bool,
-                     modules: set[str] | Mapping[str, Path]) -> Iterator[str]:
+                     modules: Container[str]) -> Iterator[str]:
     """The tiderl modules ``tree`` (the source of ``module``) imports anywhere in its body."""
-    package = module if is_package else module.rpartition(".")[0]
+    package = (module if is_package else module.rpartition(".")[0]).split(".")
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names
                         if alias.name.split(".")[0] == "tiderl")
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, node.module] if node.module else parts)
-            else:
-                base = node.module or ""
+            base = node.module or ""
+            if node.level:  # from . import x: this package; from .. import x: its parent
+                parts = package[:len(package) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
             if base.split(".")[0] != "tiderl":
                 continue
             for alias in node.names:

@@ -50,8 +50,9 @@ from tiderl.core.ra2p import form_micro_batches
 from tiderl.core.types import Trajectory, Turn
 from tiderl.engine.request import SamplingParams
 from tiderl.engine.sampler import Sampler
-from tiderl.env.base import Environment, make_env
+from tiderl.env.base import Environment
 from tiderl.env.latency import LatencyModel
+from tiderl.env.registry import make_env
 from tiderl.launch.job import run_local
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import Profile, load_profile

@@ -37,7 +37,8 @@ from tiderl.engine.llm_engine import EngineMetrics, GenerateOutput, LLMEngine
 from tiderl.engine.request import Images, SamplingParams
 from tiderl.engine.sampler import Sampler
 from tiderl.models.config import EMBEDDED_MODEL_TYPES, model_type
-from tiderl.models.loading import joined_eos, load_model, load_state_dict
+from tiderl.models.folder import joined_eos, load_state_dict
+from tiderl.models.loading import load_model
 from tiderl.models.qwen2_vl import Qwen2VLConfig
 from tiderl.models.vision_inputs import image_digest, image_grid, image_settings
 

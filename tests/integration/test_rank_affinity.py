@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.launch.affinity import core_set, parse_slot
 from tiderl.launch.job import PORT_NAMES, local_commands, local_endpoints, prepare_run_dir
 from tiderl.launch.local import JobState, LocalExecutor
 from tiderl.launch.plan import plan_local
 from tiderl.profile import ProfileError, load_profile
+from tiderl.runtime.affinity import core_set, parse_slot
 from tiderl.trainer.spawn import free_port
 
 SPREAD = ["runtime.cpu_affinity=spread", "runtime.num_ranks=3", "runtime.rollout_ranks=1"]

@@ -14,7 +14,8 @@ from tiderl.engine.config import EngineConfig
 from tiderl.engine.scheduler import Scheduler
 from tiderl.models.bpe import ENDOFTEXT, IM_END, TOOL_TAGS, train_bpe, write_tokenizer_files
 from tiderl.models.chat import ChatEncoder, PlainEncoder, turn_encoder
-from tiderl.models.loading import ModelLoadError, load_config, load_tokenizer
+from tiderl.models.folder import ModelLoadError, load_tokenizer
+from tiderl.models.loading import load_config
 from tiderl.models.tokenizer import word_tokenizer
 
 TURNS = 10

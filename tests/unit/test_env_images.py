@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tiderl.env.base import Environment, StepResult, make_env, observation_text
+from tiderl.env.base import Environment, StepResult, observation_text
 from tiderl.env.gui import HEIGHT, WIDTH, GuiEnv, parse_action, render
 from tiderl.env.images import (
     MAX_IMAGE_BYTES,
@@ -35,6 +35,7 @@ from tiderl.env.protocol import (
     image_part,
     messages_text,
 )
+from tiderl.env.registry import make_env
 
 try:
     import gymnasium

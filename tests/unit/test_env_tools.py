@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiderl.env.base import make_env, observation_messages, observation_text
+from tiderl.env.base import observation_messages, observation_text
 from tiderl.env.calc import CalcEnv, evaluate, read_number
 from tiderl.env.protocol import Message, StartResponse, ToolCall, ToolFunction
+from tiderl.env.registry import make_env
 from tiderl.env.tools import (
     MAX_TOOL_CALLS,
     ToolEnvironment,

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import pytest
 from PIL import Image
 
-from tiderl.env.base import UnknownEnvironment, make_env
+from tiderl.env.base import UnknownEnvironment
 from tiderl.env.client import InProcessEnvClient, Message
 from tiderl.env.config import EnvConfig
 from tiderl.env.images import ImageError, png_size
+from tiderl.env.registry import make_env
 from tiderl.env.verifiers_adapter import VerifiersEnv
 
 ROWS = [{"question": "What is 2 + 3?", "answer": "5"},

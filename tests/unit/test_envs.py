@@ -9,17 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiderl.env.base import (
-    ENV_NAMES,
-    Environment,
-    StepResult,
-    UnknownEnvironment,
-    make_env,
-    observation_text,
-)
+from tiderl.env.base import Environment, StepResult, UnknownEnvironment, observation_text
 from tiderl.env.config import LatencyConfig
 from tiderl.env.guess import GuessEnv, parse_range
 from tiderl.env.latency import LatencyModel
+from tiderl.env.registry import ENV_NAMES, make_env
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.models.vocab import UNK
 

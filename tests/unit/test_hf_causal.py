@@ -16,8 +16,9 @@ from tiderl.engine.llm_engine import LLMEngine
 from tiderl.launch.job import check_architecture
 from tiderl.launch.local import LaunchError
 from tiderl.models.config import ModelConfig
+from tiderl.models.folder import save_state_dict
 from tiderl.models.hf_causal import HFCausalLM, load_hf_causal
-from tiderl.models.loading import model_from_config, save_state_dict
+from tiderl.models.loading import model_from_config
 from tiderl.models.qwen2 import packed_token_logprobs
 from tiderl.models.vocab import VOCAB as WORDS
 from tiderl.profile import load_profile

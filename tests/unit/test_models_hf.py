@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 import torch
 
+from tiderl.models.folder import save_model
 from tiderl.models.init import init_model, size_config
-from tiderl.models.loading import load_model, save_model
+from tiderl.models.loading import load_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM, token_logprobs
 from tiderl.models.vocab import VOCAB
 

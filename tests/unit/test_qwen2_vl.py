@@ -17,15 +17,9 @@ from typer.testing import CliRunner
 from tiderl.cli.main import app as cli
 from tiderl.models.attention import PagedBatch
 from tiderl.models.config import ModelConfig
+from tiderl.models.folder import ModelLoadError, load_state_dict, load_tokenizer, save_model
 from tiderl.models.init import init_model, size_config
-from tiderl.models.loading import (
-    ModelLoadError,
-    load_model,
-    load_state_dict,
-    load_tokenizer,
-    model_from_config,
-    save_model,
-)
+from tiderl.models.loading import load_model, model_from_config
 from tiderl.models.qwen2_vl import Qwen2VLConfig, Qwen2VLForCausalLM, mrope_positions
 from tiderl.models.vision import VisionConfig
 from tiderl.models.vision_inputs import (

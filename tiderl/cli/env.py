@@ -43,7 +43,8 @@ def serve(
         option = OPTIONS.get(exc.key.partition("[")[0], "--envs")
         raise CLIError(f"tiderl env serve: {option}: {exc.message}", EXIT_USAGE) from None
     check_port_free("tiderl env serve", host, port)  # before the environments load
-    from tiderl.env.base import UnknownEnvironment, make_env
+    from tiderl.env.base import UnknownEnvironment
+    from tiderl.env.registry import make_env
     from tiderl.env.server import serve as serve_app
 
     for name in names + ([f"gym:{gym}"] if gym else []):

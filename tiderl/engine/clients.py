@@ -187,7 +187,7 @@ class EmbeddedClient(EngineClient):
 
     async def update_weights(self, weights: Any, version: int) -> None:
         if isinstance(weights, str | bytes) or hasattr(weights, "__fspath__"):
-            from tiderl.models.loading import load_state_dict
+            from tiderl.models.folder import load_state_dict
 
             weights = load_state_dict(weights)
         self.engine.update_weights(weights, version)

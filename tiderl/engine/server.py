@@ -278,7 +278,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
 
 
 def _read_weights(path: str) -> dict:
-    from tiderl.models.loading import ModelLoadError, load_state_dict  # late: torch
+    from tiderl.models.folder import ModelLoadError, load_state_dict  # late: torch
 
     try:
         return load_state_dict(path)

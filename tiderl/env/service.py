@@ -28,7 +28,6 @@ from typing import Any
 from tiderl.env.base import (
     Environment,
     UnknownEnvironment,
-    make_env,
     observation_messages,
     observation_text,
 )
@@ -46,6 +45,7 @@ from tiderl.env.protocol import (
     StartRequest,
     StartResponse,
 )
+from tiderl.env.registry import make_env
 from tiderl.env.sessions import SessionLimit, SessionState, SessionTable, UnknownSession
 
 

@@ -35,9 +35,9 @@ from tiderl.core.step_control import initial_roles as launch_roles
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVED_MODEL_NAME
-from tiderl.launch.affinity import SPREAD
 from tiderl.launch.hosts import Hosts, HostsError
 from tiderl.profile import Profile
+from tiderl.runtime.affinity import SPREAD
 
 LOCAL_HOST = "localhost"
 

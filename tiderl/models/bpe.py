@@ -74,7 +74,8 @@ CHAT_TEMPLATE = """\
 def corpus(episodes_per_env: int = EPISODES_PER_ENV) -> Iterator[str]:
     """Observations and scripted actions of the built-in environments, and the chat template's
     own words: the text a model trained here reads and writes."""
-    from tiderl.env.base import ENV_NAMES, make_env, observation_text
+    from tiderl.env.base import observation_text
+    from tiderl.env.registry import ENV_NAMES, make_env
 
     for name in ENV_NAMES:
         for seed in range(episodes_per_env):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiderl.models.loading import joined_eos
+from tiderl.models.folder import joined_eos
 from tiderl.models.qwen2 import chunked_target_logprobs
 
 

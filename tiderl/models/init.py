@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tiderl.models.config import TOKENIZER_KINDS
-from tiderl.models.loading import (
+from tiderl.models.folder import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
     INDEX_FILE,

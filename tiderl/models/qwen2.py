@@ -37,7 +37,7 @@ from tiderl.models.attention import (
 )
 
 if TYPE_CHECKING:
-    from tiderl.models.image_batch import BatchImages
+    from tiderl.models.image_rows import BatchImages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -2,7 +2,7 @@
 
 Text is lower-cased, split on whitespace, and every punctuation mark becomes its own token;
 words outside the list map to ``<unk>``. Decoding joins tokens with single spaces. Real
-checkpoints bring their own ``tokenizer.json`` (see :func:`tiderl.models.loading.load_tokenizer`).
+checkpoints bring their own ``tokenizer.json`` (see :func:`tiderl.models.folder.load_tokenizer`).
 """
 
 from __future__ import annotations

@@ -29,20 +29,35 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from tiderl.models.vision import Grid, VisionConfig
 
-if TYPE_CHECKING:  # the model module imports this one
-    from tiderl.models.qwen2_vl import Qwen2VLConfig
-
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_ASPECT_RATIO = 200
+
+
+class VisionModelConfig(Protocol):
+    """What this module reads of a vision model's config: a
+    :class:`~tiderl.models.qwen2_vl.Qwen2VLConfig` (a protocol, since the model module imports
+    this one)."""
+
+    @property
+    def vision(self) -> VisionConfig: ...
+
+    @property
+    def image_token_id(self) -> int: ...
+
+    @property
+    def vision_start_token_id(self) -> int: ...
+
+    @property
+    def vision_end_token_id(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -96,7 +111,7 @@ class ImageSettings:
                 "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}}
 
 
-def image_settings(folder: str | Path | None, config: Qwen2VLConfig) -> ImageSettings:
+def image_settings(folder: str | Path | None, config: VisionModelConfig) -> ImageSettings:
     """The folder's ``preprocessor_config.json`` settings, or the defaults with the model's
     patch sizes when it has none (or there is no folder: a model made in memory); a ValueError
     naming the file when it cannot be read."""
@@ -215,7 +230,7 @@ def batch_images(images: Sequence[ImageInput]) -> tuple[torch.Tensor, list[Grid]
     return torch.cat([i.pixel_values for i in images]), [i.grid for i in images]
 
 
-def image_placeholder_ids(num_tokens: int, config: Qwen2VLConfig) -> list[int]:
+def image_placeholder_ids(num_tokens: int, config: VisionModelConfig) -> list[int]:
     """An image's ids in the text: vision_start, ``num_tokens`` x image_pad, vision_end."""
     return [config.vision_start_token_id, *[config.image_token_id] * num_tokens,
             config.vision_end_token_id]

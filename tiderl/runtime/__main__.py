@@ -107,7 +107,7 @@ def _rank(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from tiderl.launch.affinity import parse_slot, pin_to_slot
+    from tiderl.runtime.affinity import parse_slot, pin_to_slot
     from tiderl.runtime.rank import RankArgs, RankDaemon
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiderl.models.image_batch import RowImages
+from tiderl.models.image_rows import RowImages
 from tiderl.trainer.sample import TrainSample
 
 

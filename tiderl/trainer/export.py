@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from tiderl.models.loading import TOKENIZER_FILE, copy_tokenizer_extras, save_state_dict
+from tiderl.models.folder import TOKENIZER_FILE, copy_tokenizer_extras, save_state_dict
 from tiderl.models.qwen2 import Qwen2Config
 
 VERSION_DIR = re.compile(r"^v(\d{8})$")

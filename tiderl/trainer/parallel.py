@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiderl.models.image_batch import BatchImages, PixelCache, RowImages, batch_images
+from tiderl.models.image_batch import PixelCache, batch_images
+from tiderl.models.image_rows import BatchImages, RowImages
 from tiderl.models.qwen2 import Qwen2ForCausalLM, packed_token_logprobs
 
 BACKENDS = ("ddp", "fsdp2", "megatron")

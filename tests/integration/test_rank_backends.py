@@ -85,7 +85,7 @@ def _daemon_run(ctx: RankContext, backend: str, port: int, run_dir: str) -> dict
     profile = load_profile("local", [f"trainer.backend={backend}", "trainer.lr=1e-3",
                                      "trainer.kl_beta=0", f"runtime.num_ranks={WORLD}",
                                      f"trainer.activation_checkpointing={backend == 'fsdp2'}",
-                                     "runtime.rollout_ranks=1", "runtime.steps=3"])
+                                     "runtime.rollout_ranks=1", "job.steps=3"])
     args = RankArgs(rank=ctx.rank, world_size=WORLD, run_dir=Path(run_dir), bus="",
                     dist_init=f"tcp://127.0.0.1:{port}", env_url="", role=START[ctx.rank])
     daemon = RankDaemon(args, profile)

@@ -52,7 +52,7 @@ def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
     dist.destroy_process_group()  # the daemon joins its own world, as in a job
     profile = load_profile("local", ["trainer.lr=1e-3", "trainer.kl_beta=0",
                                      "runtime.num_ranks=2", "runtime.rollout_ranks=1",
-                                     "runtime.steps=2", "runtime.collective_timeout_s=30"])
+                                     "job.steps=2", "runtime.collective_timeout_s=30"])
     args = RankArgs(rank=ctx.rank, world_size=2, run_dir=Path(run_dir), bus="",
                     dist_init=f"tcp://127.0.0.1:{port}", env_url="", role=A)
     daemon = RankDaemon(args, profile)

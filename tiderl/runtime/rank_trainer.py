@@ -93,7 +93,7 @@ class TrainerRoles:
             model.freeze_vision(not self.profile.trainer.train_vision)
         backend = self._backend(model, self.actor_set)
         self.actor = ActorWorker(backend, self.profile.trainer, self.version,
-                                 total_steps=self.profile.runtime.steps)
+                                 total_steps=self.profile.job.steps)
 
     @property
     def _rewraps(self) -> bool:

@@ -26,6 +26,7 @@ from machine import machine_info
 
 from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook
 from tiderl.core.ers import ERSConfig, ERSInput, ERSPolicy
+from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, choose_mode
 from tiderl.core.readiness import readiness_signals
 from tiderl.core.types import Admit, Group, Mode, Pause, Ra2pTimings, Role, Task
@@ -173,7 +174,8 @@ def run_ers(reps: int) -> dict:
         times = ready_times(rng, 64, rng.randint(0, 64))
         signals = readiness_signals(times, 0.0, now=30.0, samples_per_mb=8)
         inp = ERSInput(step=10 + i, is_eval_step=False, signals=signals, step_duration_s=30.0,
-                       roles=roles, mode=Mode.DECOUPLED, timings=TIMINGS, num_micro_batches=64)
+                       roles=roles, mode=Mode.DECOUPLED, timings=TIMINGS, num_micro_batches=64,
+                       batch=BatchBounds(min=32, ideal=64))
         t0 = time.perf_counter()
         policy.plan(inp)
         samples.append(time.perf_counter() - t0)

@@ -40,7 +40,7 @@ WORKLOAD = [
     "env.step_latency.kind=lognormal", "env.step_latency.median_s=0.2",
     "env.step_latency.sigma=0.8", "engine.kv_cache_tokens=4096", "engine.max_new_tokens=8",
     f"engine.max_num_seqs={MAX_NUM_SEQS}", "runtime.num_ranks=2", "runtime.rollout_ranks=1",
-    "ers.enabled=false", "runtime.group_size=8", "ers.batch_min=64", "ers.batch_ideal=64",
+    "ers.enabled=false", "job.group_size=8", "job.batch_min_groups=8", "job.batch_groups=8",
 ]
 POLICIES = {
     "ctb": ["ctb.policy=ctb"],

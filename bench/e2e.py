@@ -50,7 +50,7 @@ WORKLOAD = [
     "env.envs=[guess,shop]", "env.max_turns=8", "env.step_latency.kind=lognormal",
     "env.step_latency.median_s=0.15", "env.step_latency.sigma=1.0",
     "engine.kv_cache_tokens=4096", "engine.max_new_tokens=12",
-    "runtime.num_ranks=4", "runtime.group_size=8", "ers.batch_min=16", "ers.batch_ideal=32",
+    "runtime.num_ranks=4", "job.group_size=8", "job.batch_min_groups=2", "job.batch_groups=4",
 ]
 GUI_WORKLOAD = [
     "env.envs=[gui]", "env.tasks={}", "env.options={}", "env.max_turns=12",
@@ -58,7 +58,7 @@ GUI_WORKLOAD = [
     "env.step_latency.sigma=1.0", "env.start_latency.kind=lognormal",
     "env.start_latency.median_s=0.5", "env.start_latency.sigma=0.7",
     "engine.kv_cache_tokens=4096", "engine.max_new_tokens=12",
-    "runtime.num_ranks=4", "runtime.group_size=8", "ers.batch_min=16", "ers.batch_ideal=32",
+    "runtime.num_ranks=4", "job.group_size=8", "job.batch_min_groups=2", "job.batch_groups=4",
 ]
 FIXED_SPLIT = 2  # the stream baseline's split and tiderl's initial one
 
@@ -183,10 +183,10 @@ def simulated_table2() -> dict:
     """The simulator's paper Table 2 (``profiles/sim/table2.yaml``: OSWorld, a 4B VL model on
     32 H100s; stream, +RA2P, +ERS, +CTB), with the paper's figures."""
     from tiderl.profile import load_profile
+    from tiderl.profile.scenario import scenario_of
     from tiderl.sim.experiments import run_experiment
-    from tiderl.sim.runner import scenario_from_profile
 
-    result = run_experiment("table2", scenario_from_profile(load_profile("sim/table2")))
+    result = run_experiment("table2", scenario_of(load_profile("sim/table2")))
     return {"simulated": result.headline, "paper": result.paper}
 
 

@@ -49,7 +49,7 @@ BACKENDS = ("embedded", "http")
 
 def job_round(backend: str, steps: int, root: Path, tag: str) -> dict:
     profile = load_profile("local", [*WORKLOAD, f"engine.backend={backend}",
-                                     f"runtime.steps={steps}"])
+                                     f"job.steps={steps}"])
     start = time.monotonic()
     job = run_local(profile, run_root=root, job_id=f"{backend}-{tag}")
     wall = time.monotonic() - start

@@ -24,8 +24,8 @@ from pathlib import Path
 from machine import machine_info, write_result
 
 from tiderl.profile import load_profile
+from tiderl.profile.scenario import scenario_of
 from tiderl.sim.cluster import simulate
-from tiderl.sim.runner import scenario_from_profile
 from tiderl.sim.scenario import SYSTEMS
 
 FIXED_SHARES = (0.125, 0.25, 0.375, 0.5, 0.625)
@@ -34,7 +34,7 @@ PLANNERS = ("rules", "predictive")
 
 def run_one(profile: str, system: str, overrides: tuple[str, ...]) -> dict[str, object]:
     t0 = time.perf_counter()
-    result = simulate(SYSTEMS[system], scenario_from_profile(load_profile(profile,
+    result = simulate(SYSTEMS[system], scenario_of(load_profile(profile,
                                                                           list(overrides))))
     row: dict[str, object] = {"goodput_tok_s": round(result.goodput_tok_s, 1),
                               "wall_s": round(result.wall_s, 1),

@@ -69,10 +69,9 @@ LATENCY = {"zero": ["env.step_latency.kind=none"],
 
 def game_overrides(groups: int, max_turns: int, max_new_tokens: int) -> list[str]:
     """What both sides play: the local profile's guess game, pinned here."""
-    batch = groups * GROUP_SIZE
     return ["env.envs=[guess]", "env.tasks={guess: '1 4'}", f"env.max_turns={max_turns}",
-            f"engine.max_new_tokens={max_new_tokens}", f"runtime.group_size={GROUP_SIZE}",
-            f"ers.batch_min={batch}", f"ers.batch_ideal={batch}", "trainer.kl_beta=0"]
+            f"engine.max_new_tokens={max_new_tokens}", f"job.group_size={GROUP_SIZE}",
+            f"job.batch_min_groups={groups}", f"job.batch_groups={groups}", "trainer.kl_beta=0"]
 
 
 @dataclass
@@ -211,7 +210,7 @@ def main() -> None:
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="tiderl-job-vs-bare-") as tmp:
         for latency, overrides in LATENCY.items():
-            profile = load_profile("local", [*game, *overrides, f"runtime.steps={steps}"])
+            profile = load_profile("local", [*game, *overrides, f"job.steps={steps}"])
             for side in ("bare", "job"):
                 name = f"{side}-{latency}"
                 print(f"{name}: {steps} steps ...", file=sys.stderr)

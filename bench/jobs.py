@@ -23,7 +23,7 @@ class JobRun:
 def run_job(name: str, overrides: list[str], steps: int, root: Path, note) -> JobRun:
     """Run the local profile with ``overrides`` for ``steps`` steps as job ``name`` under
     ``root``; SystemExit naming its logs if it fails."""
-    profile = load_profile("local", [*overrides, f"runtime.steps={steps}"])
+    profile = load_profile("local", [*overrides, f"job.steps={steps}"])
     note(f"{name}: {steps} steps ...")
     start = time.monotonic()
     job = run_local(profile, run_root=root, job_id=name)

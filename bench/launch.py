@@ -56,7 +56,7 @@ def _hosts(folder: Path, a, b) -> Path:
 
 
 def _one_job(kind: str, hosts_path: Path, run_root: Path) -> dict:
-    profile = load_profile("local", [*SMALL_JOB, f"runtime.steps={STEPS}"])
+    profile = load_profile("local", [*SMALL_JOB, f"job.steps={STEPS}"])
     started: dict[str, float] = {}
     t0 = time.monotonic()
 
@@ -88,7 +88,7 @@ def _timed(*args: str) -> tuple[float, subprocess.CompletedProcess]:
 
 def _control(hosts_path: Path, run_root: Path, folder: Path) -> dict:
     argv = [*tiderl_command(), "launch", "--nodes", str(hosts_path), "--run-root",
-            str(run_root), "--set", "runtime.steps=1000"]
+            str(run_root), "--set", "job.steps=1000"]
     for item in SMALL_JOB:
         argv += ["--set", item]
     log = (folder / "launcher.log").open("w")

@@ -16,8 +16,8 @@ from pathlib import Path
 from machine import machine_info, write_result
 
 from tiderl.profile import load_profile
+from tiderl.profile.scenario import scenario_of
 from tiderl.sim.cluster import simulate
-from tiderl.sim.runner import scenario_from_profile
 from tiderl.sim.scenario import SYSTEMS
 
 TARGET_S = 30.0
@@ -29,8 +29,8 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=32)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed.json"))
     args = parser.parse_args()
-    profile = load_profile("sim/cluster32", [f"sim.steps={args.steps}", f"sim.gpus={args.gpus}"])
-    scenario = scenario_from_profile(profile)
+    profile = load_profile("sim/cluster32", [f"job.steps={args.steps}", f"sim.gpus={args.gpus}"])
+    scenario = scenario_of(profile)
     per_system = {}
     for name in ("sync", "async", "stream", "tiderl"):
         t0 = time.perf_counter()
@@ -44,8 +44,8 @@ def main() -> int:
         "total_wall_s": round(total, 2),
         "target_s": TARGET_S,
         "meets_target": total <= TARGET_S,
-        "scenario": {"workload": scenario.workload, "model": scenario.model,
-                     "gpus": scenario.gpus, "steps": scenario.steps},
+        "scenario": {"workload": scenario.sim.workload, "model": scenario.sim.model,
+                     "gpus": scenario.sim.gpus, "steps": scenario.job.steps},
         "per_system": per_system,
         "machine": machine_info(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -18,8 +18,9 @@ from pathlib import Path
 from machine import machine_info, write_result
 
 from tiderl.profile import load_profile
+from tiderl.profile.scenario import scenario_of
 from tiderl.sim.report import write_sweep_heatmap
-from tiderl.sim.runner import run_profile_sweep
+from tiderl.sim.runner import run_scenario_sweep
 
 
 def main() -> int:
@@ -28,7 +29,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_sweep.json"))
     args = parser.parse_args()
     t0 = time.perf_counter()
-    payload = run_profile_sweep(load_profile(args.profile, []))
+    payload = run_scenario_sweep(scenario_of(load_profile(args.profile, [])))
     plot = write_sweep_heatmap(payload.pop("result"), Path(args.out).with_suffix(".png"))
     payload.update({"profile": args.profile, "plot": plot.name,
                     "wall_s": round(time.perf_counter() - t0, 1), "machine": machine_info(),

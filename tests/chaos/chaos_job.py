@@ -77,7 +77,7 @@ def launch(run_root: Path, *overrides: str, steps: int = 6, resume: str | None =
     if resume is not None:
         argv += ["--resume", resume]
     else:
-        argv += ["--set", f"runtime.steps={steps}"]
+        argv += ["--set", f"job.steps={steps}"]
         for item in (*CHAOS_JOB, *overrides):
             argv += ["--set", item]
     with log.open("w") as out:

@@ -164,7 +164,7 @@ def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path, mode):
     """async runs a batch ahead: its checkpoints hold ready groups, restored with their
     samples; tiderl streams them into the step, so its hold groups rolling out, run again."""
     with chaos(tmp_path) as jobs:
-        ahead = ("runtime.num_ranks=4", "runtime.rollout_ranks=3", "runtime.max_staleness=2") \
+        ahead = ("runtime.num_ranks=4", "runtime.rollout_ranks=3", "job.max_staleness=2") \
             if mode == "async" else ()
         job, _, run_dir = started(jobs, tmp_path, f"runtime.mode={mode}", *ahead)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
@@ -288,7 +288,7 @@ def test_the_environment_service_stopped_past_its_deadline_drops_groups_not_the_
     dropped (and counted), the staleness window is freed at once, and the job goes on when the
     service does (no deadlock at staleness 0)."""
     with chaos(tmp_path) as jobs:
-        job, state, run_dir = started(jobs, tmp_path, "runtime.max_staleness=0",
+        job, state, run_dir = started(jobs, tmp_path, "job.max_staleness=0",
                                       "env.request_timeout_s=2", "env.call_deadline_s=4")
         job.until(lambda: steps_done(run_dir) >= 1, "step 1")
         kill(state, "env", signal.SIGSTOP)

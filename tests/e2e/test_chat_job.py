@@ -19,11 +19,11 @@ from tiderl.models.vocab import UNK
 from tiderl.profile import load_profile
 
 JOB = [
-    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
-    "ers.batch_min=4", "ers.batch_ideal=8", "env.envs=[calc]", "env.tasks={}", "env.options={}",
-    "env.max_turns=3",
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=4",
+    "job.batch_min_groups=1", "job.batch_groups=2", "env.envs=[calc]", "env.tasks={}",
+    "env.options={}", "env.max_turns=3",
     "engine.max_new_tokens=24", "engine.kv_cache_tokens=4096", "runtime.heartbeat_s=0.5",
-    "runtime.steps=2", "logging.rollouts=true", "report.plots=false",
+    "job.steps=2", "logging.rollouts=true", "report.plots=false",
 ]
 
 

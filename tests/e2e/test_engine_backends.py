@@ -18,8 +18,8 @@ from tiderl.profile import load_profile
 from tiderl.trainer.export import versions
 
 SMALL = [
-    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
-    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=4",
+    "job.batch_min_groups=1", "job.batch_groups=2", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
     "report.plots=false", "engine.backend=http",  # last: SMALL[:-1] is on the embedded engine
 ]
@@ -39,7 +39,7 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     cold start wakes rank 2's server at launch (weights from disk) and puts it back to sleep
     after step 0; every new version reaches the rollout servers as an HF folder; CTB's pins
     reach rank 0's server (its pin counter, read while the job runs)."""
-    profile = load_profile("local", [*SMALL, "runtime.steps=3"])
+    profile = load_profile("local", [*SMALL, "job.steps=3"])
     pins: list[float] = []
     outsiders: set[int] = set()  # what the job's servers answer a request without its token
 
@@ -62,7 +62,7 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     # trained on tokens of the versions the servers loaded: with stale versions (a server that
     # never took an update) step 2's groups would all be dropped as older than the bound
     assert all(m["trained_samples"] >= 4 and m["reward_mean"] is not None for m in metrics)
-    assert all(m["staleness_max"] <= profile.runtime.max_staleness for m in metrics)
+    assert all(m["staleness_max"] <= profile.job.max_staleness for m in metrics)
     assert any(m["kv_hit_rate"] for m in metrics)  # later turns hit the server's prefix cache
     state = JobState.load(run_dir)
     assert [p.name for p in state.processes if p.kind == "engine"] == [
@@ -87,7 +87,7 @@ def test_ctb_pauses_tasks_on_engine_servers(tmp_path):
     the job runs, and every group is trained, dropped or accounted as still out (a server
     killed or stopped under a job: tests/chaos). CTB admits by headroom alone here: with its
     growth projection it would place one task per rank, which it never pauses."""
-    profile = load_profile("local", [*SMALL, "runtime.steps=4", "runtime.rollout_ranks=2",
+    profile = load_profile("local", [*SMALL, "job.steps=4", "runtime.rollout_ranks=2",
                                      "ers.enabled=false", "ctb.budget_fraction=0.05",
                                      "ctb.project_growth=false"])
     paused: list[float] = []
@@ -114,7 +114,7 @@ def _launch_error(profile, tmp_path: Path) -> str:
 
 
 def test_an_engine_server_that_cannot_start_stops_the_launch_in_one_line(tmp_path):
-    profile = load_profile("local", [*SMALL, "runtime.steps=3",
+    profile = load_profile("local", [*SMALL, "job.steps=3",
                                      "engine.server_args=[--no-such-flag]"])
     message = _launch_error(profile, tmp_path)
     assert re.fullmatch(r"engine\d exited with code 2: .*No such option: --no-such-flag.* "
@@ -126,7 +126,7 @@ def test_a_rank_that_dies_before_the_job_is_up_stops_the_launch_in_one_line(tmp_
     broken.mkdir()
     # a Qwen2 config.json without its fields: passes the launcher's checks, fails in a rank
     (broken / "config.json").write_text('{"model_type": "qwen2"}')
-    profile = load_profile("local", [*SMALL[:-1], "runtime.steps=3", f"model.path={broken}"])
+    profile = load_profile("local", [*SMALL[:-1], "job.steps=3", f"model.path={broken}"])
     message = _launch_error(profile, tmp_path)
     assert re.fullmatch(r"rank\d exited with code 1: .*broken-model/config\.json: .* "
                         r"\(see .*/bad/logs/rank\d\.log\)", message), message

@@ -25,15 +25,15 @@ from tiderl.runtime.bus import (
 from tiderl.runtime.report import IMAGES
 
 SMALL = [
-    "runtime.num_ranks=3", "runtime.rollout_ranks=2", "runtime.group_size=4",
-    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "runtime.num_ranks=3", "runtime.rollout_ranks=2", "job.group_size=4",
+    "job.batch_min_groups=1", "job.batch_groups=2", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
     "report.plots=false",  # the report's figures: drawn by the jobs of the tests that read them
 ]
 
 
 def _small(steps: int, *extra: str):
-    return load_profile("local", [*SMALL, f"runtime.steps={steps}", *extra])
+    return load_profile("local", [*SMALL, f"job.steps={steps}", *extra])
 
 
 def _read(path: Path) -> list[dict]:
@@ -78,7 +78,7 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     metrics = _read(result.run_dir / "metrics.jsonl")
     events = _read(result.run_dir / "events.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert all(m["staleness_max"] <= profile.runtime.max_staleness for m in metrics)
+    assert all(m["staleness_max"] <= profile.job.max_staleness for m in metrics)
     assert all(4 <= m["trained_samples"] <= 8 and m["trained_samples"] % 4 == 0
                for m in metrics)
     assert all(0 < m["trained_loss_tokens"] < m["trained_tokens"] for m in metrics)
@@ -117,7 +117,7 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
     extra = ["runtime.mode=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
-        ["runtime.mode=stream", "runtime.eval_every=1", "runtime.eval_groups=1"]
+        ["runtime.mode=stream", "job.eval_every=1", "job.eval_groups=1"]
     profile = _small(2, *extra)
     result = run_local(profile, run_root=tmp_path)
     assert result.exit_code == 0

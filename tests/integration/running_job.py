@@ -17,8 +17,8 @@ from tiderl.launch.local import JOB_FILE, JobState, LaunchError, stop_processes
 
 # 3 ranks (1 rollout, 2 actors), short turns: a step every few seconds on 2 cores
 SMALL_JOB = [
-    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
-    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=4",
+    "job.batch_min_groups=1", "job.batch_groups=2", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
     "report.plots=false",  # the report's figures: drawn by the jobs of the tests that read them
 ]
@@ -33,7 +33,7 @@ def running_job(run_root: Path, *overrides: str, steps: int = 200, wait_steps: i
     run_root.mkdir(parents=True, exist_ok=True)
     log = (run_root / "launcher.log").open("w")
     argv = [*tiderl_command(), "launch", "--run-root", str(run_root),
-            "--set", f"runtime.steps={steps}"]
+            "--set", f"job.steps={steps}"]
     for item in (*SMALL_JOB, *overrides):
         argv += ["--set", item]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -22,5 +22,5 @@ def test_set_errors_say_what_to_change():
                     "trainer ranks: mode tiderl needs at least 2, e.g. runtime.num_ranks=2 with "
                     "runtime.rollout_ranks=1")
     line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", "runtme.steps=3"), 2)
-    assert line == ("error: --set runtme.steps: unknown key 'runtme' (known: model, engine, env, "
-                    "trainer, ctb, ra2p, ers, runtime, logging, report, sim)")
+    assert line == ("error: --set runtme.steps: unknown key 'runtme' (known: job, model, engine, "
+                    "env, trainer, ctb, ra2p, ers, runtime, logging, report, sim)")

@@ -26,7 +26,7 @@ STEP_LINE = re.compile(r"^step (\d+)/(\d+)  ")
 
 
 def small_job_args(run_root: Path, steps: int) -> list[str]:
-    args = ["launch", "--run-root", str(run_root), "--set", f"runtime.steps={steps}"]
+    args = ["launch", "--run-root", str(run_root), "--set", f"job.steps={steps}"]
     for item in SMALL_JOB:
         args += ["--set", item]
     return args

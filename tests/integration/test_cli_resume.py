@@ -18,7 +18,7 @@ def stopped_job(run_root, steps: int, version: int, pid: int = 0):
     """A run folder as a killed job leaves it: job.json, profile.yaml, a checkpoint."""
     run_dir = run_root / "20261202-000000-tiderl"
     (run_dir / "checkpoints").mkdir(parents=True)
-    profile = load_profile("local", [f"runtime.steps={steps}", "runtime.num_ranks=2",
+    profile = load_profile("local", [f"job.steps={steps}", "runtime.num_ranks=2",
                                      "runtime.rollout_ranks=1"])
     (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile)))
     processes = [ProcessRecord("coordinator", "coordinator", pid, str(run_dir / "logs/c.log"),
@@ -38,7 +38,7 @@ def test_resume_refuses_an_unknown_job_a_running_one_a_finished_one_and_a_new_sh
     run_dir = stopped_job(root, steps=4, version=4)
     line = assert_one_line_error(tiderl("launch", "--resume", "latest", "--run-root", str(root)),
                                  1)
-    assert "is complete: step 4 of 4 (--set runtime.steps=N trains on)" in line
+    assert "is complete: step 4 of 4 (--set job.steps=N trains on)" in line
     line = assert_one_line_error(tiderl("launch", "--resume", run_dir.name, "--run-root",
                                         str(root), "--set", "runtime.num_ranks=3"), 2)
     assert "runtime.num_ranks is 2 in the job, --set makes it 3" in line

@@ -27,8 +27,8 @@ def test_fig14_experiment_json_and_plot(tmp_path):
 
 
 def test_policy_comparison_on_a_small_profile(tmp_path):
-    proc = tiderl("sim", "sim/cluster32", "--set", "sim.steps=3", "--set", "sim.gpus=8",
-                  "--set", "sim.eval_every=0", "--set", "sim.workload=webshop",
+    proc = tiderl("sim", "sim/cluster32", "--set", "job.steps=3", "--set", "sim.gpus=8",
+                  "--set", "job.eval_every=0", "--set", "sim.workload=webshop",
                   "--policies", "areal,tiderl", "--json", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -41,8 +41,8 @@ def test_policy_comparison_on_a_small_profile(tmp_path):
 
 
 def test_policies_compare_systems_on_a_profile_that_names_an_experiment(tmp_path):
-    proc = tiderl("sim", "sim/fig8", "--set", "sim.steps=2", "--set", "sim.gpus=8",
-                  "--set", "sim.eval_every=0", "--policies", "tiderl", "--json",
+    proc = tiderl("sim", "sim/fig8", "--set", "job.steps=2", "--set", "sim.gpus=8",
+                  "--set", "job.eval_every=0", "--policies", "tiderl", "--json",
                   "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)

@@ -40,8 +40,8 @@ def run_in_terminal(tmux: str, command: list[str], timeout_s: float = 600.0) -> 
 def test_sim_shows_progress_and_its_tables_fit_80_columns(tmp_path):
     tmux = require_tmux()
     text = run_in_terminal(tmux, [
-        *tiderl_command(), "sim", "sim/cluster32", "--set", "sim.steps=2", "--set", "sim.gpus=8",
-        "--set", "sim.eval_every=0", "--set", "sim.workload=webshop", "--out", str(tmp_path)])
+        *tiderl_command(), "sim", "sim/cluster32", "--set", "job.steps=2", "--set", "sim.gpus=8",
+        "--set", "job.eval_every=0", "--set", "sim.workload=webshop", "--out", str(tmp_path)])
     lines = text.rstrip().splitlines()
     assert "EXIT=0" in lines, text
     tables = [line for line in lines if line[:1] in "┏┃┡│└"]

@@ -37,8 +37,8 @@ from tiderl.runtime.coordinator import Coordinator
 from tiderl.runtime.records import CoordinatorError
 from tiderl.runtime.run_log import RunLog
 
-JOB = ["runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=2",
-       "ers.batch_min=2", "ers.batch_ideal=2", "runtime.steps=3", "runtime.max_staleness=1",
+JOB = ["runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=2",
+       "job.batch_min_groups=1", "job.batch_groups=1", "job.steps=3", "job.max_staleness=1",
        "runtime.heartbeat_s=1", "runtime.heartbeat_misses=2", "engine.max_new_tokens=8"]
 
 
@@ -291,7 +291,7 @@ def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tm
         job._declare_dead(0, "missed heartbeats")  # the rollout rank, stopped (SIGSTOP)
         ranks.drain(0)
         ranks.send(0, finished(0, "g0.0", 1.0))  # ... and back (SIGCONT): nothing counts
-        assert "g0" not in job.controller.groups.trained_ids and not job.groups["g0"].finished
+        assert "g0" not in job.controller.feed.count.trained_ids and not job.groups["g0"].finished
         assert [type(m).__name__ for m in ranks.drain(0)] == ["Shutdown"]
         (dropped,) = events(tmp_path, "message_dropped")
         assert dropped["why"] == "the rank was declared dead"

@@ -125,10 +125,10 @@ def test_sglang_client_updates_from_disk_releases_and_resumes_memory(models):
 
 
 SMALL = [
-    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.group_size=4",
-    "ers.batch_min=4", "ers.batch_ideal=8", "env.max_turns=4", "engine.max_new_tokens=8",
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=4",
+    "job.batch_min_groups=1", "job.batch_groups=2", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
-    "runtime.steps=2", "report.plots=false",
+    "job.steps=2", "report.plots=false",
 ]
 
 

@@ -12,9 +12,9 @@ BROKEN = "tests.integration.broken_env:OffScreen"
 
 def test_a_job_whose_tasks_all_fail_stops_with_the_reason(tmp_path):
     profile = load_profile("local", [
-        "runtime.num_ranks=2", "runtime.rollout_ranks=1", "runtime.group_size=2",
-        "ers.batch_min=2", "ers.batch_ideal=4", f"env.envs=[{BROKEN}]", "env.tasks={}",
-        "env.options={}", "runtime.steps=2", "runtime.heartbeat_s=0.5", "report.plots=false"])
+        "runtime.num_ranks=2", "runtime.rollout_ranks=1", "job.group_size=2",
+        "job.batch_min_groups=1", "job.batch_groups=2", f"env.envs=[{BROKEN}]", "env.tasks={}",
+        "env.options={}", "job.steps=2", "runtime.heartbeat_s=0.5", "report.plots=false"])
     result = run_local(profile, run_root=tmp_path)
     log = (result.run_dir / "logs" / "coordinator.log").read_text()
     assert result.exit_code != 0, log[-2000:]

@@ -48,7 +48,7 @@ def _hosts_yaml(path: Path, a: SSHNode, b: SSHNode, **node_b) -> Path:
 
 def _launch_argv(hosts: Path, run_root: Path, steps: int) -> list[str]:
     argv = ["launch", "--nodes", str(hosts), "--run-root", str(run_root),
-            "--set", f"runtime.steps={steps}"]
+            "--set", f"job.steps={steps}"]
     for item in SMALL_JOB:
         argv += ["--set", item]
     return argv

@@ -23,11 +23,11 @@ from tiderl.core.step_control import StepController
 from tiderl.core.system import StepMode
 from tiderl.launch.plan import initial_roles
 from tiderl.profile import ProfileError, load_profile, profile_to_dict
-from tiderl.runtime.config import control_config
 from tiderl.runtime.log_backends import TensorBoardWriter, open_writers
 from tiderl.runtime.records import Dataset
 from tiderl.runtime.report import write_report
 from tiderl.runtime.run_log import RunLog
+from tiderl.runtime.step_config import step_config
 
 ROLES = ("rollout", "rollout", "actor", "actor")
 
@@ -52,7 +52,7 @@ def test_each_step_record_reaches_tensorboard_and_an_offline_wandb_run(tmp_path,
     run_dir.mkdir()
     profile = load_profile("local", ["logging.backends=[jsonl, tensorboard, wandb]"])
     assert profile.logging.backends == ["jsonl", "tensorboard", "wandb"]
-    controller = StepController(control_config(profile), initial_roles(profile),
+    controller = StepController(step_config(profile), initial_roles(profile),
                                 Dataset(profile).group, now=0.0)
     run_log = RunLog(run_dir, lambda: 0.0,
                      writers=open_writers(profile.logging, run_dir, profile_to_dict(profile)))
@@ -126,7 +126,7 @@ def test_a_listed_backend_that_is_not_installed_stops_the_launch_in_one_line(tmp
             "sys.exit(main())")
     proc = subprocess.run(
         [sys.executable, "-c", code, "launch", "--run-root", str(tmp_path),
-         "--set", "logging.backends=[jsonl,tensorboard,wandb]", "--set", "runtime.steps=1"],
+         "--set", "logging.backends=[jsonl,tensorboard,wandb]", "--set", "job.steps=1"],
         capture_output=True, text=True, timeout=60)
     line = assert_one_line_error(proc, 2)
     assert line == ("error: tiderl launch: logging.backends: wandb is listed but not installed "

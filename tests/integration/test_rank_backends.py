@@ -52,8 +52,8 @@ def _steps(vocab: int) -> list[StreamedStep]:
 
 
 async def _play(daemon: RankDaemon) -> None:
-    assert daemon.model_config is not None
-    steps = _steps(daemon.model_config.vocab_size)
+    assert daemon.world.kit is not None
+    steps = _steps(daemon.world.kit.config.vocab_size)
     members = list(range(WORLD))
     roles = START
     for step, (new_roles, actors) in enumerate(PLAN):
@@ -65,8 +65,8 @@ async def _play(daemon: RankDaemon) -> None:
                 seq=step, version=step, src_rank=src, roles=[r.value for r in new_roles],
                 members=members, joiners=sorted(new_actors - old_actors)))
             roles = new_roles
-        daemon.streams[(step, 0)] = steps[step]
-        await daemon._train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
+        daemon.trainer.streams[(step, 0)] = steps[step]
+        await daemon.train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
                                       ref_ranks=[], actor_ranks=actors, max_aggregate=2))
 
 
@@ -85,16 +85,17 @@ def _daemon_run(ctx: RankContext, backend: str, port: int, run_dir: str) -> dict
     profile = load_profile("local", [f"trainer.backend={backend}", "trainer.lr=1e-3",
                                      "trainer.kl_beta=0", f"runtime.num_ranks={WORLD}",
                                      f"trainer.activation_checkpointing={backend == 'fsdp2'}",
-                                     "runtime.rollout_ranks=1", "runtime.steps=3"])
+                                     "runtime.rollout_ranks=1", "job.steps=3"])
     args = RankArgs(rank=ctx.rank, world_size=WORLD, run_dir=Path(run_dir), bus="",
                     dist_init=f"tcp://127.0.0.1:{port}", env_url="", role=START[ctx.rank])
     daemon = RankDaemon(args, profile)
     daemon.setup(START)
     sent: list = []
-    daemon._send = sent.append  # what the rank would put on the bus
+    daemon.link.send = sent.append  # what the rank would put on the bus
     asyncio.run(_play(daemon))
     done = [m for m in sent if isinstance(m, StepDone)]
-    weights = daemon.actor.backend.full_state_dict() if daemon.actor is not None else {}
+    actor = daemon.trainer.actor
+    weights = actor.backend.full_state_dict() if actor is not None else {}
     return {"losses": {m.step: m.loss for m in done}, "grad_norms": {m.step: m.grad_norm
                                                                       for m in done},
             "role": daemon.role.value, "version": daemon.version,

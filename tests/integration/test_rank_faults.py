@@ -24,15 +24,15 @@ A, IDLE = Role.ACTOR, Role.IDLE
 
 
 def train(daemon: RankDaemon, steps, step: int, actors: list[int], attempt: int = 0):
-    daemon.streams[(step, attempt)] = steps[step]
-    return daemon._train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
+    daemon.trainer.streams[(step, attempt)] = steps[step]
+    return daemon.train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
                                    ref_ranks=[], actor_ranks=actors, max_aggregate=2,
                                    attempt=attempt))
 
 
 async def _play(daemon: RankDaemon, variant: str) -> None:
-    assert daemon.model_config is not None
-    steps = _steps(daemon.model_config.vocab_size)
+    assert daemon.world.kit is not None
+    steps = _steps(daemon.world.kit.config.vocab_size)
     await train(daemon, steps, 0, [0, 1])
     members = [0] if variant == "died" else [0, 1]
     if variant == "died":
@@ -40,7 +40,7 @@ async def _play(daemon: RankDaemon, variant: str) -> None:
             dist.destroy_process_group()
             return
         await train(daemon, steps, 1, [0, 1])  # fails in the reduction, without an update
-        steps = _steps(daemon.model_config.vocab_size)  # the coordinator sends them again
+        steps = _steps(daemon.world.kit.config.vocab_size)  # the coordinator sends them again
     await daemon._boundary(SyncWeights(seq=5, version=1, src_rank=0, roles=[A.value, IDLE.value],
                                        members=members))
     if daemon.rank == 0:
@@ -52,19 +52,20 @@ def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
     dist.destroy_process_group()  # the daemon joins its own world, as in a job
     profile = load_profile("local", ["trainer.lr=1e-3", "trainer.kl_beta=0",
                                      "runtime.num_ranks=2", "runtime.rollout_ranks=1",
-                                     "runtime.steps=2", "runtime.collective_timeout_s=30"])
+                                     "job.steps=2", "runtime.collective_timeout_s=30"])
     args = RankArgs(rank=ctx.rank, world_size=2, run_dir=Path(run_dir), bus="",
                     dist_init=f"tcp://127.0.0.1:{port}", env_url="", role=A)
     daemon = RankDaemon(args, profile)
     daemon.setup([A, A])
     sent: list = []
-    daemon._send = sent.append  # what the rank would put on the bus
+    daemon.link.send = sent.append  # what the rank would put on the bus
     asyncio.run(_play(daemon, variant))
-    weights = daemon.actor.backend.full_state_dict() if daemon.actor is not None else {}
+    actor = daemon.trainer.actor
+    weights = actor.backend.full_state_dict() if actor is not None else {}
     return {"sent": [(type(m).__name__, m.step, m.attempt, getattr(m, "updated", None),
                       getattr(m, "error", "")) for m in sent
                      if isinstance(m, StepDone | StepFailed)],
-            "version": daemon.version, "actor_set": daemon.actor_set,
+            "version": daemon.version, "actor_set": daemon.trainer.actor_set,
             "weights": {k: v.clone() for k, v in weights.items()}}
 
 

@@ -171,7 +171,7 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
         folder.mkdir()
         rollout = 3 if mode == "sync" else 1
         profile = load_profile("local", ["runtime.num_ranks=3", f"runtime.rollout_ranks={rollout}",
-                                         f"runtime.mode={mode}", f"runtime.steps={steps}"])
+                                         f"runtime.mode={mode}", f"job.steps={steps}"])
         roles = [Role.ROLLOUT] * 3 if mode == "sync" else [Role.ROLLOUT, Role.ACTOR, Role.ACTOR]
         return profile, roles
 
@@ -204,8 +204,8 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
         (dropped,) = [r for r in [b.recv(1.0)] if r is not None]
         assert (dropped.ref, dropped.status, dropped.reason) == (7, "refused",
                                                                  "withdrawn by --auto")
-        assert job.controller.manual_pending is None and not job.controller.is_manual_held
-        job.controller.step = 4  # the last step runs: no boundary is left for a plan
+        assert job.controller.manual.pending is None and not job.controller.manual.is_held
+        job.controller.state.step = 4  # the last step runs: no boundary is left for a plan
         (reply,) = ask(job, server, a, Rebalance(seq=3, rollout=2, trainer=1))
         assert reply.status == "refused" and reply.reason.startswith("the job is finishing")
         job.log.close()

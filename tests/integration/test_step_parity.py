@@ -25,6 +25,7 @@ import pytest
 
 from tests.integration.bus_ranks import Clock, Ranks
 from tiderl.core.commands import RecordStep
+from tiderl.core.job import JobShape
 from tiderl.core.step_control import LayoutLimits
 from tiderl.core.system import System, SystemSpec
 from tiderl.launch.plan import initial_roles
@@ -37,30 +38,33 @@ from tiderl.runtime.bus import (
     TurnData,
     TurnReport,
 )
-from tiderl.runtime.config import control_config as runtime_config
 from tiderl.runtime.coordinator import Coordinator
 from tiderl.runtime.run_log import RunLog
+from tiderl.runtime.step_config import step_config as runtime_config
 from tiderl.sim.cluster import Cluster
-from tiderl.sim.cluster import control_config as sim_config
+from tiderl.sim.cluster import step_config as sim_config
+from tiderl.sim.config import SimConfig
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.workload import TaskPlan
 
 CONTROLLER_EVENTS = ("launch", "group_ready", "step_done", "boundary_acked")
 ROLLOUT_EVENTS = ("schedule", "turn_started", "turn_done", "task_finished", "stalled")
-SCENARIO = SimScenario(workload="webshop", model="qwen3-vl-4b", gpus=3, steps=3, group_size=2,
-                       batch_groups=2, batch_min_groups=1, rollout_ratio=0.34, seed=5,
-                       eval_groups=1)
+SCENARIO = SimScenario(
+    sim=SimConfig(workload="webshop", model="qwen3-vl-4b", gpus=3, rollout_ratio=0.34, seed=5),
+    job=JobShape(steps=3, group_size=2, batch_groups=2, batch_min_groups=1, eval_groups=1))
 PROFILE = [  # the same job as a runtime profile (a 4B model's KV capacity on an H100)
-    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "runtime.steps=3", "runtime.group_size=2",
-    "runtime.max_staleness=1", "runtime.heartbeat_s=1000000", "runtime.checkpoint_every=0",
-    "ers.batch_min=2", "ers.batch_ideal=4", "ers.cold_start_steps=1", "ra2p.tokens_per_rank=8192",
+    "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.steps=3", "job.group_size=2",
+    "job.max_staleness=1", "runtime.heartbeat_s=1000000", "runtime.checkpoint_every=0",
+    "job.batch_min_groups=1", "job.batch_groups=2", "ers.cold_start_steps=1",
+    "ra2p.tokens_per_rank=8192",
     "ctb.request_concurrency=256", "engine.kv_cache_tokens=423044", "engine.max_new_tokens=256",
-    "runtime.eval_groups=1",
+    "job.eval_groups=1",
 ]
 JOBS = {
     "roomy": (SCENARIO, PROFILE),
-    "tight": (replace(SCENARIO, group_size=4, ctb=replace(SCENARIO.ctb, budget_fraction=0.01)),
-              [*PROFILE, "runtime.group_size=4", "ers.batch_min=4", "ers.batch_ideal=8",
+    "tight": (replace(SCENARIO.with_job(group_size=4),
+                      ctb=replace(SCENARIO.ctb, budget_fraction=0.01)),
+              [*PROFILE, "job.group_size=4", "job.batch_min_groups=1", "job.batch_groups=2",
                "ctb.budget_fraction=0.01"]),
 }
 

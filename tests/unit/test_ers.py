@@ -17,6 +17,7 @@ from tiderl.core.ers import (
     num_eval_ranks,
     plan_step,
 )
+from tiderl.core.job import BatchBounds, JobShape
 from tiderl.core.ra2p import RA2PConfig, break_even_ras
 from tiderl.core.types import (
     Mode,
@@ -30,6 +31,7 @@ from tiderl.core.types import (
 
 T = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)  # actor busy time 3.0
 NUM_MB = 16
+BATCH = BatchBounds(min=32, ideal=64)  # samples
 R, F, A = Role.ROLLOUT, Role.REF, Role.ACTOR  # F: reF
 ROLES = {"R": R, "F": F, "A": A, "I": Role.IDLE}
 GEN = PlanReason.GENERATION_DEFICIT
@@ -71,7 +73,7 @@ def make_input(
     signals = ReadinessSignals(ras, tprm, hol, volume, volume * 100)
     layout = roles(layout) if isinstance(layout, str) else layout
     return ERSInput(
-        step, is_eval, signals, 60.0, layout, mode, T, NUM_MB,
+        step, is_eval, signals, 60.0, layout, mode, T, NUM_MB, BATCH,
         rollout_idle_frac=rollout_idle_frac, trainer_idle_frac=trainer_idle_frac,
         goodput=goodput, phase_tasks=phase_tasks, tasks_per_rank=tasks_per_rank,
         is_phase_over=is_phase_over, colocated_timings=colocated_timings,
@@ -393,12 +395,12 @@ def test_fixed_colocated_mode_never_creates_ref_ranks():
 
 
 def test_elastic_batch_size():
-    config = ERSConfig(batch_min=32, batch_ideal=64)
-    assert elastic_batch_size(100, config, is_retaining=False) == 64
-    assert elastic_batch_size(100, config, is_retaining=True) == 64
-    assert elastic_batch_size(10, config, is_retaining=False) == 64  # an empty boundary is normal
-    assert elastic_batch_size(40, config, is_retaining=True) == 40
-    assert elastic_batch_size(10, config, is_retaining=True) == 32
+    batch = BatchBounds(min=32, ideal=64)
+    assert elastic_batch_size(100, batch, is_retaining=False) == 64
+    assert elastic_batch_size(100, batch, is_retaining=True) == 64
+    assert elastic_batch_size(10, batch, is_retaining=False) == 64  # an empty boundary is normal
+    assert elastic_batch_size(40, batch, is_retaining=True) == 40
+    assert elastic_batch_size(10, batch, is_retaining=True) == 32
 
 
 def test_adaptive_retention_is_the_step_after_a_rollout_scale_down():
@@ -596,15 +598,14 @@ def test_phases_keep_the_damping():
 
 def test_batch_min_above_batch_ideal_is_refused():
     with pytest.raises(ConfigError) as error:
-        ERSConfig(batch_min=80, batch_ideal=64)
-    assert error.value.key == "batch_min"
-    assert error.value.message == "expected <= batch_ideal (64), got 80"
+        JobShape(batch_min_groups=10, batch_groups=8)
+    assert error.value.key == "batch_min_groups"
+    assert error.value.message == "expected <= batch_groups (8), got 10"
 
 
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("batch_min", 0),
         ("tau", 0.0),
         ("max_scale_up_per_step", 0),
         ("confirm_steps", 0),
@@ -627,4 +628,4 @@ def test_config_fields_are_validated(field, value):
 
 def test_input_is_validated():
     with pytest.raises(ValueError, match="step_duration_s"):
-        ERSInput(0, False, ReadinessSignals(0, None, 0.0, 0), -1.0, (), COL, T, 4)
+        ERSInput(0, False, ReadinessSignals(0, None, 0.0, 0), -1.0, (), COL, T, 4, BATCH)

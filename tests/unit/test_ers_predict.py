@@ -14,6 +14,7 @@ from tiderl.core.ers_predict import (
     predicted_goodput,
     rate_window,
 )
+from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
@@ -29,7 +30,7 @@ from tiderl.core.types import (
 
 R, A = Role.ROLLOUT, Role.ACTOR
 PREDICTED = PlanReason.PREDICTED
-PREDICTIVE = ERSConfig(batch_min=32, batch_ideal=64, planner="predictive")
+PREDICTIVE = ERSConfig(planner="predictive")
 
 
 def record(step: int, end_s: float, *, roles: str = "RRAA", tokens: int = 1000,
@@ -124,7 +125,8 @@ def test_a_predicted_gain_within_the_margin_moves_nothing():
 def predictive_input(layout: tuple[Role, ...], *, step: int, goodput: tuple[float, ...],
                      rates: RateWindow | None) -> ERSInput:
     return ERSInput(step, False, ReadinessSignals(0, 10.0, 1.0, 64, 6400), 60.0, layout,
-                    Mode.COLOCATED, Ra2pTimings(1.0, 1.0, 2.0, 0.5), 16, goodput=goodput,
+                    Mode.COLOCATED, Ra2pTimings(1.0, 1.0, 2.0, 0.5), 16,
+                    BatchBounds(min=32, ideal=64), goodput=goodput,
                     rates=rates)
 
 

@@ -15,7 +15,7 @@ from tiderl.profile import (
     profile_to_dict,
     resolve_profile_path,
 )
-from tiderl.runtime.config import RuntimeConfig
+from tiderl.profile.sections import RuntimeConfig
 
 
 def write(tmp_path, text, name="x.yaml"):
@@ -39,7 +39,7 @@ def test_local_profile_resolves_by_name():
     assert profile.model.size == "tiny"
     assert profile.runtime.device == "cpu"
     assert profile.env.step_latency.kind == "lognormal"
-    assert profile.ers.batch_min == 16 and profile.ers.batch_ideal == 32
+    assert (profile.job.batch_min_groups, profile.job.batch_groups, profile.job.steps) == (2, 4, 40)
     # keys the file leaves out keep their defaults
     assert profile.ctb.weights == CTBConfig().weights
     assert profile.engine.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
@@ -72,17 +72,34 @@ def test_unknown_section_is_named(tmp_path):
 def test_impossible_values_name_the_key(tmp_path):
     path = write(tmp_path, "ctb:\n  budget_fraction: -0.5\n")
     assert error_of(load_profile, path).startswith(f"{path}: ctb.budget_fraction: ")
-    path = write(tmp_path, "ers:\n  batch_min: 64\n  batch_ideal: 32\n", "y.yaml")
-    assert error_of(load_profile, path).startswith(f"{path}: ers.batch_min: ")
+    path = write(tmp_path, "job:\n  batch_min_groups: 8\n  batch_groups: 4\n", "y.yaml")
+    assert error_of(load_profile, path) == (
+        f"{path}: job.batch_min_groups: expected <= batch_groups (4), got 8")
     path = write(tmp_path, "env:\n  step_latency: {kind: gaussian}\n", "z.yaml")
     message = error_of(load_profile, path)
     assert message.startswith(f"{path}: env.step_latency.kind: expected one of")
 
 
-def test_cross_section_check_names_the_key(tmp_path):
-    path = write(tmp_path, "runtime: {group_size: 8}\ners: {batch_min: 12, batch_ideal: 32}\n")
+def test_old_keys_are_read_as_the_keys_they_moved_to(tmp_path):
+    """The job's shape moved out of runtime, sim and ers; a file or --set that still names the
+    old keys means the new ones (batch bounds in samples become whole groups)."""
+    path = write(tmp_path, "runtime: {steps: 3, group_size: 4}\nsim: {eval_group_size: 2}\n"
+                           "ers: {batch_min: 4, batch_ideal: 12}\n")
+    job = load_profile(path).job
+    assert (job.steps, job.group_size, job.eval_group_size) == (3, 4, 2)
+    assert (job.batch_min_groups, job.batch_groups) == (1, 3)
+    job = load_profile("local", ["runtime.steps=2", "job.group_size=4", "ers.batch_ideal=16"]).job
+    assert (job.steps, job.group_size, job.batch_groups) == (2, 4, 4)
+
+
+def test_an_old_key_beside_its_new_one_or_a_partial_group_is_refused(tmp_path):
+    path = write(tmp_path, "runtime: {steps: 3}\njob: {steps: 4}\n")
     assert error_of(load_profile, path) == (
-        f"{path}: ers.batch_min: expected a multiple of runtime.group_size (8), got 12")
+        f"{path}: runtime.steps: is the old name of job.steps, which is set too: keep one")
+    path = write(tmp_path, "job: {group_size: 8}\ners: {batch_min: 12, batch_ideal: 32}\n",
+                 "y.yaml")
+    assert error_of(load_profile, path) == (
+        f"{path}: ers.batch_min: expected a multiple of job.group_size (8), got 12")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -145,8 +162,8 @@ def test_override_errors_name_the_key():
     assert error_of(load_profile, "local", ["runtime.num_ranks.x=1"]) == (
         "--set runtime.num_ranks.x: unknown key 'runtime.num_ranks.x' (runtime.num_ranks is a "
         "value, not a section)")
-    message = error_of(load_profile, "local", ["ers.batch_min=48"])
-    assert message.startswith("--set: ers.batch_min: ")
+    message = error_of(load_profile, "local", ["job.batch_min_groups=6"])
+    assert message == "--set: job.batch_min_groups: expected <= batch_groups (4), got 6"
 
 
 def test_missing_profile_is_one_line(tmp_path):

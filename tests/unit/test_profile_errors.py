@@ -49,7 +49,8 @@ def test_unknown_set_keys_list_the_known_ones_like_a_bad_file(tmp_path):
     from_set = error_of("local", ["ctb.nope=1"]).split("(known: ")[1]
     assert from_set == from_file and from_set.startswith("weights, ")
     assert error_of("local", ["nope=1"]).endswith(
-        "(known: model, engine, env, trainer, ctb, ra2p, ers, runtime, logging, report, sim)")
+        "(known: job, model, engine, env, trainer, ctb, ra2p, ers, runtime, logging, report, "
+        "sim)")
 
 
 def test_a_binary_file_is_one_line_naming_it(tmp_path):

@@ -10,13 +10,16 @@ import pytest
 from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
 from tiderl.core.ctb_state import TaskBook
 from tiderl.core.ers import ERSPolicy
+from tiderl.core.job import JobShape
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.system import StepMode, System, SystemSpec
 from tiderl.sim.cluster import Cluster, simulate, simulate_rollout_step, simulate_trainer_step
+from tiderl.sim.config import SimConfig
 from tiderl.sim.scenario import SYSTEMS, SimScenario
 
-SMALL = SimScenario(workload="webshop+alfworld", gpus=4, steps=4, group_size=4,
-                    batch_groups=4, batch_min_groups=2, rollout_ratio=0.5, seed=3)
+SMALL = SimScenario(
+    sim=SimConfig(workload="webshop+alfworld", gpus=4, rollout_ratio=0.5, seed=3),
+    job=JobShape(steps=4, group_size=4, batch_groups=4, batch_min_groups=2))
 ALL = [*SYSTEMS.values(), SystemSpec(System.TIDERL, ctb=False),
        SystemSpec(System.TIDERL, ra2p=False), SystemSpec(System.TIDERL, ers=False)]
 
@@ -28,7 +31,7 @@ def results():
 
 def test_every_system_trains_every_step(results):
     for label, result in results.items():
-        assert len(result.steps) == SMALL.steps, label
+        assert len(result.steps) == SMALL.job.steps, label
         assert all(s.trained_samples > 0 for s in result.steps), label
         assert result.wall_s == result.steps[-1].end_s > 0
         assert result.goodput_tok_s == pytest.approx(result.trained_tokens / result.wall_s)
@@ -43,7 +46,7 @@ def test_tokens_are_conserved_exactly(results):
 
 def test_trained_data_is_never_staler_than_the_bound(results):
     for label, r in results.items():
-        bound = 0 if label == "sync" else SMALL.max_staleness
+        bound = 0 if label == "sync" else SMALL.job.max_staleness
         assert max(s.staleness_max for s in r.steps) <= bound, label
 
 
@@ -56,7 +59,7 @@ def test_same_seed_same_result():
 
 def test_different_seed_different_stream():
     a = Cluster(SYSTEMS["async"], SMALL)
-    b = Cluster(SYSTEMS["async"], replace(SMALL, seed=4))
+    b = Cluster(SYSTEMS["async"], SMALL.with_sim(seed=4))
     a.run(), b.run()
     assert a.fed_groups[0] != b.fed_groups[0]
 
@@ -68,7 +71,7 @@ def test_systems_see_identical_task_streams():
         cluster.run()
         streams.append(cluster.fed_groups)
     shortest = min(len(s) for s in streams)
-    assert shortest >= SMALL.steps * SMALL.batch_groups
+    assert shortest >= SMALL.job.steps * SMALL.job.batch_groups
     assert all(s[:shortest] == streams[0][:shortest] for s in streams)
 
 
@@ -90,7 +93,7 @@ def test_systems_use_their_trainers(results):
     assert {s.mode for s in results["tiderl-no_ra2p"].steps} == {StepMode.VSO}
     assert {s.mode for s in results["tiderl"].steps} <= {StepMode.COLOCATED, StepMode.DECOUPLED}
     sync = results["sync"]
-    assert all(s.num_rollout == s.num_trainer == SMALL.gpus for s in sync.steps)
+    assert all(s.num_rollout == s.num_trainer == SMALL.sim.gpus for s in sync.steps)
     fixed = results["tiderl-no_ers"]
     assert all(s.num_rollout == 2 for s in fixed.steps)
     # without ERS nothing makes a Ref rank: RA2P has no decoupled layout to choose
@@ -98,7 +101,7 @@ def test_systems_use_their_trainers(results):
 
 
 def test_rollout_step_ctb_and_request_level():
-    scenario = replace(SMALL, workload="webshop")
+    scenario = SMALL.with_sim(workload="webshop")
     ctb = simulate_rollout_step(scenario, 32, ctb=True, concurrency=None)
     request = simulate_rollout_step(scenario, 32, ctb=False, concurrency=8)
     for result in (ctb, request):
@@ -117,7 +120,7 @@ def test_trainer_step_modes():
 
 
 def test_evaluation_phases_roll_out_but_are_not_trained():
-    scenario = replace(SMALL, eval_every=2, eval_groups=2)
+    scenario = SMALL.with_job(eval_every=2, eval_groups=2)
     cluster = Cluster(SYSTEMS["tiderl"], scenario)
     result = cluster.run()
     assert cluster.pool.eval_tokens > 0
@@ -128,8 +131,9 @@ def test_evaluation_phases_roll_out_but_are_not_trained():
 def test_ers_role_moves_keep_tokens_conserved():
     """8 GPUs: cold start moves trainer ranks to rollout, later deficits move some back, so
     rollout ranks close with tasks on them (they resume elsewhere with a fresh prefill)."""
-    scenario = replace(SMALL, gpus=8, steps=8, rollout_ratio=0.25, batch_groups=8,
-                       batch_min_groups=4, ers=replace(SMALL.ers, confirm_steps=1))
+    scenario = replace(SMALL.with_sim(gpus=8, rollout_ratio=0.25)
+                       .with_job(steps=8, batch_groups=8, batch_min_groups=4),
+                       ers=replace(SMALL.ers, confirm_steps=1))
     result = simulate(SYSTEMS["tiderl"], scenario)
     layouts = {(s.num_rollout, s.num_trainer) for s in result.steps}
     assert len(layouts) > 1

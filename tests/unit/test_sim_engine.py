@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tiderl.core.ctb import CTBConfig, RequestLevelPolicy
+from tiderl.core.job import JobShape
 from tiderl.core.step_control import RolloutControl
 from tiderl.core.system import StepMode
 from tiderl.core.types import MicroBatch, SeqRef
@@ -241,10 +242,11 @@ def test_ctb_keeps_more_cache_than_request_level_under_memory_pressure():
     """One small rank (30,000 KV tokens) and 64 WebShop tasks: request-level admits them all and
     new turns evict the caches of tasks waiting for their environment; CTB admits by token
     budget and pins the active ones, so their next turns hit."""
+    from tiderl.sim.config import SimConfig
     from tiderl.sim.micro import simulate_rollout_step
     from tiderl.sim.scenario import SimScenario
 
-    scenario = SimScenario(workload="webshop", steps=10)
+    scenario = SimScenario(sim=SimConfig(workload="webshop"), job=JobShape(steps=10))
     cost = FakeSmallRankCostModel(MODELS["qwen2.5-7b"], GPUS["h100-sxm"])
     ctb = simulate_rollout_step(scenario, 64, ctb=True, concurrency=None, cost=cost)
     request = simulate_rollout_step(scenario, 64, ctb=False, concurrency=None, cost=cost)

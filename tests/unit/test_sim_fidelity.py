@@ -5,14 +5,14 @@ anchored evaluation, the shifting workload, the environment override and the swe
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
+from tiderl.core.job import JobShape
 from tiderl.core.segments import task_of
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import MicroBatch, SeqRef
-from tiderl.sim.cluster import Cluster, april_tasks_per_step, control_config, simulate
+from tiderl.sim.cluster import Cluster, simulate, step_config
+from tiderl.sim.config import SimConfig
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.rollout import SimGroup, SimTask
@@ -21,8 +21,9 @@ from tiderl.sim.sweep import SweepGrid, run_sweep
 from tiderl.sim.trainer import AggregatingExecutor
 from tiderl.sim.workload import TaskPlan, TurnPlan, WorkloadSampler
 
-SMALL = SimScenario(workload="webshop+alfworld", gpus=4, steps=4, group_size=4,
-                    batch_groups=4, batch_min_groups=2, rollout_ratio=0.5, seed=3)
+SMALL = SimScenario(
+    sim=SimConfig(workload="webshop+alfworld", gpus=4, rollout_ratio=0.5, seed=3),
+    job=JobShape(steps=4, group_size=4, batch_groups=4, batch_min_groups=2))
 MODEL = CostModel(MODELS["qwen2.5-7b"], GPUS["h100-sxm"])
 
 
@@ -66,18 +67,18 @@ def test_aggregated_micro_batches_are_dealt_over_the_gpus_as_one_union():
 
 
 def test_stream_forms_its_own_micro_batches():
-    scenario = replace(SMALL, stream_tokens_per_rank=1024)
+    scenario = SMALL.with_sim(stream_tokens_per_rank=1024)
     cost = MODEL
-    assert control_config(SYSTEMS["stream"], scenario, cost).ra2p.tokens_per_rank == 1024
+    assert step_config(SYSTEMS["stream"], scenario, cost).ra2p.tokens_per_rank == 1024
     for name in ("async", "tiderl"):
-        config = control_config(SYSTEMS[name], scenario, cost)
+        config = step_config(SYSTEMS[name], scenario, cost)
         assert config.ra2p.tokens_per_rank == scenario.ra2p.tokens_per_rank != 1024
 
 
 def test_sync_pays_its_colocate_switch_each_way_every_step():
     """Every event of a synchronous run is sequential: 4 steps pay 4 rollout->train switches
     and 3 train->rollout switches (the last step's boundary is the end)."""
-    walls = [simulate(SYSTEMS["sync"], replace(SMALL, colocate_switch_s=c)).wall_s
+    walls = [simulate(SYSTEMS["sync"], SMALL.with_sim(colocate_switch_s=c)).wall_s
              for c in (0.0, 10.0)]
     assert walls[1] - walls[0] == pytest.approx(70.0)
 
@@ -102,22 +103,22 @@ def _watched(system: SystemSpec, scenario: SimScenario):
 
 
 def test_sync_trains_only_after_its_evaluation():
-    scenario = replace(SMALL, eval_every=4, eval_groups=6, eval_group_size=2)
+    scenario = SMALL.with_job(eval_every=4, eval_groups=6, eval_group_size=2)
     cluster, eval_ready, _ = _watched(SYSTEMS["sync"], scenario)
     result = cluster.run()
     assert [size for _, size in eval_ready] == [2] * 6  # the launch's evaluation
     first = result.steps[0]
     last_eval = max(t for t, _ in eval_ready)
     # the batch pass (one swap pair, Ref and Actor over the batch, the switch) ran after it
-    assert first.end_s - last_eval >= scenario.colocate_switch_s + 2 * MODEL.model_swap_s()
+    assert first.end_s - last_eval >= scenario.sim.colocate_switch_s + 2 * MODEL.model_swap_s()
 
 
 def test_evaluation_finishes_before_the_next_weight_sync():
     """80 evaluation tasks at launch, 8 requests per rank: under request-level rollout they
     outlast step 0 and the version-1 sync waits for the last; CTB's evaluation priority ends
     them within step 0."""
-    scenario = replace(SMALL, eval_every=4, eval_groups=40, eval_group_size=2,
-                       request_concurrency=8)
+    scenario = SMALL.with_sim(request_concurrency=8).with_job(eval_every=4, eval_groups=40,
+                                                              eval_group_size=2)
     for name, outlasts_step in (("async", True), ("tiderl", False)):
         cluster, eval_ready, versions = _watched(SYSTEMS[name], scenario)
         result = cluster.run()
@@ -129,8 +130,9 @@ def test_evaluation_finishes_before_the_next_weight_sync():
 
 
 def test_april_window_adds_extra_batches_to_async_admission():
-    scenario = replace(SMALL, async_over_provision=2.0)  # B = 16 tasks, eta = 1
-    assert april_tasks_per_step(scenario) == 24  # window (1 + 2) x 16 = 2 x 24
+    scenario = SMALL.with_sim(async_over_provision=2.0)  # B = 16 tasks, eta = 1
+    # the window, (1 + 2) x 16 tasks, is 2 batches of 24
+    assert step_config(SYSTEMS["async"], scenario, MODEL).window_tasks == 24
     assert Cluster(SYSTEMS["async"], scenario).controller.book.tasks_per_step == 24
     assert Cluster(SYSTEMS["stream"], scenario).controller.book.tasks_per_step == 16
     assert Cluster(SYSTEMS["async"], SMALL).controller.book.tasks_per_step == 16
@@ -152,7 +154,7 @@ def test_environment_step_override():
 
 
 def test_sweep_grid_points_and_rows():
-    base = replace(SMALL, env_step_median_s=1.0, env_step_sigma=1.0)
+    base = SMALL.with_sim(env_step_median_s=1.0, env_step_sigma=1.0)
     grid = SweepGrid(steps=2, env_median_s=(0.2, 1.0), env_sigma=(1.0,), max_staleness=(1, 2),
                      colocate_switch_s=(0.0,))
     points = grid.points(base)

@@ -3,14 +3,16 @@ numbered out of a total known from the start."""
 
 from __future__ import annotations
 
+from tiderl.core.job import JobShape
+from tiderl.sim.config import SimConfig
 from tiderl.sim.experiments import fig14, fig15
 from tiderl.sim.progress import run_all
 from tiderl.sim.runner import compare_policies
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
 
-SMALL = SimScenario(workload="webshop", gpus=4, steps=2, group_size=4, batch_groups=4,
-                    batch_min_groups=2, rollout_ratio=0.5, seed=3)
+SMALL = SimScenario(sim=SimConfig(workload="webshop", gpus=4, rollout_ratio=0.5, seed=3),
+                    job=JobShape(steps=2, group_size=4, batch_groups=4, batch_min_groups=2))
 
 
 def heard() -> tuple[list[tuple[str, int, int]], object]:

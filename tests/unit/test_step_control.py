@@ -27,14 +27,16 @@ from tiderl.core.commands import (
 )
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
+from tiderl.core.job import JobShape
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.step_control import (
     LayoutLimits,
     Phase,
     RolloutControl,
-    StepControlConfig,
     StepControlError,
     StepController,
+    Substrate,
+    effective_config,
     initial_roles,
     restore,
     resume_point,
@@ -74,13 +76,17 @@ def source(spec: GroupSpec) -> Group:
 
 def make(system: System = System.TIDERL, roles=(R, A), *, steps: int = 5, staleness: int = 1,
          batch: int = 4, ers: ERSConfig | None = None, limits: LayoutLimits | None = None,
-         ra2p: RA2PConfig | None = None, **extra) -> StepController:
-    ers = ers or ERSConfig(batch_min=G, batch_ideal=batch, cold_start_steps=0)
-    config = StepControlConfig(
-        system=SystemSpec(system), num_steps=steps, group_size=G, max_staleness=staleness,
-        ctb=CTBConfig(), ra2p=ra2p or RA2PConfig(tokens_per_rank=1000), ers=ers,
-        rank_budget=BUDGET,
-        max_new_tokens=8, limits=limits or LayoutLimits(), **extra)
+         ra2p: RA2PConfig | None = None, eval_every: int = 0, eval_groups: int = 0,
+         checkpoint_every: int = 0, tensor_parallel: int = 1) -> StepController:
+    """A controller of ``system`` through the config its substrate would build
+    (``effective_config``): groups of G, B_min one group, B_ideal ``batch`` samples."""
+    job = JobShape(steps=steps, group_size=G, batch_groups=batch // G, batch_min_groups=1,
+                   max_staleness=staleness, eval_every=eval_every, eval_groups=eval_groups)
+    substrate = Substrate(kv_tokens=BUDGET, max_new_tokens=8, limits=limits or LayoutLimits(),
+                          checkpoint_every=checkpoint_every, tensor_parallel=tensor_parallel)
+    config = effective_config(SystemSpec(system), job, CTBConfig(budget_fraction=1.0),
+                              ra2p or RA2PConfig(tokens_per_rank=1000),
+                              ers or ERSConfig(cold_start_steps=0), substrate)
     return StepController(config, list(roles), source, now=0.0)
 
 
@@ -172,7 +178,7 @@ def test_an_async_step_retires_a_stale_group_with_its_batch():
 
 
 def test_a_cold_start_lends_the_trainer_until_batch_0_is_ready_then_step_0_trains_on_all():
-    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1))
+    c = make(roles=(R, A, A), ers=ERSConfig(cold_start_steps=1))
     out = c.launch(0.0)
     (boundary,) = only(out, Boundary)
     assert boundary.roles == (R, A, R) and boundary.reason is PlanReason.COLD_START
@@ -208,7 +214,7 @@ def test_micro_batches_are_cut_for_the_model_replicas_under_tensor_parallelism()
     # two actors that hold one TP = 2 replica train as one data-parallel rank
     for tp in (1, 2):
         c = make(System.TIDERL, (R, R, A, A), tensor_parallel=tp,
-                 ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+                 ers=ERSConfig(enabled=False))
         c.launch(0.0)
         assert c.buffer.num_dp_ranks == 2 // tp
         dispatched = []
@@ -223,14 +229,14 @@ def test_micro_batches_are_cut_for_the_model_replicas_under_tensor_parallelism()
 def test_micro_batches_wait_for_their_step_and_are_cut_for_its_actor_ranks():
     # stream: batch 1 arrives while step 0 trains on rank 2 alone; a manual plan then gives
     # the trainer two ranks, so step 1 takes batch 1 cut for two
-    c = make(System.TIDERL, (R, R, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+    c = make(System.TIDERL, (R, R, A), ers=ERSConfig(enabled=False))
     c.launch(0.0)
     c.group_ready("g0", Ready("g0", 0, tokens=600), 1.0)
     c.group_ready("g1", Ready("g1", 0, tokens=600), 1.5)
     c.group_ready("g2", Ready("g2", 0, tokens=600), 2.0)
     c.group_ready("g3", Ready("g3", 0, tokens=600), 2.5)
     # formed for one rank (1000 tokens each): a group, then the batch's last two one by one
-    assert [len(mb.sequences) for mb in c.waiting[1]] == [2, 1, 1]
+    assert [len(mb.sequences) for mb in c.steps.waiting[1]] == [2, 1, 1]
     c.submit_manual(ManualRequest("k", 1, 2), 2.6)
     out = c.step_done(outcome(0, 2), 3.0)
     assert only(out, Boundary)[0].roles == (R, A, A)
@@ -267,7 +273,7 @@ def test_an_evaluation_phase_lends_ranks_until_its_groups_are_back():
     acks = [c.boundary_acked(rank, 2, 4.5) for rank in range(3)]
     assert kinds(acks[-1]) == ["JoinRollout", "Retire", "FeedGroups", "FeedGroups", "StartStep"]
     assert acks[-1][3] == feed("e2.0", is_eval=True, step=2)
-    assert c.groups.as_dict() == {"fed": 8, "trained": 4, "dropped": 0, "buffered": 0,
+    assert c.feed.count.as_dict() == {"fed": 8, "trained": 4, "dropped": 0, "buffered": 0,
                                   "rolling_out": 4}  # evaluation groups are not counted
 
 
@@ -278,7 +284,7 @@ def test_an_evaluation_holds_the_next_weight_sync_until_its_groups_are_back():
     c.group_ready("g1", Ready("g1", 0), 1.5)
     # step 0 is done while its evaluation still runs on version 0: no weight sync yet
     assert kinds(c.step_done(outcome(0, 1), 2.0)) == ["RecordStep"]
-    assert c.phase is Phase.BOUNDARY and c.boundary is None
+    assert c.phase is Phase.BOUNDARY and c.boundaries.pending is None
     (boundary,) = c.group_ready("e0.0", None, 3.0)
     assert (type(boundary), boundary.version) == (Boundary, 1)
 
@@ -387,7 +393,7 @@ def test_a_resumed_controller_goes_on_from_the_checkpoint_boundary():
     assert (boundary.version, boundary.roles, boundary.checkpoint) == (1, (R, A), False)
     assert only(out, FeedGroups) == [FeedGroups((GroupSpec("g3", 3, False, 0),), False)]
     assert fresh.rollout_ranks() == [0] and 0 not in fresh.book.ranks  # joins after its ack
-    assert fresh.t0 == 8.0  # the job's clock goes on from the boundary's 2 s
+    assert fresh.state.t0 == 8.0  # the job's clock goes on from the boundary's 2 s
     fresh.boundary_acked(1, 1, 10.5)
     out = fresh.boundary_acked(0, 1, 11.0)
     assert JoinRollout(0, BUDGET) in out
@@ -396,7 +402,7 @@ def test_a_resumed_controller_goes_on_from_the_checkpoint_boundary():
     out = fresh.group_ready("g3", Ready("g3", 1), 12.0)  # batch 1: g2 (restored) and g3
     assert kinds(out) == ["Dispatch", "CloseStep"]
     out = fresh.step_done(outcome(1, 1), 13.0)
-    assert fresh.groups.trained_ids == {"g0", "g1", "g2", "g3"}
+    assert fresh.feed.count.trained_ids == {"g0", "g1", "g2", "g3"}
     assert record_of(out).trained_tokens_total == 800
 
 
@@ -422,7 +428,7 @@ def test_a_manual_plan_applies_at_the_next_boundary_and_holds_until_released():
     for step in range(2):
         c.group_ready(f"g{2 * step}", Ready(f"g{2 * step}", step), step + 1.0)
         c.group_ready(f"g{2 * step + 1}", Ready(f"g{2 * step + 1}", step), step + 1.5)
-        out = c.step_done(outcome(step, *c.current.start.ranks), step + 1.8)
+        out = c.step_done(outcome(step, *c.steps.current.start.ranks), step + 1.8)
         (boundary,) = only(out, Boundary)
         if step == 0:
             assert boundary.reason is PlanReason.MANUAL and boundary.roles == (R, A, F)
@@ -435,7 +441,7 @@ def test_a_manual_plan_applies_at_the_next_boundary_and_holds_until_released():
     (reply,) = c.release_manual("d", 3.0)
     assert (reply.status, reply.was_held, reply.reason) == (
         "released", True, "ERS plans again from the next boundary")
-    assert not c.is_manual_held and c.manual_pending is None
+    assert not c.manual.is_held and c.manual.pending is None
 
 
 def test_sync_systems_and_the_last_step_refuse_manual_plans():
@@ -448,7 +454,7 @@ def test_sync_systems_and_the_last_step_refuse_manual_plans():
 
 
 def test_the_layout_limits_refuse_a_plan_and_keep_the_roles():
-    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
+    c = make(roles=(R, A, A), ers=ERSConfig(cold_start_steps=1),
              limits=LayoutLimits(fixed_actor_backend="megatron"))
     out = c.launch(0.0)
     assert kinds(out)[0] == "PlanRefused"
@@ -459,7 +465,7 @@ def test_the_layout_limits_refuse_a_plan_and_keep_the_roles():
 
 
 def test_footprints_are_the_context_plus_a_whole_generation():
-    c = make(System.TIDERL, (R, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+    c = make(System.TIDERL, (R, A), ers=ERSConfig(enabled=False))
     c.launch(0.0)
     probe = c.schedule(0.0)[0]
     c.rollout.turn_done(probe.task_id, 40, 5, 1.0)
@@ -504,7 +510,7 @@ def test_the_last_step_ends_with_a_final_boundary():
     assert kinds(out) == ["RecordStep", "Boundary", "Finish"]
     assert only(out, Boundary)[0].is_final and only(out, Boundary)[0].checkpoint
     assert out[-1] == Finish(1) and c.phase is Phase.FINISHED
-    assert c.groups.as_dict() == {"fed": 4, "trained": 2, "dropped": 0, "buffered": 0,
+    assert c.feed.count.as_dict() == {"fed": 4, "trained": 2, "dropped": 0, "buffered": 0,
                                   "rolling_out": 2}
 
 
@@ -512,10 +518,10 @@ def test_without_ers_ra2p_chooses_each_step_from_the_measured_pass_times():
     """Nothing measured: colocated, on the actor ranks (the Ref rank waits). Measured swaps of
     5 s against 0.4 s of compute per micro-batch, and two micro-batches ready (a sequence per
     actor rank each): decoupled."""
-    c = make(roles=(R, F, A, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4),
+    c = make(roles=(R, F, A, A), ers=ERSConfig(enabled=False),
              ra2p=RA2PConfig(tokens_per_rank=50))
     c.launch(0.0)
-    assert c.current.start == StartStep(0, StepMode.COLOCATED, (), (2, 3), 8)
+    assert c.steps.current.start == StartStep(0, StepMode.COLOCATED, (), (2, 3), 8)
     for i in range(4):  # batch 0, then batch 1 ready before step 0 ends
         c.group_ready(f"g{i}", Ready(f"g{i}", 0), 1.0 + i)
     reports = tuple(RankReport(r, t_ref=0.1, t_act_f=0.1, t_act_b=0.2, t_swap=5.0)
@@ -523,7 +529,7 @@ def test_without_ers_ra2p_chooses_each_step_from_the_measured_pass_times():
     c.step_done(StepOutcome(0, reports), 6.0)
     out = [c.boundary_acked(rank, 1, 6.5) for rank in range(4)][-1]
     assert only(out, StartStep) == [StartStep(1, StepMode.DECOUPLED, (1,), (2, 3), 1)]
-    assert c.current.ras == 2
+    assert c.steps.current.ras == 2
 
 
 def test_a_layout_not_measured_is_costed_from_the_other_with_the_ref_share_scaled():
@@ -537,7 +543,7 @@ def test_a_layout_not_measured_is_costed_from_the_other_with_the_ref_share_scale
 
 
 def test_a_refused_plan_leaves_ers_as_it_was():
-    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
+    c = make(roles=(R, A, A), ers=ERSConfig(cold_start_steps=1),
              limits=LayoutLimits(fixed_actor_backend="megatron"))
     c.launch(0.0)  # the cold start's move is refused: no phase layout to restore later
     assert c.ers.state.saved_roles is None
@@ -546,7 +552,7 @@ def test_a_refused_plan_leaves_ers_as_it_was():
 def test_checkpoints_are_asked_at_their_versions_not_at_launch():
     c = make(System.STREAM, (R, A), steps=4, checkpoint_every=1)
     assert not only(c.launch(0.0), Boundary)  # no launch plan without ERS
-    c = make(roles=(R, A, A), ers=ERSConfig(batch_min=G, batch_ideal=4, cold_start_steps=1),
+    c = make(roles=(R, A, A), ers=ERSConfig(cold_start_steps=1),
              checkpoint_every=1)
     (launch,) = only(c.launch(0.0), Boundary)
     assert (launch.version, launch.checkpoint) == (0, False)
@@ -570,15 +576,15 @@ def test_the_launch_layout_has_a_ref_rank_only_where_ra2p_runs():
 
 
 def test_after_a_release_without_ers_no_plan_reason_is_reported():
-    c = make(roles=(R, A, A), ers=ERSConfig(enabled=False, batch_min=G, batch_ideal=4))
+    c = make(roles=(R, A, A), ers=ERSConfig(enabled=False))
     c.launch(0.0)
     c.submit_manual(ManualRequest("a", 2, 1), 0.1)
     c.group_ready("g0", Ready("g0", 0), 1.0)
     c.group_ready("g1", Ready("g1", 0), 1.0)
     c.step_done(outcome(0, 1, 2), 2.0)
-    assert c.plan_reason is PlanReason.MANUAL and c.is_manual_held
+    assert c.state.plan_reason is PlanReason.MANUAL and c.manual.is_held
     c.release_manual("b", 2.5)
-    assert c.plan_reason is None
+    assert c.state.plan_reason is None
 
 
 def test_occupancy_counts_full_ranks_while_tasks_wait_and_the_generating_task_time():
@@ -604,7 +610,7 @@ def test_an_engine_that_reports_its_own_kv_capacity_gets_that_share_as_its_budge
     c = make(System.TIDERL, (R, A))
     c.launch(0.0)
     assert c.budgets() == {0: BUDGET}
-    fraction = CTBConfig().budget_fraction
+    fraction = c.config.ctb.budget_fraction
     assert c.engine_capacity(0, 4000, 0.1) == []
     assert c.budgets() == {0: int(4000 * fraction)}
     c.engine_capacity(1, 2000, 0.2)  # not a rollout rank yet: kept for when it joins

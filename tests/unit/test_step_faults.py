@@ -34,7 +34,7 @@ from tiderl.core.step_control import LayoutLimits, Phase
 from tiderl.core.system import StepMode, System
 from tiderl.core.types import PlanReason
 
-NO_ERS = ERSConfig(enabled=False, batch_min=2, batch_ideal=4)
+NO_ERS = ERSConfig(enabled=False)
 
 
 def failed(out, *ranks: int):
@@ -44,7 +44,7 @@ def failed(out, *ranks: int):
 
 def acked_all(c, version: int, now: float):
     out = []
-    for rank in sorted(c.boundary.awaiting):
+    for rank in sorted(c.boundaries.pending.awaiting):
         out += c.boundary_acked(rank, version, now)
     return out
 
@@ -73,7 +73,7 @@ def test_an_actor_dying_in_a_step_it_failed_on_runs_the_step_again_on_the_others
     out = c.step_done(outcome(0, 1), 5.0)
     record = record_of(out)
     assert (record.trained_samples, record.trained_tokens, record.num_trainer) == (4, 400, 1)
-    assert c.groups.trained_ids == {"g0", "g1"}
+    assert c.feed.count.trained_ids == {"g0", "g1"}
     (boundary,) = only(out, Boundary)
     assert (boundary.version, boundary.members, boundary.src_rank) == (1, (0, 1), 1)
 
@@ -103,7 +103,7 @@ def test_a_ref_rank_dying_in_a_decoupled_step_runs_it_again_colocated():
              ra2p=RA2PConfig(mode="decoupled", tokens_per_rank=100))
     c.launch(0.0)
     (mb0,) = only(c.group_ready("g0", Ready("g0", 0), 1.0), Dispatch)  # streamed at once
-    start = c.current.start
+    start = c.steps.current.start
     assert (start.mode, start.ref_ranks) == (StepMode.DECOUPLED, (1,))
     assert c.rank_dead(1, "missed heartbeats", 2.0) == [AbortStep(0, 0)]
     out = c.group_ready("g1", Ready("g1", 0), 2.5)  # formed meanwhile: waits for attempt 1
@@ -132,9 +132,9 @@ def test_a_trainer_rank_dying_while_its_boundary_is_out_gets_it_sent_again():
     (again,) = only(out, Boundary)
     assert (again.version, again.roles, again.members, again.src_rank, again.checkpoint) == (
         1, (R, IDLE, A), (0, 2), 2, False)
-    assert c.boundary.awaiting == {0, 2}  # rank 0 took the first one: it takes this one too
+    assert c.boundaries.pending.awaiting == {0, 2}  # rank 0 took the first one: this one too
     acked_all(c, 1, 4.5)
-    assert c.boundary is None and c.phase is Phase.WAITING  # for batch 1
+    assert c.boundaries.pending is None and c.phase is Phase.WAITING  # for batch 1
 
 
 def test_an_actor_dying_while_the_batch_is_awaited_gets_a_boundary_without_an_update():

@@ -42,7 +42,7 @@ def launch(
         None, "--resume", metavar="JOB",
         help="Go on with a stopped or killed job (a job id, a run folder, or 'latest') from its "
              "newest complete checkpoint, with its own profile (--set may change "
-             "runtime.steps and other keys that keep the job's shape)."),
+             "job.steps and other keys that keep the job's shape)."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Start the environment service, the coordinator and the rank daemons of one job (this
@@ -89,7 +89,7 @@ def launch(
     _run(resolved, hosts, run_root, out, resumed)
 
 
-SHAPE_KEYS = (("runtime", "mode"), ("runtime", "num_ranks"), ("runtime", "group_size"),
+SHAPE_KEYS = (("runtime", "mode"), ("runtime", "num_ranks"), ("job", "group_size"),
               ("trainer", "backend"), ("trainer", "tensor_parallel"), ("model", "size"),
               ("model", "path"))
 
@@ -154,7 +154,7 @@ def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Outp
     # Ctrl-C stops the job even when the launcher started with SIGINT ignored (as a background
     # job of a non-interactive shell is), which Python would otherwise keep
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    progress = JobProgress(out, profile.runtime.steps)
+    progress = JobProgress(out, profile.job.steps)
 
     def on_start(state) -> None:  # the progress line shows once every process is started
         out.note(f"job {state.job_id}: {state.run_dir} (logs in {state.run_dir}/logs)")

@@ -56,7 +56,8 @@ def sim(
 ) -> None:
     """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
     from tiderl.profile import load_profile  # imported late: `tiderl --help` stays fast
-    from tiderl.sim.runner import run_profile
+    from tiderl.profile.scenario import scenario_of
+    from tiderl.sim.runner import run_scenario
 
     if sweep:
         _sweep(profile, experiment, overrides or [], out, results, Output(json_mode))
@@ -72,7 +73,8 @@ def sim(
     for index, name in enumerate(names, start=1):
         resolved = load_profile(profile or f"sim/{name}", overrides or [])
         progress = clock.reporter(name or "policy comparison", index, len(names))
-        result = run_profile(resolved, name if experiment else None, chosen, progress)
+        result = run_scenario(scenario_of(resolved), name if experiment else None, chosen,
+                              progress)
         plots = _plots(result, out)
         headlines[result.name] = {**result.headline, "paper": result.paper}
         payload.append({"experiment": result.name, "headline": result.headline,
@@ -112,14 +114,15 @@ class _Progress:
 def _sweep(profile: str | None, experiment: str | None, overrides: list[str], out: Path,
            results: Path | None, output: Output) -> None:
     from tiderl.profile import load_profile
+    from tiderl.profile.scenario import scenario_of
     from tiderl.sim.report import write_sweep_heatmap
-    from tiderl.sim.runner import run_profile_sweep
+    from tiderl.sim.runner import run_scenario_sweep
 
     if experiment is not None:
         raise CLIError("tiderl sim --sweep: takes a PROFILE, not --experiment", EXIT_USAGE)
     clock = _Progress(output)
-    payload = run_profile_sweep(load_profile(profile or SWEEP_PROFILE, overrides),
-                                progress=clock.reporter("sweep", 1, 1))
+    payload = run_scenario_sweep(scenario_of(load_profile(profile or SWEEP_PROFILE, overrides)),
+                                 progress=clock.reporter("sweep", 1, 1))
     clock.done()
     plot = write_sweep_heatmap(payload.pop("result"), out / "sim_sweep.png")
     payload["plots"] = [str(plot)]

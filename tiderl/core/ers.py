@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from tiderl.core.config import require, require_non_negative, require_positive
 from tiderl.core.ers_predict import RateWindow, planned_rollout_ranks
 from tiderl.core.ers_state import Block, Direction, ERSState, Trial
+from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, break_even_ras
 from tiderl.core.types import (
     Mode,
@@ -74,11 +75,10 @@ PLANNERS = ("rules", "predictive")
 
 @dataclass(frozen=True, slots=True)
 class ERSConfig:
-    """Batch sizes are in samples; ``tau`` scales the mean step time into the HoL threshold."""
+    """``tau`` scales the mean step time into the HoL threshold. The batch bounds are the job's
+    (:class:`tiderl.core.job.JobShape`), in each :class:`ERSInput`."""
 
     enabled: bool = True
-    batch_min: int = 32
-    batch_ideal: int = 64
     tau: float = 1.0
     max_scale_up_per_step: int = 1
     confirm_steps: int = 2  # boundaries of one deficit, of the last confirm_window, to move
@@ -98,12 +98,6 @@ class ERSConfig:
     predictive_window: int = 4  # most trailing steps on one layout its rates are measured over
 
     def __post_init__(self) -> None:
-        require_positive(self.batch_min, "batch_min")
-        require(
-            self.batch_min <= self.batch_ideal,
-            "batch_min",
-            f"expected <= batch_ideal ({self.batch_ideal}), got {self.batch_min}",
-        )
         require_positive(self.tau, "tau")
         for name in ("max_scale_up_per_step", "confirm_steps", "hysteresis_steps"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
@@ -143,6 +137,7 @@ class ERSInput:
     mode: Mode
     timings: Ra2pTimings  # per micro-batch, in the decoupled layout these roles have or would have
     num_micro_batches: int
+    batch: BatchBounds  # the job's elastic batch, in samples
     rollout_idle_frac: float = 0.0  # share of rollout GPU time idle last step (RWT / capacity)
     trainer_idle_frac: float = 0.0  # share of trainer GPU time waiting for data (TWT / capacity)
     goodput: tuple[float, ...] = ()  # trained tokens per second of steps 0 .. step - 1
@@ -202,7 +197,7 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     is_tprm_long = sig.tprm_s is None or sig.tprm_s > busy
     is_rollout_busy = inp.rollout_idle_frac <= config.max_idle_rollout
     is_trainer_starved = inp.trainer_idle_frac > config.max_idle_trainer
-    if sig.ready_volume < config.batch_ideal and not is_ras_high and is_tprm_long \
+    if sig.ready_volume < inp.batch.ideal and not is_ras_high and is_tprm_long \
             and is_rollout_busy and is_trainer_starved:
         return PlanReason.GENERATION_DEFICIT
     if is_backlogged(inp, config) or is_ras_high:
@@ -225,7 +220,7 @@ def is_backlogged(inp: ERSInput, config: ERSConfig) -> bool:
         tprm is not None and tprm < busy) or is_throttled
 
 
-def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool) -> int:
+def elastic_batch_size(ready_volume: int, batch: BatchBounds, is_retaining: bool) -> int:
     """B_ideal, except under adaptive retention: right after ERS scaled rollout down with less
     than B_ideal ready, the trainer fetches only max(B_min, ready) for one step, keeping a
     reservoir while the smaller rollout refills (paper §5.2).
@@ -233,9 +228,9 @@ def elastic_batch_size(ready_volume: int, config: ERSConfig, is_retaining: bool)
     The ready volume at the boundary alone does not shrink the batch: a streaming trainer
     consumes micro-batches as they arrive, so the buffer is often near-empty at the boundary of a
     healthy pipeline; shrinking the batch there would only add per-step sync and swap costs."""
-    if ready_volume >= config.batch_ideal or not is_retaining:
-        return config.batch_ideal
-    return max(config.batch_min, min(ready_volume, config.batch_ideal))
+    if ready_volume >= batch.ideal or not is_retaining:
+        return batch.ideal
+    return max(batch.min, min(ready_volume, batch.ideal))
 
 
 # --------------------------------------------------------------------------- role moves
@@ -431,7 +426,7 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
     if trial is None:
         return None, state
     if inp.step < trial.step + config.trial_steps:
-        return ScalingPlan((), inp.mode, config.batch_ideal, PlanReason.TRIAL), state
+        return ScalingPlan((), inp.mode, inp.batch.ideal, PlanReason.TRIAL), state
     after = _mean(inp.goodput[trial.step: trial.step + config.trial_steps])
     if after is not None and after > trial.baseline:
         return None, replace(state, trial=None, blocks=state.unblocked(trial.direction))
@@ -443,7 +438,7 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
     new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
     mode = trial.mode if has_pipeline or trial.mode is Mode.COLOCATED else Mode.COLOCATED
-    return ScalingPlan(changes, mode, config.batch_ideal, PlanReason.REVERT), state
+    return ScalingPlan(changes, mode, inp.batch.ideal, PlanReason.REVERT), state
 
 
 def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig,
@@ -507,7 +502,7 @@ def plan_step(
 ) -> tuple[ScalingPlan, ERSState]:
     """One ERS decision and the next state; pure."""
     if not config.enabled:
-        return ScalingPlan((), inp.mode, config.batch_ideal, PlanReason.BALANCED), state
+        return ScalingPlan((), inp.mode, inp.batch.ideal, PlanReason.BALANCED), state
     reason = classify(inp, config, ra2p)
     changes: tuple[RoleChange, ...] = ()
     mode = inp.mode
@@ -539,20 +534,26 @@ def plan_step(
                 else Direction.TO_TRAINER
             changes, mode, state = _signal_moves(inp, state, config, ra2p, direction)
     is_retaining = any(c.src is Role.ROLLOUT for c in changes)
-    batch_size = elastic_batch_size(inp.signals.ready_volume, config, is_retaining)
+    batch_size = elastic_batch_size(inp.signals.ready_volume, inp.batch, is_retaining)
     return ScalingPlan(changes, mode, batch_size, reason), state
 
 
 class ERSPolicy:
-    """``plan_step`` with its hysteresis state kept between calls (no clock, no I/O)."""
+    """``plan_step`` with its hysteresis state kept between plans (no clock, no I/O).
+    :meth:`propose` is pure: a caller that cannot run the plan (the layout limits refuse it)
+    keeps the state it had, since the moves never happened; :meth:`plan` keeps the new one."""
 
     def __init__(self, config: ERSConfig | None = None, ra2p: RA2PConfig | None = None) -> None:
         self.config = config or ERSConfig()
         self.ra2p = ra2p or RA2PConfig()
         self.state = ERSState()
 
+    def propose(self, inp: ERSInput) -> tuple[ScalingPlan, ERSState]:
+        """The plan for ``inp`` and the state it leaves, without keeping it."""
+        return plan_step(inp, self.state, self.config, self.ra2p)
+
     def plan(self, inp: ERSInput) -> ScalingPlan:
-        plan, self.state = plan_step(inp, self.state, self.config, self.ra2p)
+        plan, self.state = self.propose(inp)
         return plan
 
     def reset(self) -> None:

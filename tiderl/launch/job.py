@@ -84,7 +84,7 @@ class JobResult:
 
 def job_info(profile: Profile, ep: Endpoints, **extra) -> dict:
     """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.registry)."""
-    return {"mode": profile.runtime.mode, "steps": profile.runtime.steps,
+    return {"mode": profile.runtime.mode, "steps": profile.job.steps,
             "ports": dict(ep.ports), "bus": ep.bus, "pub": ep.pub, "metrics": ep.metrics,
             **extra}
 
@@ -115,9 +115,9 @@ def prepare_resume(profile: Profile, run_dir: Path) -> None:
     for skipped in choice.skipped:
         log.warning("passed over checkpoint %s", skipped)
     state = read_job_state(choice.folder)
-    if state.point.version >= profile.runtime.steps:
+    if state.point.version >= profile.job.steps:
         raise LaunchError(f"job {run_dir.name} is complete: step {state.point.version} of "
-                          f"{profile.runtime.steps} (--set runtime.steps=N trains on)")
+                          f"{profile.job.steps} (--set job.steps=N trains on)")
     if len(state.point.roles) != profile.runtime.num_ranks:
         raise LaunchError(f"checkpoint {choice.folder} is of {len(state.point.roles)} ranks, "
                           f"the profile has runtime.num_ranks {profile.runtime.num_ranks}")

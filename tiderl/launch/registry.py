@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tiderl.launch.local import JOB_FILE, JobState, LaunchError
-from tiderl.runtime.config import RuntimeConfig
+from tiderl.profile.sections import RuntimeConfig
 
 DEFAULT_RUN_ROOT = Path(RuntimeConfig().run_dir)
 

@@ -70,7 +70,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             hint = resume_hint(args.run_dir, profile.trainer.tensor_parallel,
                                profile.runtime.run_dir)
             run_log.event("stop", reason=str(exc), state="failed", resume=hint,
-                          groups=coordinator.controller.groups.as_dict())
+                          groups=coordinator.controller.feed.count.as_dict())
             logger.error("%s%s", exc, f"; {hint}" if hint else "")
             code = 1
         except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C, `tiderl stop` (SIGTERM)
@@ -78,7 +78,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             hint = resume_hint(args.run_dir, profile.trainer.tensor_parallel,
                                profile.runtime.run_dir)
             run_log.event("stop", reason=state, state=state, resume=hint,
-                          groups=coordinator.controller.groups.as_dict())
+                          groups=coordinator.controller.feed.count.as_dict())
             code = 130 if state == "interrupted" else 143
         finally:
             run_log.close()

@@ -37,7 +37,6 @@ from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.boundary import BoundaryLink
 from tiderl.runtime.bus import BusSendError, BusServer, HeartbeatMonitor, rank_identity
-from tiderl.runtime.config import control_config
 from tiderl.runtime.rebalance import RebalanceDesk
 from tiderl.runtime.records import CoordinatorError, Dataset, GroupRun
 from tiderl.runtime.resume import (
@@ -50,6 +49,7 @@ from tiderl.runtime.resume import (
     write_job_state,
 )
 from tiderl.runtime.run_log import EventThrottle, RunLog
+from tiderl.runtime.step_config import step_config
 from tiderl.runtime.step_link import StepLink
 from tiderl.runtime.tasks import TaskRouter
 from tiderl.runtime.trajectory_wire import sample_data, sample_of, turn_of
@@ -76,7 +76,7 @@ class Coordinator:
         self.resume_from, self.env_url = resume, env_url
         rt = profile.runtime
         self.dataset = Dataset(profile)
-        self.controller = StepController(control_config(profile), roles, self.dataset.group,
+        self.controller = StepController(step_config(profile), roles, self.dataset.group,
                                          now=clock())
         self.heartbeats = HeartbeatMonitor(rt.heartbeat_s, rt.heartbeat_misses)
         self.alive: set[int] = set()
@@ -86,7 +86,7 @@ class Coordinator:
         self.groups: dict[str, GroupRun] = {}  # in flight, until complete
         self.router = TaskRouter(self._send, self._next_seq, self._group_of,
                                  lambda: self.controller.book.ranks,
-                                 self.controller.policy.pins_tasks)
+                                 self.controller.rollout.policy.pins_tasks)
         window_s = rt.heartbeat_s * (rt.heartbeat_misses + 1)  # heartbeats name a dead rank
         self.link = BoundaryLink(self._send, self._next_seq, window_s)
         self.steps = StepLink(self._send, self._next_seq, window_s)
@@ -174,7 +174,7 @@ class Coordinator:
         for rank in range(len(self.controller.roles)):
             self._send(rank, b.Shutdown(seq=self._next_seq(), reason="job done"))
         self.log.event("stop", reason="done", state="ok", steps=self.controller.step,
-                       groups=self.controller.groups.as_dict())
+                       groups=self.controller.feed.count.as_dict())
         self._publish()
 
     def _publish(self) -> None:
@@ -400,10 +400,11 @@ class Coordinator:
             return
         self.stalled_s = idle
         ctl = self.controller
+        pending = ctl.boundaries.pending
         waits = {"phase": ctl.phase.value, "step": ctl.step, "tasks_new": ctl.book.num_new,
                  "tasks_active": ctl.book.num_active, "tasks_paused": ctl.book.num_paused,
                  "rollout_ranks": ctl.rollout_ranks(),
-                 "awaiting": sorted(ctl.boundary.awaiting) if ctl.boundary else []}
+                 "awaiting": sorted(pending.awaiting) if pending else []}
         self.log.event("watchdog", idle_s=round(idle, 1), window_s=round(window, 1), **waits)
         log.error("no progress for %.0f s (%s)", idle, waits)
         if idle >= STALL_STOP_FACTOR * window:
@@ -511,7 +512,7 @@ class Coordinator:
     def _group_seqs(self, group_id: str) -> list[str]:
         """The ready training sequences of a group's tasks (a task's segments included), in
         task order."""
-        tasks = {task_id(group_id, i) for i in range(self.profile.runtime.group_size)}
+        tasks = {task_id(group_id, i) for i in range(self.profile.job.group_size)}
         return [seq for seq in self.samples if task_of(seq) in tasks]
 
     def _dropped(self, command: c.GroupDropped) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from tiderl.runtime.config import LoggingConfig
+from tiderl.profile.sections import LoggingConfig
 
 log = logging.getLogger("tiderl.coordinator")
 

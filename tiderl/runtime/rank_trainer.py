@@ -1,6 +1,11 @@
-"""A rank's trainer side, mixed into :class:`tiderl.runtime.rank.RankDaemon`: its Actor and Ref
-workers on the trainer backend, the RA2P executor of each step, and its part in a boundary's
-collectives (the gather of sharded weights, the broadcasts, the HF export, the checkpoint).
+"""A rank's trainer side: its Actor and Ref workers on the trainer backend, the RA2P executor of
+each step it trains in, and its part in a boundary's collectives (the gather of sharded weights,
+the broadcasts, the HF export, the checkpoint).
+
+    TrainStep ──open──> StreamedStep (MicroBatchData, StepClosed, AbortStep feed it while the
+        step runs) ──train──> the step's executor ──> StepDone | StepFailed
+    a boundary ──sync_weights──> the weights (and, for a new actor, the AdamW state) of the
+        version, from the source actor; take_role builds, rewraps or drops the workers
 
 Every collective here runs in a worker thread (``asyncio.to_thread``), so the rank's event loop
 keeps sending heartbeats while a gather or a broadcast blocks.
@@ -11,131 +16,164 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tiderl.core.system import StepMode
 from tiderl.core.types import Role
 from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.models.qwen2_vl import Qwen2VLForCausalLM
 from tiderl.profile import Profile
-from tiderl.runtime.bus import StepDone, StepFailed, SyncWeights, TrainStep
-from tiderl.runtime.rank_wire import step_done
+from tiderl.runtime.bus import (
+    AbortStep,
+    Message,
+    MicroBatchData,
+    StepClosed,
+    StepFailed,
+    SyncWeights,
+    TrainStep,
+)
+from tiderl.runtime.rank_wire import micro_batch_of, step_done
+from tiderl.runtime.rank_world import RankWorld
 from tiderl.trainer.checkpoint import load_checkpoint, save_checkpoint, step_dir
 from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
 from tiderl.trainer.export import write_folder
 from tiderl.trainer.parallel import backend_class, make_backend
-from tiderl.trainer.sync import Layout, load_weights, sync_params
+from tiderl.trainer.sync import load_weights, sync_params
 from tiderl.trainer.worker import ActorWorker, RefWorker
 
 log = logging.getLogger("tiderl.rank")
 
 
-class TrainerRoles:
-    """The trainer half of a rank daemon (what it needs of the daemon is declared here)."""
+class TrainerSide:
+    def __init__(self, world: RankWorld, profile: Profile, send: Callable[[Message], None],
+                 actor_set: tuple[int, ...]) -> None:
+        self.world, self.profile, self.send = world, profile, send
+        self.rank = world.rank
+        self.actor_set = actor_set  # the actors the backend wraps now
+        self.actor: ActorWorker | None = None
+        self.ref: RefWorker | None = None
+        self.streams: dict[tuple[int, int], StreamedStep] = {}  # by (step, attempt)
+        self.joined_optimizer: dict[str, torch.Tensor] | None = None  # a new actor's AdamW
 
-    profile: Profile
-    rank: int
-    is_sync: bool
-    version: int
-    device: torch.device
-    tokenizer: object
-    model_config: object
-    layout: Layout | None
-    optimizer_layout: Layout | None
-    actor_set: tuple[int, ...]
-    actor: ActorWorker | None
-    ref: RefWorker | None
-    streams: dict[tuple[int, int], StreamedStep]
-    groups: dict[tuple[int, ...], dist.ProcessGroup]  # this rank's, by their sorted ranks
-    dp_groups: dict[tuple[int, ...], dist.ProcessGroup]
-    _joined_optimizer: dict[str, torch.Tensor] | None
+    # -- workers ---------------------------------------------------------------------------------
 
-    def _initial_model(self, device: torch.device | None = None
-                       ) -> tuple[Qwen2ForCausalLM, object]:
-        raise NotImplementedError
-
-    def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        raise NotImplementedError
-
-    def _dp_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        """The data-parallel group of this rank among ``ranks``: all of them, or under
-        megatron TP the ones of this rank's TP index (TP groups: consecutive ranks)."""
-        tp = self.profile.trainer.tensor_parallel
-        if tp == 1 or len(ranks) == 1:
-            return self._group(ranks)
-        return self.dp_groups[tuple(r for r in sorted(ranks) if r % tp == self.rank % tp)]
-
-    def _send(self, msg: StepDone | StepFailed) -> None:
-        raise NotImplementedError
-
-    def _needs_ref(self, role: Role) -> bool:
+    def needs_ref(self, role: Role, is_sync: bool) -> bool:
         if self.profile.trainer.kl_beta == 0:
             return False
-        return self.is_sync or role in (Role.REF, Role.ACTOR)
+        return is_sync or role in (Role.REF, Role.ACTOR)
 
-    def _make_ref(self) -> None:
+    def make_ref(self) -> None:
         if self.ref is None:
-            model, _ = self._initial_model()
             # the frozen Ref runs on its rank alone (under megatron TP on its TP block): no
             # collective ties it to the actor group
-            self.ref = RefWorker(self._backend(model, (self.rank,), trainable=False))
+            self.ref = RefWorker(self._backend(self.world.model(), (self.rank,),
+                                               trainable=False))
 
-    def _make_actor(self, model: Qwen2ForCausalLM | None,
-                    state: dict[str, torch.Tensor] | None) -> None:
+    def make_actor(self, model: Qwen2ForCausalLM | None, state: dict[str, torch.Tensor] | None,
+                   version: int) -> None:
+        """The actor of ``version`` over ``actor_set`` (``state``: its weights; None: the
+        model's own); a joining actor then takes the AdamW state it was sent."""
         if model is None:
-            model, _ = self._initial_model()
+            model = self.world.model()
         if state is not None:
             load_weights(model, state)
         if isinstance(model, Qwen2VLForCausalLM):
             model.freeze_vision(not self.profile.trainer.train_vision)
-        backend = self._backend(model, self.actor_set)
-        self.actor = ActorWorker(backend, self.profile.trainer, self.version,
-                                 total_steps=self.profile.runtime.steps)
+        self.actor = ActorWorker(self._backend(model, self.actor_set), self.profile.trainer,
+                                 version, total_steps=self.profile.job.steps)
+        if self.joined_optimizer is not None:
+            self.actor.load_optimizer_state(self.joined_optimizer)
 
     @property
-    def _rewraps(self) -> bool:
+    def rewraps(self) -> bool:
+        """The backend wraps the same module for another actor set (DDP); FSDP2 cannot, and
+        every actor of a new set is built afresh (it gets weights and AdamW state, as a joiner
+        does)."""
         return backend_class(self.profile.trainer.backend).rewraps
 
-    def _rewrap_actor(self) -> None:
+    def rewrap_actor(self) -> None:
         """The actor set changed: wrap the same module and optimizer for the new group."""
-        assert self.actor is not None and self._rewraps
+        assert self.actor is not None and self.rewraps
         self.actor.backend = self._backend(self.actor.backend.model, self.actor_set)
 
     def _backend(self, model: Qwen2ForCausalLM, ranks: tuple[int, ...], *,
                  trainable: bool = True):
         trainer = self.profile.trainer
-        return make_backend(trainer.backend, model, self._dp_group(ranks), trainable=trainable,
-                            chunk_tokens=trainer.logits_chunk_tokens,
+        return make_backend(trainer.backend, model, self.world.dp_group(ranks),
+                            trainable=trainable, chunk_tokens=trainer.logits_chunk_tokens,
                             activation_checkpointing=trainable
                             and trainer.activation_checkpointing)
 
-    async def _train(self, cmd: TrainStep) -> None:
+    async def take_role(self, role: Role, actors: tuple[int, ...], version: int,
+                        state: dict[str, torch.Tensor] | None, *, is_sync: bool,
+                        rebuild: bool) -> None:
+        """The workers ``role`` needs over the new actor set. Building a model and wrapping it
+        (a collective: DDP syncs it over the group) run in a worker thread, so heartbeats go on
+        however long they take on a loaded machine."""
+        changed, self.actor_set = actors != self.actor_set, actors
+        if role is Role.ACTOR:
+            if self.actor is None or rebuild:
+                self.actor = None  # the old shards go before the new model is built
+                await asyncio.to_thread(self.make_actor, None, state, version)
+            elif changed:
+                await asyncio.to_thread(self.rewrap_actor)
+        else:
+            self.actor = None
+        self.joined_optimizer = None
+        if self.needs_ref(role, is_sync):
+            await asyncio.to_thread(self.make_ref)
+        else:
+            self.ref = None
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def open_stream(self, cmd: TrainStep) -> None:
+        """A step this rank may train in: its stream takes the step's messages from now on."""
+        self.streams[(cmd.step, cmd.attempt)] = StreamedStep()
+
+    def to_stream(self, msg: MicroBatchData | StepClosed | AbortStep) -> None:
+        """Into the step's stream (its TrainStep came first), at once: the step may be what
+        runs now. One that ended already (a late message of an attempt a rank died in) takes
+        nothing."""
+        stream = self.streams.get((msg.step, msg.attempt))
+        if stream is None:
+            return
+        if isinstance(msg, MicroBatchData):
+            stream.add(*micro_batch_of(msg))
+        elif isinstance(msg, StepClosed):
+            stream.close()
+        else:
+            stream.abort()
+
+    async def train(self, cmd: TrainStep, version: int) -> int:
         """One attempt of a step: StepDone, or StepFailed when it failed (a collective with a
-        rank that died) or was aborted; either way the rank goes on to its next command."""
+        rank that died) or was aborted; either way the rank goes on to its next command.
+        Returns the version this rank then holds."""
         key = (cmd.step, cmd.attempt)
         stream = self.streams[key]
         try:
             executor = self._executor(cmd)
             if executor is None:  # not in this step's trainer set
-                return
+                return version
             before = self.actor.version if self.actor is not None else None
             try:
                 result = await asyncio.to_thread(executor.run_step, stream, stream, time.time())
             except Exception as exc:  # the coordinator settles it with the step's other ranks
                 self._step_failed(cmd, before, exc)
-                return
+                return version
         finally:
             if self.streams.get(key) is stream:
                 del self.streams[key]
         if result.step is not None:
-            self.version = result.step.version
-        done = step_done(self.rank, cmd.step, result, stream, self.version, cmd.attempt)
+            version = result.step.version
+        done = step_done(self.rank, cmd.step, result, stream, version, cmd.attempt)
         log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
                  done.mode, done.loss_tokens, done.loss, done.seconds)
-        self._send(done)
+        self.send(done)
+        return version
 
     def _step_failed(self, cmd: TrainStep, before: int | None, exc: Exception) -> None:
         actor = self.actor
@@ -144,8 +182,8 @@ class TrainerRoles:
             actor.discard_gradients()
         log.warning("rank %d: step %d (attempt %d) failed%s: %s", self.rank, cmd.step,
                     cmd.attempt, " after its update" if updated else "", exc)
-        self._send(StepFailed(rank=self.rank, step=cmd.step, attempt=cmd.attempt,
-                              updated=updated, error=f"{exc}"[:500]))
+        self.send(StepFailed(rank=self.rank, step=cmd.step, attempt=cmd.attempt,
+                             updated=updated, error=f"{exc}"[:500]))
 
     def _executor(self, cmd: TrainStep) -> DecoupledExecutor | ColocatedExecutor | None:
         """This rank's executor of the step's mode; None when it is not in the step's ranks."""
@@ -157,7 +195,7 @@ class TrainerRoles:
         return ColocatedExecutor.for_mode(cmd.mode, self.ref, self.actor,
                                           max_aggregate=cmd.max_aggregate,
                                           group=self.actor.backend.group,
-                                          device=self.device)
+                                          device=self.world.device)
 
     def _decoupled_executor(self, cmd: TrainStep) -> DecoupledExecutor | None:
         if self.rank not in cmd.ref_ranks and self.rank not in cmd.actor_ranks:
@@ -165,34 +203,25 @@ class TrainerRoles:
         is_ref = self.rank in cmd.ref_ranks
         use_ref = self.profile.trainer.kl_beta > 0  # no KL term: no Ref pass at all
         if is_ref and use_ref:
-            self._make_ref()
+            self.make_ref()
         group = self.actor.backend.group if self.actor is not None and not is_ref else None
         ranks = tuple(sorted({*cmd.ref_ranks, *cmd.actor_ranks}))
         return DecoupledExecutor(self.rank, cmd.ref_ranks, cmd.actor_ranks,
                                  ref=self.ref if is_ref and use_ref else None,
                                  actor=None if is_ref else self.actor,
-                                 actor_group=group, device=self.device, use_ref=use_ref,
-                                 p2p_group=self.groups.get(ranks), step=cmd.step,
+                                 actor_group=group, device=self.world.device, use_ref=use_ref,
+                                 p2p_group=self.world.groups.get(ranks), step=cmd.step,
                                  attempt=cmd.attempt)
 
-    async def _export(self, cmd: SyncWeights, state: dict[str, torch.Tensor]) -> None:
-        """The source writes ``hf/step-N`` when the boundary asks (before any rank trains on:
-        a DDP source's state is its live weights)."""
-        if not cmd.export or self.rank != cmd.src_rank:
-            return
-        assert self.model_config is not None
-        folder = step_dir(cmd.export, cmd.version)
-        await asyncio.to_thread(write_folder, state, self.model_config, self.tokenizer, folder,
-                                self.profile.trainer.export_shard_mb << 20,
-                                self.profile.model.path)
-        log.info("rank %d: exported version %d to %s", self.rank, cmd.version, folder)
+    # -- the boundary's collectives --------------------------------------------------------------
 
-    def _sync_weights(self, cmd: SyncWeights, with_optimizer: bool,
-                      takes_optimizer: bool) -> dict[str, torch.Tensor]:
+    def sync_weights(self, cmd: SyncWeights, with_optimizer: bool,
+                     takes_optimizer: bool) -> dict[str, torch.Tensor]:
         """The boundary's collectives, in one order on every rank: the actors gather the
         source's full weights (and AdamW state) where the backend shards them, then the source
         broadcasts them to the members. Returns the weights of ``version``."""
-        is_src = self.rank == cmd.src_rank
+        kit, is_src = self.world.kit, self.rank == cmd.src_rank
+        assert kit is not None
         # every old actor joins the gather of a sharded backend (FSDP2, megatron under TP)
         gathers = self.actor is not None and self.actor.backend.gathers
         source = optimizer = None
@@ -201,31 +230,47 @@ class TrainerRoles:
             source = self.actor.backend.full_state_dict(keep=is_src)
             if with_optimizer:
                 optimizer = self.actor.optimizer_state(keep=is_src)
-        group = self._group(tuple(cmd.members))
-        result = sync_params(source if is_src else None, self.layout,
+        group = self.world.group(tuple(cmd.members))
+        device = self.world.device
+        result = sync_params(source if is_src else None, kit.weights,
                              cmd.version if is_src else None, src=cmd.src_rank, group=group,
-                             device=self.device)
+                             device=device)
         if with_optimizer:
-            moments = sync_params(optimizer if is_src else None, self.optimizer_layout,
+            moments = sync_params(optimizer if is_src else None, kit.optimizer,
                                   cmd.version if is_src else None, src=cmd.src_rank,
-                                  group=group, device=self.device)
-            self._joined_optimizer = moments.state if takes_optimizer else None
+                                  group=group, device=device)
+            self.joined_optimizer = moments.state if takes_optimizer else None
         return result.state
 
-    def _resume(self, folder: Path) -> None:
-        """A resumed job: each actor loads its part of the checkpoint (weights, AdamW state,
-        RNG; the LR schedule follows the version). The other ranks get the weights at the
-        resumed job's first boundary, broadcast from an actor like any update."""
-        if self.actor is None:
+    async def export(self, cmd: SyncWeights, state: dict[str, torch.Tensor]) -> None:
+        """The source writes ``hf/step-N`` when the boundary asks (before any rank trains on:
+        a DDP source's state is its live weights)."""
+        if not cmd.export or self.rank != cmd.src_rank:
             return
-        backend = self.actor.backend
-        meta = load_checkpoint(folder / backend.checkpoint_part, backend, self.actor.optimizer)
-        self.version = self.actor.version = meta.version
-        log.info("rank %d: resumed from %s (version %d%s)", self.rank, folder, meta.version,
-                 "" if meta.rng_restored else ", RNG not restored: another world size")
+        kit = self.world.kit
+        assert kit is not None
+        folder = step_dir(cmd.export, cmd.version)
+        await asyncio.to_thread(write_folder, state, kit.config, kit.tokenizer, folder,
+                                self.profile.trainer.export_shard_mb << 20,
+                                self.profile.model.path)
+        log.info("rank %d: exported version %d to %s", self.rank, cmd.version, folder)
 
-    def _save_checkpoint(self, cmd: SyncWeights) -> None:
+    def save_checkpoint(self, cmd: SyncWeights) -> None:
         assert self.actor is not None
         backend = self.actor.backend  # megatron under TP: a sub-folder per TP index
         save_checkpoint(Path(cmd.checkpoint) / backend.checkpoint_part, backend,
                         self.actor.optimizer, cmd.version, {"step": cmd.version})
+
+    def resume(self, folder: Path) -> int | None:
+        """A resumed job: the actor loads its part of the checkpoint (weights, AdamW state,
+        RNG; the LR schedule follows the version) and returns that version. The other ranks
+        get the weights at the resumed job's first boundary, broadcast from an actor like any
+        update."""
+        if self.actor is None:
+            return None
+        backend = self.actor.backend
+        meta = load_checkpoint(folder / backend.checkpoint_part, backend, self.actor.optimizer)
+        self.actor.version = meta.version
+        log.info("rank %d: resumed from %s (version %d%s)", self.rank, folder, meta.version,
+                 "" if meta.rng_restored else ", RNG not restored: another world size")
+        return meta.version

@@ -64,8 +64,10 @@ class Dataset:
         env = envs[spec.index % len(envs)]
         seed = (self.profile.runtime.seed * 1_000_003 + spec.index * 7919
                 + (500_009 if spec.is_eval else 0))
+        job = self.profile.job
+        size = job.eval_size if spec.is_eval else job.group_size
         tasks = tuple(Task(task_id(spec.group_id, i), spec.group_id, env, spec.is_eval, None, seed)
-                      for i in range(self.profile.runtime.group_size))
+                      for i in range(size))
         return Group(spec.group_id, tasks)
 
     def run(self, spec: GroupSpec) -> GroupRun:

@@ -110,7 +110,7 @@ class RunLog:
         last = controller.records[-1] if controller.records else None
         metrics = numbers(last.to_dict()) if last is not None else {}
         book = controller.book
-        metrics.update(steps=float(controller.config.num_steps), elapsed_s=self.elapsed(),
+        metrics.update(steps=float(controller.config.job.steps), elapsed_s=self.elapsed(),
                        active=float(book.num_active), paused=float(book.num_paused),
                        new=float(book.num_new))
         if self.exporter is not None:

@@ -15,7 +15,6 @@ the commands: how long a sync, a role switch or a micro-batch takes (``CostModel
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 from tiderl.core.commands import (
@@ -38,9 +37,11 @@ from tiderl.core.step_control import (
     StepControlConfig,
     StepControlError,
     StepController,
+    Substrate,
+    effective_config,
     initial_roles,
 )
-from tiderl.core.system import System, SystemSpec
+from tiderl.core.system import SystemSpec
 from tiderl.core.types import Group, Role
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
@@ -57,31 +58,28 @@ __all__ = ["RolloutResult", "SimResult", "simulate", "simulate_rollout_step",
 
 
 def simulate(system: SystemSpec, scenario: SimScenario) -> SimResult:
-    """Run ``scenario.steps`` training steps of ``system``; deterministic for the seed."""
+    """Run ``scenario.job.steps`` training steps of ``system``; deterministic for the seed."""
     return Cluster(system, scenario).run()
 
 
-def control_config(system: SystemSpec, scenario: SimScenario,
+def step_config(system: SystemSpec, scenario: SimScenario,
                    cost: CostModel) -> StepControlConfig:
     """The step cycle of ``system`` on the scenario: the trainer keeps enough GPUs to hold its
     sharded state (``CostModel.min_train_gpus``), request-level engines their concurrency."""
-    ers = scenario.ers_config()
-    ers = replace(ers, min_trainer_ranks=max(ers.min_trainer_ranks, min_trainer(scenario, cost)))
-    ctb = replace(scenario.ctb, request_concurrency=scenario.request_concurrency)
-    sampler = _sampler(scenario.workload, scenario.seed, scenario.steps, scenario.env_step)
-    ra2p = scenario.ra2p
-    if system.system is System.STREAM:  # StreamRL's own micro-batches, not RA2P's target
-        ra2p = replace(ra2p, tokens_per_rank=scenario.stream_tokens_per_rank)
-    return StepControlConfig(
-        system=system, num_steps=scenario.steps, group_size=scenario.group_size,
-        max_staleness=scenario.max_staleness, ctb=ctb, ra2p=ra2p, ers=ers,
-        rank_budget=ctb.rank_budget(cost.kv_capacity_tokens()),
-        max_new_tokens=sampler.max_new_tokens(), eval_every=scenario.eval_every,
-        eval_groups=scenario.eval_groups)
+    sampler = _sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
+                       scenario.env_step)
+    substrate = Substrate(kv_tokens=cost.kv_capacity_tokens(),
+                          max_new_tokens=sampler.max_new_tokens(),
+                          min_trainer_ranks=min_trainer(scenario, cost),
+                          request_concurrency=scenario.sim.request_concurrency,
+                          stream_tokens_per_rank=scenario.sim.stream_tokens_per_rank,
+                          over_provision=scenario.sim.async_over_provision)
+    return effective_config(system, scenario.job, scenario.ctb, scenario.ra2p, scenario.ers,
+                            substrate)
 
 
 def min_trainer(scenario: SimScenario, cost: CostModel) -> int:
-    return min(cost.min_train_gpus(), max(1, scenario.gpus - 1))
+    return min(cost.min_train_gpus(), max(1, scenario.sim.gpus - 1))
 
 
 class Cluster:
@@ -90,23 +88,19 @@ class Cluster:
     def __init__(self, system: SystemSpec, scenario: SimScenario) -> None:
         self.system, self.scenario = system, scenario
         self.loop = EventLoop()
-        self.cost = CachedCostModel(MODELS[scenario.model], GPUS[scenario.gpu])
-        self.sampler = _sampler(scenario.workload, scenario.seed, scenario.steps,
+        self.cost = CachedCostModel(MODELS[scenario.sim.model], GPUS[scenario.sim.gpu])
+        self.sampler = _sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
                                 scenario.env_step)
-        n = scenario.gpus
+        n = scenario.sim.gpus
         num_rollout = min(scenario.num_rollout_gpus(), max(1, n - min_trainer(scenario,
                                                                              self.cost)))
         roles = initial_roles(system, n, num_rollout, scenario.ra2p.mode)
-        self.controller = StepController(control_config(system, scenario, self.cost), roles,
+        self.controller = StepController(step_config(system, scenario, self.cost), roles,
                                          self._group, now=0.0)
-        if system.system is System.ASYNC and scenario.async_over_provision > 1.0:
-            # APRIL (AReaL's configuration, paper §6): the admission window holds
-            # (over_provision - 1) extra batches; needs a core knob, see docs/simulator.md
-            self.controller.book.set_tasks_per_step(april_tasks_per_step(scenario))
         self.pool = RolloutPool(self.loop, self.cost, self.controller.rollout,
-                                round_interval_s=scenario.ctb_round_interval_s,
+                                round_interval_s=scenario.sim.ctb_round_interval_s,
                                 block_size=scenario.kv_block_size,
-                                max_running=scenario.request_concurrency,
+                                max_running=scenario.sim.request_concurrency,
                                 on_group_ready=self._on_group_ready)
         self.swap_s = self.cost.model_swap_s()
         self.cross_node = n > self.cost.gpu.gpus_per_node
@@ -125,9 +119,9 @@ class Cluster:
         self._apply(self.controller.launch(0.0))
         self.loop.run()
         done = len(self.controller.records)
-        if done < self.scenario.steps:
+        if done < self.scenario.job.steps:
             raise StepControlError(
-                f"the simulation stalled after {done} of {self.scenario.steps} steps at "
+                f"the simulation stalled after {done} of {self.scenario.job.steps} steps at "
                 f"t={self.loop.now:.1f} s ({self.controller.phase.name.lower()}, "
                 f"{self.pool.book.num_new} tasks waiting for admission)")
         return self._result()
@@ -136,12 +130,12 @@ class Cluster:
         """The controller's dataset: training group ``index`` of the task stream (its batch sets
         the workload's progress), or an evaluation group of step ``spec.step``."""
         if spec.is_eval:
-            plans = tuple(self.sampler.sample_group(spec.group_id, self.scenario.eval_size,
+            plans = tuple(self.sampler.sample_group(spec.group_id, self.scenario.job.eval_size,
                                                     spec.step, is_eval=True))
         else:
-            plans = _training_group(self.scenario.workload, self.scenario.seed,
-                                    self.scenario.steps, spec.index, self.scenario.group_size,
-                                    spec.index // self.scenario.batch_groups,
+            sim, job = self.scenario.sim, self.scenario.job
+            plans = _training_group(sim.workload, sim.seed, job.steps, spec.index,
+                                    job.group_size, spec.index // job.batch_groups,
                                     self.scenario.env_step)
         self._plans[spec.group_id] = plans
         return group_of(plans)
@@ -187,7 +181,7 @@ class Cluster:
     def _start_step(self, start: StartStep) -> None:
         self.start = start
         self._step_rewards = {}
-        switch_s = self.scenario.colocate_switch_s if self.system.is_sync else 0.0
+        switch_s = self.scenario.sim.colocate_switch_s if self.system.is_sync else 0.0
         self.executor = build_executor(start.mode, self.loop, self.cost,
                                        num_gpus=len(start.ranks), num_ref=len(start.ref_ranks),
                                        max_aggregate=start.max_aggregate or 1,
@@ -231,7 +225,7 @@ class Cluster:
         targets = sum(1 for r in boundary.members if boundary.roles[r] is Role.ROLLOUT)
         sync_s = self.cost.weight_sync_s(targets, self.cross_node)
         if self.system.is_sync:
-            return sync_s + self.swap_s + self.scenario.colocate_switch_s
+            return sync_s + self.swap_s + self.scenario.sim.colocate_switch_s
         return sync_s
 
     def _on_ack(self, payload: tuple[int, int]) -> None:
@@ -248,28 +242,22 @@ class Cluster:
         wall = records[-1].end_s if records else self.loop.now
         query, hit = self.pool.kv_counters()
         decoded = sum(e.decoded_tokens for e in self.pool.all_engines())
-        open_step = c.current.tokens if c.current is not None else 0
+        open_step = c.steps.current.tokens if c.steps.current is not None else 0
         in_flight = c.buffer.buffered_tokens + open_step + self.pool.finished_in_open_groups()
         policies: dict[str, object] = {"book": c.book, "tracker": c.tracker,
-                                       "ctb" if self.system.uses_ctb else "request": c.policy}
+                                       "ctb" if self.system.uses_ctb else "request":
+                                       c.rollout.policy}
         if c.ers is not None:
             policies["ers"] = c.ers
         return SimResult(
             system=self.system.label, scenario=self.scenario, wall_s=wall,
-            trained_tokens=c.trained_tokens, generated_tokens=self.pool.generated_tokens,
-            discarded_tokens=c.buffer.discarded_tokens, in_flight_tokens=in_flight,
-            decoded_tokens=decoded, goodput_tok_s=c.trained_tokens / wall if wall else 0.0,
+            trained_tokens=c.ledger.trained_tokens, generated_tokens=self.pool.generated_tokens,
+            discarded_tokens=c.buffer.discarded.tokens, in_flight_tokens=in_flight,
+            decoded_tokens=decoded, goodput_tok_s=c.ledger.trained_tokens / wall if wall else 0.0,
             gen_tok_s=decoded / wall if wall else 0.0,
             kv_hit_rate=hit / query if query else 0.0, rwt_s=c.rollout.rwt.total,
             twt_s=sum(r.twt_s for r in records), num_events=self.loop.num_events,
             num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies)
-
-
-def april_tasks_per_step(scenario: SimScenario) -> int:
-    """The book's batch under which its window, (max_staleness + 1) batches, also holds APRIL's
-    over-provisioning: (max_staleness + over_provision) · B_ideal tasks in all."""
-    bound, over = scenario.max_staleness, scenario.async_over_provision
-    return round(scenario.batch_ideal * (bound + over) / (bound + 1))
 
 
 @lru_cache(maxsize=8)

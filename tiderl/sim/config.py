@@ -1,4 +1,6 @@
-"""Sim section of a profile: the simulated cluster, workload and job shape."""
+"""Sim section of a profile: the simulated cluster, model and workload, and the baselines' own
+knobs. The job's shape (steps, groups, batch, staleness, evaluation) is the profile's ``job``
+section (:class:`tiderl.core.job.JobShape`), the same one the runtime reads."""
 
 from __future__ import annotations
 
@@ -18,17 +20,10 @@ class SimConfig:
     model: str = "qwen2.5-7b"
     gpu: str = "h100-sxm"
     gpus: int = 32
-    steps: int = 100
-    seed: int = 0
-    group_size: int = 8  # GRPO G
-    batch_groups: int = 32  # B_ideal, in groups
-    batch_min_groups: int = 16  # B_min, in groups (elastic batch under ERS)
-    max_staleness: int = 1
-    eval_every: int = 0  # steps; 0 = no evaluation
-    eval_groups: int = 0
-    eval_group_size: int = 0  # tasks per evaluation group; 0 = group_size (paper Table 3: 4)
+    seed: int = 0  # the workload's
     rollout_ratio: float = 0.25  # initial (and, for fixed-split policies, permanent) share
-    request_concurrency: int = 256  # per rollout GPU, request-level engines
+    request_concurrency: int = 256  # an engine's running requests per GPU (request-level
+    # admission fills them: the simulated ctb.request_concurrency)
     ctb_round_interval_s: float = 0.5  # simulated seconds between CTB rounds
     # sync's framework switch between its engine and its trainer, paid each way every step
     # (offload/onload, memory-saver pause/resume, group rebuild); docs/simulator.md
@@ -41,13 +36,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         require_choice(self.experiment, EXPERIMENTS, "experiment")
-        for name in ("gpus", "steps", "group_size", "batch_groups", "batch_min_groups",
-                     "request_concurrency", "ctb_round_interval_s"):
+        for name in ("gpus", "request_concurrency", "ctb_round_interval_s"):
             require_positive(getattr(self, name), name)
-        require(self.batch_min_groups <= self.batch_groups, "batch_min_groups",
-                f"expected <= batch_groups ({self.batch_groups}), got {self.batch_min_groups}")
-        for name in ("max_staleness", "eval_every", "eval_groups", "eval_group_size",
-                     "colocate_switch_s", "env_step_median_s", "env_step_sigma"):
+        for name in ("colocate_switch_s", "env_step_median_s", "env_step_sigma"):
             require_non_negative(getattr(self, name), name)
         require_positive(self.stream_tokens_per_rank, "stream_tokens_per_rank")
         require(self.async_over_provision >= 1.0, "async_over_provision",

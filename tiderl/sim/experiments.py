@@ -22,7 +22,7 @@ docs/simulator.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -87,7 +87,7 @@ def _row(label: str, result: SimResult) -> dict[str, Any]:
 
 
 def _fixed_split(scenario: SimScenario, ratio: float) -> SimResult:
-    return simulate(SYSTEMS["async"], replace(scenario, rollout_ratio=ratio))
+    return simulate(SYSTEMS["async"], scenario.with_sim(rollout_ratio=ratio))
 
 
 def _fixed_splits(scenario: SimScenario, label: str) -> dict[str, Callable[[], SimResult]]:
@@ -163,7 +163,7 @@ FIG8_MODELS = (("7b", "qwen2.5-7b"), ("14b", "qwen2.5-14b"))
 def fig8(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
     runs: dict[str, Callable[[], SimResult]] = {}
     for key, model in FIG8_MODELS:
-        runs.update(_throughput_runs(replace(scenario, model=model), key))
+        runs.update(_throughput_runs(scenario.with_sim(model=model), key))
     done = run_all(runs, progress)
     headline, rows = {}, []
     for key, _ in FIG8_MODELS:

@@ -8,9 +8,8 @@ syncs or staleness.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
-from tiderl.core.step_control import RolloutControl
+from tiderl.core.step_control import RolloutControl, effective_ctb
 from tiderl.core.system import StepMode
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
@@ -25,34 +24,34 @@ TRAINER_MODES = (StepMode.COLOCATED, StepMode.DECOUPLED, StepMode.VS, StepMode.V
 
 
 def cost_model(scenario: SimScenario) -> CostModel:
-    return CachedCostModel(MODELS[scenario.model], GPUS[scenario.gpu])
+    return CachedCostModel(MODELS[scenario.sim.model], GPUS[scenario.sim.gpu])
 
 
 def simulate_rollout_step(scenario: SimScenario, num_tasks: int, *, ctb: bool,
                           concurrency: int | None,
                           sampler: WorkloadSampler | None = None,
                           cost: CostModel | None = None) -> RolloutResult:
-    """One rollout GPU runs ``num_tasks`` tasks (groups of ``scenario.group_size``, step 0 of
+    """One rollout GPU runs ``num_tasks`` tasks (groups of ``scenario.job.group_size``, step 0 of
     the workload) to completion. ``ctb``: CTB admits and pauses by token budget; otherwise every
     task is admitted at once (request level). ``concurrency`` caps the engine's running
     requests (None: no cap). ``sampler``/``cost`` replace the scenario's (tests)."""
     loop = EventLoop()
     cost = cost or cost_model(scenario)
-    sampler = sampler or WorkloadSampler(scenario.workload, scenario.seed, scenario.steps,
-                                         scenario.env_step)
-    config = replace(scenario.ctb, policy="ctb") if ctb else replace(
+    sampler = sampler or WorkloadSampler(scenario.sim.workload, scenario.sim.seed,
+                                         scenario.job.steps, scenario.env_step)
+    config = effective_ctb(scenario.ctb, policy="ctb") if ctb else effective_ctb(
         scenario.ctb, policy="request", request_concurrency=max(1, num_tasks))
     ready: list[SimGroup] = []
     rollout = RolloutControl.of(config, budget=config.rank_budget(cost.kv_capacity_tokens()),
                                 max_new_tokens=sampler.max_new_tokens())
-    pool = RolloutPool(loop, cost, rollout, round_interval_s=scenario.ctb_round_interval_s,
+    pool = RolloutPool(loop, cost, rollout, round_interval_s=scenario.sim.ctb_round_interval_s,
                        block_size=scenario.kv_block_size, max_running=concurrency,
                        on_group_ready=ready.append)
     rollout.add_rank(0, 0.0)
     pool.add_rank(0)
-    num_groups = math.ceil(num_tasks / scenario.group_size)
+    num_groups = math.ceil(num_tasks / scenario.job.group_size)
     for i in range(num_groups):
-        size = min(scenario.group_size, num_tasks - i * scenario.group_size)
+        size = min(scenario.job.group_size, num_tasks - i * scenario.job.group_size)
         plans = sampler.sample_group(f"g{i}", size, 0)
         rollout.add_group(group_of(plans), 0.0)
         pool.add_group(plans)

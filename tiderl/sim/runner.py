@@ -1,29 +1,17 @@
-"""Profile -> simulated scenario -> experiment results (what `tiderl sim` runs)."""
+"""A simulated scenario -> experiment results (what `tiderl sim` runs; a profile becomes a
+scenario in :func:`tiderl.profile.scenario.scenario_of`)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from tiderl.core.system import SystemSpec
-from tiderl.profile import Profile
 from tiderl.sim.cluster import simulate
 from tiderl.sim.experiments import FIG8_RATIOS, ExperimentResult, run_experiment
 from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
-
-
-def scenario_from_profile(profile: Profile) -> SimScenario:
-    """The profile's ``sim`` section plus the core policy sections (ctb, ra2p, ers)."""
-    sim = profile.sim
-    ers = replace(profile.ers, batch_min=sim.batch_min_groups * sim.group_size,
-                  batch_ideal=sim.batch_groups * sim.group_size)
-    fields = {f.name: getattr(sim, f.name) for f in dataclasses.fields(sim)}
-    return SimScenario(**fields, ctb=profile.ctb, ra2p=profile.ra2p, ers=ers)
-
 
 COMPARE_PAPER = {**FIG8_RATIOS, "note": "Fig. 8, Qwen2.5-7B on 32 H100s, WebShop + ALFWorld "
                                         "(sim/cluster32); another scenario may differ"}
@@ -51,27 +39,26 @@ def compare_policies(scenario: SimScenario, policies: list[str],
     return ExperimentResult("compare", headline, paper, rows, series)
 
 
-def run_profile(profile: Profile, experiment: str | None = None,
-                policies: list[str] | None = None,
-                progress: Progress | None = None) -> ExperimentResult:
-    """The profile's experiment, or its (or ``policies``') systems compared; ``progress``
+def run_scenario(scenario: SimScenario, experiment: str | None = None,
+                 policies: list[str] | None = None,
+                 progress: Progress | None = None) -> ExperimentResult:
+    """The scenario's experiment, or its (or ``policies``') systems compared; ``progress``
     hears of each simulation as it starts (:mod:`tiderl.sim.progress`)."""
-    scenario = scenario_from_profile(profile)
-    name = experiment if experiment is not None or policies else profile.sim.experiment
+    name = experiment if experiment is not None or policies else scenario.sim.experiment
     if name:
         return run_experiment(name, scenario, progress)
-    return compare_policies(scenario, policies or profile.sim.policies, progress)
+    return compare_policies(scenario, policies or scenario.sim.policies, progress)
 
 
 SWEEP_PAPER = {**FIG8_RATIOS, "note": "Fig. 8 (7B, 100 steps); the sweep's runs are shorter"}
 
 
-def run_profile_sweep(profile: Profile, grid: SweepGrid | None = None,
-                      progress: Progress | None = None) -> dict[str, Any]:
-    """The sweep around the profile's scenario: rows, the centre's ratios and each ratio's
-    range over the grid; ``result`` is the :class:`~tiderl.sim.sweep.SweepResult` itself."""
+def run_scenario_sweep(scenario: SimScenario, grid: SweepGrid | None = None,
+                       progress: Progress | None = None) -> dict[str, Any]:
+    """The sweep around the scenario: rows, the centre's ratios and each ratio's range over
+    the grid; ``result`` is the :class:`~tiderl.sim.sweep.SweepResult` itself."""
     grid = grid or SweepGrid()
-    result = run_sweep(scenario_from_profile(profile), grid, progress)
+    result = run_sweep(scenario, grid, progress)
     keys = ("tiderl_over_sync", "tiderl_over_async", "tiderl_over_stream", "async_over_sync")
     centre = next((r for r in result.rows
                    if all(r[k] == v for k, v in result.centre.items())), None)

@@ -22,55 +22,48 @@ from dataclasses import dataclass, field, replace
 from tiderl.core.config import require_int
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
+from tiderl.core.job import JobShape
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.system import System, SystemSpec
 from tiderl.sim.config import SimConfig
 
 
 @dataclass(frozen=True)
-class SimScenario(SimConfig):
-    """One simulated setup: the profile's ``sim`` section (:class:`SimConfig`) plus the core
-    policies' configs. Batches are in GRPO groups of ``group_size`` samples (tasks):
-    B_ideal = batch_groups·group_size, B_min = batch_min_groups·group_size. (``experiment`` and
-    ``policies`` say what to run on a scenario; the simulation itself ignores them.)"""
+class SimScenario:
+    """One simulated setup: the profile's ``sim`` section (:class:`SimConfig`: cluster, model,
+    workload, the baselines' knobs), the job's shape and the core policies' configs.
+    (``sim.experiment`` and ``sim.policies`` say what to run on a scenario; the simulation
+    itself ignores them.) The defaults are a 32-GPU cluster's: 100 steps of 32 groups."""
 
-    kv_block_size: int = 16
+    sim: SimConfig = field(default_factory=SimConfig)
+    job: JobShape = field(default_factory=lambda: JobShape(steps=100, batch_groups=32,
+                                                           batch_min_groups=16))
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
-    ers: ERSConfig = field(default_factory=lambda: ERSConfig(batch_min=128, batch_ideal=256))
+    ers: ERSConfig = field(default_factory=ERSConfig)
+    kv_block_size: int = 16
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require_int(self.kv_block_size, "kv_block_size", minimum=1)
 
-    @property
-    def batch_ideal(self) -> int:
-        """B_ideal in samples."""
-        return self.batch_groups * self.group_size
+    def with_sim(self, **changes: object) -> SimScenario:
+        """This scenario with ``changes`` to its ``sim`` section."""
+        return replace(self, sim=replace(self.sim, **changes))
 
-    @property
-    def batch_min(self) -> int:
-        return self.batch_min_groups * self.group_size
-
-    @property
-    def eval_size(self) -> int:
-        """Tasks per evaluation group."""
-        return self.eval_group_size or self.group_size
+    def with_job(self, **changes: object) -> SimScenario:
+        return replace(self, job=replace(self.job, **changes))
 
     @property
     def env_step(self) -> tuple[float, float]:
         """The environment step latency override (median, sigma); zeros keep the workload's."""
-        return (self.env_step_median_s, self.env_step_sigma)
-
-    def ers_config(self) -> ERSConfig:
-        """``ers`` with its batch sizes taken from this scenario (samples)."""
-        return replace(self.ers, batch_min=self.batch_min, batch_ideal=self.batch_ideal)
+        return (self.sim.env_step_median_s, self.sim.env_step_sigma)
 
     def num_rollout_gpus(self) -> int:
         """The initial rollout share, at least one GPU and leaving the trainer at least one."""
-        if self.gpus == 1:
+        gpus = self.sim.gpus
+        if gpus == 1:
             return 1
-        return min(self.gpus - 1, max(1, round(self.gpus * self.rollout_ratio)))
+        return min(gpus - 1, max(1, round(gpus * self.sim.rollout_ratio)))
 
 
 SYSTEMS: dict[str, SystemSpec] = {s.value: SystemSpec(s) for s in System}

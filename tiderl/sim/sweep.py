@@ -14,7 +14,7 @@ the ratios, not the absolute goodput, are what the sweep bounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -37,16 +37,13 @@ class SweepGrid:
 
     def points(self, base: SimScenario) -> list[dict[str, float]]:
         """The heat map's cells, then each other value of eta and the switch at the centre."""
-        centre = {"env_step_median_s": base.env_step_median_s,
-                  "env_step_sigma": base.env_step_sigma,
-                  "max_staleness": base.max_staleness,
-                  "colocate_switch_s": base.colocate_switch_s}
+        centre = _centre(base)
         cells = [{**centre, "env_step_median_s": m, "env_step_sigma": s}
                  for m in self.env_median_s for s in self.env_sigma]
         cells += [{**centre, "max_staleness": eta} for eta in self.max_staleness
-                  if eta != base.max_staleness]
+                  if eta != base.job.max_staleness]
         cells += [{**centre, "colocate_switch_s": c} for c in self.colocate_switch_s
-                  if c != base.colocate_switch_s]
+                  if c != base.sim.colocate_switch_s]
         return cells
 
 
@@ -59,18 +56,28 @@ class SweepResult:
 
 def run_sweep(base: SimScenario, grid: SweepGrid,
               progress: Progress | None = None) -> SweepResult:
-    """Every point of ``grid`` around ``base`` (``base.steps`` is replaced by ``grid.steps``);
+    """Every point of ``grid`` around ``base`` (``base.job.steps`` is replaced by ``grid.steps``);
     ``progress`` hears of each system's run at each point as it starts."""
     points = grid.points(base)
-    runs = {f"{_label(point)}: {name}": partial(simulate, SYSTEMS[name],
-                                                replace(base, steps=grid.steps, **point))
+    runs = {f"{_label(point)}: {name}": partial(simulate, SYSTEMS[name], _at(base, grid, point))
             for point in points for name in SYSTEM_ORDER}
     done = run_all(runs, progress)
     rows = [_point({name: done[f"{_label(point)}: {name}"] for name in SYSTEM_ORDER}, point)
             for point in points]
-    centre = {"env_step_median_s": base.env_step_median_s, "env_step_sigma": base.env_step_sigma,
-              "max_staleness": base.max_staleness, "colocate_switch_s": base.colocate_switch_s}
-    return SweepResult(grid, centre, rows)
+    return SweepResult(grid, _centre(base), rows)
+
+
+def _centre(base: SimScenario) -> dict[str, float]:
+    return {"env_step_median_s": base.sim.env_step_median_s,
+            "env_step_sigma": base.sim.env_step_sigma, "max_staleness": base.job.max_staleness,
+            "colocate_switch_s": base.sim.colocate_switch_s}
+
+
+def _at(base: SimScenario, grid: SweepGrid, point: dict[str, float]) -> SimScenario:
+    """``base`` at one point of the grid, for ``grid.steps`` steps."""
+    sim = {k: v for k, v in point.items() if k != "max_staleness"}
+    return base.with_sim(**sim).with_job(steps=grid.steps,
+                                         max_staleness=int(point["max_staleness"]))
 
 
 def _label(point: dict[str, float]) -> str:

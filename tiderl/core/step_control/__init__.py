@@ -2,10 +2,18 @@
 both the simulator (an event heap) and the runtime coordinator (a bus).
 
     adapter ──events (time is an argument)──> StepController ──commands (tiderl.core.commands)──>
-                                                 │
-          RolloutControl: TaskBook + CTB or request-level policy, the footprint rule, RWT
-          ReadyBuffer + ReadinessTracker: ready groups -> micro-batches of batch s
-          ERSPolicy, choose_mode, manual plans
+      its parts (each owns its state; none calls another):
+          CycleState        phase, hold, step, version, roles, dead ranks          (.state)
+          RolloutControl    TaskBook + CTB or request-level policy, footprints, RWT (.rollout)
+          ReadyBuffer       ready groups -> micro-batches of batch s (BufferEvents) (core.buffer)
+          ERSPolicy         layouts, RA2P modes, elastic batches                   (core.ers)
+          TrainingFeed      groups out up to the staleness throttle                (.feed)
+          Evaluation        evaluation phases                                      (.evaluation)
+          Boundaries        the boundary out and its acknowledgements              (.boundary)
+          StepRunner        the open step, micro-batches waiting for theirs        (.steps)
+          Ledger            step records and totals                                (.ledger)
+          ManualPlans       an operator's pending plan and held layout             (.manual)
+          faults            what a death means, how a step it hit ended            (.faults)
 
     launch ─(ERS: launch plan, Boundary v0)─┐
                                             v
@@ -14,6 +22,9 @@ both the simulator (an event heap) and the runtime coordinator (a bus).
       │                                                                      │ StepOutcome
       └── Boundary v = s+1 (manual plan | ERS plan | same roles) <── RecordStep ─┘
                       after the last step: Boundary (final), Finish ──> FINISHED
+      holds: COLD_START (launch lent trainer ranks: step 0 waits for batch 0, then a boundary
+             brings them back), EVALUATION (a step ended with evaluation groups out: its
+             boundary waits for them); the allowed moves are listed in .state
 
     a trainer rank of step s dies ──> AbortStep; no live actor updated ──> (a boundary without
       an update, v = s) ──> TRAINING (step s again, attempt + 1, its micro-batches)  (.faults)
@@ -26,7 +37,8 @@ Every policy input is built in this package and nowhere else: the task footprint
 (:mod:`.rollout`), the ERS input and RA2P's cost-model inputs, with the pass times learned from
 the trainer ranks' reports (:mod:`.inputs`), the step mode, the elastic batch, evaluation
 phases and the order of the boundary (:mod:`.controller`), operator plans (:mod:`.manual`) and
-the layout limits every plan goes through (:mod:`.config`).
+the configuration each system runs, with the layout limits every plan goes through
+(:mod:`.config`, :func:`effective_config`).
 """
 
 
@@ -34,14 +46,18 @@ from tiderl.core.step_control.config import (
     LayoutLimits,
     StepControlConfig,
     StepControlError,
+    Substrate,
+    effective_config,
+    effective_ctb,
     initial_roles,
     task_id,
 )
 from tiderl.core.step_control.controller import StepController
 from tiderl.core.step_control.resume import ResumePoint, restore, resume_point
 from tiderl.core.step_control.rollout import RolloutControl, RolloutWait
-from tiderl.core.step_control.state import Phase
+from tiderl.core.step_control.state import Hold, Phase
 
-__all__ = ["LayoutLimits", "Phase", "ResumePoint", "RolloutControl", "RolloutWait",
-           "StepControlConfig", "StepControlError", "StepController", "initial_roles", "restore",
-           "resume_point", "task_id"]
+__all__ = ["Hold", "LayoutLimits", "Phase", "ResumePoint", "RolloutControl", "RolloutWait",
+           "StepControlConfig", "StepControlError", "StepController", "Substrate",
+           "effective_config", "effective_ctb", "initial_roles", "restore", "resume_point",
+           "task_id"]

@@ -1,14 +1,17 @@
-"""What the step cycle needs of a job, the launch layout and the layouts a substrate refuses."""
+"""What the step cycle needs of a job: its configuration, the launch layout and the layouts a
+substrate refuses, and :func:`effective_config`, the one place where the policies' configs are
+made what a system runs (both substrates build their cycle through it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
+from tiderl.core.job import JobShape
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.rank_sets import MAX_ALL_SUBSETS, has_group
-from tiderl.core.system import SystemSpec
+from tiderl.core.system import System, SystemSpec
 from tiderl.core.types import Mode, Role
 
 
@@ -98,24 +101,103 @@ class LayoutLimits:
 
 @dataclass(frozen=True)
 class StepControlConfig:
-    """``ctb`` is used as given under TideRL with CTB, else as the request-level baseline;
-    ``ers`` gives every system its batch bounds and plans only under TideRL with ERS;
+    """The step cycle of one system on one job, as :func:`effective_config` makes it: ``ctb``,
+    ``ra2p`` and ``ers`` are what the system runs (request-level rollout for a baseline, ...);
     ``rank_budget`` is CTB's B_r; ``max_new_tokens`` the generation cap of one turn (the
-    footprint rule); ``checkpoint_every`` asks the actors for a checkpoint at those versions,
-    ``export_every`` for an HF folder of the weights (both also after the last step)."""
+    footprint rule); ``window_tasks`` the batch CTB's staleness window counts in tasks
+    (B_ideal, wider with over-provisioning); ``checkpoint_every`` asks the actors for a
+    checkpoint at those versions, ``export_every`` for an HF folder of the weights (both also
+    after the last step); ``tensor_parallel`` actors per model replica (micro-batches are cut
+    for the replicas)."""
 
     system: SystemSpec
-    num_steps: int
-    group_size: int
-    max_staleness: int
+    job: JobShape
     ctb: CTBConfig
     ra2p: RA2PConfig
     ers: ERSConfig
     rank_budget: int
     max_new_tokens: int
-    eval_every: int = 0
-    eval_groups: int = 0
+    window_tasks: int
     checkpoint_every: int = 0
     export_every: int = 0
-    tensor_parallel: int = 1  # actors per model replica: micro-batches are cut for the replicas
+    tensor_parallel: int = 1
     limits: LayoutLimits = field(default_factory=LayoutLimits)
+
+    @property
+    def max_staleness(self) -> int:
+        return self.system.max_staleness(self.job.max_staleness)
+
+    @property
+    def has_ers(self) -> bool:
+        return self.system.uses_ers and self.ers.enabled
+
+
+@dataclass(frozen=True)
+class Substrate:
+    """What the substrate a job runs on fixes for its step cycle: one rollout rank's KV tokens
+    (B_r is ``ctb.budget_fraction`` of it), a turn's generation cap, whether the loss has a KL
+    term (without one no step runs a Ref pass), what it saves and when, the layouts it cannot
+    run, and the trainer's floor in ranks (a model's sharded training state needs that many
+    devices). The simulator's baselines add their own knobs: StreamRL's micro-batch target and
+    AReaL's over-provisioning (APRIL: the staleness window holds ``over_provision - 1`` extra
+    batches)."""
+
+    kv_tokens: int
+    max_new_tokens: int
+    has_kl: bool = True
+    checkpoint_every: int = 0
+    export_every: int = 0
+    tensor_parallel: int = 1
+    limits: LayoutLimits = field(default_factory=LayoutLimits)
+    min_trainer_ranks: int = 1
+    request_concurrency: int | None = None
+    stream_tokens_per_rank: int | None = None
+    over_provision: float = 1.0
+
+
+def effective_ctb(ctb: CTBConfig, *, policy: str | None = None,
+                  request_concurrency: int | None = None) -> CTBConfig:
+    """``ctb`` with the policy a system runs (None: as configured) and, where the substrate
+    fixes it, the running requests request-level admission fills per rank (the simulator's
+    engines: ``sim.request_concurrency``)."""
+    if policy is not None and policy != ctb.policy:
+        ctb = replace(ctb, policy=policy)
+    if request_concurrency is not None and request_concurrency != ctb.request_concurrency:
+        ctb = replace(ctb, request_concurrency=request_concurrency)
+    return ctb
+
+
+def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA2PConfig,
+                     ers: ERSConfig, substrate: Substrate) -> StepControlConfig:
+    """The configuration ``system`` runs on ``job``: the one place a policy's config is
+    rewritten (``tiderl launch --dry-run`` and ``tiderl sim --dry-run`` print it).
+
+    - without CTB (every baseline, and the ablation) rollout is request-level: ``ctb.policy``
+      is ``request``, filling the substrate's running requests where it fixes them;
+    - RA2P's choice is colocated where no step can run decoupled: without a KL term (no Ref
+      pass) an ``auto`` mode, and ERS's view of a system without RA2P (it moves ranks but never
+      provisions a Ref rank);
+    - stream cuts micro-batches to its own target where the substrate gives one;
+    - ERS keeps at least the substrate's trainer floor;
+    - the staleness window counts ``job.batch_ideal`` tasks per batch, times the over-
+      provisioning under async."""
+    ctb = effective_ctb(ctb, policy=None if system.uses_ctb else "request",
+                        request_concurrency=substrate.request_concurrency)
+    if not substrate.has_kl and ra2p.mode == "auto":
+        ra2p = replace(ra2p, mode=Mode.COLOCATED.value)
+    if not system.uses_ra2p:
+        ra2p = replace(ra2p, mode=Mode.COLOCATED.value)
+    if system.system is System.STREAM and substrate.stream_tokens_per_rank is not None:
+        ra2p = replace(ra2p, tokens_per_rank=substrate.stream_tokens_per_rank)
+    if substrate.min_trainer_ranks > ers.min_trainer_ranks:
+        ers = replace(ers, min_trainer_ranks=substrate.min_trainer_ranks)
+    window_tasks = job.batch_ideal
+    if system.system is System.ASYNC and substrate.over_provision > 1.0:
+        bound, over = system.max_staleness(job.max_staleness), substrate.over_provision
+        window_tasks = round(job.batch_ideal * (bound + over) / (bound + 1))
+    return StepControlConfig(
+        system=system, job=job, ctb=ctb, ra2p=ra2p, ers=ers,
+        rank_budget=ctb.rank_budget(substrate.kv_tokens),
+        max_new_tokens=substrate.max_new_tokens, window_tasks=window_tasks,
+        checkpoint_every=substrate.checkpoint_every, export_every=substrate.export_every,
+        tensor_parallel=substrate.tensor_parallel, limits=substrate.limits)

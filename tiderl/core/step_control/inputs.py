@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSInput
 from tiderl.core.ers_predict import rate_window
+from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, choose_mode, synthetic_ready_times
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
@@ -80,7 +81,7 @@ def mean_step_s(records: Sequence[StepRecord]) -> float:
     return sum(r.step_s for r in records) / len(records) if records else 0.0
 
 
-def last_num_mbs(records: Sequence[StepRecord]) -> int:
+def last_num_micro_batches(records: Sequence[StepRecord]) -> int:
     return records[-1].num_micro_batches if records else 1
 
 
@@ -117,7 +118,7 @@ def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:
 
 def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
               records: Sequence[StepRecord], roles: Sequence[Role], mode: Mode,
-              measured: dict[Mode, MeasuredPasses], phase_tasks: int = 0,
+              measured: dict[Mode, MeasuredPasses], batch: BatchBounds, phase_tasks: int = 0,
               tasks_per_rank: float = 0.0, is_phase_over: bool = False,
               rate_steps: int = 0) -> ERSInput:
     """What ERS plans step ``step`` from (at launch, at the end of the cold start, or at the
@@ -130,7 +131,7 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
     return ERSInput(step=step, is_eval_step=is_eval_step, signals=signals,
                     step_duration_s=mean_step_s(records), roles=tuple(roles), mode=mode,
                     timings=timings or NO_TIMINGS,
-                    num_micro_batches=max(1, last_num_mbs(records)),
+                    num_micro_batches=max(1, last_num_micro_batches(records)), batch=batch,
                     rollout_idle_frac=rollout_idle_frac(records),
                     trainer_idle_frac=trainer_idle_frac(records), goodput=step_goodput(records),
                     phase_tasks=phase_tasks,
@@ -150,8 +151,8 @@ def choose_step_mode(config: RA2PConfig, signals: ReadinessSignals,
     col = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)
     if dec is None or col is None:
         return Mode.COLOCATED
-    num_mbs = max(1, signals.ras, last_num_mbs(records))
-    tprm = signals.tprm_s if signals.tprm_s is not None else mean_step_s(records) / num_mbs
-    times = synthetic_ready_times(num_mbs, min(signals.ras, num_mbs), tprm)
+    num = max(1, signals.ras, last_num_micro_batches(records))
+    tprm = signals.tprm_s if signals.tprm_s is not None else mean_step_s(records) / num
+    times = synthetic_ready_times(num, min(signals.ras, num), tprm)
     return choose_mode(times, dec, max(1, num_actors), config.max_aggregate, config,
                        colocated_timings=col)

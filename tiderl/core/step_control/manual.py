@@ -1,20 +1,25 @@
-"""Operator plans (``tiderl rebalance``): whether one can run in the job as it is now.
+"""Operator plans (``tiderl rebalance``): whether one can run in the job as it is now, and the
+hold it puts on the layout.
 
-The rank choice is ERS's (:func:`tiderl.core.ers.manual_plan`); the controller holds a pending
-plan until the next post-update boundary, checks it again there, and then holds its layout:
-neither ERS nor (without ERS) RA2P's per-step choice changes it until a release.
+    submit ──refused (one line) | pending──> the next post-update boundary: checked again ──>
+        refused (the job changed: a rank died) | applied: its boundary, then held ──release──>
+        ERS (or, without it, RA2P's per-step choice) lays the steps out again
+
+The rank choice is ERS's (:func:`tiderl.core.ers_manual.manual_plan`); a newer request replaces
+a pending one; while a layout is held neither ERS nor RA2P's per-step choice changes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from tiderl.core.commands import Command, ManualReply, ManualRequest
-from tiderl.core.ers import ERSPolicy
+from tiderl.core.commands import ManualReply, ManualRequest
 from tiderl.core.ers_manual import manual_plan, manual_refusal
-from tiderl.core.step_control.config import LayoutLimits, StepControlConfig
+from tiderl.core.step_control.config import StepControlConfig
+from tiderl.core.step_control.state import CycleState
 from tiderl.core.system import System, SystemSpec
-from tiderl.core.types import Mode, PlanReason, Role, RoleChange, ScalingPlan
+from tiderl.core.types import Mode, Role, RoleChange, ScalingPlan
 
 SYNC_REFUSAL = "mode sync: every rank rolls out and trains"
 WITHDRAWN = "withdrawn by --auto"
@@ -28,14 +33,14 @@ def planned_roles(roles: Sequence[Role], changes: Sequence[RoleChange]) -> list[
     return new
 
 
-def check_manual(request: ManualRequest, *, system: SystemSpec, step: int, num_steps: int,
-                 roles: Sequence[Role], ra2p_mode: Mode, batch_ideal: int, limits: LayoutLimits,
-                 is_request: bool) -> ScalingPlan | str:
+def check_manual(request: ManualRequest, config: StepControlConfig, *, step: int,
+                 roles: Sequence[Role], ra2p_mode: Mode, is_request: bool) -> ScalingPlan | str:
     """The plan for ``request``, or why it cannot run (one line). A new request also needs a
     boundary before the last one (that one only saves)."""
+    system = config.system
     if system.is_sync:
         return SYNC_REFUSAL
-    if is_request and step >= num_steps - 1:
+    if is_request and step >= config.job.steps - 1:
         return (f"the job is finishing: step {step} is its last "
                 "(no boundary is left to apply a plan at)")
     if request.mode is not None and system.system is not System.TIDERL:
@@ -45,8 +50,8 @@ def check_manual(request: ManualRequest, *, system: SystemSpec, step: int, num_s
     if refusal is not None:
         return refusal
     plan = manual_plan(tuple(roles), request.rollout, request.trainer, request.mode, ra2p_mode,
-                       batch_ideal)
-    return limits.refusal(list(roles), planned_roles(roles, plan.changes)) or plan
+                       config.job.batch_ideal)
+    return config.limits.refusal(list(roles), planned_roles(roles, plan.changes)) or plan
 
 
 def after_release(system: SystemSpec, has_ers: bool) -> str:
@@ -58,95 +63,65 @@ def after_release(system: SystemSpec, has_ers: bool) -> str:
     return f"mode {system.system.value} has no ERS: the layout stays as it is"
 
 
+@dataclass
 class ManualPlans:
-    """The step controller's operator plans, mixed into :class:`StepController`: a request is
-    refused, or pending until the next post-update boundary (a newer one replaces it); there it
-    is checked again, applied and held until a release. It uses these of the controller:"""
+    """The request waiting for the next post-update boundary, and whether an operator's
+    layout is held."""
 
-    config: StepControlConfig
-    roles: list[Role]
-    step: int
-    version: int
-    ra2p_mode: Mode
-    batch_ideal: int
-    ers: ERSPolicy | None
-    plan_reason: PlanReason | None
-    manual_pending: tuple[ManualRequest, ScalingPlan] | None
-    is_manual_held: bool
-    _out: list[Command]
-    system: SystemSpec
-    _at: Callable[[float], None]
-    _flush: Callable[[], list[Command]]
-    _planned: Callable[[tuple[RoleChange, ...]], list[Role]]
-    _boundary: Callable[[float, list[Role], PlanReason | None], None]
+    pending: tuple[ManualRequest, ScalingPlan] | None = None
+    is_held: bool = False
 
-    def submit_manual(self, request: ManualRequest, now: float) -> list[Command]:
-        """An operator's layout: refused, or pending until the next post-update boundary (a
-        newer request replaces it)."""
-        self._at(now)
-        result = self._check_manual(request, is_request=True)
+    def submit(self, request: ManualRequest, config: StepControlConfig,
+               state: CycleState) -> list[ManualReply]:
+        """Refused, or pending until the next post-update boundary (replacing an older one)."""
+        result = check_manual(request, config, step=state.step, roles=state.roles,
+                              ra2p_mode=state.ra2p_mode, is_request=True)
         if isinstance(result, str):
-            self._out.append(ManualReply(request, request.key, "refused", self.step,
-                                         reason=result))
-            return self._flush()
-        if self.manual_pending is not None:
-            old = self.manual_pending[0]
+            return [ManualReply(request, request.key, "refused", state.step, reason=result)]
+        replies = []
+        if self.pending is not None:
+            old = self.pending[0]
             why = f"replaced by a newer manual plan ({request.describe()})"
-            self._out.append(ManualReply(old, old.key, "refused", self.step, reason=why))
-        self.manual_pending = (request, result)
-        self._out.append(ManualReply(request, request.key, "accepted", self.step,
-                                     roles=tuple(self._planned(result.changes)),
-                                     mode=result.mode))
-        return self._flush()
+            replies.append(ManualReply(old, old.key, "refused", state.step, reason=why))
+        self.pending = (request, result)
+        replies.append(ManualReply(request, request.key, "accepted", state.step,
+                                   roles=tuple(planned_roles(state.roles, result.changes)),
+                                   mode=result.mode))
+        return replies
 
-    def release_manual(self, key: object, now: float) -> list[Command]:
+    def release(self, key: object, config: StepControlConfig,
+                state: CycleState) -> list[ManualReply]:
         """``--auto``: drop a pending plan and end the hold."""
-        self._at(now)
-        if self.system.is_sync:
-            self._out.append(ManualReply(None, key, "refused", self.step,
-                                         reason=SYNC_REFUSAL))
-            return self._flush()
-        dropped, self.manual_pending = self.manual_pending, None
+        if config.system.is_sync:
+            return [ManualReply(None, key, "refused", state.step, reason=SYNC_REFUSAL)]
+        dropped, self.pending = self.pending, None
+        replies = []
         if dropped is not None:
-            self._out.append(ManualReply(dropped[0], dropped[0].key, "refused", self.step,
-                                         reason=WITHDRAWN))
-        was_held, self.is_manual_held = self.is_manual_held, False
-        if was_held and self.ers is None:
-            self.plan_reason = None  # no plan lays the next steps out
-        then = after_release(self.system, self.ers is not None)
-        self._out.append(ManualReply(dropped[0] if dropped else None, key, "released",
-                                     self.step, reason=then, version=self.version,
-                                     roles=tuple(self.roles), mode=self.ra2p_mode,
-                                     was_held=was_held))
-        return self._flush()
+            replies.append(ManualReply(dropped[0], dropped[0].key, "refused", state.step,
+                                       reason=WITHDRAWN))
+        was_held, self.is_held = self.is_held, False
+        if was_held and not config.has_ers:
+            state.plan_reason = None  # no plan lays the next steps out
+        replies.append(ManualReply(dropped[0] if dropped else None, key, "released",
+                                   state.step, reason=after_release(config.system,
+                                                                    config.has_ers),
+                                   version=state.version, roles=tuple(state.roles),
+                                   mode=state.ra2p_mode, was_held=was_held))
+        return replies
 
-    def _check_manual(self, request: ManualRequest, is_request: bool = False
-                      ) -> ScalingPlan | str:
-        return check_manual(request, system=self.system, step=self.step,
-                            num_steps=self.config.num_steps, roles=self.roles,
-                            ra2p_mode=self.ra2p_mode, batch_ideal=self.batch_ideal,
-                            limits=self.config.limits, is_request=is_request)
-
-    def _apply_manual(self, now: float) -> bool:
-        """At a post-update boundary: the pending plan, checked again, is its boundary (and then
-        held). True if it sent the boundary."""
-        pending, self.manual_pending = self.manual_pending, None
+    def take(self, config: StepControlConfig, state: CycleState
+             ) -> tuple[tuple[ManualRequest, ScalingPlan] | None, list[ManualReply]]:
+        """At a post-update boundary: the pending request and its plan, checked again and held
+        from now on; None, with a refusal, when the job changed since (a rank died)."""
+        pending, self.pending = self.pending, None
         if pending is None:
-            return False
+            return None, []
         request = pending[0]
-        result = self._check_manual(request)
-        if isinstance(result, str):  # the job changed since (a rank died)
-            reason = f"at the boundary of version {self.version}: {result}"
-            self._out.append(ManualReply(request, request.key, "refused", self.step,
-                                         reason=reason, is_at_boundary=True))
-            return False
-        roles = self._planned(result.changes)
-        self.ra2p_mode, self.plan_reason = result.mode, result.reason
-        self.is_manual_held = True
-        if self.ers is not None:
-            self.ers.reset()  # its hysteresis and phase memory were about the old layout
-        self._boundary(now, roles, result.reason)
-        self._out.append(ManualReply(request, request.key, "applied", self.step,
-                                     version=self.version, roles=tuple(roles),
-                                     mode=result.mode, is_at_boundary=True))
-        return True
+        result = check_manual(request, config, step=state.step, roles=state.roles,
+                              ra2p_mode=state.ra2p_mode, is_request=False)
+        if isinstance(result, str):
+            reason = f"at the boundary of version {state.version}: {result}"
+            return None, [ManualReply(request, request.key, "refused", state.step,
+                                      reason=reason, is_at_boundary=True)]
+        self.is_held = True
+        return (request, result), []

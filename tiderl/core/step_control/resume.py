@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tiderl.core.buffer import ReadyGroup
-from tiderl.core.commands import FeedGroups, GroupSpec
+from tiderl.core.buffer import Discarded, ReadyGroup
+from tiderl.core.commands import GroupSpec
 from tiderl.core.ers_state import ERSState
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlError
@@ -69,27 +69,27 @@ class ResumePoint:
 
 def resume_point(ctl: StepController, now: float) -> ResumePoint:
     """The state to resume from at the boundary just emitted (no step is open)."""
-    if ctl.current is not None:
-        raise StepControlError(f"step {ctl.step} is open: a resume point is a boundary's")
-    buffer = ctl.buffer
+    st, buffer, feed, ledger = ctl.state, ctl.buffer, ctl.feed, ctl.ledger
+    if ctl.steps.current is not None:
+        raise StepControlError(f"step {st.step} is open: a resume point is a boundary's")
     ready: dict[str, None] = {}  # assigned to a batch (not consumed), then pending
     for group in (*buffer.group_of_seq.values(), *buffer.pending):
         ready.setdefault(group.group_id)
-    groups = ctl.groups
+    count = feed.count
     # an idle rank is one that died: a resumed job starts it again, as a rollout rank
-    roles = tuple(Role.ROLLOUT if r is Role.IDLE else r for r in ctl.roles)
+    roles = tuple(Role.ROLLOUT if r is Role.IDLE else r for r in st.roles)
     return ResumePoint(
-        version=ctl.version, elapsed_s=now - ctl.t0, roles=roles, num_fed=ctl.num_fed,
-        ready=tuple(ready), in_flight=tuple(ctl.fed_specs.values()),
-        trained_tokens=ctl.trained_tokens, trained_samples=ctl.trained_samples,
-        failed_samples=ctl.failed_samples, num_retired=ctl.num_retired,
-        discarded_tokens=buffer.discarded_tokens, discarded_groups=buffer.discarded_groups,
-        discarded_samples=buffer.discarded_samples,
+        version=st.version, elapsed_s=now - st.t0, roles=roles, num_fed=feed.num_fed,
+        ready=tuple(ready), in_flight=tuple(feed.out.values()),
+        trained_tokens=ledger.trained_tokens, trained_samples=ledger.trained_samples,
+        failed_samples=feed.failed_samples, num_retired=ctl.book.num_retired_train,
+        discarded_tokens=buffer.discarded.tokens, discarded_groups=buffer.discarded.groups,
+        discarded_samples=buffer.discarded.samples,
         generated_tokens=ctl.rollout.generated_tokens, tasks_per_step=ctl.book.tasks_per_step,
-        ra2p_mode=ctl.ra2p_mode, eval_fed_at=ctl.evaluation.fed_at,
-        groups=GroupCount(groups.fed, groups.ready, set(groups.trained_ids), groups.stale,
-                          groups.failed),
-        records=tuple(ctl.records), ers=ctl.ers.state if ctl.ers is not None else None,
+        ra2p_mode=st.ra2p_mode, eval_fed_at=ctl.evaluation.fed_at,
+        groups=GroupCount(count.fed, count.ready, set(count.trained_ids), count.stale,
+                          count.failed),
+        records=tuple(ledger.records), ers=ctl.ers.state if ctl.ers is not None else None,
         rank_budgets=dict(ctl.rollout.rank_budgets))
 
 
@@ -97,28 +97,29 @@ def restore(ctl: StepController, point: ResumePoint, ready: Sequence[ReadyGroup]
             now: float) -> list[Command]:
     """Launch ``ctl`` (a new controller of the same config) from ``point``; ``ready`` are the
     point's ready groups with their samples, in its order. Returns the launch's commands."""
-    if ctl.phase is not Phase.LAUNCHING:
+    st = ctl.state
+    if st.phase is not Phase.LAUNCHING:
         raise StepControlError("restore() replaces launch(): the controller has launched")
     if [g.group_id for g in ready] != list(point.ready):
         raise StepControlError("the ready groups do not match the resume point's")
-    if len(point.roles) != len(ctl.roles):
+    if len(point.roles) != len(st.roles):
         raise StepControlError(f"the checkpoint has {len(point.roles)} ranks, the job "
-                               f"{len(ctl.roles)}")
-    ctl._at(now)
-    ctl.t0 = now - point.elapsed_s
-    ctl.trainer_free_at = now
-    ctl.step = ctl.version = point.version
-    ctl.roles = list(point.roles)
-    ctl.records = list(point.records)
-    ctl.trained_tokens, ctl.trained_samples = point.trained_tokens, point.trained_samples
-    ctl.failed_samples, ctl.num_retired = point.failed_samples, point.num_retired
-    ctl.is_retire_pending = True  # the last step's samples leave the window at this boundary
-    ctl.num_fed = point.num_fed
-    ctl.ra2p_mode = point.ra2p_mode
-    ctl.evaluation.fed_at = point.eval_fed_at
+                               f"{len(st.roles)}")
+    st.t0 = now - point.elapsed_s
+    st.trainer_free_at = now
+    st.step = st.version = point.version
+    st.roles = list(point.roles)
+    st.ra2p_mode = point.ra2p_mode
+    ledger = ctl.ledger
+    ledger.records = list(point.records)
+    ledger.trained_tokens, ledger.trained_samples = point.trained_tokens, point.trained_samples
     g = point.groups
-    ctl.groups = GroupCount(g.fed, g.ready - len(point.ready), set(g.trained_ids), g.stale,
-                            g.failed)  # the ready ones count again as they are added back
+    # the ready ones count again as they are added back; the last step's samples leave the
+    # window at this boundary (their retirement waited for the rollout ranks' new weights)
+    ctl.feed.count = GroupCount(g.fed, g.ready - len(point.ready), set(g.trained_ids), g.stale,
+                                g.failed)
+    ctl.feed.num_fed = point.num_fed
+    ctl.evaluation.fed_at = point.eval_fed_at
     if ctl.ers is not None and point.ers is not None:
         ctl.ers.state = point.ers
     rollout = ctl.rollout
@@ -129,23 +130,11 @@ def restore(ctl: StepController, point: ResumePoint, ready: Sequence[ReadyGroup]
     book.retire(point.num_retired)
     book.set_tasks_per_step(point.tasks_per_step)
     # every task fed and not in flight has been admitted once: trained, dropped, or ready
-    book.num_admitted_train = (point.num_fed - len(point.in_flight)) * ctl.config.group_size
+    book.num_admitted_train = (point.num_fed - len(point.in_flight)) * ctl.config.job.group_size
     buffer = ctl.buffer
     buffer.open_batch = point.version
-    buffer.discarded_tokens, buffer.discarded_groups = (point.discarded_tokens,
-                                                        point.discarded_groups)
-    buffer.discarded_samples = point.discarded_samples
+    buffer.discarded = Discarded(point.discarded_groups, point.discarded_samples,
+                                 point.discarded_tokens)
     ctl.tracker.start_step(now)
-    ctl.phase = Phase.BOUNDARY
-    # the weights of the point's version go to every rank; the rollout ranks take tasks once
-    # their engines have them
-    ctl._boundary(now, ctl.roles, None, is_resume=True)
-    for group in ready:
-        ctl.groups.ready += 1
-        buffer.add_group(group, now)
-    if point.in_flight:
-        for spec in point.in_flight:
-            ctl.fed_specs[spec.group_id] = spec
-            rollout.add_group(ctl.source(spec), now)
-        ctl._out.append(FeedGroups(tuple(point.in_flight), is_eval=False))
-    return ctl._flush()
+    st.to(Phase.BOUNDARY)
+    return ctl.restore_boundary(ready, point.in_flight, now)

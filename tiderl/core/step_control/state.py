@@ -1,21 +1,90 @@
-"""The step cycle's explicit state: its phase, the open step, the boundary awaiting answers, and
-where the training groups are."""
+"""The step cycle's state: its phase and hold, the open step, the boundary awaiting answers and
+where the training groups are. Every field the cycle's parts share is in :class:`CycleState`;
+each part keeps its own (the boundary out, the open step, the feed, the records, operator plans).
+
+    Phase: what the cycle waits for before step ``step`` opens (allowed moves, ``PHASES``)
+
+      LAUNCHING ──launch or restore──> BOUNDARY
+      BOUNDARY ──every member acknowledged──> TRAINING (streaming), WAITING (its batch)
+               ──after the last step──> FINISHED
+      WAITING ──its batch is complete──> TRAINING
+              ──a layout change first (the cold start ends, a trainer rank died, no rollout
+                rank is left)──> BOUNDARY
+      TRAINING ──the step ended (trained, or a trainer rank died in it)──> BOUNDARY
+
+    Hold: what keeps the cycle from going on (allowed moves, ``HOLDS``)
+
+      COLD_START  set at launch when the launch plan lends trainer ranks to rollout; released
+                  when batch 0 is complete: a boundary brings them back, then step 0 opens
+      EVALUATION  set when a step ends while evaluation groups are out (they run on an anchored
+                  version); released when the last one is back: the post-update boundary
+                  goes out
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tiderl.core.commands import GroupSpec, StartStep
-from tiderl.core.types import MicroBatch, PlanReason, Role
+from tiderl.core.commands import StartStep
+from tiderl.core.step_control.config import StepControlError
+from tiderl.core.types import MicroBatch, Mode, PlanReason, Role
 
 
 class Phase(str, Enum):
     LAUNCHING = "launching"  # before launch()
-    BOUNDARY = "boundary"  # a boundary is out; its acknowledgements are awaited
-    WAITING = "waiting"  # a whole-batch step waits for its batch
+    BOUNDARY = "boundary"  # a boundary is out (or held back), its acknowledgements awaited
+    WAITING = "waiting"  # a step waits for its batch, or for the cold start to end
     TRAINING = "training"  # a step is open
     FINISHED = "finished"
+
+
+class Hold(str, Enum):
+    COLD_START = "cold_start"
+    EVALUATION = "evaluation"
+
+
+PHASES: dict[Phase, frozenset[Phase]] = {
+    Phase.LAUNCHING: frozenset({Phase.BOUNDARY}),
+    Phase.BOUNDARY: frozenset({Phase.BOUNDARY, Phase.WAITING, Phase.TRAINING, Phase.FINISHED}),
+    Phase.WAITING: frozenset({Phase.WAITING, Phase.TRAINING, Phase.BOUNDARY}),
+    Phase.TRAINING: frozenset({Phase.BOUNDARY}),
+    Phase.FINISHED: frozenset(),
+}
+HOLDS: dict[Hold | None, frozenset[Hold | None]] = {
+    None: frozenset({Hold.COLD_START, Hold.EVALUATION}),
+    Hold.COLD_START: frozenset({None}),
+    Hold.EVALUATION: frozenset({None}),
+}
+
+
+@dataclass
+class CycleState:
+    """What every part of the cycle reads: the phase and hold, the step about to open (or open)
+    and the version the trainer holds, the layout and the dead ranks, the RA2P mode and the
+    reason of the plan that laid the coming steps out, and the job's clock marks."""
+
+    roles: list[Role]
+    t0: float  # the job's launch on the adapter's clock
+    trainer_free_at: float  # when the trainer ranks were last free (the previous step's end)
+    phase: Phase = Phase.LAUNCHING
+    hold: Hold | None = None
+    step: int = 0
+    version: int = 0
+    dead: set[int] = field(default_factory=set)
+    ra2p_mode: Mode = Mode.COLOCATED
+    plan_reason: PlanReason | None = None
+
+    def to(self, phase: Phase) -> None:
+        if phase not in PHASES[self.phase]:
+            raise StepControlError(f"the step cycle cannot go from {self.phase.value} to "
+                                   f"{phase.value}")
+        self.phase = phase
+
+    def set_hold(self, hold: Hold | None) -> None:
+        if hold is not self.hold and hold not in HOLDS[self.hold]:
+            raise StepControlError(f"hold {hold} cannot follow {self.hold}")
+        self.hold = hold
 
 
 @dataclass
@@ -24,7 +93,7 @@ class OpenStep:
     opened_at: float
     ready_at: float  # when its trainer ranks were free (the previous step's end)
     ras: int
-    num_mbs: int = 0
+    num_micro_batches: int = 0
     tokens: int = 0
     samples: int = 0
     group_ids: set[str] = field(default_factory=set)
@@ -65,38 +134,7 @@ class GroupCount:
                 "rolling_out": self.fed - self.ready - self.failed}
 
 
-@dataclass
-class Evaluation:
-    """The evaluation phases: ``num_groups`` groups every ``every`` steps (step 0 included; 0:
-    none), which groups are out, and the last step whose groups were fed."""
-
-    every: int
-    num_groups: int
-    in_flight: set[str] = field(default_factory=set)
-    fed_at: int = -1
-
-    def is_due(self, step: int) -> bool:
-        """Step ``step`` starts an evaluation not fed yet (its groups go out when it opens)."""
-        return bool(self.every and self.num_groups and step % self.every == 0
-                    and self.fed_at != step)
-
-    def is_phase(self, step: int) -> bool:
-        return self.is_due(step) or bool(self.in_flight)
-
-    def num_unfinished(self, step: int) -> int:
-        """Groups the phase still has to run: those out, and those due at ``step``."""
-        return len(self.in_flight) + (self.num_groups if self.is_due(step) else 0)
-
-    def feed(self, step: int) -> tuple[GroupSpec, ...]:
-        """Step ``step``'s groups, now out (none unless due)."""
-        if not self.is_due(step):
-            return ()
-        self.fed_at = step
-        specs = tuple(GroupSpec(f"e{step}.{i}", i, True, step) for i in range(self.num_groups))
-        self.in_flight.update(spec.group_id for spec in specs)
-        return specs
-
-    def finish(self, group_id: str) -> bool:
-        """True when ``group_id`` was the phase's last group out."""
-        self.in_flight.discard(group_id)
-        return not self.in_flight
+def actors(roles: tuple[Role, ...] | list[Role], is_sync: bool) -> set[int]:
+    """The actor ranks of ``roles``: every live rank under a synchronous system."""
+    return {r for r, role in enumerate(roles)
+            if role is Role.ACTOR or (is_sync and role is not Role.IDLE)}

@@ -1,13 +1,19 @@
 """Profiles: YAML files validated into typed config dataclasses, with ``--set`` overrides.
 
-Each section's dataclass lives beside its component (``tiderl/engine/config.py``, ...) and checks
-its own values; this module maps YAML onto those types and names the full key path in each error:
+Each section's dataclass lives beside its component (``tiderl/engine/config.py``, ...; the
+runtime's in :mod:`tiderl.profile.sections`) and checks its own values; this module maps YAML
+onto those types and names the full key path in each error:
 
     profiles/x.yaml: ctb.weights.eval: expected float, got 'high'
+
+The ``job`` section is the job's shape (:class:`tiderl.core.job.JobShape`), read by the runtime
+and the simulator alike. Keys that moved are still read under their old names
+(:mod:`tiderl.profile.aliases`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import types
@@ -22,23 +28,26 @@ import yaml
 from tiderl.core.config import ConfigError, require
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
+from tiderl.core.job import JobShape
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.system import System
 from tiderl.engine.config import EngineConfig
 from tiderl.env.config import EnvConfig
 from tiderl.models.config import ModelConfig
-from tiderl.runtime.config import LoggingConfig, ReportConfig, RuntimeConfig
+from tiderl.profile.aliases import SAMPLE_ALIASES, Samples, move_old_keys, new_key, to_groups
+from tiderl.profile.sections import LoggingConfig, ReportConfig, RuntimeConfig
 from tiderl.sim.config import SimConfig
 from tiderl.trainer.config import TrainerConfig
 
 DEFAULT_PROFILE = "local"
-_REPO_PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+_REPO_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
 @dataclass(frozen=True)
 class Profile:
-    """A whole job's configuration: one section per component."""
+    """A whole job's configuration: its shape, then one section per component."""
 
+    job: JobShape = field(default_factory=JobShape)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -52,12 +61,6 @@ class Profile:
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
-        # GRPO trains whole groups, so the elastic batch bounds are counted in whole groups.
-        g = self.runtime.group_size
-        for name in ("batch_min", "batch_ideal"):
-            value = getattr(self.ers, name)
-            require(value % g == 0, f"ers.{name}",
-                    f"expected a multiple of runtime.group_size ({g}), got {value}")
         engine = self.engine
         if engine.urls:
             n = self.runtime.num_ranks
@@ -119,6 +122,10 @@ def load_profile(name: str = DEFAULT_PROFILE, overrides: typing.Sequence[str] = 
     """Load a profile file and apply ``key.path=value`` overrides, validating both."""
     path = resolve_profile_path(name)
     data = _read_yaml(path)
+    try:
+        move_old_keys(data)
+    except ConfigError as err:
+        raise ProfileError(f"{path}: {err}") from None
     build_profile(data, source=str(path))  # errors in the file itself name the file
     for item in overrides:
         _apply_override(data, item)
@@ -127,6 +134,9 @@ def load_profile(name: str = DEFAULT_PROFILE, overrides: typing.Sequence[str] = 
 
 def build_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     try:
+        data = copy.deepcopy(data)
+        move_old_keys(data)
+        to_groups(data)
         _check_rank_split(data)
         return _build(Profile, data, "")
     except ConfigError as err:
@@ -199,6 +209,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ProfileError(f"--set {item}: expected key=value, e.g. ctb.budget_fraction=0.8")
+    old, key = key, new_key(key)
     parts = key.split(".")
     tp: Any = Profile
     node = data
@@ -213,7 +224,8 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         if depth < len(parts) - 1:
             child = node.get(part)
             node = node.setdefault(part, {}) if not isinstance(child, dict) else child
-    node[parts[-1]] = raw if tp is str else _parse_scalar(raw, key)
+    value = raw if tp is str else _parse_scalar(raw, key)
+    node[parts[-1]] = Samples(value) if old in SAMPLE_ALIASES and type(value) is int else value
 
 
 def _parse_scalar(raw: str, key: str) -> Any:

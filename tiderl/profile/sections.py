@@ -1,19 +1,18 @@
-"""Runtime section of a profile: the job's shape (ranks, steps, groups, staleness), and the
-step cycle a whole profile asks the coordinator for; the logging section: where the coordinator
-writes each step's record (:mod:`tiderl.runtime.log_backends`); the report section: what the run
-report at the job's end holds (:mod:`tiderl.runtime.report`)."""
+"""The runtime's sections of a profile: ``runtime`` (where and how the job's processes run:
+ranks, devices, the bus, liveness, checkpoints), ``logging`` (where the coordinator writes each
+step's record, :mod:`tiderl.runtime.log_backends`) and ``report`` (what the run report at the
+job's end holds, :mod:`tiderl.runtime.report`).
+
+They live here rather than beside the runtime because the profile, which every layer below the
+runtime reads, is built from them; the runtime imports them from here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
-from tiderl.core.step_control import LayoutLimits, StepControlConfig
-from tiderl.core.system import SYSTEM_CHOICES, System, SystemSpec
-
-if TYPE_CHECKING:
-    from tiderl.profile import Profile
+from tiderl.core.system import SYSTEM_CHOICES, System
 
 DEVICES = ("cpu", "cuda")
 CPU_AFFINITIES = ("none", "spread")  # see tiderl/launch/affinity.py
@@ -29,12 +28,7 @@ class RuntimeConfig:
     device: str = "cpu"
     threads_per_rank: int = 1
     cpu_affinity: str = "none"  # none | spread: each rank pinned to its own cores
-    steps: int = 20
-    group_size: int = 8  # GRPO G
-    max_staleness: int = 1  # versions
-    eval_every: int = 0  # steps; 0 = no evaluation
-    eval_groups: int = 4
-    seed: int = 0
+    seed: int = 0  # the task stream's (each group's environment seed)
     bus_host: str = "127.0.0.1"
     run_dir: str = "runs"
     heartbeat_s: float = 1.0
@@ -50,12 +44,9 @@ class RuntimeConfig:
         object.__setattr__(self, "mode", System.parse(self.mode).value)
         require_choice(self.device, DEVICES, "device")
         require_choice(self.cpu_affinity, CPU_AFFINITIES, "cpu_affinity")
-        for name in ("num_ranks", "threads_per_rank", "steps", "group_size", "heartbeat_s",
-                     "heartbeat_misses", "eval_groups", "collective_timeout_s",
-                     "checkpoint_keep", "watchdog_s", "watchdog_factor"):
+        for name in ("num_ranks", "threads_per_rank", "heartbeat_s", "heartbeat_misses",
+                     "collective_timeout_s", "checkpoint_keep", "watchdog_s", "watchdog_factor"):
             require_positive(getattr(self, name), name)
-        require_non_negative(self.max_staleness, "max_staleness")
-        require_non_negative(self.eval_every, "eval_every")
         require_non_negative(self.checkpoint_every, "checkpoint_every")
         if self.mode == "sync":  # one colocated set: every rank rolls out, then trains
             require(self.rollout_ranks == self.num_ranks, "rollout_ranks",
@@ -99,25 +90,3 @@ class ReportConfig:
     (three PNGs, a few seconds of matplotlib) unless ``plots`` is false."""
 
     plots: bool = True
-
-
-def control_config(profile: Profile) -> StepControlConfig:
-    """The step cycle a profile asks for (``runtime.mode`` names the system). Without a KL term
-    (``trainer.kl_beta`` 0) no step runs a Ref pass, so RA2P's choice is colocated: a Ref rank
-    would have nothing to compute."""
-    rt, trainer = profile.runtime, profile.trainer
-    ra2p = profile.ra2p
-    if trainer.kl_beta == 0 and ra2p.mode == "auto":
-        ra2p = replace(ra2p, mode="colocated")
-    return StepControlConfig(
-        system=SystemSpec(System.parse(rt.mode)), num_steps=rt.steps, group_size=rt.group_size,
-        max_staleness=rt.max_staleness, ctb=profile.ctb, ra2p=ra2p, ers=profile.ers,
-        rank_budget=profile.ctb.rank_budget(profile.engine.kv_cache_tokens),
-        max_new_tokens=profile.engine.max_new_tokens, eval_every=rt.eval_every,
-        eval_groups=rt.eval_groups, checkpoint_every=rt.checkpoint_every,
-        export_every=trainer.export_every, tensor_parallel=trainer.tensor_parallel,
-        limits=LayoutLimits(grouped_ranks=rt.num_ranks,
-                            fixed_actor_backend="megatron" if trainer.backend == "megatron"
-                            else "",
-                            sharded_actor_backend="fsdp2" if trainer.backend == "fsdp2"
-                            else ""))

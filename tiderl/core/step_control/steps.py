@@ -1,0 +1,109 @@
+"""The open step and the micro-batches of the steps not open yet.
+
+    buffer: micro-batch of batch b ──take──> Dispatch (step b open and streaming) or waiting[b]
+            batch b complete ──closed_batch──> CloseStep (step b open) or closed
+    step b opens ──open / again──> StartStep, then its waiting micro-batches (and, for an
+        attempt after a trainer rank died, first the ones its failed attempt had), CloseStep
+        when its batch was complete already
+
+A step that runs again (no live actor updated) sends the micro-batches its failed attempt had
+before any new one, colocated on its actors (a Ref rank's messages of the failed attempt may
+still wait in the actors' queues), as the next attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tiderl.core.buffer import ReadyBuffer
+from tiderl.core.commands import CloseStep, Command, Dispatch, StartStep
+from tiderl.core.step_control.inputs import MeasuredPasses
+from tiderl.core.step_control.state import OpenStep
+from tiderl.core.system import StepMode
+from tiderl.core.types import MicroBatch, Mode
+
+
+@dataclass
+class StepRunner:
+    current: OpenStep | None = None
+    retry: OpenStep | None = None  # an attempt a trainer rank died in, to open again
+    waiting: dict[int, list[MicroBatch]] = field(default_factory=dict)  # by batch, in order
+    closed: set[int] = field(default_factory=set)  # complete before their step opened
+    passes: dict[Mode, MeasuredPasses] = field(default_factory=dict)  # the last of each layout
+
+    def is_open(self, batch: int) -> bool:
+        """Step ``batch`` is open and takes micro-batches (not an attempt a rank died in)."""
+        current = self.current
+        return current is not None and not current.is_aborted and batch == current.start.step
+
+    def take(self, batch: int, mb: MicroBatch, is_streaming: bool,
+             buffer: ReadyBuffer) -> list[Command]:
+        """A micro-batch of ``batch`` is formed: to the open step, or waiting for its own."""
+        if self.is_open(batch) and is_streaming:
+            return [self.dispatch(mb, buffer)]
+        self.waiting.setdefault(batch, []).append(mb)
+        return []
+
+    def closed_batch(self, batch: int) -> list[Command]:
+        """Batch ``batch`` is complete: the open step's closes; another waits for its step."""
+        if self.is_open(batch):
+            assert self.current is not None
+            self.current.is_closed = True
+            return [CloseStep(batch)]
+        self.closed.add(batch)
+        return []
+
+    def open(self, start: StartStep, now: float, ready_at: float, ras: int) -> None:
+        self.current = OpenStep(start, now, ready_at, ras)
+
+    def open_again(self, start: StartStep,
+                   max_aggregate: int) -> tuple[StartStep, list[MicroBatch]]:
+        """The step a trainer rank died in, as its next attempt: its start, and the micro-batches
+        it had (sent again before any new one)."""
+        retry, self.retry = self.retry, None
+        assert retry is not None
+        if start.mode is StepMode.DECOUPLED:
+            start = replace(start, mode=StepMode.COLOCATED, ref_ranks=(),
+                            max_aggregate=max_aggregate)
+        start = replace(start, attempt=retry.start.attempt + 1)
+        self.current = replace(retry, start=start, num_micro_batches=0, sent=[],
+                               is_closed=False, is_aborted=False)
+        return start, retry.sent
+
+    def run_again(self) -> None:
+        """No live actor updated the open step: it opens again (``open_again``)."""
+        current, self.current = self.current, None
+        assert current is not None
+        self.retry = current
+        if current.is_closed:
+            self.closed.add(current.start.step)
+
+    def close_if_complete(self, step: int) -> list[Command]:
+        """The step just opened closes at once when its batch was complete already."""
+        if step not in self.closed:
+            return []
+        self.closed.discard(step)
+        assert self.current is not None
+        self.current.is_closed = True
+        return [CloseStep(step)]
+
+    def dispatch(self, mb: MicroBatch, buffer: ReadyBuffer) -> Dispatch:
+        """``mb`` to the open step, out of the buffer; a group's samples count with its first
+        sequence."""
+        current = self.current
+        assert current is not None
+        for seq in mb.sequences:
+            group = buffer.group_of_seq[seq.seq_id]
+            if group.group_id not in current.group_ids:
+                current.group_ids.add(group.group_id)
+                current.samples += group.num_samples
+        current.tokens += buffer.consume(current.start.step, mb)
+        return self.send(mb)
+
+    def send(self, mb: MicroBatch) -> Dispatch:
+        current = self.current
+        assert current is not None
+        dispatch = Dispatch(current.start.step, current.num_micro_batches, mb)
+        current.sent.append(mb)
+        current.num_micro_batches += 1
+        return dispatch

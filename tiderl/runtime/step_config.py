@@ -1,0 +1,32 @@
+"""The step cycle a profile asks the coordinator for: the profile's sections made into the
+effective configuration of its system on this substrate."""
+
+from __future__ import annotations
+
+from tiderl.core.step_control import (
+    LayoutLimits,
+    StepControlConfig,
+    Substrate,
+    effective_config,
+)
+from tiderl.core.system import System, SystemSpec
+from tiderl.profile import Profile
+
+
+def step_config(profile: Profile) -> StepControlConfig:
+    """The step cycle a profile asks the coordinator for (``runtime.mode`` names the system),
+    made by :func:`tiderl.core.step_control.effective_config` on this substrate: each rollout
+    rank's engine holds ``engine.kv_cache_tokens``; without a KL term (``trainer.kl_beta`` 0) no
+    step runs a Ref pass; the world's process groups and the trainer backend limit layouts."""
+    rt, trainer = profile.runtime, profile.trainer
+    substrate = Substrate(
+        kv_tokens=profile.engine.kv_cache_tokens, max_new_tokens=profile.engine.max_new_tokens,
+        has_kl=trainer.kl_beta != 0, checkpoint_every=rt.checkpoint_every,
+        export_every=trainer.export_every, tensor_parallel=trainer.tensor_parallel,
+        limits=LayoutLimits(grouped_ranks=rt.num_ranks,
+                            fixed_actor_backend="megatron" if trainer.backend == "megatron"
+                            else "",
+                            sharded_actor_backend="fsdp2" if trainer.backend == "fsdp2"
+                            else ""))
+    return effective_config(SystemSpec(System.parse(rt.mode)), profile.job, profile.ctb,
+                            profile.ra2p, profile.ers, substrate)

@@ -12,7 +12,7 @@ import pytest
 
 from tiderl.launch.affinity import core_set, parse_slot
 from tiderl.launch.job import PORT_NAMES, local_commands, local_endpoints, prepare_run_dir
-from tiderl.launch.local import JobState, LocalExecutor
+from tiderl.launch.local import JobRecord, LocalExecutor
 from tiderl.launch.plan import plan_local
 from tiderl.profile import ProfileError, load_profile
 from tiderl.trainer.spawn import free_port
@@ -66,9 +66,9 @@ def test_a_started_rank_daemon_is_pinned_to_its_slot(tmp_path):
     prepare_run_dir(profile, plan, run_dir)
     rank1 = [c for c in local_commands(plan) if c.name == "rank1"]
     assert "--cpu-slot" in rank1[0].argv
-    executor = LocalExecutor(JobState("affinity", str(run_dir), time.time()))
+    executor = LocalExecutor(JobRecord("affinity", str(run_dir), time.time()))
     executor.start(rank1)  # it pins itself, then waits for a world that never forms
-    (record,) = executor.state.processes
+    (record,) = executor.job.processes
     try:
         deadline = time.monotonic() + 60
         log = Path(record.log)

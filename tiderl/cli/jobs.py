@@ -16,7 +16,7 @@ from tiderl.cli.errors import CLIError
 from tiderl.cli.output import JsonFlag, Output, table
 
 if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no SSH client
-    from tiderl.launch.local import JobState
+    from tiderl.launch.local import JobRecord
 
 RunRootOpt = typer.Option(None, "--run-root", help="Folder of run folders (default: runs/).")
 FOLLOW_POLL_S = 0.5
@@ -31,7 +31,7 @@ def status(
     """Show the processes of a job (node, PID, state) or one line per job: how it ended
     (done, failed, stopped, interrupted, crashed) once it runs no more."""
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import list_jobs, resolve_job
+    from tiderl.launch.run_folders import list_jobs, resolve_job
 
     out = Output(json_mode)
     try:
@@ -58,7 +58,7 @@ def status(
 def _render_jobs(console, rows: list[dict], run_root: Path | None) -> None:
     """One line per job, the id never cut (``logs`` and ``stop`` take it); its mode and start
     time are in the id (and in --json); with no job, where status looked."""
-    from tiderl.launch.registry import DEFAULT_RUN_ROOT
+    from tiderl.launch.run_folders import DEFAULT_RUN_ROOT
 
     if not rows:
         root = Path(run_root or DEFAULT_RUN_ROOT).resolve()
@@ -71,7 +71,7 @@ def _render_jobs(console, rows: list[dict], run_root: Path | None) -> None:
                          for r in rows], keep=("job", "state")))
 
 
-def _job_summary(state: JobState, strict: bool = False
+def _job_summary(state: JobRecord, strict: bool = False
                  ) -> tuple[dict, dict[str, str | None]]:
     """The job's line and its processes' states, over one set of SSH sessions for an SSH job.
     Nodes that do not answer: an error when ``strict``, else the state "unreachable" (and the
@@ -100,10 +100,10 @@ def _job_summary(state: JobState, strict: bool = False
             "processes": f"{running}/{total}", "steps": steps, "state": word}, states
 
 
-def _steps(state: JobState, nodes: dict | None) -> str:
+def _steps(state: JobRecord, nodes: dict | None) -> str:
     """Steps done, from the job's metrics.jsonl (fetched from an SSH job's node)."""
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import job_file
+    from tiderl.launch.run_folders import job_file
 
     try:
         done = len(job_file(state, "metrics.jsonl", nodes).read_text().splitlines())
@@ -115,13 +115,13 @@ def _steps(state: JobState, nodes: dict | None) -> str:
 ENDED = {"ok": "done", "failed": "failed", "stopped": "stopped", "interrupted": "interrupted"}
 
 
-def _ended(state: JobState, nodes: dict | None) -> str:
+def _ended(state: JobRecord, nodes: dict | None) -> str:
     """How a job that runs no more ended, from its last ``stop`` event: done, failed,
     stopped (SIGTERM, ``tiderl stop``), interrupted (Ctrl-C), or crashed (none: its
     coordinator was killed)."""
     from tiderl.launch.job import last_stop
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import job_file
+    from tiderl.launch.run_folders import job_file
 
     try:
         stop = last_stop(job_file(state, "events.jsonl", nodes).parent)
@@ -150,7 +150,7 @@ def logs(
     chosen), from its nodes over SSH for an SSH job."""
     from tiderl.launch.control import is_job_alive, read_log, select, sessions
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import resolve_job
+    from tiderl.launch.run_folders import resolve_job
 
     try:
         state = resolve_job(job, run_root)
@@ -200,7 +200,7 @@ def stop(
     and check by PID that none is left."""
     from tiderl.launch.control import stop_job
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import resolve_job
+    from tiderl.launch.run_folders import resolve_job
 
     out = Output(json_mode)
     try:

@@ -96,8 +96,8 @@ SHAPE_KEYS = (("runtime", "mode"), ("runtime", "num_ranks"), ("runtime", "group_
 
 def _resumable(job: str, run_root: Path | None) -> Path:
     """The run folder ``--resume`` names, if no process of it runs."""
-    from tiderl.launch.local import JobState, LaunchError, is_running
-    from tiderl.launch.registry import job_dir, list_jobs
+    from tiderl.launch.local import JobRecord, LaunchError, is_running
+    from tiderl.launch.run_folders import job_dir, list_jobs
     from tiderl.runtime.resume import CHECKPOINTS
     from tiderl.trainer.checkpoint_meta import step_folders
 
@@ -109,7 +109,7 @@ def _resumable(job: str, run_root: Path | None) -> Path:
             folder = Path(jobs[-1].run_dir)
         else:
             folder = job_dir(job, run_root)
-        state = JobState.load(folder)
+        state = JobRecord.load(folder)
     except LaunchError as exc:
         raise CLIError(f"tiderl launch --resume: {exc}", EXIT_USAGE) from None
     alive = [p.name for p in state.processes if p.host == "localhost" and is_running(p.pid)]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
-    JobState,
+    JobRecord,
     LaunchError,
     ProcessRecord,
     is_running,
@@ -31,17 +31,17 @@ from tiderl.launch.ssh import NodeSession, job_node, open_sessions
 LAUNCHER_EXIT_S = COORDINATOR_GRACE_S + 30.0
 
 
-def is_remote(state: JobState) -> bool:
-    return bool(state.info.get("nodes"))
+def is_remote(job: JobRecord) -> bool:
+    return bool(job.info.get("nodes"))
 
 
 @contextlib.contextmanager
-def sessions(state: JobState) -> Iterator[dict[str, NodeSession]]:
+def sessions(job: JobRecord) -> Iterator[dict[str, NodeSession]]:
     """Open SSH sessions to the nodes of an SSH job (none for a local job)."""
-    if not is_remote(state):
+    if not is_remote(job):
         yield {}
         return
-    opened = open_sessions([job_node(state.info, name) for name in state.info["nodes"]])
+    opened = open_sessions([job_node(job.info, name) for name in job.info["nodes"]])
     try:
         yield opened
     finally:
@@ -49,12 +49,12 @@ def sessions(state: JobState) -> Iterator[dict[str, NodeSession]]:
             session.close()
 
 
-def process_states(state: JobState, nodes: dict[str, NodeSession]) -> dict[str, str | None]:
+def process_states(job: JobRecord, nodes: dict[str, NodeSession]) -> dict[str, str | None]:
     """Each process's state letter (R, S, D, Z, ...), None when there is no such process."""
-    if not is_remote(state):
-        return {r.name: process_state(r.pid) for r in state.processes}
+    if not is_remote(job):
+        return {r.name: process_state(r.pid) for r in job.processes}
     states: dict[str, str | None] = {}
-    for host, records in records_by_host(state.processes).items():
+    for host, records in records_by_host(job.processes).items():
         found = nodes[host].states([r.pid for r in records])
         states.update({r.name: found[r.pid] for r in records})
     return states
@@ -64,38 +64,38 @@ def alive(letter: str | None) -> bool:
     return letter is not None and letter not in ("Z", "X")
 
 
-def is_job_alive(state: JobState, nodes: dict[str, NodeSession] | None = None) -> bool | None:
+def is_job_alive(job: JobRecord, nodes: dict[str, NodeSession] | None = None) -> bool | None:
     """Whether any process of the job still runs: from ``/proc`` for a local job, on its nodes
     for an SSH job (over ``nodes`` when the sessions are open, else over new ones). None when
     the nodes of an SSH job do not answer new sessions: nobody can tell."""
     if nodes is None:
         try:
-            with sessions(state) as opened:
-                return is_job_alive(state, opened)
+            with sessions(job) as opened:
+                return is_job_alive(job, opened)
         except LaunchError:
             return None
-    return any(map(alive, process_states(state, nodes).values()))
+    return any(map(alive, process_states(job, nodes).values()))
 
 
-def stop_job(state: JobState, grace_s: float = 10.0) -> tuple[bool, dict[str, str]]:
+def stop_job(job: JobRecord, grace_s: float = 10.0) -> tuple[bool, dict[str, str]]:
     """Stop every process of the job on every node. Its launcher, when it still runs, gets
     SIGTERM first (it stops the job in order and fetches an SSH job's results); then any
     process left gets SIGTERM and, after ``grace_s``, SIGKILL. Returns (whether the launcher
     was stopped, how each process ended: "terminated", "killed" or "gone" when it was not
     running any more). Raises ``LaunchError`` if a process still runs afterwards."""
-    launcher = _stop_launcher(state.info.get("launcher_pid"), grace_s)
-    with sessions(state) as nodes:
-        if is_remote(state):
+    launcher = _stop_launcher(job.info.get("launcher_pid"), grace_s)
+    with sessions(job) as nodes:
+        if is_remote(job):
             from tiderl.launch.remote import fetch_results, stop_on_nodes
 
-            outcome = stop_on_nodes(state, nodes, grace_s)
-            fetch_results(state, nodes)
+            outcome = stop_on_nodes(job, nodes, grace_s)
+            fetch_results(job, nodes)
         else:
-            outcome = stop_processes(state.processes, grace_s)
-        after = process_states(state, nodes)
+            outcome = stop_processes(job.processes, grace_s)
+        after = process_states(job, nodes)
     left = [name for name, letter in after.items() if alive(letter)]
     if left:
-        raise LaunchError(f"job {state.job_id}: still running after SIGKILL: {', '.join(left)}")
+        raise LaunchError(f"job {job.job_id}: still running after SIGKILL: {', '.join(left)}")
     return launcher, outcome
 
 
@@ -138,17 +138,17 @@ def read_log(record: ProcessRecord, nodes: dict[str, NodeSession], offset: int =
         return handle.read()
 
 
-def select(state: JobState, rank: int | None = None,
+def select(job: JobRecord, rank: int | None = None,
            process: str | None = None) -> list[ProcessRecord]:
     """The job's processes, or the one of ``rank`` / named ``process``."""
     if rank is None and process is None:
-        return list(state.processes)
-    chosen = [r for r in state.processes
+        return list(job.processes)
+    chosen = [r for r in job.processes
               if (rank is not None and r.rank == rank) or (process is not None
                                                            and r.name == process)]
     if not chosen:
-        names = ", ".join(r.name for r in state.processes) or "none"
+        names = ", ".join(r.name for r in job.processes) or "none"
         what = f"rank {rank}" if rank is not None else f"process {process!r}"
-        raise LaunchError(f"job {state.job_id} has no {what} (processes: {names})")
+        raise LaunchError(f"job {job.job_id} has no {what} (processes: {names})")
     return chosen
 

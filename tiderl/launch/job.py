@@ -36,7 +36,7 @@ import yaml
 from tiderl.engine.config import VLLM_NO_IMAGES
 from tiderl.launch.hosts import PORT_NAMES
 from tiderl.launch.local import (
-    JobState,
+    JobRecord,
     LaunchError,
     LocalExecutor,
     ProcessCommand,
@@ -66,7 +66,7 @@ class Executor(Protocol):
     """What following a job needs of its executor: the local one, or the SSH one
     (:class:`tiderl.launch.remote.SSHExecutor`)."""
 
-    state: JobState
+    job: JobRecord
 
     def exited(self) -> list[tuple[ProcessRecord, int]]: ...
 
@@ -83,7 +83,7 @@ class JobResult:
 
 
 def job_info(profile: Profile, ep: Endpoints, **extra) -> dict:
-    """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.registry)."""
+    """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.run_folders)."""
     return {"mode": profile.runtime.mode, "steps": profile.runtime.steps,
             "ports": dict(ep.ports), "bus": ep.bus, "pub": ep.pub, "metrics": ep.metrics,
             **extra}
@@ -230,7 +230,7 @@ def wait_for_env(url: str, executor: Executor, ended: set[int] = frozenset()) ->
 
 def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | None = None,
               on_snapshot: Callable[[Snapshot], None] | None = None,
-              on_start: Callable[[JobState], None] | None = None,
+              on_start: Callable[[JobRecord], None] | None = None,
               launcher_pid: int | None = None, resume: Path | None = None) -> JobResult:
     """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
     and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate.
@@ -251,7 +251,7 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
         prepare_resume(profile, run_dir)
     else:
         prepare_run_dir(profile, plan, run_dir)
-    state = JobState(job_id, str(run_dir), time.time(),
+    state = JobRecord(job_id, str(run_dir), time.time(),
                      info=job_info(profile, ep, launcher_pid=launcher_pid))
     state.save()
     executor = LocalExecutor(state)
@@ -283,7 +283,7 @@ def interrupt_coordinator(executor: LocalExecutor, grace_s: float = 15.0) -> Non
     """Ctrl-C reaches the launcher only (every daemon has its own session): pass it on to the
     coordinator, which ends the job as interrupted and writes its report, before the rest is
     stopped."""
-    coordinator = next((r for r in executor.state.processes if r.kind == "coordinator"), None)
+    coordinator = next((r for r in executor.job.processes if r.kind == "coordinator"), None)
     if coordinator is None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -295,7 +295,7 @@ def interrupt_coordinator(executor: LocalExecutor, grace_s: float = 15.0) -> Non
         time.sleep(0.1)
 
 
-def follow_job(executor: Executor, state: JobState, keys,
+def follow_job(executor: Executor, state: JobRecord, keys,
                on_snapshot: Callable[[Snapshot], None] | None,
                restart_env: Callable[[set[int]], None] | None = None
                ) -> tuple[int, Snapshot | None]:
@@ -344,12 +344,12 @@ def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int,
     handles a dead rank (its tasks start again elsewhere); a trainer rank (its server asleep)
     trains on, but cannot roll out again: a move of it to rollout fails that boundary."""
     role = last.roles.get(engine.rank if engine.rank is not None else -1, "")
-    if role != "rollout" and executor.state.info.get("mode") != "sync":  # sync: all roll out
+    if role != "rollout" and executor.job.info.get("mode") != "sync":  # sync: all roll out
         log.warning("%s; rank %s (%s) goes on without it", exit_line(engine, code),
                     engine.rank, role or "unknown role")
         return
     log.warning("%s; stopping rank %s with it", exit_line(engine, code), engine.rank)
-    for record in executor.state.processes:
+    for record in executor.job.processes:
         if record.kind == "rank" and record.rank == engine.rank:
             executor.kill(record)
 
@@ -399,7 +399,7 @@ def let_ranks_exit(executor: Executor, last: Snapshot | None) -> None:
     rank the coordinator declared dead (idle in the last snapshot: stopped, say) got none and is
     not waited for; it is stopped with the rest."""
     dead = {rank for rank, role in last.roles.items() if role == "idle"} if last else set()
-    ranks = {r.pid for r in executor.state.processes if r.kind == "rank" and r.rank not in dead}
+    ranks = {r.pid for r in executor.job.processes if r.kind == "rank" and r.rank not in dead}
     deadline = time.monotonic() + RANK_EXIT_GRACE_S
     while time.monotonic() < deadline:
         done = {r.pid for r, _ in executor.exited()}

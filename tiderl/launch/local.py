@@ -57,7 +57,10 @@ class ProcessRecord:
 
 
 @dataclass
-class JobState:
+class JobRecord:
+    """A launched job as ``job.json`` holds it: its processes (node, PID, log) as they start,
+    and ``info``, what the CLI needs to reach it (:func:`tiderl.launch.job.job_info`)."""
+
     job_id: str
     run_dir: str
     created: float
@@ -71,7 +74,7 @@ class JobState:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> JobState:
+    def load(cls, run_dir: str | Path) -> JobRecord:
         path = Path(run_dir) / JOB_FILE
         try:
             data = json.loads(path.read_text())
@@ -106,14 +109,14 @@ def is_running(pid: int) -> bool:
 class LocalExecutor:
     """Starts processes and keeps their ``Popen`` handles, so it can reap its own children."""
 
-    def __init__(self, state: JobState):
-        self.state = state
+    def __init__(self, job: JobRecord):
+        self.job = job
         self.popens: dict[int, subprocess.Popen] = {}
 
     def start(self, commands: Sequence[ProcessCommand], cwd: str | Path | None = None) -> None:
         """Start every command in order; if one fails to start, stop those already started and
         raise ``LaunchError`` naming it."""
-        logs = Path(self.state.run_dir) / "logs"
+        logs = Path(self.job.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for command in commands:
             log_path = logs / f"{command.name}.log"
@@ -128,15 +131,15 @@ class LocalExecutor:
                 raise LaunchError(f"{command.name}: could not start {command.argv[0]!r} "
                                   f"({exc.strerror or exc})") from None
             self.popens[proc.pid] = proc
-            self.state.processes.append(ProcessRecord(
+            self.job.processes.append(ProcessRecord(
                 name=command.name, kind=command.kind, pid=proc.pid, log=str(log_path),
                 argv=list(command.argv), rank=command.rank))
-            self.state.save()
+            self.job.save()
 
     def exited(self) -> list[tuple[ProcessRecord, int]]:
         """The job's processes that have ended, with their exit codes."""
         ended = []
-        for record in self.state.processes:
+        for record in self.job.processes:
             proc = self.popens.get(record.pid)
             if proc is not None and proc.poll() is not None:
                 ended.append((record, proc.returncode))
@@ -148,7 +151,7 @@ class LocalExecutor:
 
     def stop(self, grace_s: float = 10.0) -> dict[str, str]:
         """Stop every process (last started first); see ``stop_processes``."""
-        return stop_processes(self.state.processes, grace_s, self.popens)
+        return stop_processes(self.job.processes, grace_s, self.popens)
 
 
 def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 10.0,

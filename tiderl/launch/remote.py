@@ -40,7 +40,7 @@ from tiderl.launch.job import (
 )
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
-    JobState,
+    JobRecord,
     ProcessRecord,
     records_by_host,
     split_coordinator,
@@ -76,8 +76,8 @@ RESULT_FOLDERS = (TENSORBOARD_DIR, WANDB_DIR)  # the coordinator's logging.backe
 class SSHExecutor:
     """Starts, watches and stops a job's processes on its nodes."""
 
-    def __init__(self, state: JobState, sessions: dict[str, NodeSession]):
-        self.state = state
+    def __init__(self, job: JobRecord, sessions: dict[str, NodeSession]):
+        self.job = job
         self.sessions = sessions
         self._ended: dict[int, int] = {}  # pid -> exit code as far as we can tell
         self._polled = 0.0
@@ -94,10 +94,10 @@ class SSHExecutor:
                 self.stop(grace_s=2.0)
                 raise
             for (spec, log), pid in zip(batch, pids, strict=True):
-                self.state.processes.append(ProcessRecord(
+                self.job.processes.append(ProcessRecord(
                     name=spec.name, kind=spec.kind, pid=pid, log=log, argv=list(spec.argv),
                     rank=spec.rank, host=spec.host))
-            self.state.save()
+            self.job.save()
 
     def exited(self) -> list[tuple[ProcessRecord, int]]:
         """The processes that have ended (states read over SSH at most every POLL_S). A
@@ -105,12 +105,12 @@ class SSHExecutor:
         its events end with a ``stop`` for "done", any other process as 1."""
         if time.monotonic() - self._polled >= POLL_S:
             self._polled = time.monotonic()
-            for host, records in records_by_host(self.state.processes).items():
+            for host, records in records_by_host(self.job.processes).items():
                 states = self.sessions[host].states([r.pid for r in records])
                 for record in records:
                     if record.pid not in self._ended and states[record.pid] in (None, "Z", "X"):
                         self._ended[record.pid] = self._exit_code(record)
-        return [(r, self._ended[r.pid]) for r in self.state.processes if r.pid in self._ended]
+        return [(r, self._ended[r.pid]) for r in self.job.processes if r.pid in self._ended]
 
     def _exit_code(self, record: ProcessRecord) -> int:
         if record.kind != "coordinator":
@@ -125,10 +125,10 @@ class SSHExecutor:
     def stop(self, grace_s: float = 10.0) -> dict[str, str]:
         """SIGTERM, then SIGKILL after ``grace_s``, every process on every node (each node's
         last started first); how each ended ("terminated", "killed" or "gone")."""
-        return stop_on_nodes(self.state, self.sessions, grace_s)
+        return stop_on_nodes(self.job, self.sessions, grace_s)
 
 
-def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
+def stop_on_nodes(state: JobRecord, sessions: dict[str, NodeSession],
                   grace_s: float) -> dict[str, str]:
     """As :func:`tiderl.launch.local.stop_processes`, on the nodes: the coordinator first, then
     every node's others (each node's last started first)."""
@@ -143,7 +143,7 @@ def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
 
 def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             job_id: str | None = None, on_snapshot: Callable[[Snapshot], None] | None = None,
-            on_start: Callable[[JobState], None] | None = None,
+            on_start: Callable[[JobRecord], None] | None = None,
             launcher_pid: int | None = None) -> JobResult:
     """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``."""
     job_id = job_id or new_job_id(profile)
@@ -151,7 +151,7 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
                        dict.fromkeys((*PORT_NAMES, *engine_port_names(profile)), 0))
     used = draft.hosts
     sessions = open_sessions([hosts.node(name) for name in used])
-    state: JobState | None = None
+    state: JobRecord | None = None
     executor: SSHExecutor | None = None
     try:
         hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
@@ -164,7 +164,7 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
         prepare_run_dir(node_prof, plan, run_dir)
         ep = node_endpoints(hosts, profile, [r.host for r in plan.ranks], ports)
         nodes = {name: _node_info(hosts, name) for name in used}
-        state = JobState(job_id, str(run_dir), time.time(), info=job_info(
+        state = JobRecord(job_id, str(run_dir), time.time(), info=job_info(
             profile, ep, launcher_pid=launcher_pid, nodes=nodes,
             coordinator_node=hosts.coordinator))
         state.save()
@@ -189,7 +189,7 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
     return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
 
 
-def _clean_up(executor: SSHExecutor | None, state: JobState | None,
+def _clean_up(executor: SSHExecutor | None, state: JobRecord | None,
               sessions: dict[str, NodeSession]) -> None:
     """Stop every process and fetch the results, then close the sessions. A node failing here
     is raised, unless the job is already failing: then it is logged and the first error goes
@@ -273,7 +273,7 @@ def node_keys(plan: LaunchPlan, node: str, coordinator: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
+def fetch_results(state: JobRecord, sessions: dict[str, NodeSession]) -> None:
     """The coordinator's files (with its TensorBoard and wandb folders), every process's log
     and every rank's recorded episodes (``rollouts/``), into the local run folder."""
     local = Path(state.run_dir)

@@ -132,7 +132,7 @@ def test_profile_kv_against_a_real_engine(tmp_path):
     write_random_checkpoint("tiny", model)  # what `tiderl model init` writes
     port = free_port()
     args = ["engine", "serve", "--model", str(model), "--port", str(port),
-            "--kv-cache-tokens", "2048"]
+            "--set", "engine.kv_cache_tokens=2048"]
     with serving(args, port, tmp_path / "server.log") as (url, _):
         profiler = subprocess.Popen(
             [*tiderl_command(), "profile", "kv", "--engine", url, "--duration", "3",

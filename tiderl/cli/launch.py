@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import ProfileOpt, SetOpt
 from tiderl.cli.output import JsonFlag, Output, table
 
 if TYPE_CHECKING:  # imported where used: `tiderl --help` loads none of them
@@ -22,14 +23,6 @@ if TYPE_CHECKING:  # imported where used: `tiderl --help` loads none of them
     from tiderl.launch.plan import LaunchPlan
     from tiderl.profile import Profile
     from tiderl.runtime.bus import Snapshot
-
-# tiderl.profile.DEFAULT_PROFILE, written out so that --help imports no profile code
-ProfileOpt = typer.Option("local", "--profile", "-p",
-                          help="Profile name in profiles/ or a path to a YAML file.")
-SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
-                      help="Override one profile value, e.g. ctb.budget_fraction=0.8 or a list, "
-                           "'logging.backends=[jsonl,tensorboard]' (repeatable).")
-
 
 def launch(
     nodes: Path | None = typer.Option(None, "--nodes", help="hosts.yaml; omit to run here."),

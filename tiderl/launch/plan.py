@@ -7,7 +7,9 @@ local or the SSH executor.
 Each rank has one device. With a server engine backend (``engine.backend``: http, vllm, sglang)
 and no ``engine.urls``, each rank also gets an engine server on its node and device, bound to
 the loopback (``engineN``): the rank serves rollout through it and keeps it asleep while it is
-not a rollout rank (ERS may move any rank, so every rank has one).
+not a rollout rank (ERS may move any rank, so every rank has one). Our own server (``http``:
+``tiderl engine serve``) reads the run folder's profile, as every daemon does; vLLM and SGLang
+servers get the engine settings as their flags.
 
 Initial roles: in mode ``sync`` every rank is one colocated set (it rolls out, then trains). In the
 other modes ranks ``0..rollout_ranks-1`` start as rollout and the rest as trainer ranks: all actor
@@ -40,6 +42,7 @@ from tiderl.launch.hosts import Hosts, HostsError
 from tiderl.profile import Profile
 
 LOCAL_HOST = "localhost"
+RUN_PROFILE = "profile.yaml"  # the resolved profile in a run folder, which every daemon reads
 
 
 @dataclass(frozen=True)
@@ -119,21 +122,17 @@ def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
     return f"http://127.0.0.1:{ep.ports[f'engine{rank}']}"
 
 
-def engine_command(profile: Profile, python: str, port: int | str, device: str,
+def engine_command(profile: Profile, python: str, run_dir: str, port: int | str, device: str,
                    visible: str | None = None) -> tuple[tuple[str, ...], dict[str, str]]:
     """The command line and added environment of one engine server on the loopback, on the
     rank's device (``cuda:i``: the i-th of the ``visible`` devices the node's processes
-    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank)."""
+    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank). Our own server reads the model and
+    engine sections of the run folder's profile, as every daemon of the job does."""
     e, m = profile.engine, profile.model
     if e.backend == "http":
-        model = ("--model", m.path) if m.path else ("--size", m.size, "--seed", str(m.seed))
-        argv = (python, "-m", "tiderl.cli.main", "engine", "serve", *model, "--dtype", m.dtype,
-                "--host", "127.0.0.1", "--port", str(port), "--device", device,
-                "--kv-cache-tokens", str(e.kv_cache_tokens), "--block-size", str(e.block_size),
-                "--max-num-seqs", str(e.max_num_seqs),
-                "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-                "--prefix-caching" if e.enable_prefix_caching else "--no-prefix-caching",
-                "--kv-on-update", e.kv_on_update, "--kernels", e.kernels, *e.server_args)
+        argv = (python, "-m", "tiderl.cli.main", "engine", "serve",
+                "--profile", posixpath.join(run_dir, RUN_PROFILE), "--host", "127.0.0.1",
+                "--port", str(port), "--device", device, *e.server_args)
         return argv, {"OMP_NUM_THREADS": str(profile.runtime.threads_per_rank)}
     index = device.removeprefix("cuda:")
     common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",
@@ -245,8 +244,8 @@ def _command(spec: ProcessSpec, profile: Profile, python: str, run_dir: str, ep:
     """``spec`` with its command line and environment (``visible``: the node's inherited
     ``CUDA_VISIBLE_DEVICES``)."""
     if spec.kind == "engine":
-        argv, env = engine_command(profile, python, ep.ports[spec.name], spec.device or "cpu",
-                                   visible)
+        argv, env = engine_command(profile, python, run_dir, ep.ports[spec.name],
+                                   spec.device or "cpu", visible)
         return replace(spec, argv=argv, env={**node_env, **env,
                                              **_token_env(spec, profile, run_dir)},
                        run_dir=run_dir)

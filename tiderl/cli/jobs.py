@@ -119,9 +119,8 @@ def _ended(state: JobRecord, nodes: dict | None) -> str:
     """How a job that runs no more ended, from its last ``stop`` event: done, failed,
     stopped (SIGTERM, ``tiderl stop``), interrupted (Ctrl-C), or crashed (none: its
     coordinator was killed)."""
-    from tiderl.launch.job import last_stop
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.run_folders import job_file
+    from tiderl.launch.run_folders import job_file, last_stop
 
     try:
         stop = last_stop(job_file(state, "events.jsonl", nodes).parent)

@@ -38,7 +38,7 @@ from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.launch.affinity import SPREAD
-from tiderl.launch.hosts import Hosts, HostsError
+from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, Node
 from tiderl.profile import Profile
 
 LOCAL_HOST = "localhost"
@@ -59,19 +59,6 @@ class ProcessSpec:
     engine_url: str = ""  # a rank's engine server
     env: dict[str, str] = field(default_factory=dict)  # added to the node's environment
     run_dir: str = ""
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    processes: tuple[ProcessSpec, ...]
-
-    @property
-    def ranks(self) -> tuple[ProcessSpec, ...]:
-        return tuple(p for p in self.processes if p.kind == "rank")
-
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p.host for p in self.processes))
 
 
 @dataclass(frozen=True)
@@ -97,6 +84,20 @@ class Endpoints:
         return f"http://{self.coordinator}:{self.ports['metrics']}/metrics"
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    processes: tuple[ProcessSpec, ...]
+    endpoints: Endpoints | None = None  # None: a plan without command lines
+
+    @property
+    def ranks(self) -> tuple[ProcessSpec, ...]:
+        return tuple(p for p in self.processes if p.kind == "rank")
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.host for p in self.processes))
+
+
 def initial_roles(profile: Profile) -> list[Role]:
     """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
     rt = profile.runtime
@@ -110,6 +111,21 @@ def engine_port_names(profile: Profile) -> list[str]:
     if not engine.uses_server or engine.urls:
         return []
     return [f"engine{r}" for r in range(profile.runtime.num_ranks)]
+
+
+def port_names(profile: Profile) -> tuple[str, ...]:
+    """Every port a job's processes listen on: hosts.yaml's ``PORT_NAMES``, then its engine
+    servers'."""
+    return (*PORT_NAMES, *engine_port_names(profile))
+
+
+def numbered_ports(profile: Profile, base: int | None) -> dict[str, int | str]:
+    """``base``, ``base + 1``, ... in the order of :func:`port_names` (hosts.yaml's
+    ``ports.base``); without a base, ``<name-port>`` placeholders for the ports a launch picks
+    (what ``--dry-run`` prints)."""
+    if base is None:
+        return {name: f"<{name}-port>" for name in port_names(profile)}
+    return {name: base + i for i, name in enumerate(port_names(profile))}
 
 
 def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
@@ -228,7 +244,7 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
     if python is None or run_dir is None or ep is None:
         return LaunchPlan(processes=tuple(processes))
     return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}, visible_devices)
-                            for p in processes))
+                            for p in processes), ep)
 
 
 def _engines(profile: Profile, ranks: list[ProcessSpec]) -> list[ProcessSpec]:
@@ -288,19 +304,39 @@ def node_profile(profile: Profile, hosts: Hosts) -> Profile:
                                             bus_host=hosts.node(hosts.coordinator).reach))
 
 
+def _rank_slots(hosts: Hosts, profile: Profile) -> list[tuple[Node, int]]:
+    """Each rank's (node, device index): the nodes of hosts.yaml filled in order, one rank per
+    device; HostsError when they have fewer devices than ``runtime.num_ranks``."""
+    num_ranks = profile.runtime.num_ranks
+    if num_ranks > hosts.num_devices:
+        raise HostsError(f"{hosts.source}: nodes: {hosts.num_devices} devices in all, but "
+                         f"runtime.num_ranks is {num_ranks}")
+    return [(node, index) for node in hosts.nodes for index in node.devices][:num_ranks]
+
+
+def rank_nodes(hosts: Hosts, profile: Profile) -> list[str]:
+    """The node of each rank, by rank."""
+    return [node.name for node, _ in _rank_slots(hosts, profile)]
+
+
+def job_nodes(hosts: Hosts, profile: Profile) -> list[str]:
+    """Every node a job runs a process on (the launcher opens a session to each before it
+    plans the job): the environment service's, the coordinator's, the ranks'."""
+    env_node = env_service(hosts, profile)[0]
+    named = [env_node] if env_node is not None else []
+    return list(dict.fromkeys([*named, hosts.coordinator, *rank_nodes(hosts, profile)]))
+
+
 def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
                ports: Mapping[str, int | str]) -> LaunchPlan:
     """hosts.yaml + profile -> every process with its node, device and command line."""
     rt = profile.runtime
-    if rt.num_ranks > hosts.num_devices:
-        raise HostsError(f"{hosts.source}: nodes: {hosts.num_devices} devices in all, but "
-                         f"runtime.num_ranks is {rt.num_ranks}")
-    slots = [(node, index) for node in hosts.nodes for index in node.devices]
-    rank_nodes = [node.name for node, _ in slots[:rt.num_ranks]]
-    ep = node_endpoints(hosts, profile, rank_nodes, ports)
+    slots = _rank_slots(hosts, profile)
+    nodes_of_ranks = [node.name for node, _ in slots]
+    ep = node_endpoints(hosts, profile, nodes_of_ranks, ports)
     env_node = env_service(hosts, profile)[0]
     env = [] if env_node is None else [ProcessSpec(name="env", kind="env", host=env_node)]
-    cpu_slots = _cpu_slots(profile, rank_nodes)
+    cpu_slots = _cpu_slots(profile, nodes_of_ranks)
     ranks = []
     for rank, role in enumerate(initial_roles(profile)):
         node, index = slots[rank]
@@ -318,4 +354,4 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
         processes.append(_command(spec, profile, node.python,
                                   node_run_dir(node.workdir, job_id), ep, node.env,
                                   node.env.get("CUDA_VISIBLE_DEVICES")))
-    return LaunchPlan(tuple(processes))
+    return LaunchPlan(tuple(processes), ep)

@@ -11,6 +11,7 @@ launcher's machine (``top``, ``rebalance``) joins the bus as the operator.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tiderl.launch.local import JOB_FILE, JobRecord, LaunchError
@@ -71,3 +72,24 @@ def job_file(job: JobRecord, name: str, nodes: dict | None = None) -> Path:
     if not path.exists():
         raise LaunchError(f"job {job.job_id} has no {name} yet ({path})")
     return path
+
+
+def last_stop(run_dir: Path) -> dict:
+    """The job's last ``stop`` event ({} if it has none: it never got that far, or its
+    coordinator was killed)."""
+    try:
+        return last_stop_in((Path(run_dir) / "events.jsonl").read_text())
+    except OSError:
+        return {}
+
+
+def last_stop_in(events: str) -> dict:
+    """The last ``stop`` event of an events.jsonl's text ({} if none)."""
+    for line in reversed(events.splitlines()):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if event.get("kind") == "stop":
+            return event
+    return {}

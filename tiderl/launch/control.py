@@ -1,9 +1,16 @@
-"""Job control on a launched job, local or over SSH: process states, stopping, logs.
+"""Job control on a launched job, local or over SSH: its status, process states, stopping, logs.
 
 What ``tiderl status | logs | stop | top`` do, from ``runs/<job>/job.json``: each process record
 names its node (``localhost`` for a local job; a node of ``info["nodes"]`` for an SSH job) and its
 PID; the PID leads the process's own group. States come from ``/proc`` (a zombie is not alive); a
-job is alive while any of its processes is (:func:`is_job_alive`).
+job is alive while any of its processes is (:func:`is_job_alive`). A job's state word
+(:func:`job_status`):
+
+    every process running                      running
+    some running                               partial
+    an SSH job whose nodes do not answer       unreachable
+    none running: its last stop event's state  done | failed | stopped | interrupted
+                  no stop event                crashed (its coordinator was killed)
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from tiderl.launch.local import (
@@ -25,10 +33,66 @@ from tiderl.launch.local import (
     records_by_host,
     stop_processes,
 )
+from tiderl.launch.run_folders import job_file, last_stop_in
 from tiderl.launch.ssh import NodeSession, job_node, open_sessions
 
 # a launcher stops its job in order: the coordinator's grace, the others', and more
 LAUNCHER_EXIT_S = COORDINATOR_GRACE_S + 30.0
+# a stop event's state -> how the job ended ("ok": a job that stopped at its last step)
+ENDED = {"ok": "done", "failed": "failed", "stopped": "stopped", "interrupted": "interrupted"}
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """Where a job stands (:func:`job_status`)."""
+
+    state: str  # running, partial, unreachable, or how it ended (the module docstring)
+    steps_done: int  # lines of its metrics.jsonl
+    steps_total: int | None  # runtime.steps (None: job.json does not say)
+    num_running: int
+    num_processes: int
+    where: str  # "local", or its nodes
+    process_states: dict[str, str | None]  # name -> state letter (None: gone); {} unreachable
+
+
+def job_status(job: JobRecord, strict: bool = False) -> JobStatus:
+    """The job's status, over one set of SSH sessions for an SSH job. Nodes that do not answer:
+    LaunchError when ``strict``, else the state "unreachable" (with the steps of the copy the
+    launcher fetched at the job's end)."""
+    try:
+        with sessions(job) as nodes:
+            states = process_states(job, nodes)
+            steps, ended = _steps_done(job, nodes), _ended(job, nodes)
+    except LaunchError:
+        if strict:
+            raise
+        states, steps, ended = {}, _steps_done(job, None), _ended(job, None)
+    running, total = sum(map(alive, states.values())), len(job.processes)
+    if not states and is_remote(job):
+        word = "unreachable"
+    else:
+        word = "running" if running == total and total else ended if not running else "partial"
+    return JobStatus(word, steps, job.info.get("steps"), running, total,
+                     ", ".join(job.info["nodes"]) if is_remote(job) else "local", states)
+
+
+def _steps_done(job: JobRecord, nodes: dict[str, NodeSession] | None) -> int:
+    """Steps done: the lines of the job's metrics.jsonl (fetched from an SSH job's node)."""
+    try:
+        return len(job_file(job, "metrics.jsonl", nodes).read_text().splitlines())
+    except LaunchError:
+        return 0
+
+
+def _ended(job: JobRecord, nodes: dict[str, NodeSession] | None) -> str:
+    """How a job that runs no more ended, from its last ``stop`` event (see ENDED); crashed
+    when it has none."""
+    try:
+        stop = last_stop_in(job_file(job, "events.jsonl", nodes).read_text())
+    except (LaunchError, OSError):
+        stop = {}
+    return ENDED.get(stop.get("state", "ok" if stop.get("reason") == "done" else ""),
+                     "crashed")
 
 
 def is_remote(job: JobRecord) -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 from tiderl.core.types import Role
 from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts, parse_hosts
-from tiderl.launch.plan import Endpoints, plan_local, plan_nodes
+from tiderl.launch.plan import Endpoints, job_nodes, plan_local, plan_nodes, rank_nodes
 from tiderl.profile import load_profile
 
 PORTS = dict(zip(PORT_NAMES, (5001, 5002, 5003, 5004, 5005), strict=True))
@@ -114,6 +114,17 @@ def test_without_an_env_section_the_profiles_url_or_the_coordinators_node():
     plan = plan_nodes(_hosts(), with_url, "j1", PORTS)
     assert plan.processes[0].kind == "coordinator"
     assert "--env-url http://10.0.0.8:8100" in " ".join(plan.ranks[0].argv)
+
+
+def test_the_nodes_a_job_uses_are_known_before_it_is_planned():
+    """What the SSH launcher opens sessions to, before the ports (and so the plan) exist."""
+    two = load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1"])
+    assert rank_nodes(_hosts(), two) == ["a", "a"]
+    assert job_nodes(_hosts(), two) == ["a"]
+    assert job_nodes(_hosts(env={"node": "b"}), two) == ["b", "a"]
+    three = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1"])
+    assert job_nodes(_hosts(coordinator="b"), three) == ["b", "a"]
+    assert set(job_nodes(_hosts(), three)) == set(plan_nodes(_hosts(), three, "j1", PORTS).hosts)
 
 
 def test_more_ranks_than_devices_is_refused():

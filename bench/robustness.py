@@ -2,11 +2,11 @@
 
     python bench/robustness.py [--seed 18] [--cases 1000] [--out bench/results/robustness.json]
 
-Starts `tiderl engine serve --size tiny` (admin token set) and `tiderl env serve` (token set) on
-free 127.0.0.1 ports and sends each the seeded fuzzers of ``tests/fuzz/inputs.py`` (the ones
-the fuzz tests send: random bytes, wrong types, huge values, out-of-vocabulary ids, enormous
-prompts and bodies, deep JSON nesting, wrong content types, wrong routes and methods, missing
-or wrong tokens), then bounded floods (engine: pins of distinct tasks; environment: starts
+Starts `tiderl engine serve --set model.size=tiny` (admin token set) and `tiderl env serve`
+(token set) on free 127.0.0.1 ports and sends each the seeded fuzzers of ``tests/fuzz/inputs.py``
+(the ones the fuzz tests send: random bytes, wrong types, huge values, out-of-vocabulary ids,
+enormous prompts and bodies, deep JSON nesting, wrong content types, wrong routes and methods,
+missing or wrong tokens), then bounded floods (engine: pins of distinct tasks; environment: starts
 without and with the token), then a correct request (engine: a completion and an admin call;
 environment: a whole episode). Per server: sent, 2xx, 4xx, 5xx, dropped connections, 4xx
 without the one-line JSON error, malformed requests answered 2xx, correct-after, by kind.
@@ -56,8 +56,8 @@ FLOOD = 300
 
 def engine_server(seed: int, num_cases: int, folder: Path) -> dict:
     port = free_port()
-    args = ["engine", "serve", "--size", "tiny", "--port", str(port),
-            "--kv-cache-tokens", str(KV_TOKENS)]
+    args = ["engine", "serve", "--set", "model.size=tiny", "--port", str(port),
+            "--set", f"engine.kv_cache_tokens={KV_TOKENS}"]
     with serving(args, port, folder / "engine.log", env={"TIDERL_ADMIN_TOKEN": ENGINE_TOKEN}) \
             as (url, proc):
         cases = engine_cases(random.Random(seed), num_cases, vocab_size=len(VOCAB),

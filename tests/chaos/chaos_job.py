@@ -18,7 +18,7 @@ from tests.integration.running_job import SMALL_JOB
 from tests.integration.serving import tiderl_command
 from tiderl.launch.local import (
     JOB_FILE,
-    JobState,
+    JobRecord,
     LaunchError,
     group_members,
     is_running,
@@ -42,15 +42,15 @@ class Launch:
     def output(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
 
-    def state(self) -> JobState:
+    def state(self) -> JobRecord:
         """The job's state once every process is started (the launcher says "job <id>: ..."
         then), following the launcher."""
-        def started() -> JobState | None:
+        def started() -> JobRecord | None:
             if "logs in " not in self.output:
                 return None
             for path in self.run_root.glob(f"*/{JOB_FILE}"):
                 with contextlib.suppress(LaunchError):
-                    return JobState.load(path.parent)
+                    return JobRecord.load(path.parent)
             return None
         return self.until(started, "every process started")
 
@@ -100,11 +100,11 @@ def chaos(run_root: Path):
                 launched.proc.wait()
         for path in run_root.glob(f"*/{JOB_FILE}"):
             with contextlib.suppress(LaunchError):
-                stop_processes(JobState.load(path.parent).processes, grace_s=1.0)
+                stop_processes(JobRecord.load(path.parent).processes, grace_s=1.0)
 
 
 def started(jobs: list[Launch], run_root: Path, *overrides: str, steps: int = 6
-            ) -> tuple[Launch, JobState, Path]:
+            ) -> tuple[Launch, JobRecord, Path]:
     """Launch a job (kept in ``jobs`` for the clean-up); (it, its state once every process is
     started, its run folder)."""
     job = launch(run_root, *overrides, steps=steps)
@@ -131,15 +131,15 @@ def checkpoint_of(run_dir: Path, version: int) -> Path | None:
     return folder if (folder / "meta.json").exists() and (folder / "job.json").exists() else None
 
 
-def process(state: JobState, name: str):
+def process(state: JobRecord, name: str):
     return next(p for p in state.processes if p.name == name)
 
 
-def kill(state: JobState, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+def kill(state: JobRecord, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
     os.kill(process(state, name).pid, sig)
 
 
-def kill_job(state: JobState) -> None:
+def kill_job(state: JobRecord) -> None:
     """kill -9 of the whole job: its launcher and every process, at once."""
     launcher = state.info.get("launcher_pid")
     for pid in [launcher, *(p.pid for p in state.processes)]:
@@ -190,7 +190,7 @@ def assert_each_group_once(run_dir: Path) -> dict:
 
 
 def assert_nothing_left(run_dir: Path) -> None:
-    state = JobState.load(run_dir)
+    state = JobRecord.load(run_dir)
     for record in state.processes:
         assert not is_running(record.pid), f"{record.name} (pid {record.pid}) still runs"
         assert group_members(record.pid) == [], f"children of {record.name} still run"

@@ -27,7 +27,7 @@ from tests.chaos.chaos_job import (
     status_of,
     steps_done,
 )
-from tiderl.launch.local import JobState, is_running, stop_processes
+from tiderl.launch.local import JobRecord, is_running, stop_processes
 
 STEPS = 6
 
@@ -168,7 +168,7 @@ def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path, mode):
             if mode == "async" else ()
         job, _, run_dir = started(jobs, tmp_path, f"runtime.mode={mode}", *ahead)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
-        kill_job(JobState.load(run_dir))
+        kill_job(JobRecord.load(run_dir))
         job.wait()
         time.sleep(0.5)
         assert_nothing_left(run_dir)
@@ -185,7 +185,7 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
     with chaos(tmp_path) as jobs:
         job, _, run_dir = started(jobs, tmp_path, steps=8)
         job.until(lambda: checkpoint_of(run_dir, 4), "the checkpoint of step 4")
-        kill_job(JobState.load(run_dir))
+        kill_job(JobRecord.load(run_dir))
         job.wait()
         shard = next((run_dir / "checkpoints" / "step-00000004").glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # cut short
@@ -208,7 +208,7 @@ def test_the_coordinator_killed_the_ranks_exit_and_the_job_resumes(tmp_path):
         os.killpg(job.proc.pid, signal.SIGKILL)
         kill(state, "coordinator")
         job.wait()
-        ranks = [p for p in JobState.load(run_dir).processes if p.kind == "rank"]
+        ranks = [p for p in JobRecord.load(run_dir).processes if p.kind == "rank"]
         job_deadline = time.monotonic() + 90
         while any(is_running(p.pid) for p in ranks) and time.monotonic() < job_deadline:
             time.sleep(0.5)

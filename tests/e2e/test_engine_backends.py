@@ -13,7 +13,7 @@ import pytest
 
 from tiderl.engine.prometheus import parse_prometheus
 from tiderl.launch.job import run_local
-from tiderl.launch.local import JobState, LaunchError, group_members, is_running
+from tiderl.launch.local import JobRecord, LaunchError, group_members, is_running
 from tiderl.profile import load_profile
 from tiderl.trainer.export import versions
 
@@ -30,7 +30,7 @@ def _read(path: Path) -> list[dict]:
 
 
 def _all_gone(run_dir: Path) -> list[str]:
-    state = JobState.load(run_dir)
+    state = JobRecord.load(run_dir)
     return [r.name for r in state.processes if is_running(r.pid) or group_members(r.pid)]
 
 
@@ -44,7 +44,7 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     outsiders: set[int] = set()  # what the job's servers answer a request without its token
 
     def read_pins(snap) -> None:  # rank 0's server, while the job runs
-        ports = JobState.load(next(tmp_path.glob("*/job.json")).parent).info["ports"]
+        ports = JobRecord.load(next(tmp_path.glob("*/job.json")).parent).info["ports"]
         with contextlib.suppress(httpx.HTTPError):
             page = httpx.get(f"http://127.0.0.1:{ports['engine0']}/metrics", timeout=5).text
             pins.append(parse_prometheus(page)["tiderl:pins"])
@@ -64,7 +64,7 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     assert all(m["trained_samples"] >= 4 and m["reward_mean"] is not None for m in metrics)
     assert all(m["staleness_max"] <= profile.job.max_staleness for m in metrics)
     assert any(m["kv_hit_rate"] for m in metrics)  # later turns hit the server's prefix cache
-    state = JobState.load(run_dir)
+    state = JobRecord.load(run_dir)
     assert [p.name for p in state.processes if p.kind == "engine"] == [
         "engine0", "engine1", "engine2"]
     events = _read(run_dir / "events.jsonl")

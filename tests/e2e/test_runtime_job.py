@@ -13,7 +13,7 @@ import zmq
 
 from tests.integration.tracking import offline_wandb, tensorboard_scalars, wandb_history
 from tiderl.launch.job import run_local
-from tiderl.launch.local import JobState, group_members, is_running
+from tiderl.launch.local import JobRecord, group_members, is_running
 from tiderl.profile import load_profile
 from tiderl.runtime.bus import (
     BusClient,
@@ -41,7 +41,7 @@ def _read(path: Path) -> list[dict]:
 
 
 def _assert_all_gone(run_dir: Path) -> None:
-    state = JobState.load(run_dir)
+    state = JobRecord.load(run_dir)
     assert len(state.processes) == 5  # env, coordinator, 3 ranks
     for record in state.processes:
         assert not is_running(record.pid), f"{record.name} (pid {record.pid}) is still running"
@@ -60,7 +60,7 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
                      "report.plots=true")
     knocked = threading.Event()
 
-    def knock(state: JobState) -> None:
+    def knock(state: JobRecord) -> None:
         def run() -> None:  # it knows the server's public key, not a key of the job
             job = load_job_keys(Path(state.run_dir) / "keys", 0)
             stranger = JobKeys(job.server_public, "rank-0", *zmq.curve_keypair())

@@ -30,8 +30,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-fuzz")
     port = free_port()
-    args = ["engine", "serve", "--size", "tiny", "--port", str(port),
-            "--kv-cache-tokens", str(KV_TOKENS)]
+    args = ["engine", "serve", "--set", "model.size=tiny", "--port", str(port),
+            "--set", f"engine.kv_cache_tokens={KV_TOKENS}"]
     with serving(args, port, root / "server.log", env={"TIDERL_ADMIN_TOKEN": TOKEN}) as (
             url, proc):
         yield {"url": url, "proc": proc, "log": root / "server.log"}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.integration.serving import tiderl_command
-from tiderl.launch.local import JOB_FILE, JobState, LaunchError, stop_processes
+from tiderl.launch.local import JOB_FILE, JobRecord, LaunchError, stop_processes
 
 # 3 ranks (1 rollout, 2 actors), short turns: a step every few seconds on 2 cores
 SMALL_JOB = [
@@ -26,8 +26,8 @@ SMALL_JOB = [
 
 @contextlib.contextmanager
 def running_job(run_root: Path, *overrides: str, steps: int = 200, wait_steps: int = 0,
-                timeout_s: float = 180.0) -> Iterator[tuple[JobState, subprocess.Popen]]:
-    """Launch a job under ``run_root``; yields (its JobState once every process is started, the
+                timeout_s: float = 180.0) -> Iterator[tuple[JobRecord, subprocess.Popen]]:
+    """Launch a job under ``run_root``; yields (its JobRecord once every process is started, the
     launcher process) after ``wait_steps`` steps are in metrics.jsonl. On exit the launcher gets
     SIGTERM (it stops the job) and anything left of the job is stopped by PID."""
     run_root.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,7 @@ def running_job(run_root: Path, *overrides: str, steps: int = 200, wait_steps: i
     try:
         state = _wait_started(run_root, proc, timeout_s)
         _wait_steps(Path(state.run_dir), wait_steps, proc, timeout_s)
-        yield JobState.load(state.run_dir), proc
+        yield JobRecord.load(state.run_dir), proc
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -53,16 +53,16 @@ def running_job(run_root: Path, *overrides: str, steps: int = 200, wait_steps: i
         log.close()
         if state is not None:
             with contextlib.suppress(LaunchError):
-                stop_processes(JobState.load(state.run_dir).processes, grace_s=2.0)
+                stop_processes(JobRecord.load(state.run_dir).processes, grace_s=2.0)
 
 
-def _wait_started(run_root: Path, proc: subprocess.Popen, timeout_s: float) -> JobState:
+def _wait_started(run_root: Path, proc: subprocess.Popen, timeout_s: float) -> JobRecord:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, (run_root / "launcher.log").read_text()
         for path in run_root.glob(f"*/{JOB_FILE}"):
             with contextlib.suppress(LaunchError):
-                state = JobState.load(path.parent)
+                state = JobRecord.load(path.parent)
                 if any(p.kind == "rank" for p in state.processes):
                     return state
         time.sleep(0.2)

@@ -48,7 +48,8 @@ def test_help_imports_no_heavy_library():
 
 
 def test_the_profile_default_launch_shows_is_the_one_it_loads():
-    """launch.py writes the default out (importing it would load the profile code on --help)."""
+    """cli/options.py writes the default out (importing it would load the profile code on
+    --help)."""
     from tiderl.profile import DEFAULT_PROFILE
 
     proc = subprocess.run([*tiderl_command(), "launch", "--help"], capture_output=True,

@@ -10,7 +10,7 @@ import yaml
 
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tests.unit.test_job_checkpoints import checkpoint
-from tiderl.launch.local import JobState, ProcessRecord
+from tiderl.launch.local import JobRecord, ProcessRecord
 from tiderl.profile import load_profile, profile_to_dict
 
 
@@ -23,7 +23,7 @@ def stopped_job(run_root, steps: int, version: int, pid: int = 0):
     (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile)))
     processes = [ProcessRecord("coordinator", "coordinator", pid, str(run_dir / "logs/c.log"),
                                [])] if pid else []
-    JobState(run_dir.name, str(run_dir), time.time(), processes).save()
+    JobRecord(run_dir.name, str(run_dir), time.time(), processes).save()
     checkpoint(run_dir / "checkpoints", version)
     return run_dir
 

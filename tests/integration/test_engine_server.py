@@ -39,7 +39,7 @@ def server(tmp_path_factory):
         write_random_checkpoint("tiny", root / f"m{seed}", seed)
     port = free_port()
     args = ["engine", "serve", "--model", str(root / "m0"), "--port", str(port),
-            "--kv-cache-tokens", str(KV_TOKENS)]
+            "--set", f"engine.kv_cache_tokens={KV_TOKENS}"]
     with serving(args, port, root / "server.log") as (url, proc):
         yield {"url": url, "root": root, "proc": proc}
 
@@ -224,9 +224,11 @@ def test_serve_without_a_model_folder_is_one_line_exit_2(tmp_path):
     assert line == f"error: tiderl engine serve: --model {tmp_path / 'none'}: no such folder"
     line = assert_one_line_error(tiderl("engine", "serve", "--model", str(tmp_path)), 2)
     assert "config.json: not found" in line
-    line = assert_one_line_error(tiderl("engine", "serve", "--kernels", "fast"), 2)
-    assert line == ("error: tiderl engine serve: kernels: expected one of auto, native, torch, "
-                    "got 'fast'")
+    line = assert_one_line_error(tiderl("engine", "serve", "--set", "engine.kernels=fast"), 2)
+    assert line == "error: --set: engine.kernels: expected one of auto, native, torch, got 'fast'"
+    line = assert_one_line_error(tiderl("engine", "serve", "--set",
+                                        f"model.path={tmp_path / 'none'}"), 2)
+    assert line == f"error: tiderl engine serve: model.path {tmp_path / 'none'}: no such folder"
 
 
 def test_concurrent_tasks_share_the_engine(server):

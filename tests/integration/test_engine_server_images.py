@@ -45,7 +45,7 @@ def test_images_over_http_equal_the_in_process_engine(folder):
     want = asyncio.run(local.generate("t", prompt, GREEDY, images))
     port = free_port()
     args = ["engine", "serve", "--model", str(folder / "model"), "--port", str(port),
-            "--kv-cache-tokens", "1024", "--block-size", str(BLOCK)]
+            "--set", "engine.kv_cache_tokens=1024", "--set", f"engine.block_size={BLOCK}"]
 
     async def turns(url):
         async with TideRLHTTPClient(url) as client:
@@ -86,7 +86,8 @@ def test_an_image_goes_by_key_once_sent_and_again_after_the_tower_changed(folder
     prompt, images = joined(placer.place([5, 6, 7], [png(56, 84, 1)]))
     port = free_port()
     args = ["engine", "serve", "--model", str(folder / "model"), "--port", str(port),
-            "--kv-cache-tokens", "1024", "--block-size", str(BLOCK), "--kv-on-update", "flush"]
+            "--set", "engine.kv_cache_tokens=1024", "--set", f"engine.block_size={BLOCK}",
+            "--set", "engine.kv_on_update=flush"]
     bodies: list[dict] = []
 
     async def record(request: httpx.Request) -> None:

@@ -26,7 +26,7 @@ from tests.integration.test_cli import assert_one_line_error, tiderl
 from tests.integration.test_cli_progress_status import STEP_LINE
 from tests.integration.test_monitoring import TEN, profile_kv_json
 from tests.integration.test_top import CONNECTED, STEP, Pane, require_tmux, status_line
-from tiderl.launch.local import JobState, group_members, is_running
+from tiderl.launch.local import JobRecord, group_members, is_running
 
 # the coordinator is frozen for several seconds on purpose: its ranks must not be declared dead
 # (and the job stopped) for missed heartbeats when it wakes up
@@ -41,7 +41,7 @@ def job(tmp_path_factory):
         yield state, launcher, run_root
 
 
-def _running(job) -> tuple[JobState, subprocess.Popen, Path]:
+def _running(job) -> tuple[JobRecord, subprocess.Popen, Path]:
     state, launcher, run_root = job
     assert launcher.poll() is None, "the job has ended (the test that stops it runs last)"
     return state, launcher, run_root
@@ -181,7 +181,7 @@ def test_top_and_logs_follow_the_job_through_a_frozen_coordinator_until_stop_end
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout)["launcher_stopped"] is True
         assert launcher.wait(30) == 143  # SIGTERM: it stopped the job and said so
-        for record in JobState.load(state.run_dir).processes:
+        for record in JobRecord.load(state.run_dir).processes:
             assert not is_running(record.pid) and group_members(record.pid) == []
 
         ended = pane.wait_for(lambda t: "job ended" in t, "job ended", timeout_s=60)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tiderl.launch.local import (
-    JobState,
+    JobRecord,
     LaunchError,
     LocalExecutor,
     ProcessCommand,
@@ -28,7 +28,7 @@ STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM,
 
 
 def _job(tmp_path) -> LocalExecutor:
-    return LocalExecutor(JobState(job_id="j1", run_dir=str(tmp_path), created=time.time()))
+    return LocalExecutor(JobRecord(job_id="j1", run_dir=str(tmp_path), created=time.time()))
 
 
 def _wait_for_logs(records, text="up", timeout=10.0):
@@ -46,12 +46,12 @@ def test_start_records_pids_and_logs_then_stop_leaves_nothing(tmp_path):
                     ProcessCommand("rank0", "rank", (sys.executable, "-c", STUBBORN), rank=0),
                     ProcessCommand("rank1", "rank", (sys.executable, "-c", SLEEPER), rank=1,
                                    env={"TIDERL_TEST": "1"})])
-    records = executor.state.processes
+    records = executor.job.processes
     _wait_for_logs(records)
     saved = json.loads((tmp_path / "job.json").read_text())
     assert [p["name"] for p in saved["processes"]] == ["env", "rank0", "rank1"]
     assert [p["pid"] for p in saved["processes"]] == [r.pid for r in records]
-    assert JobState.load(tmp_path).processes == records
+    assert JobRecord.load(tmp_path).processes == records
     stubborn_group = group_members(records[1].pid)
     assert len(stubborn_group) == 2  # rank0 and its grandchild
     assert all(is_running(r.pid) for r in records)
@@ -69,7 +69,7 @@ def test_a_process_that_cannot_start_stops_the_others(tmp_path):
     with pytest.raises(LaunchError, match="rank1: could not start '/no/such/python'"):
         executor.start([ProcessCommand("rank0", "rank", (sys.executable, "-c", SLEEPER)),
                         ProcessCommand("rank1", "rank", ("/no/such/python", "-c", "pass"))])
-    (started,) = executor.state.processes
+    (started,) = executor.job.processes
     assert not is_running(started.pid)
 
 
@@ -86,7 +86,7 @@ def test_exited_reports_exit_codes(tmp_path):
 
 def test_loading_a_missing_job_is_one_line(tmp_path):
     with pytest.raises(LaunchError, match="no such job"):
-        JobState.load(tmp_path / "nope")
+        JobRecord.load(tmp_path / "nope")
 
 
 def test_a_jobs_ports_are_distinct_free_and_outside_the_ephemeral_range():

@@ -20,7 +20,7 @@ from tests.integration.running_job import SMALL_JOB
 from tests.integration.serving import free_port, tiderl_command
 from tests.integration.sshd import SSHNode, client_key, sshd
 from tests.integration.test_cli import assert_one_line_error, tiderl
-from tiderl.launch.local import JobState, group_members, is_running
+from tiderl.launch.local import JobRecord, group_members, is_running
 from tiderl.runtime.bus.keys import SERVER_SECRET
 from tiderl.runtime.report import IMAGES
 
@@ -64,7 +64,7 @@ def _files(folder: Path) -> set[str]:
             if f.is_file() and not f.is_symlink()}
 
 
-def _assert_nothing_left(state: JobState) -> None:
+def _assert_nothing_left(state: JobRecord) -> None:
     for record in state.processes:  # both nodes are this machine: check by PID and group
         assert not is_running(record.pid), f"{record.name} (pid {record.pid}) still runs"
         assert group_members(record.pid) == [], f"{record.name} left children behind"
@@ -79,7 +79,7 @@ def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
                            *logging], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next((tmp_path / "runs").iterdir())
-    state = JobState.load(run_dir)
+    state = JobRecord.load(run_dir)
     # job.json: every process with its node, PID and log; the nodes to reach them again
     assert {(p.name, p.host) for p in state.processes} == {
         ("env", "a"), ("coordinator", "a"), ("rank0", "a"), ("rank1", "a"), ("rank2", "b")}
@@ -130,7 +130,7 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
     try:
         job = _wait_for_step(run_root, tmp_path / "a", launcher, step=1)
         root = ("--run-root", str(run_root))
-        state = JobState.load(run_root / job)
+        state = JobRecord.load(run_root / job)
         _reads_work_on_it(job, root, state)
         _rebalance_works_on_it(job, root)
         stop = tiderl("stop", job, *root, "--json")
@@ -148,7 +148,7 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
         log.close()
 
 
-def _reads_work_on_it(job: str, root: tuple[str, ...], state: JobState) -> None:
+def _reads_work_on_it(job: str, root: tuple[str, ...], state: JobRecord) -> None:
     """The commands that only read the job, each a new `tiderl` process as a user runs it, all
     at once (over SSH on both nodes, and from the coordinator), and its /metrics."""
     commands = {

@@ -20,7 +20,7 @@ from tests.integration.test_cli import assert_one_line_error, tiderl
 from tests.unit.test_profile_kv import sglang_text, vllm_text
 from tiderl.engine.clients import TideRLHTTPClient
 from tiderl.engine.request import SamplingParams
-from tiderl.launch.local import JobState
+from tiderl.launch.local import JobRecord
 from tiderl.models.init import write_random_checkpoint
 
 TEN = ("tiderl_goodput_tokens_total", "tiderl_trained_tokens_total", "tiderl_ras",
@@ -132,7 +132,7 @@ def test_profile_kv_against_a_real_engine(tmp_path):
     write_random_checkpoint("tiny", model)  # what `tiderl model init` writes
     port = free_port()
     args = ["engine", "serve", "--model", str(model), "--port", str(port),
-            "--kv-cache-tokens", "2048"]
+            "--set", "engine.kv_cache_tokens=2048"]
     with serving(args, port, tmp_path / "server.log") as (url, _):
         profiler = subprocess.Popen(
             [*tiderl_command(), "profile", "kv", "--engine", url, "--duration", "3",
@@ -173,7 +173,7 @@ def test_profile_readiness_of_no_job_is_one_line(tmp_path):
 
 def test_profile_kv_of_a_job_that_is_gone_is_one_line(tmp_path):
     (tmp_path / "gone").mkdir()
-    JobState("gone", str(tmp_path / "gone"), 0.0,
+    JobRecord("gone", str(tmp_path / "gone"), 0.0,
              info={"metrics": "http://127.0.0.1:1/metrics"}).save()
     line = assert_one_line_error(tiderl("profile", "kv", "--job", "gone", "--run-root",
                                         str(tmp_path), "--duration", "0.5", "--interval", "0.5"), 1)

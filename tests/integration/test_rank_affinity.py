@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.launch.job import PORT_NAMES, local_commands, local_endpoints, prepare_run_dir
-from tiderl.launch.local import JobState, LocalExecutor
-from tiderl.launch.plan import plan_local
+from tiderl.launch.job import local_endpoints, prepare_run_dir
+from tiderl.launch.local import JobRecord, LocalExecutor
+from tiderl.launch.plan import plan_local, port_names
 from tiderl.profile import ProfileError, load_profile
 from tiderl.runtime.affinity import core_set, parse_slot
 from tiderl.trainer.spawn import free_port
@@ -61,14 +61,14 @@ def _cpu_list(text: str) -> set[int]:
 def test_a_started_rank_daemon_is_pinned_to_its_slot(tmp_path):
     profile = load_profile("local", SPREAD)
     run_dir = tmp_path / "job"
-    ep = local_endpoints(profile, {name: free_port() for name in PORT_NAMES})
+    ep = local_endpoints(profile, {name: free_port() for name in port_names(profile)})
     plan = plan_local(profile, sys.executable, str(run_dir), ep)
     prepare_run_dir(profile, plan, run_dir)
-    rank1 = [c for c in local_commands(plan) if c.name == "rank1"]
+    rank1 = [p for p in plan.processes if p.name == "rank1"]
     assert "--cpu-slot" in rank1[0].argv
-    executor = LocalExecutor(JobState("affinity", str(run_dir), time.time()))
+    executor = LocalExecutor(JobRecord("affinity", str(run_dir), time.time()))
     executor.start(rank1)  # it pins itself, then waits for a world that never forms
-    (record,) = executor.state.processes
+    (record,) = executor.job.processes
     try:
         deadline = time.monotonic() + 60
         log = Path(record.log)

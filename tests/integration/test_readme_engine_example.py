@@ -31,7 +31,7 @@ def test_the_readme_curl_gets_token_ids_and_their_logprobs(tmp_path):
     assert init.returncode == 0, init.stderr
     port = free_port()
     args = ["engine", "serve", "--model", str(model), "--port", str(port),
-            "--kv-cache-tokens", "8192"]
+            "--set", "engine.kv_cache_tokens=4096"]
     with serving(args, port, tmp_path / "server.log") as (url, _):
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text

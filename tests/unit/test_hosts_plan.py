@@ -6,7 +6,7 @@ import pytest
 
 from tiderl.core.types import Role
 from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts, parse_hosts
-from tiderl.launch.plan import Endpoints, plan_local, plan_nodes
+from tiderl.launch.plan import Endpoints, job_nodes, plan_local, plan_nodes, rank_nodes
 from tiderl.profile import load_profile
 
 PORTS = dict(zip(PORT_NAMES, (5001, 5002, 5003, 5004, 5005), strict=True))
@@ -116,6 +116,17 @@ def test_without_an_env_section_the_profiles_url_or_the_coordinators_node():
     assert "--env-url http://10.0.0.8:8100" in " ".join(plan.ranks[0].argv)
 
 
+def test_the_nodes_a_job_uses_are_known_before_it_is_planned():
+    """What the SSH launcher opens sessions to, before the ports (and so the plan) exist."""
+    two = load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1"])
+    assert rank_nodes(_hosts(), two) == ["a", "a"]
+    assert job_nodes(_hosts(), two) == ["a"]
+    assert job_nodes(_hosts(env={"node": "b"}), two) == ["b", "a"]
+    three = load_profile("local", ["runtime.num_ranks=3", "runtime.rollout_ranks=1"])
+    assert job_nodes(_hosts(coordinator="b"), three) == ["b", "a"]
+    assert set(job_nodes(_hosts(), three)) == set(plan_nodes(_hosts(), three, "j1", PORTS).hosts)
+
+
 def test_more_ranks_than_devices_is_refused():
     profile = load_profile("local", ["runtime.num_ranks=5", "runtime.rollout_ranks=2"])
     with pytest.raises(HostsError, match=r"4 devices in all, but runtime\.num_ranks is 5"):
@@ -133,7 +144,7 @@ def test_the_local_plan_has_the_same_processes():
 def test_a_server_backend_gets_an_engine_server_per_rank_on_its_node_and_device():
     profile = load_profile("local", ["runtime.num_ranks=4", "runtime.rollout_ranks=2",
                                      "runtime.device=cuda", "engine.backend=http",
-                                     "engine.server_args=[--max-num-seqs, '8']"])
+                                     "engine.server_args=[--set, engine.max_num_seqs=8]"])
     ports = {**PORTS, **{f"engine{r}": 6000 + r for r in range(4)}}
     plan = plan_nodes(_hosts(), profile, "j1", ports)
     assert [p.name for p in plan.processes] == [
@@ -142,12 +153,12 @@ def test_a_server_backend_gets_an_engine_server_per_rank_on_its_node_and_device(
     engines = [p for p in plan.processes if p.kind == "engine"]
     assert [(p.host, p.device, p.rank) for p in engines] == [
         ("a", "cuda:0", 0), ("a", "cuda:1", 1), ("b", "cuda:1", 2), ("b", "cuda:3", 3)]
-    engine2 = " ".join(engines[2].argv)
     assert engines[2].argv[:5] == ("/usr/bin/python3.11", "-m", "tiderl.cli.main", "engine",
                                    "serve")
-    assert ("--size tiny --seed 0 --dtype float32 --host 127.0.0.1 --port 6002 "
-            "--device cuda:1 --kv-cache-tokens 8192") in engine2
-    assert engine2.endswith("--kv-on-update flush --kernels auto --max-num-seqs 8")  # args last
+    # it reads the model and engine sections of its node's copy of the job's profile
+    assert engines[2].argv[5:] == ("--profile", "/srv/t/runs/j1/profile.yaml", "--host",
+                                   "127.0.0.1", "--port", "6002", "--device", "cuda:1",
+                                   "--set", "engine.max_num_seqs=8")  # server_args last
     assert engines[2].env == {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
                               "TIDERL_JOB_KEYS": engines[2].run_dir + "/keys"}
     rank2 = " ".join(plan.ranks[2].argv)

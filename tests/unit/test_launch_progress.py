@@ -1,7 +1,7 @@
 """The progress line of `tiderl launch`: which fields fit a terminal's width (the step counter
 always does), from hand-built snapshots."""
 
-from tiderl.cli.launch import progress_fields, progress_line
+from tiderl.cli.progress import progress_fields, progress_line
 from tiderl.runtime.bus import Snapshot
 
 METRICS = {"reward_mean": 0.1234, "goodput_tok_s": 357.4, "active": 24.0, "paused": 3.0}

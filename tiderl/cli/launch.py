@@ -1,34 +1,29 @@
-"""`tiderl launch`: resolve the profile, plan the processes, run the job to its end."""
+"""`tiderl launch`: the launch request (profile, nodes, a job to resume), then its plan
+(``--dry-run``) or its run to the end, followed with a progress line
+(:mod:`tiderl.cli.progress`)."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import signal
-import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import ProfileOpt, SetOpt
 from tiderl.cli.output import JsonFlag, Output, table
 
 if TYPE_CHECKING:  # imported where used: `tiderl --help` loads none of them
-    from rich.console import Console, ConsoleOptions, RenderResult
+    from rich.console import Console
 
-    from tiderl.launch.hosts import Hosts
+    from tiderl.launch.job import JobResult
+    from tiderl.launch.local import JobRecord
     from tiderl.launch.plan import LaunchPlan
+    from tiderl.launch.request import LaunchRequest
     from tiderl.profile import Profile
-    from tiderl.runtime.bus import Snapshot
-
-# tiderl.profile.DEFAULT_PROFILE, written out so that --help imports no profile code
-ProfileOpt = typer.Option("local", "--profile", "-p",
-                          help="Profile name in profiles/ or a path to a YAML file.")
-SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
-                      help="Override one profile value, e.g. ctb.budget_fraction=0.8 or a list, "
-                           "'logging.backends=[jsonl,tensorboard]' (repeatable).")
 
 
 def launch(
@@ -51,257 +46,87 @@ def launch(
 
     Ctrl-C or SIGTERM stop every process of the job, on every node; a job that stops before
     its last step resumes with --resume."""
-    from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts
-    from tiderl.launch.plan import engine_port_names, plan_local, plan_nodes
-    from tiderl.profile import load_profile
-
-    resumed = None
-    if resume is not None:
-        if nodes is not None:
-            raise CLIError("tiderl launch: --resume runs on this machine only (not with "
-                           "--nodes yet)", EXIT_USAGE)
-        resumed = _resumable(resume, run_root)
-        resolved = _resumed_profile(resumed, overrides or [])
-    else:
-        resolved = load_profile(profile, overrides or [])
-    hosts = None
-    if nodes is not None:
-        try:
-            hosts = load_hosts(nodes)
-            plan = plan_nodes(hosts, resolved, "<job>", _port_placeholders(hosts, resolved))
-        except HostsError as exc:
-            raise CLIError(str(exc), EXIT_USAGE) from None
-    else:  # the command lines with placeholders for the ports a launch picks
-        from tiderl.launch.job import check_here, local_endpoints
-        from tiderl.launch.local import LaunchError
-
-        try:
-            check_here(resolved)
-        except LaunchError as exc:
-            raise CLIError(f"tiderl launch: {exc}", EXIT_USAGE) from None
-        ports = {name: f"<{name}-port>" for name in (*PORT_NAMES, *engine_port_names(resolved))}
-        plan = plan_local(resolved, sys.executable, str(Path(resolved.runtime.run_dir, "<job>")),
-                          local_endpoints(resolved, ports))
-    out = Output(json_mode)
-    if dry_run:
-        out.result(_payload(resolved, plan), lambda console: _render(console, resolved, plan))
-        return
-    _run(resolved, hosts, run_root, out, resumed)
-
-
-SHAPE_KEYS = (("runtime", "mode"), ("runtime", "num_ranks"), ("job", "group_size"),
-              ("trainer", "backend"), ("trainer", "tensor_parallel"), ("model", "size"),
-              ("model", "path"))
-
-
-def _resumable(job: str, run_root: Path | None) -> Path:
-    """The run folder ``--resume`` names, if no process of it runs."""
-    from tiderl.launch.local import JobState, LaunchError, is_running
-    from tiderl.launch.registry import job_dir, list_jobs
-    from tiderl.runtime.resume import CHECKPOINTS
-    from tiderl.trainer.checkpoint_meta import step_folders
-
-    try:
-        if job == "latest":
-            jobs = [s for s in list_jobs(run_root) if step_folders(Path(s.run_dir, CHECKPOINTS))]
-            if not jobs:
-                raise LaunchError(f"no job with a checkpoint in {run_root or 'runs'}/")
-            folder = Path(jobs[-1].run_dir)
-        else:
-            folder = job_dir(job, run_root)
-        state = JobState.load(folder)
-    except LaunchError as exc:
-        raise CLIError(f"tiderl launch --resume: {exc}", EXIT_USAGE) from None
-    alive = [p.name for p in state.processes if p.host == "localhost" and is_running(p.pid)]
-    if alive:
-        raise CLIError(f"tiderl launch --resume: job {state.job_id} is running ({', '.join(alive)}"
-                       f"); stop it first (tiderl stop {state.job_id})", EXIT_USAGE)
-    return folder
-
-
-def _resumed_profile(run_dir: Path, overrides: list[str]) -> Profile:
-    """The job's own profile with ``overrides``, which may not change the job's shape."""
-    from tiderl.profile import load_profile
-
-    own = load_profile(str(run_dir / "profile.yaml"))
-    new = load_profile(str(run_dir / "profile.yaml"), overrides)
-    for section, key in SHAPE_KEYS:
-        was, now = getattr(getattr(own, section), key), getattr(getattr(new, section), key)
-        if was != now:
-            raise CLIError(f"tiderl launch --resume: {section}.{key} is {was!r} in the job, "
-                           f"--set makes it {now!r}: a resumed job keeps its shape", EXIT_USAGE)
-    return new
-
-
-def _port_placeholders(hosts: Hosts, profile: Profile) -> dict[str, int | str]:
-    from tiderl.launch.hosts import PORT_NAMES
-    from tiderl.launch.plan import engine_port_names
-
-    names = (*PORT_NAMES, *engine_port_names(profile))
-    if hosts.port_base is not None:
-        return {name: hosts.port_base + i for i, name in enumerate(names)}
-    return {name: f"<{name}-port>" for name in names}
-
-
-def _run(profile: Profile, hosts: Hosts | None, run_root: Path | None, out: Output,
-         resume: Path | None = None) -> None:
-    from tiderl.launch.job import run_local
+    from tiderl.launch.hosts import HostsError
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.remote import run_ssh
+    from tiderl.launch.request import launch_request, preview_plan
+
+    out = Output(json_mode)
+    try:
+        request = launch_request(profile, overrides or [], nodes, resume, run_root)
+        plan = preview_plan(request) if dry_run else None
+    except (LaunchError, HostsError) as exc:
+        raise _cli_error(exc) from exc
+    if plan is not None:
+        out.result(_payload(request.profile, plan),
+                   lambda console: _render(console, request.profile, plan))
+        return
+    result = _run(request, out)
+    payload = {"job": result.job_id, "run_dir": str(result.run_dir),
+               "report": str(result.report) if result.report else None,
+               "exit_code": result.exit_code,
+               "last": dict(result.last.metrics) if result.last else None}
+    out.result(payload, lambda console: console.print(
+        f"done: {result.job_id}  report: {result.report}"))
+
+
+def _cli_error(exc: Exception) -> CLIError:
+    """The one line of a launch that failed (a LaunchError or a HostsError): exit 2 when it
+    could not run as asked (nothing was made or started), 1 when a process of the job or a
+    node failed."""
+    from tiderl.launch.hosts import HostsError
+    from tiderl.launch.local import LaunchRefused
+    from tiderl.launch.resume import ResumeError
+
+    if isinstance(exc, ResumeError):
+        return CLIError(f"tiderl launch --resume: {exc}", EXIT_USAGE)
+    if isinstance(exc, LaunchRefused):
+        return CLIError(f"tiderl launch: {exc}", EXIT_USAGE)
+    if isinstance(exc, HostsError):  # its line names hosts.yaml
+        return CLIError(str(exc), EXIT_USAGE)
+    return CLIError(f"tiderl launch: {exc}")
+
+
+def _run(request: LaunchRequest, out: Output) -> JobResult:
+    """Run the job, with the progress line; CLIError unless it ran to its end."""
+    from tiderl.cli.progress import JobProgress
+    from tiderl.launch.hosts import HostsError
+    from tiderl.launch.local import LaunchError
+    from tiderl.launch.request import launch_job
     from tiderl.runtime.signals import exit_on_sigterm
 
     exit_on_sigterm()  # stop the job like Ctrl-C
     # Ctrl-C stops the job even when the launcher started with SIGINT ignored (as a background
     # job of a non-interactive shell is), which Python would otherwise keep
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    progress = JobProgress(out, profile.job.steps)
+    progress = JobProgress(out, request.profile.job.steps)
 
-    def on_start(state) -> None:  # the progress line shows once every process is started
-        out.note(f"job {state.job_id}: {state.run_dir} (logs in {state.run_dir}/logs)")
+    def on_start(job: JobRecord) -> None:  # the progress line shows once every process is started
+        out.note(f"job {job.job_id}: {job.run_dir} (logs in {job.run_dir}/logs)")
         progress.start()
 
     try:
-        kwargs = {"run_root": run_root, "on_snapshot": progress.update, "on_start": on_start,
-                  "launcher_pid": os.getpid()}
         try:
-            result = (run_local(profile, resume=resume, **kwargs) if hosts is None
-                      else run_ssh(profile, hosts, **kwargs))
+            result = launch_job(request, on_snapshot=progress.update, on_start=on_start,
+                                launcher_pid=os.getpid())
         finally:
             progress.stop()
-    except LaunchError as exc:
-        raise CLIError(f"tiderl launch: {exc}") from exc
     except KeyboardInterrupt:
         raise CLIError("tiderl launch: interrupted; every process of the job was stopped",
                        130) from None
     except SystemExit as exc:  # SIGTERM (e.g. from `tiderl stop`)
         raise CLIError("tiderl launch: terminated; every process of the job was stopped",
                        exc.code if isinstance(exc.code, int) else 143) from None
-    payload = {"job": result.job_id, "run_dir": str(result.run_dir),
-               "report": str(result.report) if result.report else None,
-               "exit_code": result.exit_code,
-               "last": dict(result.last.metrics) if result.last else None}
+    except (LaunchError, HostsError) as exc:
+        raise _cli_error(exc) from exc
     if result.exit_code != 0:
-        from tiderl.launch.job import last_stop
-
-        stop = last_stop(result.run_dir)
-        why = stop.get("reason") or f"the coordinator failed (exit {result.exit_code})"
-        hint = f"; {stop['resume']}" if stop.get("resume") else ""
+        why = result.stop_reason or f"the coordinator failed (exit {result.exit_code})"
+        hint = f"; {result.resume_hint}" if result.resume_hint else ""
         raise CLIError(f"tiderl launch: job {result.job_id} stopped: {why}{hint} "
                        f"(see {result.run_dir}/logs/coordinator.log)")
-    out.result(payload, lambda console: console.print(
-        f"done: {result.job_id}  report: {result.report}"))
+    return result
 
 
-# ------------------------------------------------------------------ the progress line
-
-class JobProgress:
-    """How the launcher shows a running job on stderr (nothing with ``--json``).
-
-    On a terminal: one line redrawn in place (rich Live), fitted to the terminal's width on
-    every redraw: the step counter always shows, and the other fields are dropped, least
-    important first, when they do not fit. Elsewhere (a pipe, a file): one plain line per
-    step, as the step ends."""
-
-    def __init__(self, out: Output, steps: int):
-        self.out, self.steps = out, steps
-        self.is_live = out.err_console.is_terminal and not out.json_mode
-        self.live = None
-        self.started = time.monotonic()
-        self.snap: Snapshot | None = None
-        self.first: tuple[float, int] | None = None  # (when, step) of the first snapshot
-        self.stepped_at = self.started  # when the step last changed
-        self.printed_step = 0
-
-    def start(self) -> None:
-        self.started = time.monotonic()
-        if self.is_live:
-            from rich.live import Live
-
-            self.live = Live(self, console=self.out.err_console, refresh_per_second=2)
-            self.live.start()
-
-    def update(self, snap: Snapshot) -> None:
-        now = time.monotonic()
-        if self.first is None:
-            self.first = (now, snap.step)
-        if self.snap is None or snap.step != self.snap.step:
-            self.stepped_at = now
-        self.snap = snap
-        if self.out.json_mode or self.is_live:
-            return
-        if snap.step > self.printed_step:  # (a resumed job's first line: where it goes on)
-            self.printed_step = snap.step
-            self.out.note(progress_line(self.fields(now), None))
-
-    def stop(self) -> None:
-        if self.live is not None:
-            self.live.stop()
-            self.live = None
-
-    def fields(self, now: float) -> list[tuple[int, str]]:
-        """(priority, text) in display order; priority 0 always shows, higher drops first."""
-        return progress_fields(self.snap, self.steps, now - self.started, self._eta(now))
-
-    def _eta(self, now: float) -> float | None:
-        """The mean step time since the first snapshot times the steps left, counted down from
-        the last step's end."""
-        if self.snap is None or self.first is None or self.snap.step <= self.first[1]:
-            return None
-        since, step0 = self.first
-        per_step = (self.stepped_at - since) / (self.snap.step - step0)
-        return max(0.0, per_step * (self.steps - self.snap.step) - (now - self.stepped_at))
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        from rich.text import Text
-
-        line = progress_line(self.fields(time.monotonic()), options.max_width)
-        yield Text(line, no_wrap=True, overflow="ellipsis")
-
-
-def progress_fields(snap: Snapshot | None, steps: int, elapsed_s: float,
-                    eta_s: float | None) -> list[tuple[int, str]]:
-    """The progress line's fields, (priority, text) in display order: the step counter (0,
-    always shown), the time, reward, goodput, the RA2P mode, the roles, the tasks."""
-    clock = _duration(elapsed_s) + (f" eta {_duration(eta_s)}" if eta_s is not None else "")
-    if snap is None:
-        return [(0, f"step 0/{steps}"), (1, clock), (2, "starting ...")]
-    m = snap.metrics
-    fields = [(0, f"step {snap.step}/{steps}"), (1, clock)]
-    if snap.step >= steps:
-        fields.append((2, "finishing (report, checkpoint) ..."))
-    if "reward_mean" in m:
-        fields.append((2, f"reward {m['reward_mean']:.3f}"))
-    if "goodput_tok_s" in m:
-        fields.append((3, f"goodput {m['goodput_tok_s']:.0f} tok/s"))
-    if snap.mode:
-        fields.append((4, f"mode {snap.mode}"))
-    roles: dict[str, int] = {}
-    for role in snap.roles.values():
-        roles[role] = roles.get(role, 0) + 1
-    fields.append((5, "roles " + " ".join(f"{r} {n}" for r, n in sorted(roles.items()))))
-    fields.append((6, f"tasks {m.get('active', 0):.0f} active {m.get('paused', 0):.0f} paused"))
-    return fields
-
-
-def progress_line(fields: list[tuple[int, str]], width: int | None) -> str:
-    """The fields that fit in ``width`` columns (all of them for None), most important first,
-    in display order; the priority-0 fields always."""
-    sep = "  "
-    kept: set[int] = set()
-    used = 0
-    for i, (priority, text) in sorted(enumerate(fields), key=lambda item: item[1][0]):
-        cost = len(text) + (len(sep) if kept else 0)
-        if priority == 0 or width is None or used + cost <= width:
-            kept.add(i)
-            used += cost
-    return sep.join(text for i, (_, text) in enumerate(fields) if i in kept)
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
+# ------------------------------------------------------------------ --dry-run
 
 def _payload(profile: Profile, plan: LaunchPlan) -> dict:
     from tiderl.profile import profile_to_dict

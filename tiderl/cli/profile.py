@@ -64,7 +64,7 @@ def readiness(
     """RAS and TPRM per step: a table and a PNG of the RAS/TPRM plane."""
     from tiderl.launch import profiling
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import job_file
+    from tiderl.launch.run_folders import job_file
     from tiderl.runtime.report import ReportError, plot_readiness, read_records
 
     state = _job("readiness", job, run_root)
@@ -81,7 +81,7 @@ def readiness(
 
 def _job(command: str, job: str, run_root: Path | None):
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import resolve_job
+    from tiderl.launch.run_folders import resolve_job
 
     try:
         return resolve_job(job, run_root)

@@ -80,7 +80,7 @@ def _check_counts(rollout: int | None, trainer: int | None) -> dict[str, int]:
 
 def _job_bus(job: str, run_root: Path | None):
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import resolve_job
+    from tiderl.launch.run_folders import resolve_job
     from tiderl.runtime.bus import BusKeyError, load_job_keys
 
     try:

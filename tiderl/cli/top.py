@@ -37,7 +37,7 @@ from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output
 
 if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no ZeroMQ or SSH client
-    from tiderl.launch.local import JobState
+    from tiderl.launch.local import JobRecord
     from tiderl.runtime.bus import JobKeys, Snapshot, Subscriber
 
 TICK_S = 0.1  # longest wait on the bus: the latency of a key press
@@ -53,7 +53,7 @@ class Target:
     label: str
     endpoint: str
     keys: JobKeys
-    job: JobState | None  # None: a raw --bus endpoint, liveness unknown
+    job: JobRecord | None  # None: a raw --bus endpoint, liveness unknown
 
 
 def top(
@@ -88,36 +88,36 @@ def find_target(job: str | None, run_root: Path | None, bus: str | None,
                 keys_dir: Path | None) -> Target:
     """The job and endpoint named on the command line; CLIError (one line) otherwise."""
     from tiderl.launch.local import LaunchError
-    from tiderl.launch.registry import resolve_job
+    from tiderl.launch.run_folders import resolve_job
     from tiderl.runtime.bus import BusKeyError, load_job_keys
 
-    state = None
+    found = None
     if job is not None:
         try:
-            state = resolve_job(job, run_root)
+            found = resolve_job(job, run_root)
         except LaunchError as exc:
             raise CLIError(f"tiderl top: {exc}") from None
     elif bus is None:
-        state = _newest_running_job(run_root)
+        found = _newest_running_job(run_root)
     if bus is None:
-        bus = state.info.get("pub") if state is not None else None
+        bus = found.info.get("pub") if found is not None else None
         if not bus:
-            raise CLIError(f"tiderl top: job {state.job_id} has no PUB address in its job.json")
+            raise CLIError(f"tiderl top: job {found.job_id} has no PUB address in its job.json")
     if keys_dir is None:
-        if state is None:
+        if found is None:
             raise CLIError("tiderl top: --bus needs --keys DIR (the job's keys folder) or a JOB",
                            EXIT_USAGE)
-        keys_dir = Path(state.run_dir) / "keys"
+        keys_dir = Path(found.run_dir) / "keys"
     try:
         keys = load_job_keys(keys_dir, "operator")
     except BusKeyError as exc:
         raise CLIError(f"tiderl top: {exc}") from None
-    return Target(state.job_id if state else bus, bus, keys, state)
+    return Target(found.job_id if found else bus, bus, keys, found)
 
 
-def _newest_running_job(run_root: Path | None) -> JobState:
+def _newest_running_job(run_root: Path | None) -> JobRecord:
     from tiderl.launch.control import is_job_alive
-    from tiderl.launch.registry import DEFAULT_RUN_ROOT, list_jobs
+    from tiderl.launch.run_folders import DEFAULT_RUN_ROOT, list_jobs
 
     running = [s for s in list_jobs(run_root) if is_job_alive(s) is not False]
     if not running:
@@ -126,12 +126,12 @@ def _newest_running_job(run_root: Path | None) -> JobState:
     return running[-1]
 
 
-def _reload(state: JobState) -> JobState:
-    from tiderl.launch.local import JobState, LaunchError
+def _reload(job: JobRecord) -> JobRecord:
+    from tiderl.launch.local import JobRecord, LaunchError
 
     with contextlib.suppress(LaunchError):
-        return JobState.load(state.run_dir)
-    return state
+        return JobRecord.load(job.run_dir)
+    return job
 
 
 # ------------------------------------------------------------------ the loops
@@ -197,7 +197,7 @@ def _watch(target: Target) -> None:
                 drawn_at = now
 
 
-def _endpoint(target: Target, job: JobState | None) -> str:
+def _endpoint(target: Target, job: JobRecord | None) -> str:
     """Where to reconnect: the job's PUB as job.json says now, unless --bus named another."""
     if job is None or target.job is None or target.endpoint != target.job.info.get("pub"):
         return target.endpoint

@@ -1,8 +1,15 @@
-"""Run a job on this machine: prepare its run folder, start its processes, follow it, stop it.
+"""Run a job: prepare its run folder, start its processes, follow it, stop it (:func:`run_job`,
+the same steps on this machine and on the nodes of hosts.yaml; only the executor differs).
 
     runs/<job>/  profile.yaml (resolved)  roles.json  keys/ (CurveZMQ, 0700/0600)  job.json
                  logs/<process>.log  metrics.jsonl  events.jsonl  checkpoints/  report.md  *.png
                  weights/ (versions for engine servers)
+
+    run_local / run_ssh:  check, ports, the plan (built once, from those ports), the executor
+    run_job(plan, executor):
+        run folder (or a resumed job's) ─> job.json ─> push (SSH) ─> start every process
+        ─> wait for the environment service ─> follow the snapshots until the coordinator exits
+        ─> Ctrl-C: interrupt the coordinator ─> stop what is left (SSH: fetch the results)
 
 The environment service starts first (the launcher waits for its /health), then the engine
 servers (a server backend), the coordinator and the rank daemons (``python -m tiderl.runtime
@@ -14,17 +21,15 @@ group). A failed process, Ctrl-C or SIGTERM stop the whole job: no process is le
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import random
 import shutil
-import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -34,26 +39,27 @@ import httpx
 import yaml
 
 from tiderl.engine.config import VLLM_NO_IMAGES
-from tiderl.launch.hosts import PORT_NAMES
 from tiderl.launch.local import (
-    JobState,
+    JobRecord,
     LaunchError,
+    LaunchRefused,
     LocalExecutor,
-    ProcessCommand,
     ProcessRecord,
 )
-from tiderl.launch.plan import Endpoints, LaunchPlan, engine_port_names, plan_local
+from tiderl.launch.plan import (
+    RUN_PROFILE,
+    Endpoints,
+    LaunchPlan,
+    ProcessSpec,
+    plan_local,
+    port_names,
+)
+from tiderl.launch.resume import prepare_resume
+from tiderl.launch.run_folders import last_stop
 from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, model_type
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.runtime.log_backends import missing_backends, missing_line
-from tiderl.runtime.resume import (
-    CHECKPOINTS,
-    latest_complete,
-    read_job_state,
-    write_resume_request,
-)
-from tiderl.trainer.checkpoint_meta import CheckpointError
 
 log = logging.getLogger("tiderl.launch")
 
@@ -63,14 +69,25 @@ ENV_RESTARTS = 3  # a job's environment service is started again this many times
 
 
 class Executor(Protocol):
-    """What following a job needs of its executor: the local one, or the SSH one
-    (:class:`tiderl.launch.remote.SSHExecutor`)."""
+    """What running a job needs of its executor: :class:`tiderl.launch.local.LocalExecutor`, or
+    :class:`tiderl.launch.remote.SSHExecutor` for the nodes of hosts.yaml."""
 
-    state: JobState
+    job: JobRecord  # the processes it started, as they start
+
+    def push(self, plan: LaunchPlan) -> None:
+        """Copy what the daemons read of the run folder to where they run."""
+
+    def start(self, specs: Sequence[ProcessSpec]) -> None: ...
 
     def exited(self) -> list[tuple[ProcessRecord, int]]: ...
 
     def kill(self, record: ProcessRecord) -> None: ...
+
+    def interrupt(self) -> None:
+        """Ctrl-C: have the coordinator end the job as interrupted, if it can."""
+
+    def shut_down(self, grace_s: float) -> None:
+        """Stop every process left (and bring the results to the run folder)."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +97,12 @@ class JobResult:
     exit_code: int  # the coordinator's
     report: Path | None
     last: Snapshot | None
+    stop_reason: str = ""  # why it stopped, from its last stop event ("" if it has none)
+    resume_hint: str = ""  # the line that resumes it ("" if there is no checkpoint)
 
 
 def job_info(profile: Profile, ep: Endpoints, **extra) -> dict:
-    """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.registry)."""
+    """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.run_folders)."""
     return {"mode": profile.runtime.mode, "steps": profile.job.steps,
             "ports": dict(ep.ports), "bus": ep.bus, "pub": ep.pub, "metrics": ep.metrics,
             **extra}
@@ -93,49 +112,25 @@ def new_job_id(profile: Profile) -> str:
     return f"{datetime.now():%Y%m%d-%H%M%S}-{profile.runtime.mode}"
 
 
-def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path) -> None:
-    """The files every daemon reads: the resolved profile, the initial roles, the bus keys."""
-    run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile),
-                                                         sort_keys=False))
-    (run_dir / "roles.json").write_text(json.dumps([p.role.value for p in plan.ranks]))
-    make_job_keys(run_dir / "keys", len(plan.ranks))
-
-
-def prepare_resume(profile: Profile, run_dir: Path) -> None:
-    """A killed or stopped job's folder, made ready to go on from its newest complete
-    checkpoint (LaunchError when there is none, or when it is already at its last step): the
-    profile (with any new overrides), the checkpoint's role layout, new bus keys (no process
-    of the old run may speak to the new one) and ``resume.json``. Metrics, events and logs
-    are appended to."""
-    try:
-        choice = latest_complete(run_dir / CHECKPOINTS, profile.trainer.tensor_parallel)
-    except CheckpointError as exc:
-        raise LaunchError(f"cannot resume {run_dir.name}: {exc}") from None
-    for skipped in choice.skipped:
-        log.warning("passed over checkpoint %s", skipped)
-    state = read_job_state(choice.folder)
-    if state.point.version >= profile.job.steps:
-        raise LaunchError(f"job {run_dir.name} is complete: step {state.point.version} of "
-                          f"{profile.job.steps} (--set job.steps=N trains on)")
-    if len(state.point.roles) != profile.runtime.num_ranks:
-        raise LaunchError(f"checkpoint {choice.folder} is of {len(state.point.roles)} ranks, "
-                          f"the profile has runtime.num_ranks {profile.runtime.num_ranks}")
-    (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile_to_dict(profile),
-                                                         sort_keys=False))
-    (run_dir / "roles.json").write_text(json.dumps([r.value for r in state.point.roles]))
-    shutil.rmtree(run_dir / "keys", ignore_errors=True)
+def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path,
+                    resume: bool = False) -> None:
+    """The files every daemon reads: the resolved profile, the initial roles, the bus keys. A
+    resumed job's folder is there already: its roles are those of its newest complete
+    checkpoint (:func:`tiderl.launch.resume.prepare_resume`), its keys new (no process of the
+    old run may speak to the new one); metrics, events and logs are appended to."""
+    if resume:
+        roles = prepare_resume(profile, run_dir)
+        shutil.rmtree(run_dir / "keys", ignore_errors=True)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        roles = [p.role for p in plan.ranks]
+    (run_dir / RUN_PROFILE).write_text(yaml.safe_dump(profile_to_dict(profile),
+                                                      sort_keys=False))
+    (run_dir / "roles.json").write_text(json.dumps([r.value for r in roles]))
     make_job_keys(run_dir / "keys", profile.runtime.num_ranks)
-    write_resume_request(run_dir, choice.folder)
-    log.info("resuming %s from %s (step %d)", run_dir.name, choice.folder.name,
-             state.point.version)
 
 
-def local_commands(plan: LaunchPlan) -> list[ProcessCommand]:
-    return [ProcessCommand(p.name, p.kind, p.argv, p.rank, p.env) for p in plan.processes]
-
-
-def local_endpoints(profile: Profile, ports: dict[str, int]) -> Endpoints:
+def local_endpoints(profile: Profile, ports: Mapping[str, int | str]) -> Endpoints:
     return Endpoints(coordinator=profile.runtime.bus_host,
                      env_url=profile.env.url or f"http://127.0.0.1:{ports['env']}",
                      dist_host="127.0.0.1", ports=ports)
@@ -169,21 +164,21 @@ def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def check_here(profile: Profile) -> None:
-    """What a job on this machine needs and can be checked before anything starts (LaunchError
-    naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA driver, and the
-    libraries of ``logging.backends`` (the coordinator imports them)."""
+    """What a job on this machine needs and can be checked before anything starts
+    (LaunchRefused naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA
+    driver, and the libraries of ``logging.backends`` (the coordinator imports them)."""
     path = profile.model.path
     if path and not (Path(path) / "config.json").is_file():
-        raise LaunchError(f"model.path {path}: no config.json there (an HF model folder; "
-                          "tiderl model init makes one)")
+        raise LaunchRefused(f"model.path {path}: no config.json there (an HF model folder; "
+                            "tiderl model init makes one)")
     if path:
         check_architecture(profile)
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
-        raise LaunchError(f"runtime.device is cuda, but this machine has no NVIDIA driver "
-                          f"({NVIDIA_DRIVER} is missing)")
+        raise LaunchRefused(f"runtime.device is cuda, but this machine has no NVIDIA driver "
+                            f"({NVIDIA_DRIVER} is missing)")
     missing = missing_backends(profile.logging.backends)
     if missing:
-        raise LaunchError(missing_line(missing))
+        raise LaunchRefused(missing_line(missing))
 
 
 def check_architecture(profile: Profile) -> None:
@@ -194,17 +189,18 @@ def check_architecture(profile: Profile) -> None:
     try:
         kind = model_type(profile.model.path)
     except ValueError as exc:
-        raise LaunchError(f"model.path: {exc}") from None
+        raise LaunchRefused(f"model.path: {exc}") from None
     if kind == "qwen2":
         return
     if kind in VL_MODEL_TYPES and profile.engine.backend == "vllm":
-        raise LaunchError(f"model.path is a {kind} model: {VLLM_NO_IMAGES}")
+        raise LaunchRefused(f"model.path is a {kind} model: {VLLM_NO_IMAGES}")
     if kind not in EMBEDDED_MODEL_TYPES and profile.engine.backend not in ("vllm", "sglang"):
-        raise LaunchError(f"model.path is a {kind} model: engine.backend {profile.engine.backend}"
-                          " runs Qwen2 and Qwen2-VL only; use vllm or sglang (docs/models.md)")
+        raise LaunchRefused(f"model.path is a {kind} model: engine.backend "
+                            f"{profile.engine.backend} runs Qwen2 and Qwen2-VL only; use vllm or "
+                            "sglang (docs/models.md)")
     if profile.trainer.backend == "megatron":
-        raise LaunchError(f"model.path is a {kind} model: trainer.backend megatron builds Qwen2 "
-                          "only; use ddp or fsdp2 (docs/models.md)")
+        raise LaunchRefused(f"model.path is a {kind} model: trainer.backend megatron builds "
+                            "Qwen2 only; use ddp or fsdp2 (docs/models.md)")
 
 
 def wait_for_env(url: str, executor: Executor, ended: set[int] = frozenset()) -> None:
@@ -230,73 +226,72 @@ def wait_for_env(url: str, executor: Executor, ended: set[int] = frozenset()) ->
 
 def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | None = None,
               on_snapshot: Callable[[Snapshot], None] | None = None,
-              on_start: Callable[[JobState], None] | None = None,
+              on_start: Callable[[JobRecord], None] | None = None,
               launcher_pid: int | None = None, resume: Path | None = None) -> JobResult:
-    """Start the job, follow it to its end and stop every process; Ctrl-C (KeyboardInterrupt)
-    and SIGTERM (converted to SystemExit by the caller) stop it too, then propagate.
-    ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its launcher.
-    ``resume``: the run folder of a job to go on with (see :func:`prepare_resume`)."""
+    """Run the job on this machine (:func:`run_job`): check what it needs here, pick its ports,
+    plan it. ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its
+    launcher. ``resume``: the run folder of a job to go on with
+    (:mod:`tiderl.launch.resume`)."""
     check_here(profile)
     if resume is not None:
         run_dir, job_id = resume, resume.name
     else:
         job_id = job_id or new_job_id(profile)
         run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
-    names = (*PORT_NAMES, *engine_port_names(profile))
-    ports = dict(zip(names, listen_ports(len(names)), strict=True))
-    ep = local_endpoints(profile, ports)
-    plan = plan_local(profile, sys.executable, str(run_dir), ep,
+    names = port_names(profile)
+    plan = local_plan(profile, run_dir, dict(zip(names, listen_ports(len(names)), strict=True)))
+    job = JobRecord(job_id, str(run_dir), time.time(),
+                    info=job_info(profile, plan.endpoints, launcher_pid=launcher_pid))
+    return run_job(profile, plan, LocalExecutor(job), resume=resume is not None,
+                   on_snapshot=on_snapshot, on_start=on_start)
+
+
+def local_plan(profile: Profile, run_dir: Path, ports: Mapping[str, int | str]) -> LaunchPlan:
+    """The plan of a job on this machine, with its command lines: every process inherits the
+    launcher's ``CUDA_VISIBLE_DEVICES``."""
+    return plan_local(profile, sys.executable, str(run_dir), local_endpoints(profile, ports),
                       os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if resume is not None:
-        prepare_resume(profile, run_dir)
-    else:
-        prepare_run_dir(profile, plan, run_dir)
-    state = JobState(job_id, str(run_dir), time.time(),
-                     info=job_info(profile, ep, launcher_pid=launcher_pid))
-    state.save()
-    executor = LocalExecutor(state)
-    commands = local_commands(plan)
+
+
+def run_job(profile: Profile, plan: LaunchPlan, executor: Executor, *, resume: bool = False,
+            on_snapshot: Callable[[Snapshot], None] | None = None,
+            on_start: Callable[[JobRecord], None] | None = None) -> JobResult:
+    """Start the job of ``plan`` through ``executor``, follow it to its end and stop every
+    process; Ctrl-C (KeyboardInterrupt) and SIGTERM (converted to SystemExit by the caller)
+    stop it too, then propagate. ``profile`` is the one its daemons read; ``resume``: the
+    executor's run folder is a stopped job's, to go on with."""
+    job, ep = executor.job, plan.endpoints
+    assert ep is not None, "a plan with command lines"
+    run_dir = Path(job.run_dir)
+    prepare_run_dir(profile, plan, run_dir, resume)
+    job.save()
+    env = [p for p in plan.processes if p.kind == "env"]
     try:
-        env_cmds = [c for c in commands if c.kind == "env"]
-        executor.start(commands)  # at once: the service starts while the ranks import torch
-        if env_cmds:
-            wait_for_env(f"http://127.0.0.1:{ports['env']}", executor)
+        executor.push(plan)
+        executor.start(plan.processes)  # at once: the service starts while ranks import torch
+        if env:
+            wait_for_env(ep.env_url, executor)
         if on_start is not None:
-            on_start(state)
+            on_start(job)
 
         def restart_env(ended: set[int]) -> None:
-            executor.start(env_cmds)
-            wait_for_env(f"http://127.0.0.1:{ports['env']}", executor, ended)
+            executor.start(env)
+            wait_for_env(ep.env_url, executor, ended)
 
-        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys", "operator"),
-                                on_snapshot, restart_env if env_cmds else None)
+        code, last = follow_job(executor, load_job_keys(run_dir / "keys", "operator"),
+                                on_snapshot, restart_env if env else None)
     except KeyboardInterrupt:  # Ctrl-C: the coordinator records it and writes the report
-        interrupt_coordinator(executor)
+        executor.interrupt()
         raise
     finally:
-        executor.stop(grace_s=5.0)
+        executor.shut_down(grace_s=5.0)
     report = run_dir / "report.md"
-    return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
+    stop = last_stop(run_dir)
+    return JobResult(job.job_id, run_dir, code, report if report.exists() else None, last,
+                     stop.get("reason") or "", stop.get("resume") or "")
 
 
-def interrupt_coordinator(executor: LocalExecutor, grace_s: float = 15.0) -> None:
-    """Ctrl-C reaches the launcher only (every daemon has its own session): pass it on to the
-    coordinator, which ends the job as interrupted and writes its report, before the rest is
-    stopped."""
-    coordinator = next((r for r in executor.state.processes if r.kind == "coordinator"), None)
-    if coordinator is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(coordinator.pid, signal.SIGINT)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if any(r.pid == coordinator.pid for r, _ in executor.exited()):
-            return
-        time.sleep(0.1)
-
-
-def follow_job(executor: Executor, state: JobState, keys,
-               on_snapshot: Callable[[Snapshot], None] | None,
+def follow_job(executor: Executor, keys, on_snapshot: Callable[[Snapshot], None] | None,
                restart_env: Callable[[set[int]], None] | None = None
                ) -> tuple[int, Snapshot | None]:
     """Until the coordinator exits: snapshots to ``on_snapshot``. Once the job is up (the
@@ -310,7 +305,7 @@ def follow_job(executor: Executor, state: JobState, keys,
     last: Snapshot | None = None
     handled: set[int] = set()
     env_restarts = 0
-    with Subscriber(state.info["pub"], keys) as sub:
+    with Subscriber(executor.job.info["pub"], keys) as sub:
         while True:
             msg = sub.recv(0.25)
             if isinstance(msg, Snapshot):
@@ -344,35 +339,14 @@ def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int,
     handles a dead rank (its tasks start again elsewhere); a trainer rank (its server asleep)
     trains on, but cannot roll out again: a move of it to rollout fails that boundary."""
     role = last.roles.get(engine.rank if engine.rank is not None else -1, "")
-    if role != "rollout" and executor.state.info.get("mode") != "sync":  # sync: all roll out
+    if role != "rollout" and executor.job.info.get("mode") != "sync":  # sync: all roll out
         log.warning("%s; rank %s (%s) goes on without it", exit_line(engine, code),
                     engine.rank, role or "unknown role")
         return
     log.warning("%s; stopping rank %s with it", exit_line(engine, code), engine.rank)
-    for record in executor.state.processes:
+    for record in executor.job.processes:
         if record.kind == "rank" and record.rank == engine.rank:
             executor.kill(record)
-
-
-def last_stop(run_dir: Path) -> dict:
-    """The job's last ``stop`` event ({} if it has none: it never got that far, or its
-    coordinator was killed)."""
-    try:
-        return last_stop_in((Path(run_dir) / "events.jsonl").read_text())
-    except OSError:
-        return {}
-
-
-def last_stop_in(events: str) -> dict:
-    """The last ``stop`` event of an events.jsonl's text ({} if none)."""
-    for line in reversed(events.splitlines()):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill
-        if event.get("kind") == "stop":
-            return event
-    return {}
 
 
 def exit_line(record: ProcessRecord, code: int) -> str:
@@ -399,7 +373,7 @@ def let_ranks_exit(executor: Executor, last: Snapshot | None) -> None:
     rank the coordinator declared dead (idle in the last snapshot: stopped, say) got none and is
     not waited for; it is stopped with the rest."""
     dead = {rank for rank, role in last.roles.items() if role == "idle"} if last else set()
-    ranks = {r.pid for r in executor.state.processes if r.kind == "rank" and r.rank not in dead}
+    ranks = {r.pid for r in executor.job.processes if r.kind == "rank" and r.rank not in dead}
     deadline = time.monotonic() + RANK_EXIT_GRACE_S
     while time.monotonic() < deadline:
         done = {r.pid for r, _ in executor.exited()}

@@ -22,13 +22,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tiderl.launch.plan import LaunchPlan, ProcessSpec
 
 JOB_FILE = "job.json"
 COORDINATOR_GRACE_S = 30.0  # SIGTERM to SIGKILL for the coordinator: its stop event, its report
+INTERRUPT_GRACE_S = 15.0  # after Ctrl-C, for the coordinator to end the job as interrupted
 
 
 class LaunchError(RuntimeError):
     """A process could not be started; the message names it. Nothing of the job is left running."""
+
+
+class LaunchRefused(LaunchError):
+    """The job cannot run as asked (a profile value this machine cannot serve, a job that
+    cannot resume); found before anything is made or started."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,10 @@ class ProcessRecord:
 
 
 @dataclass
-class JobState:
+class JobRecord:
+    """A launched job as ``job.json`` holds it: its processes (node, PID, log) as they start,
+    and ``info``, what the CLI needs to reach it (:func:`tiderl.launch.job.job_info`)."""
+
     job_id: str
     run_dir: str
     created: float
@@ -71,7 +84,7 @@ class JobState:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> JobState:
+    def load(cls, run_dir: str | Path) -> JobRecord:
         path = Path(run_dir) / JOB_FILE
         try:
             data = json.loads(path.read_text())
@@ -104,16 +117,21 @@ def is_running(pid: int) -> bool:
 
 
 class LocalExecutor:
-    """Starts processes and keeps their ``Popen`` handles, so it can reap its own children."""
+    """Starts processes and keeps their ``Popen`` handles, so it can reap its own children.
+    Its job's run folder is on this machine: nothing to push, nothing to fetch."""
 
-    def __init__(self, state: JobState):
-        self.state = state
+    def __init__(self, job: JobRecord):
+        self.job = job
         self.popens: dict[int, subprocess.Popen] = {}
 
-    def start(self, commands: Sequence[ProcessCommand], cwd: str | Path | None = None) -> None:
+    def push(self, plan: LaunchPlan) -> None:
+        """The daemons read the run folder where the launcher made it."""
+
+    def start(self, commands: Sequence[ProcessCommand | ProcessSpec],
+              cwd: str | Path | None = None) -> None:
         """Start every command in order; if one fails to start, stop those already started and
         raise ``LaunchError`` naming it."""
-        logs = Path(self.state.run_dir) / "logs"
+        logs = Path(self.job.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for command in commands:
             log_path = logs / f"{command.name}.log"
@@ -128,15 +146,15 @@ class LocalExecutor:
                 raise LaunchError(f"{command.name}: could not start {command.argv[0]!r} "
                                   f"({exc.strerror or exc})") from None
             self.popens[proc.pid] = proc
-            self.state.processes.append(ProcessRecord(
+            self.job.processes.append(ProcessRecord(
                 name=command.name, kind=command.kind, pid=proc.pid, log=str(log_path),
                 argv=list(command.argv), rank=command.rank))
-            self.state.save()
+            self.job.save()
 
     def exited(self) -> list[tuple[ProcessRecord, int]]:
         """The job's processes that have ended, with their exit codes."""
         ended = []
-        for record in self.state.processes:
+        for record in self.job.processes:
             proc = self.popens.get(record.pid)
             if proc is not None and proc.poll() is not None:
                 ended.append((record, proc.returncode))
@@ -146,9 +164,28 @@ class LocalExecutor:
         """SIGKILL one process (and its group)."""
         _signal_group(record.pid, signal.SIGKILL)
 
+    def interrupt(self, grace_s: float = INTERRUPT_GRACE_S) -> None:
+        """Ctrl-C reaches the launcher only (every daemon has its own session): pass it on to
+        the coordinator, which ends the job as interrupted and writes its report, before the
+        rest is stopped."""
+        coordinator = next((r for r in self.job.processes if r.kind == "coordinator"), None)
+        if coordinator is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(coordinator.pid, signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if any(r.pid == coordinator.pid for r, _ in self.exited()):
+                return
+            time.sleep(0.1)
+
     def stop(self, grace_s: float = 10.0) -> dict[str, str]:
         """Stop every process (last started first); see ``stop_processes``."""
-        return stop_processes(self.state.processes, grace_s, self.popens)
+        return stop_processes(self.job.processes, grace_s, self.popens)
+
+    def shut_down(self, grace_s: float) -> None:
+        """At the job's end: stop whatever is left."""
+        self.stop(grace_s)
 
 
 def stop_processes(records: Sequence[ProcessRecord], grace_s: float = 10.0,

@@ -7,7 +7,9 @@ local or the SSH executor.
 Each rank has one device. With a server engine backend (``engine.backend``: http, vllm, sglang)
 and no ``engine.urls``, each rank also gets an engine server on its node and device, bound to
 the loopback (``engineN``): the rank serves rollout through it and keeps it asleep while it is
-not a rollout rank (ERS may move any rank, so every rank has one).
+not a rollout rank (ERS may move any rank, so every rank has one). Our own server (``http``:
+``tiderl engine serve``) reads the run folder's profile, as every daemon does; vLLM and SGLang
+servers get the engine settings as their flags.
 
 Initial roles: in mode ``sync`` every rank is one colocated set (it rolls out, then trains). In the
 other modes ranks ``0..rollout_ranks-1`` start as rollout and the rest as trainer ranks: all actor
@@ -35,11 +37,12 @@ from tiderl.core.step_control import initial_roles as launch_roles
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVED_MODEL_NAME
-from tiderl.launch.hosts import Hosts, HostsError
+from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, Node
 from tiderl.profile import Profile
 from tiderl.runtime.affinity import SPREAD
 
 LOCAL_HOST = "localhost"
+RUN_PROFILE = "profile.yaml"  # the resolved profile in a run folder, which every daemon reads
 
 
 @dataclass(frozen=True)
@@ -56,19 +59,6 @@ class ProcessSpec:
     engine_url: str = ""  # a rank's engine server
     env: dict[str, str] = field(default_factory=dict)  # added to the node's environment
     run_dir: str = ""
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    processes: tuple[ProcessSpec, ...]
-
-    @property
-    def ranks(self) -> tuple[ProcessSpec, ...]:
-        return tuple(p for p in self.processes if p.kind == "rank")
-
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p.host for p in self.processes))
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,20 @@ class Endpoints:
         return f"http://{self.coordinator}:{self.ports['metrics']}/metrics"
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    processes: tuple[ProcessSpec, ...]
+    endpoints: Endpoints | None = None  # None: a plan without command lines
+
+    @property
+    def ranks(self) -> tuple[ProcessSpec, ...]:
+        return tuple(p for p in self.processes if p.kind == "rank")
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.host for p in self.processes))
+
+
 def initial_roles(profile: Profile) -> list[Role]:
     """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
     rt = profile.runtime
@@ -109,6 +113,21 @@ def engine_port_names(profile: Profile) -> list[str]:
     return [f"engine{r}" for r in range(profile.runtime.num_ranks)]
 
 
+def port_names(profile: Profile) -> tuple[str, ...]:
+    """Every port a job's processes listen on: hosts.yaml's ``PORT_NAMES``, then its engine
+    servers'."""
+    return (*PORT_NAMES, *engine_port_names(profile))
+
+
+def numbered_ports(profile: Profile, base: int | None) -> dict[str, int | str]:
+    """``base``, ``base + 1``, ... in the order of :func:`port_names` (hosts.yaml's
+    ``ports.base``); without a base, ``<name-port>`` placeholders for the ports a launch picks
+    (what ``--dry-run`` prints)."""
+    if base is None:
+        return {name: f"<{name}-port>" for name in port_names(profile)}
+    return {name: base + i for i, name in enumerate(port_names(profile))}
+
+
 def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
     """Where rank ``rank`` reaches its engine server ("" with the embedded engine)."""
     engine = profile.engine
@@ -119,21 +138,17 @@ def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
     return f"http://127.0.0.1:{ep.ports[f'engine{rank}']}"
 
 
-def engine_command(profile: Profile, python: str, port: int | str, device: str,
+def engine_command(profile: Profile, python: str, run_dir: str, port: int | str, device: str,
                    visible: str | None = None) -> tuple[tuple[str, ...], dict[str, str]]:
     """The command line and added environment of one engine server on the loopback, on the
     rank's device (``cuda:i``: the i-th of the ``visible`` devices the node's processes
-    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank)."""
+    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank). Our own server reads the model and
+    engine sections of the run folder's profile, as every daemon of the job does."""
     e, m = profile.engine, profile.model
     if e.backend == "http":
-        model = ("--model", m.path) if m.path else ("--size", m.size, "--seed", str(m.seed))
-        argv = (python, "-m", "tiderl.cli.main", "engine", "serve", *model, "--dtype", m.dtype,
-                "--host", "127.0.0.1", "--port", str(port), "--device", device,
-                "--kv-cache-tokens", str(e.kv_cache_tokens), "--block-size", str(e.block_size),
-                "--max-num-seqs", str(e.max_num_seqs),
-                "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-                "--prefix-caching" if e.enable_prefix_caching else "--no-prefix-caching",
-                "--kv-on-update", e.kv_on_update, "--kernels", e.kernels, *e.server_args)
+        argv = (python, "-m", "tiderl.cli.main", "engine", "serve",
+                "--profile", posixpath.join(run_dir, RUN_PROFILE), "--host", "127.0.0.1",
+                "--port", str(port), "--device", device, *e.server_args)
         return argv, {"OMP_NUM_THREADS": str(profile.runtime.threads_per_rank)}
     index = device.removeprefix("cuda:")
     common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",
@@ -188,7 +203,7 @@ def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
 
 def _cpu_slots(profile: Profile, rank_hosts: list[str]) -> list[tuple[int, int] | None]:
     """Each rank's core-set slot on its node under ``runtime.cpu_affinity`` (None: unpinned):
-    ``spread`` numbers the ranks of each node 0..n-1 (tiderl/launch/affinity.py)."""
+    ``spread`` numbers the ranks of each node 0..n-1 (tiderl/runtime/affinity.py)."""
     if profile.runtime.cpu_affinity != SPREAD:
         return [None] * len(rank_hosts)
     slots = []
@@ -229,7 +244,7 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
     if python is None or run_dir is None or ep is None:
         return LaunchPlan(processes=tuple(processes))
     return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}, visible_devices)
-                            for p in processes))
+                            for p in processes), ep)
 
 
 def _engines(profile: Profile, ranks: list[ProcessSpec]) -> list[ProcessSpec]:
@@ -245,8 +260,8 @@ def _command(spec: ProcessSpec, profile: Profile, python: str, run_dir: str, ep:
     """``spec`` with its command line and environment (``visible``: the node's inherited
     ``CUDA_VISIBLE_DEVICES``)."""
     if spec.kind == "engine":
-        argv, env = engine_command(profile, python, ep.ports[spec.name], spec.device or "cpu",
-                                   visible)
+        argv, env = engine_command(profile, python, run_dir, ep.ports[spec.name],
+                                   spec.device or "cpu", visible)
         return replace(spec, argv=argv, env={**node_env, **env,
                                              **_token_env(spec, profile, run_dir)},
                        run_dir=run_dir)
@@ -289,19 +304,39 @@ def node_profile(profile: Profile, hosts: Hosts) -> Profile:
                                             bus_host=hosts.node(hosts.coordinator).reach))
 
 
+def _rank_slots(hosts: Hosts, profile: Profile) -> list[tuple[Node, int]]:
+    """Each rank's (node, device index): the nodes of hosts.yaml filled in order, one rank per
+    device; HostsError when they have fewer devices than ``runtime.num_ranks``."""
+    num_ranks = profile.runtime.num_ranks
+    if num_ranks > hosts.num_devices:
+        raise HostsError(f"{hosts.source}: nodes: {hosts.num_devices} devices in all, but "
+                         f"runtime.num_ranks is {num_ranks}")
+    return [(node, index) for node in hosts.nodes for index in node.devices][:num_ranks]
+
+
+def rank_nodes(hosts: Hosts, profile: Profile) -> list[str]:
+    """The node of each rank, by rank."""
+    return [node.name for node, _ in _rank_slots(hosts, profile)]
+
+
+def job_nodes(hosts: Hosts, profile: Profile) -> list[str]:
+    """Every node a job runs a process on (the launcher opens a session to each before it
+    plans the job): the environment service's, the coordinator's, the ranks'."""
+    env_node = env_service(hosts, profile)[0]
+    named = [env_node] if env_node is not None else []
+    return list(dict.fromkeys([*named, hosts.coordinator, *rank_nodes(hosts, profile)]))
+
+
 def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
                ports: Mapping[str, int | str]) -> LaunchPlan:
     """hosts.yaml + profile -> every process with its node, device and command line."""
     rt = profile.runtime
-    if rt.num_ranks > hosts.num_devices:
-        raise HostsError(f"{hosts.source}: nodes: {hosts.num_devices} devices in all, but "
-                         f"runtime.num_ranks is {rt.num_ranks}")
-    slots = [(node, index) for node in hosts.nodes for index in node.devices]
-    rank_nodes = [node.name for node, _ in slots[:rt.num_ranks]]
-    ep = node_endpoints(hosts, profile, rank_nodes, ports)
+    slots = _rank_slots(hosts, profile)
+    nodes_of_ranks = [node.name for node, _ in slots]
+    ep = node_endpoints(hosts, profile, nodes_of_ranks, ports)
     env_node = env_service(hosts, profile)[0]
     env = [] if env_node is None else [ProcessSpec(name="env", kind="env", host=env_node)]
-    cpu_slots = _cpu_slots(profile, rank_nodes)
+    cpu_slots = _cpu_slots(profile, nodes_of_ranks)
     ranks = []
     for rank, role in enumerate(initial_roles(profile)):
         node, index = slots[rank]
@@ -319,4 +354,4 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
         processes.append(_command(spec, profile, node.python,
                                   node_run_dir(node.workdir, job_id), ep, node.env,
                                   node.env.get("CUDA_VISIBLE_DEVICES")))
-    return LaunchPlan(tuple(processes))
+    return LaunchPlan(tuple(processes), ep)

@@ -19,7 +19,7 @@ import httpx
 
 from tiderl.core.records import StepRecord
 from tiderl.launch.kv_sources import KVSample, KVSourceError, kv_sample, read_kv
-from tiderl.launch.local import JobState
+from tiderl.launch.local import JobRecord
 from tiderl.runtime.report import pyplot, save_figure
 
 
@@ -49,10 +49,10 @@ def engine_metrics_url(base_url: str) -> str:
     return url if url.endswith("/metrics") else f"{url}/metrics"
 
 
-def job_metrics_url(state: JobState) -> str:
-    url = state.info.get("metrics")
+def job_metrics_url(job: JobRecord) -> str:
+    url = job.info.get("metrics")
     if not url:
-        raise ProfilingError(f"job {state.job_id} has no metrics endpoint in its job.json")
+        raise ProfilingError(f"job {job.job_id} has no metrics endpoint in its job.json")
     return str(url)
 
 

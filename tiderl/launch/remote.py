@@ -1,10 +1,12 @@
 """Run a job on the nodes of hosts.yaml over SSH (``tiderl launch --nodes hosts.yaml``).
 
-    1. open an SSH session to every node the plan uses; check its python and tiderl against
-       the launcher's (one line naming the node on any failure; nothing has started yet)
+    1. open an SSH session to every node the job uses (:func:`tiderl.launch.plan.job_nodes`,
+       from hosts.yaml and the profile); check its python and tiderl against the launcher's
+       (one line naming the node on any failure; nothing has started yet)
     2. ports: ``ports.base`` of hosts.yaml, or free ports probed on the nodes that bind them
-    3. the plan (pure, :func:`tiderl.launch.plan.plan_nodes`); the local run folder as for a
-       local job (profile, roles, keys, job.json with the nodes, PIDs and log paths)
+    3. the plan, once, from those ports (:func:`tiderl.launch.plan.plan_nodes`); then the steps
+       every job goes through (:func:`tiderl.launch.job.run_job`): the local run folder as
+       for a local job (profile, roles, keys, job.json with the nodes, PIDs and log paths)
     4. push to each node's ``<workdir>/runs/<job>/``: profile.yaml, roles.json and the keys it
        needs (0600 in a 0700 folder, :func:`node_keys`): ``server.public``, the pairs of its own
        ranks, the HTTP secret; ``server.secret`` and every public key to the coordinator's node
@@ -14,8 +16,7 @@
     6. at the end, or on any failure, Ctrl-C or SIGTERM: stop every process on every node, then
        fetch metrics.jsonl, events.jsonl, the report and the logs into the local run folder.
 
-:class:`SSHExecutor` has the local executor's interface (``start``, ``exited``, ``stop``), so
-following a job is one piece of code (:func:`tiderl.launch.job.follow_job`).
+:class:`SSHExecutor` is what :func:`run_job` needs of an executor, as the local one is.
 """
 
 from __future__ import annotations
@@ -28,35 +29,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from tiderl.launch.hosts import PORT_NAMES, Hosts
-from tiderl.launch.job import (
-    JobResult,
-    follow_job,
-    job_info,
-    last_stop_in,
-    new_job_id,
-    prepare_run_dir,
-    wait_for_env,
-)
+from tiderl.launch.hosts import Hosts
+from tiderl.launch.job import JobResult, job_info, new_job_id, run_job
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
-    JobState,
+    JobRecord,
     ProcessRecord,
     records_by_host,
     split_coordinator,
 )
 from tiderl.launch.plan import (
+    RUN_PROFILE,
     LaunchPlan,
     ProcessSpec,
     engine_port_names,
     env_service,
-    node_endpoints,
+    job_nodes,
     node_profile,
+    numbered_ports,
     plan_nodes,
+    rank_nodes,
 )
+from tiderl.launch.run_folders import last_stop_in
 from tiderl.launch.ssh import NodeError, NodeSession, open_sessions
 from tiderl.profile import Profile
-from tiderl.runtime.bus import Snapshot, load_job_keys
+from tiderl.runtime.bus import Snapshot
 from tiderl.runtime.bus.keys import (
     HTTP_SECRET,
     OPERATOR,
@@ -74,13 +71,26 @@ RESULT_FOLDERS = (TENSORBOARD_DIR, WANDB_DIR)  # the coordinator's logging.backe
 
 
 class SSHExecutor:
-    """Starts, watches and stops a job's processes on its nodes."""
+    """Starts, watches and stops a job's processes on its nodes, over sessions its caller
+    opened (and closes)."""
 
-    def __init__(self, state: JobState, sessions: dict[str, NodeSession]):
-        self.state = state
+    def __init__(self, job: JobRecord, sessions: dict[str, NodeSession]):
+        self.job = job
         self.sessions = sessions
         self._ended: dict[int, int] = {}  # pid -> exit code as far as we can tell
         self._polled = 0.0
+
+    def push(self, plan: LaunchPlan) -> None:
+        """The run folder's files each node's daemons read, and the keys of :func:`node_keys`."""
+        keys = Path(self.job.run_dir) / "keys"
+        coordinator = next(p.host for p in plan.processes if p.kind == "coordinator")
+        for name in plan.hosts:
+            remote = next(p.run_dir for p in plan.processes if p.host == name)
+            files = {f"{remote}/{f}": ((Path(self.job.run_dir) / f).read_bytes(), 0o644)
+                     for f in (RUN_PROFILE, "roles.json")}
+            files.update({f"{remote}/keys/{f}": ((keys / f).read_bytes(), 0o600)
+                          for f in node_keys(plan, name, coordinator)})
+            self.sessions[name].push(files, dirs=[remote, f"{remote}/keys", f"{remote}/logs"])
 
     def start(self, specs: Sequence[ProcessSpec]) -> None:
         """Start each process on its node, in order, a node's consecutive ones in one command;
@@ -94,10 +104,10 @@ class SSHExecutor:
                 self.stop(grace_s=2.0)
                 raise
             for (spec, log), pid in zip(batch, pids, strict=True):
-                self.state.processes.append(ProcessRecord(
+                self.job.processes.append(ProcessRecord(
                     name=spec.name, kind=spec.kind, pid=pid, log=log, argv=list(spec.argv),
                     rank=spec.rank, host=spec.host))
-            self.state.save()
+            self.job.save()
 
     def exited(self) -> list[tuple[ProcessRecord, int]]:
         """The processes that have ended (states read over SSH at most every POLL_S). A
@@ -105,12 +115,12 @@ class SSHExecutor:
         its events end with a ``stop`` for "done", any other process as 1."""
         if time.monotonic() - self._polled >= POLL_S:
             self._polled = time.monotonic()
-            for host, records in records_by_host(self.state.processes).items():
+            for host, records in records_by_host(self.job.processes).items():
                 states = self.sessions[host].states([r.pid for r in records])
                 for record in records:
                     if record.pid not in self._ended and states[record.pid] in (None, "Z", "X"):
                         self._ended[record.pid] = self._exit_code(record)
-        return [(r, self._ended[r.pid]) for r in self.state.processes if r.pid in self._ended]
+        return [(r, self._ended[r.pid]) for r in self.job.processes if r.pid in self._ended]
 
     def _exit_code(self, record: ProcessRecord) -> int:
         if record.kind != "coordinator":
@@ -122,17 +132,36 @@ class SSHExecutor:
         """SIGKILL one process on its node."""
         self.sessions[record.host].stop([record.pid], 0.0)
 
+    def interrupt(self) -> None:
+        """Nothing to pass on: :meth:`shut_down` stops the coordinator first (SIGTERM), and it
+        records the job as stopped and writes its report."""
+
     def stop(self, grace_s: float = 10.0) -> dict[str, str]:
         """SIGTERM, then SIGKILL after ``grace_s``, every process on every node (each node's
         last started first); how each ended ("terminated", "killed" or "gone")."""
-        return stop_on_nodes(self.state, self.sessions, grace_s)
+        return stop_on_nodes(self.job, self.sessions, grace_s)
+
+    def shut_down(self, grace_s: float) -> None:
+        """Stop every process and fetch the results. A node failing here is raised, unless the
+        job is already failing: then it is logged and the first error goes on (the launcher's
+        one line names the cause, not a consequence)."""
+        errors: list[NodeError] = []
+        for step in (lambda: self.stop(grace_s), lambda: fetch_results(self.job, self.sessions)):
+            try:
+                step()
+            except NodeError as exc:
+                errors.append(exc)
+        if errors and sys.exc_info()[0] is None:
+            raise errors[0]
+        for error in errors:
+            log.warning("while stopping the job: %s", error)
 
 
-def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
+def stop_on_nodes(job: JobRecord, sessions: dict[str, NodeSession],
                   grace_s: float) -> dict[str, str]:
     """As :func:`tiderl.launch.local.stop_processes`, on the nodes: the coordinator first, then
     every node's others (each node's last started first)."""
-    first, rest = split_coordinator(state.processes)
+    first, rest = split_coordinator(job.processes)
     outcome: dict[str, str] = {}
     for records, grace in ((first, max(grace_s, COORDINATOR_GRACE_S)), (rest, grace_s)):
         for host, on_host in records_by_host(records).items():
@@ -143,70 +172,27 @@ def stop_on_nodes(state: JobState, sessions: dict[str, NodeSession],
 
 def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             job_id: str | None = None, on_snapshot: Callable[[Snapshot], None] | None = None,
-            on_start: Callable[[JobState], None] | None = None,
+            on_start: Callable[[JobRecord], None] | None = None,
             launcher_pid: int | None = None) -> JobResult:
-    """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``."""
+    """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``: open and check a
+    session to each node the job uses, pick the ports, plan the job, :func:`run_job` it."""
     job_id = job_id or new_job_id(profile)
-    draft = plan_nodes(hosts, profile, job_id,  # where, not how
-                       dict.fromkeys((*PORT_NAMES, *engine_port_names(profile)), 0))
-    used = draft.hosts
-    sessions = open_sessions([hosts.node(name) for name in used])
-    state: JobState | None = None
-    executor: SSHExecutor | None = None
+    sessions = open_sessions([hosts.node(name) for name in job_nodes(hosts, profile)])
     try:
         hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
         for name, session in sessions.items():
             session.node = hosts.node(name)
-        ports = _ports(hosts, profile, sessions, [r.host for r in draft.ranks])
-        plan = plan_nodes(hosts, profile, job_id, ports)
+        plan = plan_nodes(hosts, profile, job_id, _ports(hosts, profile, sessions))
         run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
-        node_prof = node_profile(profile, hosts)
-        prepare_run_dir(node_prof, plan, run_dir)
-        ep = node_endpoints(hosts, profile, [r.host for r in plan.ranks], ports)
-        nodes = {name: _node_info(hosts, name) for name in used}
-        state = JobState(job_id, str(run_dir), time.time(), info=job_info(
-            profile, ep, launcher_pid=launcher_pid, nodes=nodes,
+        nodes = {name: _node_info(hosts, name) for name in plan.hosts}
+        job = JobRecord(job_id, str(run_dir), time.time(), info=job_info(
+            profile, plan.endpoints, launcher_pid=launcher_pid, nodes=nodes,
             coordinator_node=hosts.coordinator))
-        state.save()
-        _push(plan, hosts, run_dir, sessions)
-        executor = SSHExecutor(state, sessions)
-        env = [p for p in plan.processes if p.kind == "env"]
-        executor.start(list(plan.processes))  # at once, as run_local does
-        if env:
-            wait_for_env(ep.env_url, executor)
-        if on_start is not None:
-            on_start(state)
-
-        def restart_env(ended: set[int]) -> None:
-            executor.start(env)
-            wait_for_env(ep.env_url, executor, ended)
-
-        code, last = follow_job(executor, state, load_job_keys(run_dir / "keys", "operator"),
-                                on_snapshot, restart_env if env else None)
+        return run_job(node_profile(profile, hosts), plan, SSHExecutor(job, sessions),
+                       on_snapshot=on_snapshot, on_start=on_start)
     finally:
-        _clean_up(executor, state, sessions)
-    report = run_dir / "report.md"
-    return JobResult(job_id, run_dir, code, report if report.exists() else None, last)
-
-
-def _clean_up(executor: SSHExecutor | None, state: JobState | None,
-              sessions: dict[str, NodeSession]) -> None:
-    """Stop every process and fetch the results, then close the sessions. A node failing here
-    is raised, unless the job is already failing: then it is logged and the first error goes
-    on (the launcher's one line names the cause, not a consequence)."""
-    errors: list[NodeError] = []
-    for step in (lambda: executor.stop(grace_s=5.0) if executor is not None else None,
-                 lambda: fetch_results(state, sessions) if state is not None else None):
-        try:
-            step()
-        except NodeError as exc:
-            errors.append(exc)
-    for session in sessions.values():
-        session.close()
-    if errors and sys.exc_info()[0] is None:
-        raise errors[0]
-    for error in errors:
-        log.warning("while stopping the job: %s", error)
+        for session in sessions.values():
+            session.close()
 
 
 def _with_workdirs(hosts: Hosts, workdirs: dict[str, str]) -> Hosts:
@@ -221,38 +207,25 @@ def _node_info(hosts: Hosts, name: str) -> dict:
     return fields
 
 
-def _ports(hosts: Hosts, profile: Profile, sessions: dict[str, NodeSession],
-           rank_nodes: list[str]) -> dict[str, int]:
-    engines = engine_port_names(profile)
+def _ports(hosts: Hosts, profile: Profile,
+           sessions: dict[str, NodeSession]) -> dict[str, int | str]:
     if hosts.port_base is not None:
-        return {name: hosts.port_base + i for i, name in enumerate((*PORT_NAMES, *engines))}
+        return numbered_ports(profile, hosts.port_base)
     # bind where each is served: bus, pub and metrics on the coordinator's node, the
     # environment service on its node, the gloo rendezvous on rank 0's, each engine server on
     # its rank's; one probe per node, so that no two of a node's ports are the same
+    nodes_of_ranks = rank_nodes(hosts, profile)
     wanted: dict[str, list[str]] = {hosts.coordinator: ["bus", "pub", "metrics"]}
     env_node = env_service(hosts, profile)[0]
     if env_node is not None:
         wanted.setdefault(env_node, []).append("env")
-    wanted.setdefault(rank_nodes[0], []).append("dist")
-    for name, node in zip(engines, rank_nodes, strict=False):
+    wanted.setdefault(nodes_of_ranks[0], []).append("dist")
+    for name, node in zip(engine_port_names(profile), nodes_of_ranks, strict=False):
         wanted.setdefault(node, []).append(name)
-    ports = {"env": 0}
+    ports: dict[str, int | str] = {"env": 0}
     for node, names in wanted.items():
         ports.update(zip(names, sessions[node].free_ports(len(names)), strict=True))
     return ports
-
-
-def _push(plan: LaunchPlan, hosts: Hosts, run_dir: Path,
-          sessions: dict[str, NodeSession]) -> None:
-    """The run folder's files each node's daemons read, and the keys of :func:`node_keys`."""
-    keys = run_dir / "keys"
-    for name in plan.hosts:
-        remote = next(p.run_dir for p in plan.processes if p.host == name)
-        files = {f"{remote}/{f}": ((run_dir / f).read_bytes(), 0o644)
-                 for f in ("profile.yaml", "roles.json")}
-        files.update({f"{remote}/keys/{f}": ((keys / f).read_bytes(), 0o600)
-                      for f in node_keys(plan, name, hosts.coordinator)})
-        sessions[name].push(files, dirs=[remote, f"{remote}/keys", f"{remote}/logs"])
 
 
 def node_keys(plan: LaunchPlan, node: str, coordinator: str) -> list[str]:
@@ -273,11 +246,11 @@ def node_keys(plan: LaunchPlan, node: str, coordinator: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
+def fetch_results(job: JobRecord, sessions: dict[str, NodeSession]) -> None:
     """The coordinator's files (with its TensorBoard and wandb folders), every process's log
     and every rank's recorded episodes (``rollouts/``), into the local run folder."""
-    local = Path(state.run_dir)
-    coordinator = next((r for r in state.processes if r.kind == "coordinator"), None)
+    local = Path(job.run_dir)
+    coordinator = next((r for r in job.processes if r.kind == "coordinator"), None)
     if coordinator is not None:
         session = sessions[coordinator.host]
         remote = coordinator.run_dir
@@ -286,7 +259,7 @@ def fetch_results(state: JobState, sessions: dict[str, NodeSession]) -> None:
             session.fetch(f"{remote}/{name}", local / name)
         for folder in RESULT_FOLDERS:
             session.fetch_tree(f"{remote}/{folder}", local / folder)
-    for record in state.processes:
+    for record in job.processes:
         session = sessions[record.host]
         session.fetch(record.log, local / "logs" / Path(record.log).name)
         if record.kind == "rank":

@@ -56,7 +56,7 @@ from tiderl.env.registry import make_env
 from tiderl.launch.job import run_local
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import Profile, load_profile
-from tiderl.runtime.records import Dataset
+from tiderl.runtime.groups import Dataset
 from tiderl.runtime.report import read_records
 from tiderl.trainer.sample import TrainSample
 

@@ -34,7 +34,7 @@ from tiderl.runtime.bus import (
     rank_identity,
 )
 from tiderl.runtime.coordinator import Coordinator
-from tiderl.runtime.records import CoordinatorError
+from tiderl.runtime.errors import CoordinatorError
 from tiderl.runtime.run_log import RunLog
 
 JOB = ["runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=2",
@@ -78,7 +78,7 @@ def play_group(ranks: Ranks, job: Coordinator, group: str, rank: int = 0) -> Non
     probe, sibling = f"{group}.0", f"{group}.1"
     ranks.send(rank, turn(rank, probe, 10))
     job.schedule_round()  # the probe's footprint admits its sibling
-    assert job.router.task_rank[sibling] in job.controller.book.ranks
+    assert job.router.task_rank[sibling] in job.controller.rollout.book.ranks
     ranks.send(rank, finished(rank, probe, 1.0))
     ranks.send(job.router.task_rank[sibling], finished(job.router.task_rank[sibling], sibling,
                                                         0.0))
@@ -146,7 +146,7 @@ def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
         for rank in range(3):  # rank 1 died in the broadcast: it failed for every member
             ranks.ack(rank, 1, ok=False, error="gloo: connection closed by peer")
         seen = {m.seq for m in of(SyncWeights, ranks.drain(0))}
-        assert ranks.drain(0) == [] and job.controller.step == 1
+        assert ranks.drain(0) == [] and job.controller.state.step == 1
         clock.now = 3.5  # past the heartbeat window (2 x 1 s): ranks 0 and 2 beat, rank 1 not
         for rank in (0, 2):
             ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
@@ -155,7 +155,7 @@ def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
         assert (again.version, again.members) == (1, [0, 2])
         ranks.ack(0, 1)
         ranks.ack(2, 1)
-        assert job.controller.roles[1].value == "idle"
+        assert job.controller.state.roles[1].value == "idle"
         assert of(AdmitTask, ranks.drain(0)) == []  # the next batch is fed once rank 0 synced
         job.schedule_round()
         assert of(AdmitTask, ranks.drain(0))
@@ -167,7 +167,7 @@ def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):
     with coordinator(tmp_path) as (job, ranks, clock):
         job.launch()
         job.schedule_round()
-        before = (dict(job.controller.book.tasks), job.controller.phase)
+        before = (dict(job.controller.rollout.book.tasks), job.controller.state.phase)
         with BusClient(ranks.server.endpoint, None, rank_identity(7)) as stranger:
             stranger.send(Hello(rank=7, pid=1, host="h", role="rollout", device="cpu"))
             job.handle(*ranks.server.recv(5.0))  # rank 7 is no rank of this job
@@ -175,8 +175,9 @@ def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):
         ranks.send(0, finished(0, "g0.1", 1.0))  # a task CTB has not admitted yet
         ranks.send(0, turn(0, "g0.1", 50))
         ranks.send(0, turn(0, "nope", 50, running=True))
-        assert (dict(job.controller.book.tasks), job.controller.phase) == before
-        assert job.controller.book.tasks["g0.1"].footprint == 512  # still the default estimate
+        assert (dict(job.controller.rollout.book.tasks), job.controller.state.phase) == before
+        # still the default estimate
+        assert job.controller.rollout.book.tasks["g0.1"].footprint == 512
         job.schedule_round()  # and the job goes on
         # a failed step: fatal, once the heartbeats had time to name a rank that died in it
         ranks.send(1, Ack(rank=1, ref=12345, ok=False, error="out of memory"))
@@ -237,9 +238,9 @@ def test_a_step_an_actor_died_in_runs_again_on_the_actor_left(tmp_path):
         assert [s.seq_id for s in batch.samples] == ["g0.0", "g0.1"] and batch.attempt == 1
         assert of(StepClosed, again)[0].attempt == 1
         ranks.send(1, done(1, 0))  # an answer of the attempt before: dropped
-        assert job.controller.step == 0
+        assert job.controller.state.step == 0
         ranks.send(1, done(1, 0, attempt=1))
-        assert job.controller.step == 1
+        assert job.controller.state.step == 1
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
                  .splitlines()]
     assert (record["step"], record["trained_samples"], record["num_trainer"]) == (0, 2, 1)
@@ -291,7 +292,8 @@ def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tm
         job._declare_dead(0, "missed heartbeats")  # the rollout rank, stopped (SIGSTOP)
         ranks.drain(0)
         ranks.send(0, finished(0, "g0.0", 1.0))  # ... and back (SIGCONT): nothing counts
-        assert "g0" not in job.controller.feed.count.trained_ids and not job.groups["g0"].finished
+        assert "g0" not in job.controller.feed.count.trained_ids
+        assert not job.store.in_flight["g0"].finished
         assert [type(m).__name__ for m in ranks.drain(0)] == ["Shutdown"]
         (dropped,) = events(tmp_path, "message_dropped")
         assert dropped["why"] == "the rank was declared dead"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tiderl.launch.job import run_local
 from tiderl.profile import load_profile
-from tiderl.runtime.coordinator import MAX_FAILED_GROUPS_IN_A_ROW
+from tiderl.runtime.groups import MAX_FAILED_GROUPS_IN_A_ROW
 
 BROKEN = "tests.integration.broken_env:OffScreen"
 

@@ -23,8 +23,8 @@ from tiderl.core.step_control import StepController
 from tiderl.core.system import StepMode
 from tiderl.launch.plan import initial_roles
 from tiderl.profile import ProfileError, load_profile, profile_to_dict
+from tiderl.runtime.groups import Dataset
 from tiderl.runtime.log_backends import TensorBoardWriter, open_writers
-from tiderl.runtime.records import Dataset
 from tiderl.runtime.report import write_report
 from tiderl.runtime.run_log import RunLog
 from tiderl.runtime.step_config import step_config

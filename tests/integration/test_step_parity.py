@@ -174,7 +174,7 @@ def test_the_simulator_and_the_runtime_drive_the_controller_alike(tmp_path, job)
     # roomy: the cold start's loan comes back when batch 0 is ready, and the tasks the lent
     # rank held resume on the other; tight: CTB pauses and resumes all the time
     assert decisions == ({"Admit", "Pause", "Resume"} if job == "tight" else {"Admit", "Resume"})
-    records = cluster.controller.records
+    records = cluster.controller.ledger.records
     assert records[0].roles == ("rollout", "actor", "actor")  # step 0 trains on the whole trainer
     assert records[0].ers_reason == "phase_end"
 
@@ -194,6 +194,6 @@ def test_the_simulator_and_the_runtime_drive_the_controller_alike(tmp_path, job)
     assert [n for n, _ in runtime.answers()] == names
     for i, (ours, theirs) in enumerate(zip(runtime.answers(), sim.answers(), strict=True)):
         assert ours == theirs, f"call {i} ({names[i]}) differs"
-    assert coordinator.controller.records[-1].trained_tokens_total == records[-1] \
+    assert coordinator.controller.ledger.records[-1].trained_tokens_total == records[-1] \
         .trained_tokens_total > 0
 

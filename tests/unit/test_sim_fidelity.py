@@ -133,9 +133,9 @@ def test_april_window_adds_extra_batches_to_async_admission():
     scenario = SMALL.with_sim(async_over_provision=2.0)  # B = 16 tasks, eta = 1
     # the window, (1 + 2) x 16 tasks, is 2 batches of 24
     assert step_config(SYSTEMS["async"], scenario, MODEL).window_tasks == 24
-    assert Cluster(SYSTEMS["async"], scenario).controller.book.tasks_per_step == 24
-    assert Cluster(SYSTEMS["stream"], scenario).controller.book.tasks_per_step == 16
-    assert Cluster(SYSTEMS["async"], SMALL).controller.book.tasks_per_step == 16
+    assert Cluster(SYSTEMS["async"], scenario).controller.rollout.book.tasks_per_step == 24
+    assert Cluster(SYSTEMS["stream"], scenario).controller.rollout.book.tasks_per_step == 16
+    assert Cluster(SYSTEMS["async"], SMALL).controller.rollout.book.tasks_per_step == 16
 
 
 def test_shifting_workload_changes_environment_halfway():

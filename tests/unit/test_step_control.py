@@ -123,7 +123,7 @@ def record_of(commands):
 def test_a_sync_step_waits_for_its_whole_batch_then_every_rank_trains_it():
     c = make(System.SYNC, (R, R))
     assert c.launch(0.0) == [JoinRollout(0, BUDGET), JoinRollout(1, BUDGET), feed("g0", "g1")]
-    assert c.phase is Phase.WAITING  # staleness 0: one batch, and the step waits for it all
+    assert c.state.phase is Phase.WAITING  # staleness 0: one batch, and the step waits for it all
     assert c.group_ready("g0", Ready("g0", 0), 1.0) == []
     out = c.group_ready("g1", Ready("g1", 0), 2.0)
     (mb,) = [d.mb for d in only(out, Dispatch)]  # 400 tokens <= 1000 x 2 ranks: one batch
@@ -142,7 +142,7 @@ def test_a_sync_step_waits_for_its_whole_batch_then_every_rank_trains_it():
     assert not only(out, Retire)  # the window moves once every rank has version 1
     assert c.boundary_acked(0, 1, 6.0) == []
     assert c.boundary_acked(1, 1, 6.5) == [Retire(4, 8), feed("g2", "g3", step=1)]
-    assert c.phase is Phase.WAITING and c.step == 1
+    assert c.state.phase is Phase.WAITING and c.state.step == 1
 
 
 # --------------------------------------------------------------------------- async, stale
@@ -159,7 +159,7 @@ def test_an_async_step_retires_a_stale_group_with_its_batch():
     assert only(out, Retire) == []
     assert c.boundary_acked(1, 1, 4.5) == []  # the actor: the rollout rank still syncs
     assert c.boundary_acked(0, 1, 5.0) == [Retire(4, 8), feed("g2", "g3", step=1)]
-    assert c.phase is Phase.WAITING
+    assert c.state.phase is Phase.WAITING
     # g2 ran on version 0: one version too old for batch 1 at staleness 0
     out = c.group_ready("g2", Ready("g2", 0), 6.0)
     # its samples leave the window at once, and a group takes its place
@@ -186,7 +186,7 @@ def test_a_cold_start_lends_the_trainer_until_batch_0_is_ready_then_step_0_train
     assert only(out, JoinRollout) == [JoinRollout(0, BUDGET)]  # rank 2 once its engine is up
     assert c.boundary_acked(0, 0, 0.1) == c.boundary_acked(1, 0, 0.1) == []
     assert c.boundary_acked(2, 0, 0.2) == [JoinRollout(2, BUDGET)]
-    assert c.phase is Phase.WAITING  # no step opens on the trainer's minimum
+    assert c.state.phase is Phase.WAITING  # no step opens on the trainer's minimum
     decisions = c.schedule(0.3)
     assert decisions == [Admit(task_id("g0", 0), 0), Admit(task_id("g1", 0), 2)]
     assert c.group_ready("g0", Ready("g0", 0, tokens=600), 1.0) == []
@@ -284,7 +284,7 @@ def test_an_evaluation_holds_the_next_weight_sync_until_its_groups_are_back():
     c.group_ready("g1", Ready("g1", 0), 1.5)
     # step 0 is done while its evaluation still runs on version 0: no weight sync yet
     assert kinds(c.step_done(outcome(0, 1), 2.0)) == ["RecordStep"]
-    assert c.phase is Phase.BOUNDARY and c.boundaries.pending is None
+    assert c.state.phase is Phase.BOUNDARY and c.boundaries.pending is None
     (boundary,) = c.group_ready("e0.0", None, 3.0)
     assert (type(boundary), boundary.version) == (Boundary, 1)
 
@@ -294,7 +294,7 @@ def test_a_sync_step_trains_once_its_evaluation_is_done():
     c.launch(0.0)
     c.group_ready("g0", Ready("g0", 0), 1.0)
     assert c.group_ready("g1", Ready("g1", 0), 1.5) == []  # the batch is in, the eval is not
-    assert c.phase is Phase.WAITING
+    assert c.state.phase is Phase.WAITING
     out = c.group_ready("e0.0", None, 3.0)
     assert kinds(out) == ["StartStep", "Dispatch", "CloseStep"]
 
@@ -317,8 +317,8 @@ def test_a_dead_rollout_rank_leaves_the_boundary_and_its_tasks_go_back_to_ctb():
     out = c.rank_dead(1, "missed heartbeats", 3.0)
     assert out[0] == LeaveRollout(1, on_one, is_dead=True)
     assert kinds(out) == ["LeaveRollout", "Retire", "FeedGroups", "StartStep"]
-    assert c.roles == [R, IDLE, A] and 1 not in c.book.ranks
-    assert c.book.tasks[on_one[0]].rank is None  # paused with no rank: resumed elsewhere
+    assert c.state.roles == [R, IDLE, A] and 1 not in c.rollout.book.ranks
+    assert c.rollout.book.tasks[on_one[0]].rank is None  # paused with no rank: resumed elsewhere
     assert c.rank_dead(1, "again", 3.5) == []
     assert c.rank_dead(2, "its bus connection is gone", 4.0) == [
         Abort("trainer rank 2 is gone (its bus connection is gone); it was the last actor "
@@ -370,7 +370,7 @@ def test_the_last_rollout_rank_dying_before_its_batch_moves_a_trainer_rank_at_on
                                                                    PlanReason.NO_ROLLOUT)
     c.boundary_acked(1, 0, 1.5)
     assert JoinRollout(2, BUDGET) in c.boundary_acked(2, 0, 1.5)
-    assert c.rollout_ranks() == [2] and c.phase is Phase.WAITING
+    assert c.rollout_ranks() == [2] and c.state.phase is Phase.WAITING
 
 
 def test_a_resumed_controller_goes_on_from_the_checkpoint_boundary():
@@ -392,7 +392,7 @@ def test_a_resumed_controller_goes_on_from_the_checkpoint_boundary():
     (boundary,) = only(out, Boundary)
     assert (boundary.version, boundary.roles, boundary.checkpoint) == (1, (R, A), False)
     assert only(out, FeedGroups) == [FeedGroups((GroupSpec("g3", 3, False, 0),), False)]
-    assert fresh.rollout_ranks() == [0] and 0 not in fresh.book.ranks  # joins after its ack
+    assert fresh.rollout_ranks() == [0] and 0 not in fresh.rollout.book.ranks  # joins after its ack
     assert fresh.state.t0 == 8.0  # the job's clock goes on from the boundary's 2 s
     fresh.boundary_acked(1, 1, 10.5)
     out = fresh.boundary_acked(0, 1, 11.0)
@@ -469,12 +469,12 @@ def test_footprints_are_the_context_plus_a_whole_generation():
     c.launch(0.0)
     probe = c.schedule(0.0)[0]
     c.rollout.turn_done(probe.task_id, 40, 5, 1.0)
-    task = c.book.tasks[probe.task_id]
+    task = c.rollout.book.tasks[probe.task_id]
     assert (task.footprint, task.context_len, task.is_running) == (48, 40, False)
     assert c.rollout.generated_tokens == 5
-    assert c.book.tasks[task_id("g0", 1)].footprint == 48  # the probe's siblings follow it
+    assert c.rollout.book.tasks[task_id("g0", 1)].footprint == 48  # the probe's siblings follow it
     c.rollout.turn_started(probe.task_id, 2.0)
-    assert c.book.tasks[probe.task_id].is_running
+    assert c.rollout.book.tasks[probe.task_id].is_running
 
 
 def test_rwt_counts_idle_rollout_only_while_the_throttle_holds_tasks_back():
@@ -483,7 +483,7 @@ def test_rwt_counts_idle_rollout_only_while_the_throttle_holds_tasks_back():
     c.schedule(0.0)  # the probe goes out; its sibling waits for the probe's footprint
     c.rollout.turn_done(task_id("g0", 0), 10, 2, 1.0)
     c.schedule(1.0)
-    assert c.book.num_new == 0
+    assert c.rollout.book.num_new == 0
     assert c.rollout.rwt.total == 0.0  # a task waited for admission until now
     c.rollout.turn_done(task_id("g0", 1), 10, 2, 2.0)
     c.rollout.task_finished(task_id("g0", 0), 3.0)
@@ -509,7 +509,7 @@ def test_the_last_step_ends_with_a_final_boundary():
     out = c.step_done(outcome(0, 1), 3.0)
     assert kinds(out) == ["RecordStep", "Boundary", "Finish"]
     assert only(out, Boundary)[0].is_final and only(out, Boundary)[0].checkpoint
-    assert out[-1] == Finish(1) and c.phase is Phase.FINISHED
+    assert out[-1] == Finish(1) and c.state.phase is Phase.FINISHED
     assert c.feed.count.as_dict() == {"fed": 4, "trained": 2, "dropped": 0, "buffered": 0,
                                   "rolling_out": 2}
 
@@ -609,13 +609,13 @@ def test_an_engine_that_reports_its_own_kv_capacity_gets_that_share_as_its_budge
     (``budget_fraction`` of it), on a rollout rank at once and on a trainer rank once it joins."""
     c = make(System.TIDERL, (R, A))
     c.launch(0.0)
-    assert c.budgets() == {0: BUDGET}
+    assert c.rollout.budgets() == {0: BUDGET}
     fraction = c.config.ctb.budget_fraction
     assert c.engine_capacity(0, 4000, 0.1) == []
-    assert c.budgets() == {0: int(4000 * fraction)}
+    assert c.rollout.budgets() == {0: int(4000 * fraction)}
     c.engine_capacity(1, 2000, 0.2)  # not a rollout rank yet: kept for when it joins
-    assert c.budgets() == {0: int(4000 * fraction)}
+    assert c.rollout.budgets() == {0: int(4000 * fraction)}
     c.rollout.add_rank(1, 0.3)
-    assert c.budgets() == {0: int(4000 * fraction), 1: int(2000 * fraction)}
+    assert c.rollout.budgets() == {0: int(4000 * fraction), 1: int(2000 * fraction)}
     c.engine_capacity(0, 0, 0.4)  # no capacity reported: the budget stays
-    assert c.budgets()[0] == int(4000 * fraction)
+    assert c.rollout.budgets()[0] == int(4000 * fraction)

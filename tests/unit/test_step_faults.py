@@ -61,7 +61,7 @@ def open_on_two_actors(system=System.ASYNC, checkpoint_every=0):
 def test_an_actor_dying_in_a_step_it_failed_on_runs_the_step_again_on_the_others():
     c, mb = open_on_two_actors()
     assert c.rank_dead(2, "missed heartbeats", 2.0) == [AbortStep(0, 0)]
-    assert c.roles == [R, A, IDLE] and c.phase is Phase.TRAINING
+    assert c.state.roles == [R, A, IDLE] and c.state.phase is Phase.TRAINING
     out = c.step_done(failed(outcome(0, 1), 1), 3.0)  # its reduction failed: no update
     (boundary,) = out
     assert (boundary.version, boundary.roles, boundary.members, boundary.src_rank,
@@ -110,7 +110,7 @@ def test_a_ref_rank_dying_in_a_decoupled_step_runs_it_again_colocated():
     assert only(out, Dispatch) == [] and only(out, CloseStep) == []
     # the actor set stands: no boundary, the step opens again at once
     out = c.step_done(failed(outcome(0, 2, 3), 2, 3), 3.0)
-    assert c.roles == [R, IDLE, A, A] and only(out, Boundary) == []
+    assert c.state.roles == [R, IDLE, A, A] and only(out, Boundary) == []
     assert out[0] == StartStep(0, StepMode.COLOCATED, (), (2, 3),
                                RA2PConfig().max_aggregate, attempt=1)
     dispatched = only(out, Dispatch)  # the one sent before, then the one formed meanwhile
@@ -134,13 +134,13 @@ def test_a_trainer_rank_dying_while_its_boundary_is_out_gets_it_sent_again():
         1, (R, IDLE, A), (0, 2), 2, False)
     assert c.boundaries.pending.awaiting == {0, 2}  # rank 0 took the first one: this one too
     acked_all(c, 1, 4.5)
-    assert c.boundaries.pending is None and c.phase is Phase.WAITING  # for batch 1
+    assert c.boundaries.pending is None and c.state.phase is Phase.WAITING  # for batch 1
 
 
 def test_an_actor_dying_while_the_batch_is_awaited_gets_a_boundary_without_an_update():
     c = make(System.ASYNC, (R, A, A), steps=4)
     c.launch(0.0)
-    assert c.phase is Phase.WAITING
+    assert c.state.phase is Phase.WAITING
     (boundary,) = c.rank_dead(1, "missed heartbeats", 1.0)
     assert (boundary.version, boundary.roles, boundary.src_rank, boundary.reason) == (
         0, (R, IDLE, A), 2, PlanReason.TRAINER_LOST)
@@ -154,7 +154,7 @@ def test_a_trainer_rank_the_job_cannot_lose_stops_it():
     sharded = make(System.ASYNC, (R, F, A, A), limits=LayoutLimits(sharded_actor_backend="fsdp2"))
     sharded.launch(0.0)
     assert sharded.rank_dead(1, "missed heartbeats", 1.0) == []  # a Ref: the actors stand
-    assert sharded.roles == [R, IDLE, A, A]
+    assert sharded.state.roles == [R, IDLE, A, A]
     (abort,) = sharded.rank_dead(3, "missed heartbeats", 2.0)
     assert abort == Abort("trainer rank 3 is gone (missed heartbeats); it was an actor, and "
                           "trainer.backend fsdp2 shards the model over its actors")

@@ -32,6 +32,7 @@ from tiderl.core.config import require, require_choice, require_int
 from tiderl.core.ctb_state import (
     GroupRecord,
     PriorityWeights,
+    StalenessWindow,
     TaskBook,
     TaskRecord,
     priority,
@@ -97,8 +98,7 @@ class CTBConfig:
             weights=self.weights,
             context_norm_tokens=self.context_norm_tokens,
             default_footprint_tokens=self.default_footprint_tokens,
-            max_staleness=max_staleness,
-            tasks_per_step=tasks_per_step,
+            window=StalenessWindow(max_staleness, tasks_per_step),
         )
 
 

@@ -179,28 +179,42 @@ def _bump(counts: dict, key: object, delta: int) -> None:
 
 
 @dataclass(slots=True)
+class StalenessWindow:
+    """The staleness throttle: non-eval admissions stop at
+    ``num_retired + (max_staleness + 1) * tasks_per_step``, where ``num_retired`` counts the
+    training tasks already trained or discarded and ``tasks_per_step`` is the global batch. With
+    a fixed batch B this is the familiar (version + max_staleness + 1) · B; it follows what was
+    really consumed, so rollout never runs further ahead than the staleness bound allows.
+    ``tasks_per_step == 0`` disables it."""
+
+    max_staleness: int = 0
+    tasks_per_step: int = 0
+    num_retired: int = 0
+    num_admitted: int = 0  # training tasks admitted (a group's whole count at its probe)
+
+    @property
+    def limit(self) -> int | None:
+        """How many non-eval tasks may have been admitted in total; None when unthrottled."""
+        if self.tasks_per_step == 0:
+            return None
+        return self.num_retired + (self.max_staleness + 1) * self.tasks_per_step
+
+
+@dataclass(slots=True)
 class TaskBook:
     """What CTB knows about the rollout side; events mutate it, policies only read it.
 
     Build it with ``CTBConfig.new_book()`` so that its priority weights, context norm and default
-    footprint are the configured ones. Staleness throttle: non-eval admissions stop at
-    ``num_retired_train + (max_staleness + 1) * tasks_per_step``, where ``num_retired_train`` counts
-    the training tasks already trained or discarded (:meth:`retire`) and ``tasks_per_step`` is the
-    current global batch. With a fixed batch B this is the familiar (version + max_staleness + 1)
-    · B; with elastic batches it follows what was really consumed, so rollout never runs further
-    ahead than the staleness bound allows. ``tasks_per_step == 0`` disables it. The throttle counts
-    whole groups: a group's first admission (its probe) reserves all its NEW training tasks, so
-    the siblings that follow the probe never wait behind other groups for a later version (a
-    group straddling the window would train on data as old as its probe).
+    footprint are the configured ones. Admissions of training tasks go through the staleness
+    ``window``. It counts whole groups: a group's first admission (its probe) reserves all its
+    NEW training tasks, so the siblings that follow the probe never wait behind other groups for
+    a later version (a group straddling the window would train on data as old as its probe).
     """
 
     weights: PriorityWeights = field(default_factory=PriorityWeights)
     context_norm_tokens: int = 8192
     default_footprint_tokens: int = 512
-    max_staleness: int = 0
-    tasks_per_step: int = 0
-    num_retired_train: int = 0
-    num_admitted_train: int = 0
+    window: StalenessWindow = field(default_factory=StalenessWindow)
     ranks: dict[int, RankRecord] = field(default_factory=dict)  # sorted by rank id
     tasks: dict[TaskId, TaskRecord] = field(default_factory=dict)
     groups: dict[GroupId, GroupRecord] = field(default_factory=dict)
@@ -231,9 +245,19 @@ class TaskBook:
     @property
     def train_admission_limit(self) -> int | None:
         """How many non-eval tasks may have been admitted in total; None when unthrottled."""
-        if self.tasks_per_step == 0:
-            return None
-        return self.num_retired_train + (self.max_staleness + 1) * self.tasks_per_step
+        return self.window.limit
+
+    @property
+    def num_admitted_train(self) -> int:
+        return self.window.num_admitted
+
+    @property
+    def num_retired_train(self) -> int:
+        return self.window.num_retired
+
+    @property
+    def tasks_per_step(self) -> int:
+        return self.window.tasks_per_step
 
     def task(self, task_id: TaskId) -> TaskRecord:
         record = self.tasks.get(task_id)
@@ -397,13 +421,13 @@ class TaskBook:
         """``num_tasks`` training tasks were trained or discarded: the staleness window moves."""
         if num_tasks < 0:
             raise ValueError(f"cannot retire {num_tasks} tasks")
-        self.num_retired_train += num_tasks
+        self.window.num_retired += num_tasks
 
     def set_tasks_per_step(self, num_tasks: int) -> None:
         """The global batch of the coming steps (ERS's elastic batch size), in tasks."""
         if num_tasks < 0:
             raise ValueError(f"tasks_per_step must be >= 0, got {num_tasks}")
-        self.tasks_per_step = num_tasks
+        self.window.tasks_per_step = num_tasks
 
     # ------------------------------------------------------------------ the adapter
 
@@ -433,7 +457,7 @@ class TaskBook:
 
     def _admit(self, task: TaskRecord, rank: int) -> None:
         _check_state(task, TaskState.NEW, "admit")
-        self.num_admitted_train += self.throttle_cost(task)
+        self.window.num_admitted += self.throttle_cost(task)
         if not task.is_eval:
             self.groups[task.group_id].is_reserved = True
         self._unqueue(task)

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from msgspec.structs import replace as replace_struct
 
 from tiderl.core.commands import Boundary
+from tiderl.core.types import Role
 from tiderl.runtime import bus as b
-from tiderl.runtime.records import CoordinatorError
+from tiderl.runtime.errors import CoordinatorError
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,15 @@ class BoundaryLink:
         self.failed: dict[int, FailedBroadcast] = {}  # version -> the failed attempt
         self.resent: set[int] = set()  # versions sent again already
         self.step_failures: list[tuple[float, b.Ack]] = []  # (deadline, answer)
+        self.announced: tuple[Role, ...] = ()  # the roles of the last boundary announced
+
+    def announce(self, boundary: Boundary) -> list[tuple[int, Role, Role]]:
+        """The role changes ``boundary`` makes against the layout last announced (so a boundary
+        sent again announces nothing twice); a rank that died or comes back idle is not one."""
+        before, self.announced = self.announced or boundary.old_roles, boundary.roles
+        return [(rank, src, dst)
+                for rank, (src, dst) in enumerate(zip(before, boundary.roles, strict=True))
+                if src is not dst and Role.IDLE not in (src, dst)]
 
     def send(self, boundary: Boundary, checkpoint_dir: str, export_dir: str) -> None:
         """A boundary of a version already out replaces it (the step controller sent it again

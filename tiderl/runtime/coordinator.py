@@ -1,20 +1,20 @@
 """The coordinator: an adapter between the bus and the core's step controller.
 
     rank daemons ──Hello / Heartbeat / TurnReport / TaskFinished / TaskDetached / StepDone /
-                   StepFailed / RankMetrics / Ack──> _handle ──events──> StepController
+                   StepFailed / RankMetrics / Ack──> handle ──events──> StepController
     tiderl rebalance ──Rebalance──> RebalanceDesk ──> submit_manual / release_manual
-    every round (ROUND_S): the messages that came, one CTB round, the heartbeats, a snapshot
+    every round (ROUND_S): the messages that came, one CTB round, the liveness check, a snapshot
     StepController commands ──> bus messages to the ranks:
-        FeedGroups: the groups' tasks (Dataset)      CTB decisions: TaskRouter (admit, move, ...)
+        FeedGroups: the groups' tasks (GroupStore)   CTB decisions: TaskRouter (admit, move, ...)
         StartStep / Dispatch / CloseStep / AbortStep: StepLink (TrainStep, MicroBatchData,
             StepClosed, AbortStep; StepDone and StepFailed back)
-        Boundary: BoundaryLink (SyncWeights, resend without a dead member)
+        Boundary: BoundaryLink (SyncWeights, resend without a dead member), the checkpoint's
+            job state
         RecordStep: RunLog (metrics.jsonl, /metrics, the PUB snapshot)
 
-Every scheduling decision is the controller's, the same object the simulator drives; this module
-adds the bus, the clock and the run folder: what the ranks sent in, what the commands mean as
-messages, the samples' data, and the run's events. Time is ``clock()`` (monotonic by default) and
-enters the controller as ``now``.
+Its parts: RankMail (sends), Liveness (heartbeats, the watchdog), GroupStore (groups in flight,
+ready samples) and the links above. Every scheduling decision is the controller's, the object
+the simulator drives too; this module adds the bus, the clock (``now``) and the run folder.
 """
 
 from __future__ import annotations
@@ -26,44 +26,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tiderl.core import commands as c
-from tiderl.core.grpo import group_advantages
-from tiderl.core.records import reward_summary
-from tiderl.core.segments import task_of
-from tiderl.core.step_control import StepController, restore, resume_point, task_id
-from tiderl.core.types import Role, Trajectory
+from tiderl.core.step_control import StepController, restore, resume_point
+from tiderl.core.types import Role
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
-from tiderl.env.client import EnvClientError, end_sessions_of
 from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.boundary import BoundaryLink
-from tiderl.runtime.bus import BusSendError, BusServer, HeartbeatMonitor, rank_identity
+from tiderl.runtime.bus import BusSendError, BusServer, rank_identity
+from tiderl.runtime.errors import CoordinatorError
+from tiderl.runtime.groups import GroupRun, GroupStore
+from tiderl.runtime.liveness import Liveness, RankMail, end_sessions
 from tiderl.runtime.rebalance import RebalanceDesk
-from tiderl.runtime.records import CoordinatorError, Dataset, GroupRun
-from tiderl.runtime.resume import (
-    CHECKPOINTS,
-    JobState,
-    ReadyGroupState,
-    prune,
-    read_job_state,
-    space_shortfall,
-    write_job_state,
-)
-from tiderl.runtime.run_log import EventThrottle, RunLog
+from tiderl.runtime.resume import CHECKPOINTS, JobState, read_job_state, start_checkpoint
+from tiderl.runtime.run_log import RunLog
 from tiderl.runtime.step_config import step_config
 from tiderl.runtime.step_link import StepLink
 from tiderl.runtime.tasks import TaskRouter
-from tiderl.runtime.trajectory_wire import sample_data, sample_of, turn_of
-from tiderl.trainer.checkpoint_meta import step_dir
-from tiderl.trainer.sample import TrainSample
 
-# A job whose tasks all fail (an environment or a model that cannot play them) stops with the
-# reason after this many groups, instead of feeding new ones for ever.
-MAX_FAILED_GROUPS_IN_A_ROW = 32
 log = logging.getLogger("tiderl.coordinator")
 
-ROUND_S = 0.02  # bus poll / CTB round interval
-HELLO_TIMEOUT_S = 600.0
-STALL_STOP_FACTOR = 3  # the job stops after this many watchdog windows without progress
+ROUND_S, HELLO_TIMEOUT_S = 0.02, 600.0  # bus poll and CTB round interval; ranks' start-up
 
 
 class Coordinator:
@@ -72,46 +54,33 @@ class Coordinator:
                  env_url: str = "") -> None:
         """``resume``: the checkpoint folder a resumed job goes on from (None: a fresh job);
         ``env_url``: the environment service, where a dead rank's sessions are ended."""
-        self.profile, self.server, self.log, self.clock = profile, server, run_log, clock
+        self.profile, self.log, self.clock = profile, run_log, clock
         self.resume_from, self.env_url = resume, env_url
-        rt = profile.runtime
-        self.dataset = Dataset(profile)
-        self.controller = StepController(step_config(profile), roles, self.dataset.group,
+        self.store = GroupStore(profile)
+        self.controller = StepController(step_config(profile), roles, self.store.dataset.group,
                                          now=clock())
-        self.heartbeats = HeartbeatMonitor(rt.heartbeat_s, rt.heartbeat_misses)
-        self.alive: set[int] = set()
-        self.unreachable: set[int] = set()  # a send found its bus connection gone
-        self.announced: tuple[Role, ...] = ()  # the roles of the last boundary sent
-        self.seq = 0
-        self.groups: dict[str, GroupRun] = {}  # in flight, until complete
-        self.router = TaskRouter(self._send, self._next_seq, self._group_of,
-                                 lambda: self.controller.book.ranks,
+        self.mail = RankMail(server)
+        self.liveness = Liveness(profile, clock())
+        window_s = self.liveness.window_s  # how long heartbeats take to name a dead rank
+        self.router = TaskRouter(self._send, self.mail.next_seq, self._group_of,
+                                 lambda: self.controller.rollout.book.ranks,
                                  self.controller.rollout.policy.pins_tasks)
-        window_s = rt.heartbeat_s * (rt.heartbeat_misses + 1)  # heartbeats name a dead rank
-        self.link = BoundaryLink(self._send, self._next_seq, window_s)
-        self.steps = StepLink(self._send, self._next_seq, window_s)
+        self.link = BoundaryLink(self._send, self.mail.next_seq, window_s)
+        self.steps = StepLink(self._send, self.mail.next_seq, window_s)
         self.desk = RebalanceDesk(server, self.log.event)
-        self.samples: dict[str, TrainSample] = {}  # ready, not yet dispatched, by seq id
-        self.rewards: dict[str, float] = {}
-        self.eval_rewards: dict[int, list[float]] = {}
-        self.eval_done: dict[int, float] = {}
-        self.progress_at = clock()  # the last report of work done (the watchdog's)
-        self.stalled_s = 0.0  # the watchdog's last alarm (0: none since the last progress)
-        self.throttle = EventThrottle(run_log.event)
         self.is_finished = False
-        self.failed_in_a_row = 0  # training groups dropped for a failed task since the last one
-        self.last_task_error = ""  # the last task failure a rank reported, for the job's end
 
     # ---------------------------------------------------------------- the run
 
     def run(self) -> None:
         self._await_hellos()
         self.launch()
+        server = self.mail.server
         while not self.is_finished:
-            got = self.server.recv(ROUND_S)
+            got = server.recv(ROUND_S)
             while got is not None and not self.is_finished:
                 self.handle_safely(*got)
-                got = self.server.recv(0)
+                got = server.recv(0)
             self.schedule_round()
             self.check_liveness()
             if self.log.is_snapshot_due():
@@ -120,83 +89,58 @@ class Coordinator:
 
     def launch(self) -> None:
         """Every rank said Hello: the job's clock starts and the controller launches it (or,
-        resuming, goes on from its checkpoint)."""
+        resuming, goes on from its checkpoint: its ready groups come back with their samples,
+        its groups in flight run again, as tiderl.core.step_control.resume says why)."""
         now = self.clock()
-        self.progress_at = now
-        if self.resume_from is not None:
-            self._resume(self.resume_from, now)
+        self.liveness.progress_at = now
+        if self.resume_from is None:
+            self.log.t0 = now
+            self.log.event("launch", mode=self.profile.runtime.mode,
+                           roles=[r.value for r in self.controller.state.roles])
+            self._apply(self.controller.launch(now))
             return
-        self.log.t0 = now
-        self.log.event("launch", mode=self.profile.runtime.mode,
-                       roles=[r.value for r in self.controller.roles])
-        self._apply(self.controller.launch(now))
-
-    def _resume(self, folder: Path, now: float) -> None:
-        """The checkpoint's ready groups come back with their samples; its groups in flight
-        run again (tiderl.core.step_control.resume says why)."""
-        state = read_job_state(folder)
-        ready = []
-        for group in state.ready:
-            run = self.dataset.run(c.GroupSpec(group.group_id, group.index, False, group.step))
-            run.samples = [sample_of(d) for d in group.samples]
-            for sample, reward in zip(run.samples, group.rewards, strict=True):
-                self.samples[sample.seq_id] = sample
-                self.rewards[sample.seq_id] = reward
-            ready.append(run)
+        state = read_job_state(self.resume_from)
         point = state.point
         self.log.t0 = now - point.elapsed_s
         self.log.event("resume", version=point.version, elapsed_s=round(point.elapsed_s, 3),
-                       checkpoint=str(folder),
-                       roles=[r.value for r in point.roles],
+                       checkpoint=str(self.resume_from), roles=[r.value for r in point.roles],
                        ready=[g.group_id for g in state.ready],
                        rerun=[s.group_id for s in point.in_flight])
-        self._apply(restore(self.controller, point, ready, now))
+        self._apply(restore(self.controller, point, self.store.restore(state.ready), now))
 
     def schedule_round(self) -> None:
         """One CTB round, its decisions sent to the ranks."""
         self.router.apply(self.controller.schedule(self.clock()))
 
     def _await_hellos(self) -> None:
-        num_ranks = len(self.controller.roles)
+        num_ranks = len(self.controller.state.roles)
         timeout = HELLO_TIMEOUT_S + (SERVER_UP_TIMEOUT_S if self.profile.engine.uses_server
                                      else 0.0)  # a rank says Hello once its server is up
         deadline = self.clock() + timeout
-        while len(self.alive) < num_ranks:
+        while len(self.liveness.alive) < num_ranks:
             if self.clock() > deadline:
-                missing = sorted(set(range(num_ranks)) - self.alive)
+                missing = sorted(set(range(num_ranks)) - self.liveness.alive)
                 raise CoordinatorError(f"ranks {missing} did not start within "
                                        f"{timeout:.0f} s (see their logs)")
-            got = self.server.recv(1.0)
+            got = self.mail.server.recv(1.0)
             if got is not None:
                 self.handle_safely(*got)
 
     def _finish(self) -> None:
-        for rank in range(len(self.controller.roles)):
-            self._send(rank, b.Shutdown(seq=self._next_seq(), reason="job done"))
-        self.log.event("stop", reason="done", state="ok", steps=self.controller.step,
+        for rank in range(len(self.controller.state.roles)):
+            self._send(rank, b.Shutdown(seq=self.mail.next_seq(), reason="job done"))
+        self.log.event("stop", reason="done", state="ok", steps=self.controller.state.step,
                        groups=self.controller.feed.count.as_dict())
         self._publish()
 
     def _publish(self) -> None:
-        self.server.publish(self.log.snapshot(self.controller, self.desk.note))
+        self.mail.server.publish(self.log.snapshot(self.controller, self.desk.note))
 
     def _send(self, rank: int, msg: b.Message) -> None:
-        if rank in self.controller.dead or rank in self.unreachable:
-            return
-        try:
-            self.server.send(rank_identity(rank), msg)
-        except BusSendError as exc:  # its connection is gone: no need to wait for heartbeats
-            log.warning("%s", exc)
-            # declared dead at the round's liveness check, not amid the commands being applied
-            # (its death may send a boundary again, which must not cut into this one)
-            self.unreachable.add(rank)
+        self.mail.send(rank, msg, self.controller.state.dead)
 
-    def _next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def _group_of(self, task: str) -> GroupRun:
-        return self.groups[self.controller.book.tasks[task].group_id]
+    def _group_of(self, task: str) -> GroupRun:  # a task's group: CTB's book knows it
+        return self.store.in_flight[self.controller.rollout.book.tasks[task].group_id]
 
     # ---------------------------------------------------------------- messages in
 
@@ -209,125 +153,85 @@ class Coordinator:
             raise
         except Exception as exc:  # the loop must outlive any one message
             log.exception("handling a %s from %r failed", type(msg).__name__, identity)
-            self.throttle.event("handler_error", f"{type(msg).__name__}/{type(exc).__name__}",
-                                message=type(msg).__name__, error=f"{exc}"[:300])
+            self.log.throttle.event("handler_error",
+                                    f"{type(msg).__name__}/{type(exc).__name__}",
+                                    message=type(msg).__name__, error=f"{exc}"[:300])
 
     def handle(self, identity: bytes, msg: b.Message) -> None:
-        now = self.clock()
+        now, ctl = self.clock(), self.controller
         if isinstance(msg, b.Rebalance):  # a CLI peer: its CURVE key proved it is the job's
-            self._apply(self.desk.request(identity, msg, self.controller, now))
+            self._apply(self.desk.request(identity, msg, ctl, now))
             return
         rank = getattr(msg, "rank", None)
-        if rank is None or identity != rank_identity(rank) or \
-                not 0 <= rank < len(self.controller.roles):
-            self.throttle.event("message_dropped", f"{type(msg).__name__}/{identity!r}",
-                                message=type(msg).__name__, sender=repr(identity)[:80],
-                                why="not a rank of this job")
+        if rank is None or identity != rank_identity(rank) or not 0 <= rank < len(ctl.state.roles):
+            self._dropped_message(msg, repr(identity), "not a rank of this job",
+                                  key=f"{type(msg).__name__}/{identity!r}")
             return
-        if rank in self.controller.dead:  # declared dead (stopped too long): it goes for good
-            self._stop_zombie(rank, msg)
+        if rank in ctl.state.dead:  # declared dead (stopped too long): it goes for good
+            self._dropped_message(msg, f"rank {rank}", "the rank was declared dead",
+                                  key=f"dead/{rank}")
+            with contextlib.suppress(BusSendError):  # gone for good already
+                self.mail.server.send(rank_identity(rank), b.Shutdown(
+                    seq=self.mail.next_seq(), reason="this rank was declared dead"))
             return
-        self.heartbeats.beat(rank, now)
-        if isinstance(msg, b.TurnReport | b.TaskFinished | b.StepDone | b.StepFailed | b.Ack):
-            self.progress_at, self.stalled_s = now, 0.0
-        rollout = self.controller.rollout
+        self.liveness.heard(rank, msg, now)
         if isinstance(msg, b.Hello):
-            self.alive.add(rank)
             log.info("rank %d up: pid %d on %s (%s, %s)", rank, msg.pid, msg.host, msg.role,
                      msg.device)
         elif isinstance(msg, b.TurnReport):
             if msg.running:  # the observation came back: the next generation starts
-                rollout.turn_started(msg.task_id, now)
+                ctl.rollout.turn_started(msg.task_id, now)
             elif not msg.done:  # the generation ended: the task waits for its environment
-                rollout.turn_done(msg.task_id, msg.context_tokens, msg.tokens, now)
+                ctl.rollout.turn_done(msg.task_id, msg.context_tokens, msg.tokens, now)
         elif isinstance(msg, b.TaskFinished):
             self._on_finished(msg, now)
         elif isinstance(msg, b.TaskDetached):
-            if rollout.is_known(msg.task_id):
+            if ctl.rollout.is_known(msg.task_id):
                 self.router.on_detached(msg)
         elif isinstance(msg, b.StepDone | b.StepFailed):
             self._on_step_report(msg, now)
         elif isinstance(msg, b.RankMetrics):
             self.log.rank_metrics[rank] = msg
             if msg.kv_tokens_capacity:  # what the engine (a server sizes its own) holds
-                self._apply(self.controller.engine_capacity(rank, msg.kv_tokens_capacity, now))
+                self._apply(ctl.engine_capacity(rank, msg.kv_tokens_capacity, now))
         elif isinstance(msg, b.Ack):
             acked = self.link.on_ack(msg, now)
             if acked is not None:
-                self._apply(self.controller.boundary_acked(*acked, now))
+                self._apply(ctl.boundary_acked(*acked, now))
             self._check_boundaries(now)
         elif not isinstance(msg, b.Heartbeat):
             log.warning("bus: rank %d sent a %s, which only the coordinator sends", rank,
                         type(msg).__name__)
 
-    def _stop_zombie(self, rank: int, msg: b.Message) -> None:
-        """A rank declared dead speaks again (a SIGSTOP longer than the heartbeats allow, then
-        SIGCONT): its tasks went elsewhere, so nothing it says counts; it is told to exit."""
-        self.throttle.event("message_dropped", f"dead/{rank}", message=type(msg).__name__,
-                            sender=f"rank {rank}", why="the rank was declared dead")
-        with contextlib.suppress(BusSendError):  # gone for good already
-            self.server.send(rank_identity(rank), b.Shutdown(
-                seq=self._next_seq(), reason="this rank was declared dead"))
+    def _dropped_message(self, msg: b.Message, sender: str, why: str, key: str = "") -> None:
+        """An event for a message that counts for nothing (one a minute per ``key``)."""
+        kind = type(msg).__name__
+        self.log.throttle.event("message_dropped", key or f"{kind}/{sender}", message=kind,
+                                sender=sender[:80], why=why)
 
     def _on_finished(self, msg: b.TaskFinished, now: float) -> None:
-        group = self.groups.get(msg.group_id)
-        if group is None or msg.task_id not in group.tasks or \
+        if not self.store.is_in_flight(msg.group_id, msg.task_id) or \
                 not self.controller.rollout.task_finished(msg.task_id, now):
             # not a task in flight here: one moved off a rank declared dead, or a bogus one
-            self.throttle.event("message_dropped", f"TaskFinished/{msg.rank}",
-                                message="TaskFinished", sender=f"rank {msg.rank}",
-                                why=f"task {msg.task_id[:40]!r} is not in flight")
+            self._dropped_message(msg, f"rank {msg.rank}", f"task {msg.task_id[:40]!r} is not "
+                                  "in flight", key=f"TaskFinished/{msg.rank}")
             return
         self.router.on_finished(msg.task_id)
-        if msg.error:
-            self.last_task_error = f"task {msg.task_id} on rank {msg.rank}: {msg.error}"
-        group.finished[msg.task_id] = Trajectory(msg.task_id, msg.group_id,
-                                                 [turn_of(t) for t in msg.turns], msg.reward,
-                                                 dict(msg.image_data))
-        if group.is_complete:
-            del self.groups[group.group_id]
-            self._on_group_complete(group, now)
-
-    def _on_group_complete(self, group: GroupRun, now: float) -> None:
-        trajectories = [group.finished[task] for task in group.tasks]  # in task order
-        rewards = [t.reward or 0.0 for t in trajectories]
-        if group.is_eval:
-            self._on_eval_group(group, trajectories, rewards)
-            ready = None
-        elif any(not t.turns for t in trajectories):
-            ready = None  # a task produced no turn: the group cannot be trained
-            self.failed_in_a_row += 1
-            if self.failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
-                raise CoordinatorError(
-                    f"{self.failed_in_a_row} groups in a row had a task that failed, so "
-                    f"nothing can train; the last: {self.last_task_error or 'no turn played'}")
-        else:
-            self.failed_in_a_row = 0
-            advantages = group_advantages(rewards, self.profile.trainer.adv_eps)
-            for trajectory, advantage, reward in zip(trajectories, advantages, rewards,
-                                                     strict=True):
-                for sample in TrainSample.from_trajectory(trajectory, advantage,
-                                                          trajectory.image_data):
-                    group.samples.append(sample)
-                    self.samples[sample.seq_id] = sample
-                    self.rewards[sample.seq_id] = reward
-            ready = group
+        group = self.store.finished(msg)
+        if group is None:
+            return
+        ready = self.store.complete(group)
+        if group.is_eval and self.store.evaluation_ended(group.step):
+            versions = sorted({t.version for tr in group.finished.values() for t in tr.turns})
+            self.log.event("eval", step=group.step,
+                           reward=round(self.store.eval_done[group.step], 4), versions=versions)
         self._apply(self.controller.group_ready(group.group_id, ready, now))
-
-    def _on_eval_group(self, group: GroupRun, trajectories: list[Trajectory],
-                       rewards: list[float]) -> None:
-        self.eval_rewards.setdefault(group.step, []).extend(rewards)
-        if not any(g.is_eval and g.step == group.step for g in self.groups.values()):
-            mean = sum(self.eval_rewards[group.step]) / len(self.eval_rewards[group.step])
-            self.eval_done[group.step] = mean
-            versions = sorted({t.version for tr in trajectories for t in tr.turns})
-            self.log.event("eval", step=group.step, reward=round(mean, 4), versions=versions)
 
     def _on_step_report(self, msg: b.StepDone | b.StepFailed, now: float) -> None:
         if not self.steps.is_of_open_attempt(msg):
-            self.throttle.event("message_dropped", f"{type(msg).__name__}/{msg.rank}",
-                                message=type(msg).__name__, sender=f"rank {msg.rank}",
-                                why=f"step {msg.step} (attempt {msg.attempt}) is not open")
+            self._dropped_message(msg, f"rank {msg.rank}", f"step {msg.step} (attempt "
+                                  f"{msg.attempt}) is not open",
+                                  key=f"{type(msg).__name__}/{msg.rank}")
             return
         if isinstance(msg, b.StepDone):
             self.steps.on_done(msg)
@@ -340,21 +244,18 @@ class Coordinator:
     def _check_step(self, now: float) -> None:
         """Every live rank of the open attempt answered: the controller settles the step (it
         trained, or it runs again without a dead rank)."""
-        reports = self.steps.complete(self.controller.dead, now)
-        if reports is None:
+        store = self.store
+        # the latest evaluation done since the last step's record goes into this one's
+        eval_reward = store.eval_done[max(store.eval_done)] if store.eval_done else None
+        outcome = self.steps.outcome(self.controller.state.dead, now, self.log.kv_counters(),
+                                     eval_reward)
+        if outcome is None:
             return
         start = self.steps.start
         assert start is not None
-        queries, hits = self.log.kv_counters()
-        # the latest evaluation done since the last step's record goes into this one's
-        eval_reward = self.eval_done[max(self.eval_done)] if self.eval_done else None
-        reward_mean, solved_frac = reward_summary(self.steps.rewards)
-        outcome = c.StepOutcome(start.step, reports, kv_queries=queries, kv_hits=hits,
-                                reward_mean=reward_mean, solved_frac=solved_frac,
-                                eval_reward=eval_reward)
         commands = self.controller.step_done(outcome, now)
         if any(isinstance(command, c.RecordStep) for command in commands):
-            self.eval_done.clear()
+            store.eval_done.clear()
             groups = self.steps.done()
             self.log.event("trained", step=start.step, attempt=start.attempt,
                            groups=sorted(groups, key=lambda g: (len(g), g)))
@@ -367,83 +268,36 @@ class Coordinator:
     def check_liveness(self) -> None:
         """Ranks silent too long are dead; a broadcast one of them died in goes out again."""
         now = self.clock()
-        unreachable, self.unreachable = self.unreachable, set()
-        silent = [r for r in self.heartbeats.dead(now) if r not in unreachable]
-        gone = self.controller.dead | unreachable | set(silent)
-        if (unreachable or silent) and len(gone) == len(self.controller.roles):
-            raise CoordinatorError(f"every rank is gone (ranks {sorted(unreachable | set(silent))}"
-                                   " missed their heartbeats or lost their bus connection)")
-        for rank in sorted(unreachable):
-            self._declare_dead(rank, "its bus connection is gone")
-        for rank in silent:
-            self._declare_dead(rank, "missed heartbeats")
+        for rank, why in self.liveness.deaths(now, self.mail.take_unreachable(),
+                                              self.controller):
+            self._declare_dead(rank, why)
         self._check_boundaries(now)
         self._check_step(now)  # a dead rank's answer will not come; a failure may be explained
-        self._check_progress(now)
-
-    def watchdog_s(self) -> float:
-        """How long the job may go without a report of work done before the watchdog speaks:
-        ``runtime.watchdog_factor`` mean step times, at least ``runtime.watchdog_s``, and more
-        than a collective may block when a member died in it (the broadcast then fails after
-        ``collective_timeout_s`` and goes out again without it: that is progress to come)."""
-        rt, records = self.profile.runtime, self.controller.records
-        mean = records[-1].end_s / len(records) if records else 0.0
-        return max(rt.watchdog_s, rt.watchdog_factor * mean,
-                   rt.collective_timeout_s + self.link.window_s)
-
-    def _check_progress(self, now: float) -> None:
-        """No turn, task, step or acknowledgement for a watchdog window: an event naming what
-        the step cycle waits for; after STALL_STOP_FACTOR windows the job stops (it resumes
-        from its last checkpoint), never a silent hang."""
-        idle, window = now - self.progress_at, self.watchdog_s()
-        if idle < window or idle - self.stalled_s < window:
-            return
-        self.stalled_s = idle
-        ctl = self.controller
-        pending = ctl.boundaries.pending
-        waits = {"phase": ctl.phase.value, "step": ctl.step, "tasks_new": ctl.book.num_new,
-                 "tasks_active": ctl.book.num_active, "tasks_paused": ctl.book.num_paused,
-                 "rollout_ranks": ctl.rollout_ranks(),
-                 "awaiting": sorted(pending.awaiting) if pending else []}
-        self.log.event("watchdog", idle_s=round(idle, 1), window_s=round(window, 1), **waits)
-        log.error("no progress for %.0f s (%s)", idle, waits)
-        if idle >= STALL_STOP_FACTOR * window:
-            raise CoordinatorError(f"no progress for {idle:.0f} s (the step cycle is in phase "
-                                   f"{ctl.phase.value} at step {ctl.step})")
+        self.liveness.watch(now, self.controller, self.link.window_s, self.log.event)
 
     def _check_boundaries(self, now: float) -> None:
-        for version in self.link.check(self.controller.dead, now):
+        dead = self.controller.state.dead
+        for version in self.link.check(dead, now):
             self.log.event("boundary_resent", version=version,
-                           members=[r for r in range(len(self.controller.roles))
-                                    if r not in self.controller.dead])
+                           members=[r for r in range(len(self.controller.state.roles))
+                                    if r not in dead])
 
     def _declare_dead(self, rank: int, why: str) -> None:
-        if rank in self.controller.dead:
+        if rank in self.controller.state.dead:
             return
-        self.log.event("rank_dead", rank=rank, role=self.controller.roles[rank].value, why=why)
+        roles = self.controller.state.roles
+        self.log.event("rank_dead", rank=rank, role=roles[rank].value, why=why)
         self.link.forget(rank)
-        self._end_sessions_of(rank)
+        end_sessions(self.env_url, rank, self.log.event)
         self._apply(self.controller.rank_dead(rank, why, self.clock()))
-
-    def _end_sessions_of(self, rank: int) -> None:
-        """The environment sessions of a dead rank's tasks end now (their tasks start again
-        elsewhere), instead of holding the service's table until they expire. One bounded
-        call; a service that does not answer leaves them to expire."""
-        if not self.env_url:
-            return
-        try:
-            ended = end_sessions_of(self.env_url, rank_identity(rank).decode())
-        except EnvClientError as exc:
-            self.log.event("env_sessions_ended", rank=rank, ended=None, error=str(exc)[:200])
-            return
-        self.log.event("env_sessions_ended", rank=rank, ended=ended)
 
     # ---------------------------------------------------------------- commands out
 
     def _apply(self, commands: list[c.Command]) -> None:
         for command in commands:
             if isinstance(command, c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep):
-                self.steps.send(command, self.samples, self.rewards, self.controller.dead)
+                self.steps.send(command, self.store.samples, self.store.rewards,
+                                self.controller.state.dead)
             elif isinstance(command, c.FeedGroups):
                 self._feed(command)
             elif isinstance(command, c.JoinRollout):
@@ -452,8 +306,8 @@ class Coordinator:
                 self.router.on_left(command.rank, command.task_ids, command.is_dead,
                                     self.controller.rollout.is_known)
             elif isinstance(command, c.RecordStep):
-                self.server.publish(self.log.record(command.record, self.controller,
-                                                    self.desk.note))
+                self.mail.server.publish(self.log.record(command.record, self.controller,
+                                                         self.desk.note))
             elif isinstance(command, c.Boundary):
                 self._boundary(command)
             elif isinstance(command, c.GroupDropped):
@@ -470,55 +324,26 @@ class Coordinator:
 
     def _feed(self, command: c.FeedGroups) -> None:
         for spec in command.groups:
-            self.groups[spec.group_id] = self.dataset.run(spec)
+            self.store.feed(spec)
         if command.is_eval:
-            step = command.groups[0].step
-            self.eval_rewards[step] = []
-            self.log.event("eval_start", step=step, version=self.controller.version,
-                           groups=len(command.groups))
+            self.log.event("eval_start", step=command.groups[0].step,
+                           version=self.controller.state.version, groups=len(command.groups))
 
     def _boundary(self, boundary: c.Boundary) -> None:
         root = self.log.run_dir / CHECKPOINTS
-        if boundary.checkpoint:  # job.json first: the actors' meta.json completes the folder
-            folder = step_dir(root, boundary.version)
-            for old in prune(root, self.profile.runtime.checkpoint_keep,
-                             self.profile.trainer.tensor_parallel, folder):
-                log.info("removed checkpoint %s", old)
-            shortfall = space_shortfall(root, folder)
-            if shortfall:  # stop before the actors fill the disk mid-save
-                raise CoordinatorError(f"no disk space for checkpoint {folder.name}: "
-                                       f"{shortfall}")
-            write_job_state(folder, self._job_state())
-        # against the layout last announced: a boundary sent again announces nothing twice,
-        # and a death is its rank_dead event
-        before, self.announced = self.announced or boundary.old_roles, boundary.roles
-        for rank, (src, dst) in enumerate(zip(before, boundary.roles, strict=True)):
-            if src is not dst and Role.IDLE not in (src, dst):
-                self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
-                               step=self.controller.step, version=boundary.version,
-                               reason=boundary.reason.value if boundary.reason else None)
+        if boundary.checkpoint:
+            point = resume_point(self.controller, self.clock())
+            start_checkpoint(root, boundary.version, self.profile.runtime.checkpoint_keep,
+                             self.profile.trainer.tensor_parallel,
+                             JobState(point, self.store.ready_state(point.ready)))
+        for rank, src, dst in self.link.announce(boundary):  # a death is its rank_dead event
+            self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
+                           step=self.controller.state.step, version=boundary.version,
+                           reason=boundary.reason.value if boundary.reason else None)
         self.link.send(boundary, str(root), str(self.log.run_dir / "hf"))
 
-    def _job_state(self) -> JobState:
-        point = resume_point(self.controller, self.clock())
-        ready = []
-        for group_id in point.ready:
-            ids = self._group_seqs(group_id)
-            ready.append(ReadyGroupState(group_id, int(group_id[1:]), 0,
-                                         [sample_data(self.samples[i]) for i in ids],
-                                         [self.rewards[i] for i in ids]))
-        return JobState(point, ready)
-
-    def _group_seqs(self, group_id: str) -> list[str]:
-        """The ready training sequences of a group's tasks (a task's segments included), in
-        task order."""
-        tasks = {task_id(group_id, i) for i in range(self.profile.job.group_size)}
-        return [seq for seq in self.samples if task_of(seq) in tasks]
-
     def _dropped(self, command: c.GroupDropped) -> None:
-        for seq in self._group_seqs(command.group_id):
-            self.samples.pop(seq, None)
-            self.rewards.pop(seq, None)
+        self.store.drop(command.group_id)
         fields = {"oldest_version": command.oldest_version, "batch": command.batch} \
             if command.reason is c.DropReason.STALE else {}
         self.log.event("dropped_group", group=command.group_id, reason=command.reason.value,

@@ -25,22 +25,51 @@ MODES = tuple(mode.value for mode in StepMode)  # the step modes a metrics.jsonl
 ROLES = tuple(role.value for role in Role)
 
 
+class TotalCounter:
+    """A counter fed cumulative totals: it goes up by the difference (never down)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.counter = Counter(name, documentation, registry=registry)
+        self.total = 0.0
+
+    def advance(self, total: float) -> None:
+        if total > self.total:
+            self.counter.inc(total - self.total)
+            self.total = total
+
+
+class RankGauge:
+    """A gauge with one series per rollout rank: a rank no longer given loses its series."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.gauge = Gauge(name, documentation, ["rank"], registry=registry)
+        self.ranks: set[str] = set()
+
+    def set(self, values: Mapping[int, float]) -> None:
+        ranks = {str(r): v for r, v in values.items()}
+        for gone in self.ranks - set(ranks):
+            self.gauge.remove(gone)
+        for rank, value in ranks.items():
+            self.gauge.labels(rank=rank).set(value)
+        self.ranks = set(ranks)
+
+
 class MetricsExporter:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
-        self.goodput_tokens = Counter(
+        self.goodput_tokens = TotalCounter(
             "tiderl_goodput_tokens", "Goodput tokens: trained tokens of samples that were not "
             "discarded. In this runtime a sample is discarded (stale, dropped group) before it "
             "is trained, so this equals tiderl_trained_tokens_total.", registry=reg)
-        self.trained_tokens = Counter(
+        self.trained_tokens = TotalCounter(
             "tiderl_trained_tokens", "Tokens of every sample consumed by an optimizer step.",
             registry=reg)
-        self.rwt_seconds = Counter(
+        self.rwt_seconds = TotalCounter(
             "tiderl_rwt_seconds", "Rollout wait time: rank-seconds rollout ranks sat idle "
             "while no task waited for admission (held back by the staleness bound).",
             registry=reg)
-        self.twt_seconds = Counter(
+        self.twt_seconds = TotalCounter(
             "tiderl_twt_seconds", "Training wait time: rank-seconds trainer ranks waited for "
             "ready micro-batches, summed over finished steps.", registry=reg)
         self.ras = Gauge(
@@ -60,23 +89,20 @@ class MetricsExporter:
         self.staleness = Gauge(
             "tiderl_staleness", "Max staleness (version of the update minus the version that "
             "generated it) of the samples of the last step.", registry=reg)
-        self.kv_tokens_used = Gauge(
-            TIDERL_COORDINATOR.used_tokens, "KV tokens in use on a rollout rank.", ["rank"],
-            registry=reg)
-        self.kv_tokens_capacity = Gauge(
+        self.kv_tokens_used = RankGauge(
+            TIDERL_COORDINATOR.used_tokens, "KV tokens in use on a rollout rank.", reg)
+        self.kv_tokens_capacity = RankGauge(
             TIDERL_COORDINATOR.capacity_tokens,
-            "KV tokens the engine cache of a rollout rank holds.", ["rank"], registry=reg)
-        self.ctb_budget_tokens = Gauge(
+            "KV tokens the engine cache of a rollout rank holds.", reg)
+        self.ctb_budget_tokens = RankGauge(
             "tiderl_ctb_budget_tokens", "CTB's token budget B_r of a rollout rank: the KV "
-            "tokens its admitted tasks may take.", ["rank"], registry=reg)
+            "tokens its admitted tasks may take.", reg)
         for mode in MODES:
             self.ra2p_mode.labels(mode=mode).set(0)
         for role in ROLES:
             self.ranks.labels(role=role).set(0)
         self.tprm_seconds.set(math.nan)
         self.kv_hit_rate.set(math.nan)
-        self._totals: dict[int, float] = {}  # id(counter) -> total it reached
-        self._rank_series: dict[int, set[str]] = {}  # id(gauge) -> its rank labels now
         self._server: Any = None
 
     # ------------------------------------------------------------------ updates
@@ -84,9 +110,9 @@ class MetricsExporter:
     def update_step(self, *, trained_tokens_total: float, twt_s_total: float,
                     kv_hit_rate: float | None, staleness: float, mode: str) -> None:
         """After each step: cumulative totals, and the last step's hit rate, staleness, mode."""
-        self._advance(self.trained_tokens, trained_tokens_total)
-        self._advance(self.goodput_tokens, trained_tokens_total)
-        self._advance(self.twt_seconds, twt_s_total)
+        self.trained_tokens.advance(trained_tokens_total)
+        self.goodput_tokens.advance(trained_tokens_total)
+        self.twt_seconds.advance(twt_s_total)
         self.kv_hit_rate.set(_or_nan(kv_hit_rate))
         self.staleness.set(staleness)
         for name in {*MODES, mode}:
@@ -98,31 +124,14 @@ class MetricsExporter:
         """Every snapshot: RWT so far, the buffer's RAS/TPRM now, roles (one entry per rank),
         ``kv_tokens`` {rollout rank: (used, capacity)} and ``ctb_budgets`` {rollout rank: B_r};
         a rank missing from one loses that one's series."""
-        self._advance(self.rwt_seconds, rwt_s_total)
+        self.rwt_seconds.advance(rwt_s_total)
         self.ras.set(ras)
         self.tprm_seconds.set(_or_nan(tprm_s))
         for role in {*ROLES, *roles}:
             self.ranks.labels(role=role).set(sum(1 for r in roles if r == role))
-        self._set_per_rank(self.kv_tokens_used, {r: used for r, (used, _) in kv_tokens.items()})
-        self._set_per_rank(self.kv_tokens_capacity,
-                           {r: capacity for r, (_, capacity) in kv_tokens.items()})
-        self._set_per_rank(self.ctb_budget_tokens, ctb_budgets)
-
-    def _set_per_rank(self, gauge: Gauge, values: Mapping[int, float]) -> None:
-        """One series per rank in ``values``; the series of ranks no longer in it are removed."""
-        ranks = {str(r): v for r, v in values.items()}
-        for gone in self._rank_series.get(id(gauge), set()) - set(ranks):
-            gauge.remove(gone)
-        for rank, value in ranks.items():
-            gauge.labels(rank=rank).set(value)
-        self._rank_series[id(gauge)] = set(ranks)
-
-    def _advance(self, counter: Counter, total: float) -> None:
-        """Increment ``counter`` up to ``total``; a smaller total is ignored (never goes down)."""
-        delta = total - self._totals.get(id(counter), 0.0)
-        if delta > 0:
-            counter.inc(delta)
-            self._totals[id(counter)] = total
+        self.kv_tokens_used.set({r: used for r, (used, _) in kv_tokens.items()})
+        self.kv_tokens_capacity.set({r: capacity for r, (_, capacity) in kv_tokens.items()})
+        self.ctb_budget_tokens.set(ctb_budgets)
 
     # ------------------------------------------------------------------ serving
 

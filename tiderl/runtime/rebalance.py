@@ -41,8 +41,8 @@ class RebalanceDesk:
         if msg.mode not in ("", *(m.value for m in Mode)):
             reason = f"unknown RA2P mode {msg.mode!r} (decoupled or colocated)"
             self.event("rebalance_refused", reason=reason, request=_describe(msg),
-                       step=controller.step)
-            self._reply(key, "refused", reason=reason, step=controller.step)
+                       step=controller.state.step)
+            self._reply(key, "refused", reason=reason, step=controller.state.step)
             return []
         mode = Mode(msg.mode) if msg.mode else None
         return controller.submit_manual(ManualRequest(key, msg.rollout, msg.trainer, mode), now)

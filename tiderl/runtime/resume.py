@@ -19,6 +19,7 @@ and removes the rest as it starts the next one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -28,13 +29,17 @@ import msgspec
 
 from tiderl.core.step_control import ResumePoint
 from tiderl.runtime.bus import TrainSampleData
+from tiderl.runtime.errors import CoordinatorError
 from tiderl.trainer.checkpoint_meta import (
     META_FILE,
     CheckpointError,
     file_problem,
     read_meta,
+    step_dir,
     step_folders,
 )
+
+log = logging.getLogger("tiderl.coordinator")
 
 JOB_STATE = "job.json"
 RESUME_FILE = "resume.json"
@@ -211,3 +216,19 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def start_checkpoint(root: Path, version: int, keep: int, tensor_parallel: int,
+                     state: JobState) -> Path:
+    """The folder of version ``version``'s checkpoint, begun: the older ones pruned to
+    ``keep``, then ``job.json`` (the actors' meta.json completes it). CoordinatorError when it
+    would not fit: stop before the actors fill the disk mid-save."""
+
+    folder = step_dir(root, version)
+    for old in prune(root, keep, tensor_parallel, folder):
+        log.info("removed checkpoint %s", old)
+    shortfall = space_shortfall(root, folder)
+    if shortfall:
+        raise CoordinatorError(f"no disk space for checkpoint {folder.name}: {shortfall}")
+    write_job_state(folder, state)
+    return folder

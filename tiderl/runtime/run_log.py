@@ -73,6 +73,7 @@ class RunLog:
         self.last_snapshot = float("-inf")
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.events_file = open(self.run_dir / "events.jsonl", "a")  # noqa: SIM115
+        self.throttle = EventThrottle(self.event)  # events a sender could flood
 
     def elapsed(self) -> float:
         return self.clock() - self.t0
@@ -94,7 +95,7 @@ class RunLog:
         if self.exporter is not None:
             self.exporter.update_step(
                 trained_tokens_total=record.trained_tokens_total,
-                twt_s_total=sum(r.twt_s for r in controller.records),
+                twt_s_total=sum(r.twt_s for r in controller.ledger.records),
                 kv_hit_rate=record.kv_hit_rate, staleness=record.staleness_max,
                 mode=record.mode.value)
         row = record.to_dict()
@@ -107,31 +108,32 @@ class RunLog:
 
     def snapshot(self, controller: StepController, note: str) -> b.Snapshot:
         self.last_snapshot = self.clock()
-        last = controller.records[-1] if controller.records else None
+        last = controller.ledger.records[-1] if controller.ledger.records else None
         metrics = numbers(last.to_dict()) if last is not None else {}
-        book = controller.book
+        book = controller.rollout.book
         metrics.update(steps=float(controller.config.job.steps), elapsed_s=self.elapsed(),
                        active=float(book.num_active), paused=float(book.num_paused),
                        new=float(book.num_new))
         if self.exporter is not None:
             self._export_live(controller)
         return b.Snapshot(
-            step=controller.step, time=self.elapsed(),
-            roles={r: role.value for r, role in enumerate(controller.roles)}, metrics=metrics,
+            step=controller.state.step, time=self.elapsed(),
+            roles={r: role.value for r, role in enumerate(controller.state.roles)}, metrics=metrics,
             ranks=[self.rank_metrics[r] for r in sorted(self.rank_metrics)],
             mode=last.mode.value if last is not None else "", note=note,
-            ctb_budgets=controller.budgets())
+            ctb_budgets=controller.rollout.budgets())
 
     def is_snapshot_due(self) -> bool:
         return self.clock() - self.last_snapshot >= SNAPSHOT_S
 
     def _export_live(self, controller: StepController) -> None:
         assert self.exporter is not None
-        signals = controller.signals(self.clock())
+        signals = controller.tracker.signals(self.clock())
         rollout = set(controller.rollout_ranks())
         self.exporter.update_live(
             rwt_s_total=controller.rollout.rwt.total, ras=signals.ras, tprm_s=signals.tprm_s,
-            roles=[role.value for role in controller.roles], ctb_budgets=controller.budgets(),
+            roles=[role.value for role in controller.state.roles],
+            ctb_budgets=controller.rollout.budgets(),
             kv_tokens={r: (m.kv_tokens_used, m.kv_tokens_capacity)
                        for r, m in self.rank_metrics.items() if r in rollout})
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tiderl.core import commands as c
+from tiderl.core.records import reward_summary
 from tiderl.runtime import bus as b
-from tiderl.runtime.records import CoordinatorError
+from tiderl.runtime.errors import CoordinatorError
 from tiderl.runtime.trajectory_wire import sample_data
 from tiderl.trainer.sample import TrainSample
 
@@ -112,6 +113,19 @@ class StepLink:
         if any(r not in self.reports for r in live):
             return None
         return tuple(self.reports[r] for r in live)
+
+    def outcome(self, dead: set[int], now: float, kv_counters: tuple[int, int],
+                eval_reward: float | None) -> c.StepOutcome | None:
+        """The open attempt's outcome once ``complete``: its reports, the prefix-cache counters
+        of every rollout rank now, the rewards of the samples it trained."""
+        reports = self.complete(dead, now)
+        if reports is None:
+            return None
+        assert self.start is not None
+        reward_mean, solved_frac = reward_summary(self.rewards)
+        return c.StepOutcome(self.start.step, reports, kv_queries=kv_counters[0],
+                             kv_hits=kv_counters[1], reward_mean=reward_mean,
+                             solved_frac=solved_frac, eval_reward=eval_reward)
 
     def done(self) -> set[str]:
         """The step trained: its groups."""

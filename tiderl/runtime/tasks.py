@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 
 from tiderl.core.types import Admit, Decision, Pause, Resume
 from tiderl.runtime import bus as b
-from tiderl.runtime.records import GroupRun
+from tiderl.runtime.groups import GroupRun
 
 
 class TaskRouter:

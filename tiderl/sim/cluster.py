@@ -118,11 +118,11 @@ class Cluster:
         stall is a bug to see, not a short result to report)."""
         self._apply(self.controller.launch(0.0))
         self.loop.run()
-        done = len(self.controller.records)
+        done = len(self.controller.ledger.records)
         if done < self.scenario.job.steps:
             raise StepControlError(
                 f"the simulation stalled after {done} of {self.scenario.job.steps} steps at "
-                f"t={self.loop.now:.1f} s ({self.controller.phase.name.lower()}, "
+                f"t={self.loop.now:.1f} s ({self.controller.state.phase.name.lower()}, "
                 f"{self.pool.book.num_new} tasks waiting for admission)")
         return self._result()
 
@@ -230,7 +230,7 @@ class Cluster:
 
     def _on_ack(self, payload: tuple[int, int]) -> None:
         rank, version = payload
-        if self.controller.roles[rank] is Role.ROLLOUT and version > self.pool.version:
+        if self.controller.state.roles[rank] is Role.ROLLOUT and version > self.pool.version:
             self.pool.set_version(version)  # new turns start on the new weights
         self._apply(self.controller.boundary_acked(rank, version, self.loop.now))
 
@@ -238,13 +238,13 @@ class Cluster:
 
     def _result(self) -> SimResult:
         c = self.controller
-        records = c.records
+        records = c.ledger.records
         wall = records[-1].end_s if records else self.loop.now
         query, hit = self.pool.kv_counters()
         decoded = sum(e.decoded_tokens for e in self.pool.all_engines())
         open_step = c.steps.current.tokens if c.steps.current is not None else 0
         in_flight = c.buffer.buffered_tokens + open_step + self.pool.finished_in_open_groups()
-        policies: dict[str, object] = {"book": c.book, "tracker": c.tracker,
+        policies: dict[str, object] = {"book": c.rollout.book, "tracker": c.tracker,
                                        "ctb" if self.system.uses_ctb else "request":
                                        c.rollout.policy}
         if c.ers is not None:

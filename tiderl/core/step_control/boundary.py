@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiderl.core.commands import Boundary
+from tiderl.core.commands import Abort, Boundary
 from tiderl.core.step_control.config import StepControlConfig, StepControlError
 from tiderl.core.step_control.state import PendingBoundary, actors
 from tiderl.core.types import PlanReason, Role
@@ -88,3 +88,25 @@ class Boundaries:
             return False
         self.pending = None
         return True
+
+
+def dp_ranks(roles: list[Role], config: StepControlConfig) -> int:
+    """Data-parallel ranks of the actors of ``roles``: each model replica spans
+    ``tensor_parallel`` of them."""
+    return max(1, len(actors(roles, config.system.is_sync)) // config.tensor_parallel)
+
+
+def with_rollout_rank(roles: list[Role], reason: PlanReason | None, dead: set[int],
+                      config: StepControlConfig
+                      ) -> tuple[list[Role], PlanReason | None, list[Abort]]:
+    """``roles`` as a boundary can send them: a layout where no live rank rolls out (the last
+    died) moves a trainer rank to rollout (NO_ROLLOUT), as the layout limits allow; an Abort
+    when none can move."""
+    if config.system.is_sync or any(role is Role.ROLLOUT for r, role in enumerate(roles)
+                                    if r not in dead):
+        return roles, reason, []
+    moved = config.limits.with_rollout(roles, dead)
+    if moved is None:
+        return roles, PlanReason.NO_ROLLOUT, [
+            Abort("no rollout rank is left and no trainer rank can move to rollout")]
+    return moved, PlanReason.NO_ROLLOUT, []

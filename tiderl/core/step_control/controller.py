@@ -1,22 +1,8 @@
-"""The step controller: the step cycle of :mod:`tiderl.core.step_control`, composed of parts that
-own their state. Events in are its public methods (time is an argument); each returns the
-commands the adapter applies, in order (:mod:`tiderl.core.commands`).
-
-    StepController
-      state: CycleState        phase and hold, step, version, roles, dead ranks, RA2P mode
-      rollout: RolloutControl  CTB's book and policy, RWT
-      buffer: ReadyBuffer      ready groups -> micro-batches; tracker: the readiness signals
-      ers: ERSPolicy | None    plans layouts, RA2P modes and elastic batches at boundaries
-      feed: TrainingFeed       training groups out, and where each is
-      evaluation: Evaluation   evaluation phases
-      boundaries: Boundaries   the boundary out
-      steps: StepRunner        the open step, micro-batches waiting for theirs
-      ledger: Ledger           step records and totals
-      manual: ManualPlans      an operator's pending plan and held layout
-
-The parts never call each other: a part takes what it reads as arguments and returns what
-happened (commands, buffer events, a verdict on a death), and this object applies it. The phase
-diagram and the invariant are in the package docstring.
+"""The step controller: the step cycle of :mod:`tiderl.core.step_control` as one object, composed
+of the parts the package docstring lists (each owns its state; none calls another: a part takes
+what it reads as arguments and returns what happened, and this object applies it). Events in are
+its public methods (time is an argument); each returns the commands the adapter applies, in
+order (:mod:`tiderl.core.commands`).
 """
 
 from __future__ import annotations
@@ -40,26 +26,30 @@ from tiderl.core.commands import (
     PlanRefused,
     RecordStep,
     Retire,
-    StartStep,
     StepOutcome,
 )
-from tiderl.core.ctb import TaskBook
 from tiderl.core.ers import ERSPolicy
 from tiderl.core.readiness import ReadinessTracker
-from tiderl.core.records import StepRecord
-from tiderl.core.step_control.boundary import Boundaries
+from tiderl.core.step_control.boundary import Boundaries, dp_ranks, with_rollout_rank
 from tiderl.core.step_control.config import StepControlConfig, StepControlError
 from tiderl.core.step_control.evaluation import Evaluation
-from tiderl.core.step_control.faults import Death, Settlement, on_death, settle
+from tiderl.core.step_control.faults import (
+    Death,
+    NoRollout,
+    Settlement,
+    on_death,
+    rollout_left,
+    settle,
+)
 from tiderl.core.step_control.feed import TrainingFeed
-from tiderl.core.step_control.inputs import choose_step_mode, ers_input, learn_passes
+from tiderl.core.step_control.inputs import ers_input, learn_passes, rate_steps
 from tiderl.core.step_control.ledger import Ledger
 from tiderl.core.step_control.manual import ManualPlans, planned_roles
 from tiderl.core.step_control.rollout import RolloutControl
 from tiderl.core.step_control.state import CycleState, Hold, Phase, actors
-from tiderl.core.step_control.steps import StepRunner
+from tiderl.core.step_control.steps import StepRunner, step_start
 from tiderl.core.system import StepMode
-from tiderl.core.types import Decision, Group, Mode, PlanReason, ReadinessSignals, Role
+from tiderl.core.types import Decision, Group, Mode, PlanReason, Role
 
 
 class StepController:
@@ -88,41 +78,6 @@ class StepController:
 
     # ------------------------------------------------------------------ queries
 
-    @property
-    def phase(self) -> Phase:
-        return self.state.phase
-
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def version(self) -> int:
-        return self.state.version
-
-    @property
-    def roles(self) -> list[Role]:
-        return self.state.roles
-
-    @property
-    def dead(self) -> set[int]:
-        return self.state.dead
-
-    @property
-    def records(self) -> list[StepRecord]:
-        return self.ledger.records
-
-    @property
-    def book(self) -> TaskBook:
-        return self.rollout.book
-
-    def signals(self, now: float) -> ReadinessSignals:
-        return self.tracker.signals(now)
-
-    def budgets(self) -> dict[int, int]:
-        """CTB's token budget B_r of every rank it places tasks on."""
-        return {rank: record.budget for rank, record in self.book.ranks.items()}
-
     def rollout_ranks(self) -> list[int]:
         is_sync = self.config.system.is_sync
         return [r for r, role in enumerate(self.state.roles)
@@ -137,7 +92,7 @@ class StepController:
         st.t0 = st.trainer_free_at = now
         self.rollout.restart_clock(now)
         self.tracker.start_step(now)
-        self.buffer.num_dp_ranks = self._dp_ranks(st.roles)
+        self.buffer.num_dp_ranks = dp_ranks(st.roles, self.config)
         st.to(Phase.BOUNDARY)
         out = self._plan(now, is_launch=True) if self.ers is not None else []
         pending = self.boundaries.pending
@@ -151,27 +106,22 @@ class StepController:
 
     def restore_boundary(self, ready: Sequence[ReadyGroup], in_flight: Sequence[GroupSpec],
                          now: float) -> list[Command]:
-        """A resumed job's launch, once :func:`tiderl.core.step_control.restore` has set the
-        parts to its resume point: the weights of its version go to every rank (the rollout
-        ranks take tasks once their engines have them), its ready groups fill the buffer again
-        and the groups that were in flight run again."""
+        """A resumed job's launch, once :func:`.resume.restore` set the parts to its resume
+        point: its version's weights to every rank (the rollout ranks take tasks once they have
+        them), its ready groups back in the buffer, its groups in flight run again."""
         out = self._boundary(now, self.state.roles, None, is_resume=True)
         for group in ready:
             self.feed.count.ready += 1
             out += self._on_buffer(self.buffer.add_group(group, now), now)
-        for spec in in_flight:
-            self.feed.out[spec.group_id] = spec
-            self.rollout.add_group(self.source(spec), now)
-        return out + ([FeedGroups(tuple(in_flight), is_eval=False)] if in_flight else [])
+        self.feed.out.update((spec.group_id, spec) for spec in in_flight)
+        return out + self._send_groups(in_flight, False, now)
 
     def schedule(self, now: float) -> list[Decision]:
-        """One CTB round (see :meth:`RolloutControl.schedule`)."""
-        return self.rollout.schedule(now)
+        return self.rollout.schedule(now)  # one CTB round: Admit / Pause / Resume
 
     def group_ready(self, group_id: str, group: ReadyGroup | None, now: float) -> list[Command]:
-        """Every task of a group finished. ``group`` holds its training sequences; None when a
-        task produced no turn (the group cannot be trained). Evaluation groups are never
-        trained: their end only ends the evaluation phase."""
+        """Every task of a group finished: ``group`` holds its training sequences (None: a task
+        played no turn, it cannot train). An evaluation group's end only ends its phase."""
         if group_id in self.evaluation.in_flight:
             return self._evaluation_done(now) if self.evaluation.finish(group_id) else []
         self.feed.back(group_id, is_trainable=group is not None)
@@ -201,9 +151,7 @@ class StepController:
                                     num_rollout=len(self.rollout_ranks()))
         self.feed.count.trained_ids |= current.group_ids
         self.steps.current = None
-        st.step += 1
-        st.version += 1
-        st.trainer_free_at = now
+        st.updated(now)
         out: list[Command] = [RecordStep(record)]
         if st.step >= self.config.job.steps:
             out += self._boundary(now, st.roles, None, is_final=True)
@@ -245,7 +193,7 @@ class StepController:
         if death is Death.STOP:
             return [Abort(reason)]
         out: list[Command] = []
-        if rank in self.book.ranks:
+        if rank in self.rollout.book.ranks:
             out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now), True))
         st.roles[rank] = Role.IDLE
         if death is Death.ABORT_STEP:
@@ -265,12 +213,10 @@ class StepController:
         return out
 
     def submit_manual(self, request: ManualRequest, now: float) -> list[ManualReply]:
-        """An operator's layout: refused, or pending until the next post-update boundary."""
-        return self.manual.submit(request, self.config, self.state)
+        return self.manual.submit(request, self.config, self.state)  # refused, or pending
 
     def release_manual(self, key: object, now: float) -> list[ManualReply]:
-        """``--auto``: drop a pending plan and end the hold."""
-        return self.manual.release(key, self.config, self.state)
+        return self.manual.release(key, self.config, self.state)  # --auto
 
     # ------------------------------------------------------------------ the boundary
 
@@ -296,19 +242,17 @@ class StepController:
 
     def _plan(self, now: float, is_launch: bool = False,
               is_phase_over: bool = False) -> list[Command]:
-        """ERS plans the next step's layout, RA2P mode and batch; the layout limits may refuse
-        its roles (the mode and batch still apply, and ERS keeps the state it had: the moves
-        did not happen)."""
+        """ERS plans the next step's layout and RA2P mode; the layout limits may refuse its roles
+        (the mode still applies, and ERS keeps the state it had: the moves did not happen)."""
         st, ers = self.state, self.ers
         assert ers is not None
-        rate_steps = ers.config.predictive_window if ers.config.planner == "predictive" else 0
         plan, after = ers.propose(ers_input(
             step=st.step, is_eval_step=self.evaluation.is_phase(st.step),
             signals=self.tracker.signals(now), records=self.ledger.records, roles=st.roles,
             mode=st.ra2p_mode, measured=self.steps.passes, batch=self.config.job.batch,
             phase_tasks=self.evaluation.num_unfinished_tasks(st.step),
             tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over,
-            rate_steps=rate_steps))
+            rate_steps=rate_steps(ers.config)))
         st.plan_reason = plan.reason
         if is_launch and plan.reason is PlanReason.COLD_START and plan.changes:
             st.set_hold(Hold.COLD_START)  # released when batch 0 is complete
@@ -320,16 +264,11 @@ class StepController:
         else:
             out.append(PlanRefused(refusal, plan.reason))
             roles = list(st.roles)
+        # The plan's elastic batch is not applied: ERS runs under TideRL, whose steps stream, and
+        # a streaming step trains B_ideal (what is ready at its boundary is not what it will
+        # consume, and a shrunken batch closes early and ages the groups behind it out of the
+        # staleness window: fig8 discarded 16 M tokens so).
         st.ra2p_mode = plan.mode
-        if not is_launch and not self.config.system.streams:
-            # Step 0 trains B_ideal: nothing is ready yet to size it from. A streaming step
-            # trains B_ideal too: what is ready at its boundary is not what it will consume (it
-            # takes micro-batches as they come), and a shrunken batch closes early and ages the
-            # groups behind it out of the staleness window (fig8: 16 M tokens discarded).
-            # The staleness window stays B_ideal wide: sizing it by the elastic batch would
-            # throttle rollout exactly when ERS shrinks a batch because too little was ready.
-            events = self.buffer.set_batch_size(st.step, plan.batch_size, now)
-            out += self._on_buffer(events, now)
         return out + self._boundary(now, roles, plan.reason)
 
     def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None, *,
@@ -337,22 +276,18 @@ class StepController:
         """The layout ``roles`` (a trainer rank moved to rollout if no live rank would roll
         out) with the weights of this version; the ranks that leave rollout leave CTB now."""
         st, out = self.state, []
-        if not is_final and self._lacks_rollout(roles):
-            moved = self.config.limits.with_rollout(roles, st.dead)
-            if moved is None:
-                out.append(Abort("no rollout rank is left and no trainer rank can move to "
-                                 "rollout"))
-            roles, reason = moved or roles, PlanReason.NO_ROLLOUT
+        if not is_final:
+            roles, reason, out = with_rollout_rank(roles, reason, st.dead, self.config)
         old = list(st.roles)
         for rank, (src, dst) in enumerate(zip(old, roles, strict=True)):
-            if src is Role.ROLLOUT and dst is not Role.ROLLOUT and rank in self.book.ranks:
+            if src is Role.ROLLOUT and dst is not Role.ROLLOUT and rank in self.rollout.book.ranks:
                 out.append(LeaveRollout(rank, self.rollout.remove_rank(rank, now)))
         out.append(self.boundaries.send(self.config, old, roles, version=st.version,
                                         dead=st.dead, reason=reason,
-                                        placed=set(self.book.ranks), is_final=is_final,
+                                        placed=set(self.rollout.book.ranks), is_final=is_final,
                                         is_resume=is_resume))
         st.roles = list(roles)
-        self.buffer.num_dp_ranks = self._dp_ranks(st.roles)  # what comes next is cut for it
+        self.buffer.num_dp_ranks = dp_ranks(st.roles, self.config)  # what comes next is cut so
         return out
 
     def _boundary_again(self, now: float) -> list[Command]:
@@ -369,39 +304,30 @@ class StepController:
             return []
         return (self._feed_eval(now) if self.state.step > 0 else []) + self._want_step(now)
 
-    def _lacks_rollout(self, roles: list[Role]) -> bool:
-        return not self.config.system.is_sync and not any(
-            role is Role.ROLLOUT for r, role in enumerate(roles) if r not in self.state.dead)
-
     def _join(self, rank: int, now: float) -> JoinRollout:
         self.rollout.add_rank(rank, now)
         return JoinRollout(rank, self.rollout.budget)
-
-    def _dp_ranks(self, roles: list[Role]) -> int:
-        """Data-parallel ranks of the actors: each model replica spans ``tensor_parallel``."""
-        return max(1, len(actors(roles, self.config.system.is_sync))
-                   // self.config.tensor_parallel)
 
     # ------------------------------------------------------------------ feeding and the window
 
     def _feed(self, now: float) -> list[Command]:
         """Training groups up to the book's staleness throttle."""
-        specs = self.feed.due(self.book.train_admission_limit, self.state.step)
-        for spec in specs:
-            self.rollout.add_group(self.source(spec), now)
-        return [FeedGroups(specs, is_eval=False)] if specs else []
+        limit = self.rollout.book.train_admission_limit
+        return self._send_groups(self.feed.due(limit, self.state.step), False, now)
 
     def _feed_eval(self, now: float) -> list[Command]:
         """An evaluation phase when one is due: its groups go out beside the throttle."""
-        specs = self.evaluation.feed(self.state.step)
+        return self._send_groups(self.evaluation.feed(self.state.step), True, now)
+
+    def _send_groups(self, specs: Sequence[GroupSpec], is_eval: bool,
+                     now: float) -> list[Command]:
         for spec in specs:
             self.rollout.add_group(self.source(spec), now)
-        return [FeedGroups(specs, is_eval=True)] if specs else []
+        return [FeedGroups(tuple(specs), is_eval)] if specs else []
 
     def _evaluation_done(self, now: float) -> list[Command]:
-        """The evaluation's last group is back. It ran on an anchored version (paper Table 1:
-        stalling it "blocks global weight synchronization"), so a weight sync held meanwhile
-        goes out now; a synchronous step, whose engines it shared, may now train."""
+        """The evaluation's last group is back: a weight sync held for its anchored version goes
+        out now (paper Table 1); a synchronous step, whose engines it shared, may now train."""
         st = self.state
         if st.hold is Hold.EVALUATION:
             st.set_hold(None)
@@ -410,16 +336,16 @@ class StepController:
 
     def _retire(self, num_samples: int, now: float) -> list[Command]:
         """``num_samples`` training samples leave the staleness window: more groups may go out.
-        A failed or stale group's leave at once: held to the next boundary, they could hold it
-        forever, since that boundary may wait for the very batch they were to fill."""
-        self.book.retire(num_samples)
-        return [Retire(num_samples, self.book.train_admission_limit), *self._feed(now)]
+        A failed or stale group's leave at once (held to the next boundary, they could hold it
+        for ever: that boundary may wait for the very batch they were to fill)."""
+        self.rollout.book.retire(num_samples)
+        return [Retire(num_samples, self.rollout.book.train_admission_limit), *self._feed(now)]
 
     def _retire_trained(self, now: float) -> list[Command]:
         """The trained samples leave the window once every rollout rank has the new version."""
         retired = self.ledger.trained_samples + self.buffer.discarded.samples \
             + self.feed.failed_samples
-        lag = retired - self.book.num_retired_train
+        lag = retired - self.rollout.book.num_retired_train
         return self._retire(lag, now) if lag > 0 and not self.boundaries.is_syncing else []
 
     # ------------------------------------------------------------------ steps
@@ -479,44 +405,19 @@ class StepController:
         trainer rank died, the ones its failed attempt had)."""
         st, steps, is_sync = self.state, self.steps, self.config.system.is_sync
         st.to(Phase.TRAINING)
-        start = self._layout_step(self.tracker.signals(now))  # TPRM of the arrivals so far
-        dp_ranks = max(1, len(start.actor_ranks) // self.config.tensor_parallel)
-        self.buffer.num_dp_ranks = dp_ranks
-        waiting = self.buffer.recut(st.step, steps.waiting.pop(st.step, []), dp_ranks)
-        resent = []
-        if steps.retry is None:
-            self.tracker.start_step(now)
-            ready_at = now if is_sync else st.trainer_free_at  # sync: it was rolling out
-            steps.open(start, now, ready_at, self.tracker.step_ras)
-        else:
-            start, resent = steps.open_again(start, self.config.ra2p.max_aggregate)
+        start, st.ra2p_mode = step_start(  # RA2P chooses on the TPRM of the arrivals so far
+            st, self.config, self.tracker.signals(now), self.steps.passes, self.ledger.records,
+            is_chosen_by_ra2p=self.ers is None and not self.manual.is_held)
+        num_dp = max(1, len(start.actor_ranks) // self.config.tensor_parallel)
+        self.buffer.num_dp_ranks = num_dp
+        waiting = self.buffer.recut(st.step, steps.waiting.pop(st.step, []), num_dp)
+        ready_at = now if is_sync else st.trainer_free_at  # sync: it was rolling out
+        start, resent = steps.begin(start, now, ready_at, self.tracker,
+                                    self.config.ra2p.max_aggregate)
         self.rollout.park(now, is_sync)
         out: list[Command] = [start, *(steps.send(mb) for mb in resent)]
         out += [steps.dispatch(mb, self.buffer) for mb in waiting]
         return out + steps.close_if_complete(st.step)
-
-    def _layout_step(self, signals: ReadinessSignals) -> StartStep:
-        """The step's mode and ranks. ERS plans the mode with the layout (its break-even is
-        RA2P's cost model); without ERS, and outside a held manual plan, RA2P chooses each step.
-        A colocated step runs on the actor ranks only (a Ref rank then waits)."""
-        st, system = self.state, self.config.system
-        if system.is_sync:
-            return StartStep(st.step, StepMode.BATCH, (), tuple(sorted(actors(st.roles, True))),
-                             0)
-        actor_ranks = tuple(r for r, role in enumerate(st.roles) if role is Role.ACTOR)
-        refs = tuple(r for r, role in enumerate(st.roles) if role is Role.REF)
-        fixed = system.fixed_step_mode
-        if fixed is not None:
-            return StartStep(st.step, fixed, (), actor_ranks, 0 if fixed is StepMode.BATCH else 1)
-        if not refs:
-            st.ra2p_mode = Mode.COLOCATED
-        elif self.ers is None and not self.manual.is_held:
-            st.ra2p_mode = choose_step_mode(self.config.ra2p, signals, self.steps.passes,
-                                            len(refs), len(actor_ranks), self.ledger.records)
-        if st.ra2p_mode is Mode.DECOUPLED:
-            return StartStep(st.step, StepMode.DECOUPLED, refs, actor_ranks, 1)
-        return StartStep(st.step, StepMode.COLOCATED, (), actor_ranks,
-                         self.config.ra2p.max_aggregate)
 
     # ------------------------------------------------------------------ faults
 
@@ -524,34 +425,26 @@ class StepController:
         """No live actor updated the step: it opens again with the micro-batches it had, after
         a boundary without an update when an actor died (the ranks left wrap their new actor
         set)."""
-        st = self.state
-        self.steps.run_again()
-        retry = self.steps.retry
-        assert retry is not None
+        st, retry = self.state, self.steps.run_again()
         if set(retry.start.actor_ranks) <= actors(st.roles, self.config.system.is_sync):
             st.to(Phase.WAITING)  # a Ref rank died
             return self._want_step(now)
         return self._boundary(now, st.roles, PlanReason.TRAINER_LOST)
 
     def _check_rollout_left(self, last: int, now: float) -> list[Command]:
-        """No rollout rank is left (``last`` was the last; -1: not known here): no group can
-        come, so the open batch closes with the groups it holds (a smaller batch, as ERS's
-        elastic one) and the boundary after its step moves a trainer rank to rollout
-        (:meth:`_boundary`). A batch with no group: with no step open, a boundary without an
-        update moves the rank now; a step open on it cannot train, and the job stops (it
-        resumes from its last checkpoint)."""
+        """No rollout rank is left (``last`` was the last; -1: not known): see
+        :func:`.faults.rollout_left`."""
         st, buffer = self.state, self.buffer
-        if self.rollout_ranks() or self.config.system.is_sync \
-                or st.phase in (Phase.BOUNDARY, Phase.FINISHED):
-            return []  # a boundary in flight: checked again when the step opens (_want_step)
-        if buffer.open_batch != st.step:
-            return []  # the step's batch is complete already; the boundary after it moves a rank
-        if buffer.assigned_samples:
+        verdict = rollout_left(st, buffer, self.steps.current, self.config.system,
+                               has_rollout=bool(self.rollout_ranks()))
+        if verdict is NoRollout.SHRINK:
             return self._on_buffer(buffer.set_batch_size(st.step, buffer.assigned_samples, now),
                                    now)
-        if self.steps.current is None:
+        if verdict is NoRollout.MOVE_NOW:
             st.to(Phase.BOUNDARY)
             return self._boundary(now, st.roles, PlanReason.NO_ROLLOUT)
-        which = f" (rank {last} was the last)" if last >= 0 else ""
-        return [Abort(f"no rollout rank is left{which} and step {st.step} is open on a batch "
-                      "with no group")]
+        if verdict is NoRollout.STOP:
+            which = f" (rank {last} was the last)" if last >= 0 else ""
+            return [Abort(f"no rollout rank is left{which} and step {st.step} is open on a "
+                          "batch with no group")]
+        return []

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from enum import Enum
 
+from tiderl.core.buffer import ReadyBuffer
 from tiderl.core.commands import StepOutcome
 from tiderl.core.ers import TRAINER_ROLES
 from tiderl.core.step_control.config import LayoutLimits, StepControlError
 from tiderl.core.step_control.state import CycleState, OpenStep, PendingBoundary, Phase, actors
+from tiderl.core.system import SystemSpec
 
 
 class Death(str, Enum):
@@ -42,6 +44,15 @@ class Death(str, Enum):
     TRAINER_LOST = "trainer_lost"
     NOTHING = "nothing"
     LEAVE = "leave"
+
+
+class NoRollout(str, Enum):
+    """What the cycle does when no rollout rank is left (:func:`rollout_left`)."""
+
+    NOTHING = "nothing"  # a rollout rank is left, a boundary is in flight, or the batch is whole
+    SHRINK = "shrink"  # the open batch closes with the groups it holds
+    MOVE_NOW = "move_now"  # no group, no step open: a boundary moves a trainer rank now
+    STOP = "stop"  # no group, and a step is open on the batch: the job stops (resumable)
 
 
 class Settlement(str, Enum):
@@ -99,3 +110,19 @@ def settle(current: OpenStep, outcome: StepOutcome, dead: set[int]) -> tuple[Set
             f"{[r.rank for r in actor_reports if r.failed]} did not (a trainer rank died in "
             "the reduction): the replicas differ")
     return Settlement.RUN_AGAIN, ""
+
+
+def rollout_left(state: CycleState, buffer: ReadyBuffer, current: OpenStep | None,
+                 system: SystemSpec, has_rollout: bool) -> NoRollout:
+    """No rollout rank is left: no group can come, so the open batch closes with the groups it
+    holds (a smaller batch, as ERS's elastic one) and the boundary after its step moves a
+    trainer rank to rollout. A batch with no group: with no step open, a boundary without an
+    update moves the rank now; a step open on it cannot train, and the job stops (it resumes
+    from its last checkpoint). Checked again when a step opens while a boundary is in flight,
+    and nothing to do once the step's batch is complete (the boundary after it moves a rank)."""
+    if has_rollout or system.is_sync or state.phase in (Phase.BOUNDARY, Phase.FINISHED) \
+            or buffer.open_batch != state.step:
+        return NoRollout.NOTHING
+    if buffer.assigned_samples:
+        return NoRollout.SHRINK
+    return NoRollout.MOVE_NOW if current is None else NoRollout.STOP

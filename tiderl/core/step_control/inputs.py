@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiderl.core.commands import RankReport, StartStep
-from tiderl.core.ers import ERSInput
+from tiderl.core.ers import ERSConfig, ERSInput
 from tiderl.core.ers_predict import rate_window
 from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, choose_mode, synthetic_ready_times
@@ -114,6 +114,11 @@ def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:
         out.append(r.trained_tokens / span if span > 0 else 0.0)
         prev_end = r.end_s
     return tuple(out)
+
+
+def rate_steps(config: ERSConfig) -> int:
+    """The trailing steps whose per-rank rates ERS's planner reads (the rules planner: none)."""
+    return config.predictive_window if config.planner == "predictive" else 0
 
 
 def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,

@@ -17,7 +17,7 @@ at that instant decides what the resumed job does with it:
 - evaluation groups in flight are not restored: evaluation is not training data, and the next
   phase due runs as scheduled.
 
-The dataset is a function of the group index (:class:`tiderl.runtime.records.Dataset`), so a
+The dataset is a function of the group index (:class:`tiderl.runtime.groups.Dataset`), so a
 group run again draws the same environment and seed, and the feed goes on at ``num_fed``.
 """
 
@@ -82,10 +82,10 @@ def resume_point(ctl: StepController, now: float) -> ResumePoint:
         version=st.version, elapsed_s=now - st.t0, roles=roles, num_fed=feed.num_fed,
         ready=tuple(ready), in_flight=tuple(feed.out.values()),
         trained_tokens=ledger.trained_tokens, trained_samples=ledger.trained_samples,
-        failed_samples=feed.failed_samples, num_retired=ctl.book.num_retired_train,
+        failed_samples=feed.failed_samples, num_retired=ctl.rollout.book.num_retired_train,
         discarded_tokens=buffer.discarded.tokens, discarded_groups=buffer.discarded.groups,
         discarded_samples=buffer.discarded.samples,
-        generated_tokens=ctl.rollout.generated_tokens, tasks_per_step=ctl.book.tasks_per_step,
+        generated_tokens=ctl.rollout.generated_tokens, tasks_per_step=ctl.rollout.book.tasks_per_step,
         ra2p_mode=st.ra2p_mode, eval_fed_at=ctl.evaluation.fed_at,
         groups=GroupCount(count.fed, count.ready, set(count.trained_ids), count.stale,
                           count.failed),
@@ -126,11 +126,11 @@ def restore(ctl: StepController, point: ResumePoint, ready: Sequence[ReadyGroup]
     rollout.restart_clock(now)
     rollout.generated_tokens = point.generated_tokens
     rollout.rank_budgets.update(point.rank_budgets)
-    book = ctl.book
+    book = ctl.rollout.book
     book.retire(point.num_retired)
     book.set_tasks_per_step(point.tasks_per_step)
     # every task fed and not in flight has been admitted once: trained, dropped, or ready
-    book.num_admitted_train = (point.num_fed - len(point.in_flight)) * ctl.config.job.group_size
+    book.window.num_admitted = (point.num_fed - len(point.in_flight)) * ctl.config.job.group_size
     buffer = ctl.buffer
     buffer.open_batch = point.version
     buffer.discarded = Discarded(point.discarded_groups, point.discarded_samples,

@@ -64,6 +64,10 @@ class RolloutControl:
         return cls(make_policy(ctb), book, budget=budget, max_new_tokens=max_new_tokens,
                    now=now)
 
+    def budgets(self) -> dict[int, int]:
+        """CTB's token budget B_r of every rank it places tasks on."""
+        return {rank: record.budget for rank, record in self.book.ranks.items()}
+
     def footprint(self, context_tokens: int) -> int:
         """The KV tokens a task needs for its next turn: its context so far plus a whole
         generation (the next output's length is not known before it is generated)."""

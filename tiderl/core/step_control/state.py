@@ -81,6 +81,12 @@ class CycleState:
                                    f"{phase.value}")
         self.phase = phase
 
+    def updated(self, now: float) -> None:
+        """Step ``step`` trained: the next one is due, on the version it made."""
+        self.step += 1
+        self.version += 1
+        self.trainer_free_at = now
+
     def set_hold(self, hold: Hold | None) -> None:
         if hold is not self.hold and hold not in HOLDS[self.hold]:
             raise StepControlError(f"hold {hold} cannot follow {self.hold}")

@@ -13,14 +13,18 @@ still wait in the actors' queues), as the next attempt.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tiderl.core.buffer import ReadyBuffer
 from tiderl.core.commands import CloseStep, Command, Dispatch, StartStep
-from tiderl.core.step_control.inputs import MeasuredPasses
-from tiderl.core.step_control.state import OpenStep
+from tiderl.core.readiness import ReadinessTracker
+from tiderl.core.records import StepRecord
+from tiderl.core.step_control.config import StepControlConfig
+from tiderl.core.step_control.inputs import MeasuredPasses, choose_step_mode
+from tiderl.core.step_control.state import CycleState, OpenStep, actors
 from tiderl.core.system import StepMode
-from tiderl.core.types import MicroBatch, Mode
+from tiderl.core.types import MicroBatch, Mode, ReadinessSignals, Role
 
 
 @dataclass
@@ -53,8 +57,15 @@ class StepRunner:
         self.closed.add(batch)
         return []
 
-    def open(self, start: StartStep, now: float, ready_at: float, ras: int) -> None:
-        self.current = OpenStep(start, now, ready_at, ras)
+    def begin(self, start: StartStep, now: float, ready_at: float, tracker: ReadinessTracker,
+              max_aggregate: int) -> tuple[StartStep, list[MicroBatch]]:
+        """Open step ``start``: a new one (its RAS: what is buffered now) or, when a trainer
+        rank died in it, its next attempt (with the micro-batches to send again first)."""
+        if self.retry is not None:
+            return self.open_again(start, max_aggregate)
+        tracker.start_step(now)
+        self.current = OpenStep(start, now, ready_at, tracker.step_ras)
+        return start, []
 
     def open_again(self, start: StartStep,
                    max_aggregate: int) -> tuple[StartStep, list[MicroBatch]]:
@@ -70,13 +81,14 @@ class StepRunner:
                                is_closed=False, is_aborted=False)
         return start, retry.sent
 
-    def run_again(self) -> None:
-        """No live actor updated the open step: it opens again (``open_again``)."""
+    def run_again(self) -> OpenStep:
+        """No live actor updated the open step: it opens again (``begin``); returns it."""
         current, self.current = self.current, None
         assert current is not None
         self.retry = current
         if current.is_closed:
             self.closed.add(current.start.step)
+        return current
 
     def close_if_complete(self, step: int) -> list[Command]:
         """The step just opened closes at once when its batch was complete already."""
@@ -107,3 +119,28 @@ class StepRunner:
         current.sent.append(mb)
         current.num_micro_batches += 1
         return dispatch
+
+
+def step_start(state: CycleState, config: StepControlConfig, signals: ReadinessSignals,
+               passes: dict[Mode, MeasuredPasses], records: Sequence[StepRecord], *,
+               is_chosen_by_ra2p: bool) -> tuple[StartStep, Mode]:
+    """Step ``state.step``'s mode and ranks, and the RA2P mode from then on. ERS plans the mode
+    with the layout (its break-even is RA2P's cost model); without ERS, and outside a held
+    manual plan (``is_chosen_by_ra2p``), RA2P chooses each step. A colocated step runs on the
+    actor ranks only (a Ref rank then waits)."""
+    step, roles, system, mode = state.step, state.roles, config.system, state.ra2p_mode
+    if system.is_sync:
+        return StartStep(step, StepMode.BATCH, (), tuple(sorted(actors(roles, True))), 0), mode
+    actor_ranks = tuple(r for r, role in enumerate(roles) if role is Role.ACTOR)
+    refs = tuple(r for r, role in enumerate(roles) if role is Role.REF)
+    fixed = system.fixed_step_mode
+    if fixed is not None:
+        return StartStep(step, fixed, (), actor_ranks, 0 if fixed is StepMode.BATCH else 1), mode
+    if not refs:
+        mode = Mode.COLOCATED
+    elif is_chosen_by_ra2p:
+        mode = choose_step_mode(config.ra2p, signals, passes, len(refs), len(actor_ranks),
+                                records)
+    if mode is Mode.DECOUPLED:
+        return StartStep(step, StepMode.DECOUPLED, refs, actor_ranks, 1), mode
+    return StartStep(step, StepMode.COLOCATED, (), actor_ranks, config.ra2p.max_aggregate), mode

@@ -16,12 +16,14 @@ from pathlib import Path
 
 from tests.integration.running_job import SMALL_JOB
 from tests.integration.serving import tiderl_command
+from tests.waiting import wait_until
 from tiderl.launch.local import (
     JOB_FILE,
     JobRecord,
     LaunchError,
     group_members,
     is_running,
+    process_state,
     stop_processes,
 )
 
@@ -194,3 +196,18 @@ def assert_nothing_left(run_dir: Path) -> None:
     for record in state.processes:
         assert not is_running(record.pid), f"{record.name} (pid {record.pid}) still runs"
         assert group_members(record.pid) == [], f"children of {record.name} still run"
+
+
+KILLED_GONE_S = 10.0  # below the 15 s after which a rank left without its coordinator exits
+
+
+def wait_nothing_left(run_dir: Path) -> None:
+    """assert_nothing_left once every process a kill -9 hit has gone (each goes when it is next
+    scheduled, and a loaded machine takes a while): waited for, up to less time than any
+    process of the job would take to end by itself."""
+    def left() -> list[str]:
+        return [f"{r.name} (pid {r.pid}, state {process_state(r.pid)}, group "
+                f"{group_members(r.pid)})" for r in JobRecord.load(run_dir).processes
+                if is_running(r.pid) or group_members(r.pid)]
+    wait_until(lambda: not left(), lambda: f"nothing left: {left()}", timeout_s=KILLED_GONE_S)
+    assert_nothing_left(run_dir)

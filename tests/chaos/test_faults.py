@@ -26,6 +26,7 @@ from tests.chaos.chaos_job import (
     started,
     status_of,
     steps_done,
+    wait_nothing_left,
 )
 from tiderl.launch.local import JobRecord, is_running, stop_processes
 
@@ -170,8 +171,7 @@ def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path, mode):
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
         kill_job(JobRecord.load(run_dir))
         job.wait()
-        time.sleep(0.5)
-        assert_nothing_left(run_dir)
+        wait_nothing_left(run_dir)
         stop = resume_and_finish(jobs, tmp_path, run_dir)
         (resume,) = events(run_dir, "resume")
         assert resume["version"] >= 2
@@ -291,8 +291,8 @@ def test_the_environment_service_stopped_past_its_deadline_drops_groups_not_the_
         job, state, run_dir = started(jobs, tmp_path, "job.max_staleness=0",
                                       "env.request_timeout_s=2", "env.call_deadline_s=4")
         job.until(lambda: steps_done(run_dir) >= 1, "step 1")
-        kill(state, "env", signal.SIGSTOP)
-        time.sleep(8)
+        kill(state, "env", signal.SIGSTOP)  # until the calls in flight fail past their deadline
+        job.until(lambda: events(run_dir, "dropped_group"), "a group dropped")
         kill(state, "env", signal.SIGCONT)
         assert job.wait() == 0, job.output
         dropped = events(run_dir, "dropped_group")

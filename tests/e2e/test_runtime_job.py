@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -58,23 +57,29 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     offline_wandb(monkeypatch, tmp_path / "home")
     profile = _small(3, "runtime.rollout_ranks=1", "logging.backends=[jsonl,tensorboard,wandb]",
                      "report.plots=true")
-    knocked = threading.Event()
+    knockers: list[threading.Thread] = []
+    ended = threading.Event()
 
     def knock(state: JobRecord) -> None:
         def run() -> None:  # it knows the server's public key, not a key of the job
             job = load_job_keys(Path(state.run_dir) / "keys", 0)
             stranger = JobKeys(job.server_public, "rank-0", *zmq.curve_keypair())
-            metrics = Path(state.run_dir) / "metrics.jsonl"
+            log = Path(state.run_dir) / "logs" / "coordinator.log"
             with BusClient(state.info["bus"], stranger, rank_identity(0)) as client:
                 client.send(Hello(rank=0, pid=1, host="x", role="rollout", device="cpu"))
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and not metrics.exists():
-                    time.sleep(0.2)  # the coordinator is up once a step is done
-            knocked.set()
-        threading.Thread(target=run, daemon=True).start()
+                # connected (it keeps trying) until the coordinator, once up, has turned it away
+                while not ended.is_set() and not _rejected_a_peer(log):
+                    ended.wait(0.2)
+        knockers.append(threading.Thread(target=run, daemon=True))
+        knockers[-1].start()
 
-    result = run_local(profile, run_root=tmp_path, on_start=knock)
-    assert result.exit_code == 0 and result.report is not None and knocked.is_set()
+    try:
+        result = run_local(profile, run_root=tmp_path, on_start=knock)
+    finally:
+        ended.set()
+    for knocker in knockers:
+        knocker.join()
+    assert result.exit_code == 0 and result.report is not None and len(knockers) == 1
     metrics = _read(result.run_dir / "metrics.jsonl")
     events = _read(result.run_dir / "events.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -112,6 +117,10 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     assert f"tensorboard --logdir {(result.run_dir / 'tensorboard').resolve()}" in report
     assert f"wandb sync {wandb_run.resolve()}" in report
     _assert_all_gone(result.run_dir)  # the wandb service, the coordinator's child, too
+
+
+def _rejected_a_peer(log: Path) -> bool:
+    return log.exists() and "bus: rejected a peer" in log.read_text()
 
 
 @pytest.mark.parametrize("mode", ["sync", "stream"])

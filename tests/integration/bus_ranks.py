@@ -3,8 +3,6 @@ process: one real DEALER socket per rank, a clock the test sets, and the message
 
 from __future__ import annotations
 
-import time
-
 from tiderl.runtime.bus import (
     Ack,
     BusClient,
@@ -15,6 +13,22 @@ from tiderl.runtime.bus import (
     rank_identity,
 )
 from tiderl.runtime.coordinator import Coordinator
+
+ARRIVE_S = 60.0  # how long a message that was sent may take to arrive: longer is a hang
+# sent by the test on the coordinator's socket after what the coordinator sent (no message of a
+# job has rank -1): one connection keeps its order, so what comes before it is all there was
+MARK = Ack(rank=-1, ref=-1, ok=True, error="the end of what was sent before")
+
+
+def sent_so_far(server: BusServer, identity: bytes, client: BusClient) -> list[Message]:
+    """Every message the server had sent to ``client`` (connected as ``identity``) and it had
+    not read yet: read up to a mark sent after them."""
+    server.send(identity, MARK)
+    got: list[Message] = []
+    while (msg := client.recv(ARRIVE_S)) != MARK:
+        assert msg is not None, f"{identity!r}: not even the mark came in {ARRIVE_S:.0f} s"
+        got.append(msg)
+    return got
 
 
 class Clock:
@@ -43,33 +57,27 @@ class Ranks:
 
     def send(self, rank: int, msg: Message) -> None:
         self.clients[rank].send(msg)
-        got = self.server.recv(5.0)
+        got = self.server.recv(ARRIVE_S)
         assert got is not None, f"the coordinator did not get {type(msg).__name__}"
         self.coordinator.handle(*got)
 
-    def drain(self, rank: int, quiet_s: float = 0.1) -> list[Message]:
-        """What rank ``rank`` received since the last drain, once ``quiet_s`` passed with none
-        arriving (messages still in flight on loopback come in)."""
-        while self._take(rank, quiet_s):
-            pass
+    def drain(self, rank: int) -> list[Message]:
+        """What rank ``rank`` was sent since the last drain: all of it, in flight or not."""
+        self._take(rank)
         got, self.inbox[rank] = self.inbox[rank], []
         return got
 
-    def _take(self, rank: int, wait_s: float) -> bool:
-        """One message into rank ``rank``'s inbox (SyncWeights noted for acks); False if none."""
-        msg = self.clients[rank].recv(wait_s)
-        if msg is None:
-            return False
-        self.inbox[rank].append(msg)
-        if isinstance(msg, SyncWeights):
-            self.sync_seqs[(rank, msg.version)] = msg.seq
-        return True
+    def _take(self, rank: int) -> None:
+        """What rank ``rank`` was sent so far into its inbox (SyncWeights noted for acks)."""
+        for msg in sent_so_far(self.server, rank_identity(rank), self.clients[rank]):
+            self.inbox[rank].append(msg)
+            if isinstance(msg, SyncWeights):
+                self.sync_seqs[(rank, msg.version)] = msg.seq
 
     def ack(self, rank: int, version: int, ok: bool = True, error: str = "") -> None:
-        deadline = time.monotonic() + 5.0
-        while (rank, version) not in self.sync_seqs:
-            assert time.monotonic() < deadline, f"no SyncWeights v{version} for rank {rank}"
-            self._take(rank, 0.1)
+        if (rank, version) not in self.sync_seqs:
+            self._take(rank)
+        assert (rank, version) in self.sync_seqs, f"no SyncWeights v{version} for rank {rank}"
         self.send(rank, Ack(rank=rank, ref=self.sync_seqs.pop((rank, version)), ok=ok,
                             error=error))
 

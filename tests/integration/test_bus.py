@@ -14,6 +14,8 @@ import msgspec
 import pytest
 import zmq
 
+from tests.integration.serving import HUNG_START_S
+from tests.waiting import wait_until
 from tiderl.runtime.bus import (
     Ack,
     AdmitTask,
@@ -26,6 +28,7 @@ from tiderl.runtime.bus import (
     HeartbeatMonitor,
     Hello,
     JobKeys,
+    Message,
     RankMetrics,
     ServerKeys,
     Shutdown,
@@ -41,16 +44,19 @@ from tiderl.runtime.bus import (
 )
 
 NUM_MESSAGES = 500
+ARRIVE_S = 60.0  # how long a message may take that should arrive: longer is a hang
 
 # The rank side, run as `python -c PEER <mode> <endpoint> <keys dir>`: a real second process.
+# Its waits for the test's messages are as long as ARRIVE_S; the test kills it when done.
 PEER = """
 import os, sys, time
 import msgspec
 from tiderl.runtime.bus import *
 mode, endpoint, keys_dir = sys.argv[1:4]
+WAIT_S = 60.0
 if mode == "subscribe":
     with Subscriber(endpoint, load_job_keys(keys_dir, "operator")) as sub:
-        sys.stdout.buffer.write(msgspec.json.encode(sub.recv(timeout_s=10)))
+        sys.stdout.buffer.write(msgspec.json.encode(sub.recv(timeout_s=WAIT_S)))
     sys.exit(0)
 with BusClient(endpoint, load_job_keys(keys_dir, 3), rank_identity(3)) as bus:
     if mode == "heartbeat":
@@ -58,12 +64,12 @@ with BusClient(endpoint, load_job_keys(keys_dir, 3), rank_identity(3)) as bus:
             bus.send(Heartbeat(rank=3, sent_at=time.time()))
             time.sleep(0.02)
     bus.send(Hello(rank=3, pid=os.getpid(), host="localhost", role="rollout", device="cpu"))
-    assert bus.recv(timeout_s=10) == Ack(rank=0, ref=0, ok=True)
+    assert bus.recv(timeout_s=WAIT_S) == Ack(rank=0, ref=0, ok=True)
     for i in range(int(sys.argv[4])):
         bus.send(TurnReport(rank=3, task_id=f"t{i}", tokens=i, context_tokens=2 * i,
                             done=False, version=1))
     while True:
-        cmd = bus.recv(timeout_s=10)
+        cmd = bus.recv(timeout_s=WAIT_S)
         if isinstance(cmd, Shutdown):
             break
         bus.send(Ack(rank=3, ref=cmd.seq, ok=True, error=cmd.task_id))
@@ -94,11 +100,23 @@ def _peer(mode: str, endpoint: str, keys_dir: Path, *extra: str) -> subprocess.P
 
 def _finish(proc: subprocess.Popen) -> bytes:
     try:
-        out, err = proc.communicate(timeout=15)
+        out, err = proc.communicate(timeout=ARRIVE_S)
     finally:
         proc.kill()
     assert proc.returncode == 0, err.decode()
     return out
+
+
+def _recv_from(server: BusServer, proc: subprocess.Popen) -> tuple[bytes, Message]:
+    """The server's next message, sent by the peer process ``proc``: waited for while it runs
+    (a loaded machine starts a Python process slowly), a failure at once if it has exited."""
+    deadline = time.monotonic() + HUNG_START_S
+    while (got := server.recv(timeout_s=0.1)) is None:
+        if proc.poll() is not None and (got := server.recv(timeout_s=0)) is None:
+            raise AssertionError(f"the peer exited ({proc.returncode}) without sending: "
+                                 f"{proc.stderr.read().decode()}")
+        assert time.monotonic() < deadline, f"the peer runs but sent nothing in {HUNG_START_S} s"
+    return got
 
 
 def _rejections(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -145,7 +163,7 @@ def test_hello_ack_and_many_messages_both_ways_with_a_rank_process(
         server: BusServer, job: tuple[Path, ServerKeys]) -> None:
     proc = _peer("rank", server.endpoint, job[0], str(NUM_MESSAGES))
     try:
-        identity, hello = server.recv(timeout_s=10)
+        identity, hello = _recv_from(server, proc)
         assert identity == rank_identity(3)
         assert hello == Hello(rank=3, pid=proc.pid, host="localhost", role="rollout",
                               device="cpu")
@@ -155,15 +173,15 @@ def test_hello_ack_and_many_messages_both_ways_with_a_rank_process(
                                         seed=seq))
         reports, acks = [], []
         while len(reports) + len(acks) < 2 * NUM_MESSAGES:
-            got = server.recv(timeout_s=10)
-            assert got is not None and got[0] == identity
+            got = _recv_from(server, proc)
+            assert got[0] == identity
             (reports if isinstance(got[1], TurnReport) else acks).append(got[1])
         assert [r.tokens for r in reports] == list(range(NUM_MESSAGES))  # in order, none lost
         assert reports[7] == TurnReport(rank=3, task_id="t7", tokens=7, context_tokens=14,
                                         done=False, version=1)
         assert [(a.ref, a.error) for a in acks] == [(i, f"t{i}") for i in range(NUM_MESSAGES)]
         server.send(identity, Shutdown(seq=NUM_MESSAGES, reason="test done"))
-        _, finished = server.recv(timeout_s=10)
+        _, finished = _recv_from(server, proc)
         assert finished == TaskFinished(
             rank=3, task_id="t0", group_id="g0", reward=1.0, num_tokens=3,
             turns=[TurnData(context_ids=[1, 2], output_ids=[3], logprobs=[-0.5], version=1)])
@@ -179,8 +197,7 @@ def test_snapshot_reaches_a_subscriber_process(server: BusServer,
                         metrics={"goodput_tok_s": 99.5}, ranks=[metrics],
                         ctb_budgets={1: 90})
     proc = _peer("subscribe", server.pub_endpoint, job[0])
-    deadline = time.monotonic() + 10
-    while proc.poll() is None and time.monotonic() < deadline:  # PUB drops until SUB joins
+    while proc.poll() is None:  # a PUB drops until the SUB joins; it exits once it has one
         server.publish(snapshot)
         time.sleep(0.02)
     assert msgspec.json.decode(_finish(proc), type=Snapshot) == snapshot
@@ -196,13 +213,15 @@ def test_a_peer_with_other_keys_is_rejected_and_logged(
     with BusClient(server.endpoint, intruder_keys, rank_identity(1)) as intruder:
         intruder.send(Heartbeat(rank=1, sent_at=0.0))
         assert server.recv(timeout_s=1.0) is None
+        wait_until(lambda: _rejections(caplog), "the intruder rejected", timeout_s=ARRIVE_S)
     assert _rejections(caplog) == [
         f"bus: rejected a peer from 127.0.0.1 (unknown CURVE key {public[:8].decode()}…)"]
     assert server.gatekeeper is not None and server.gatekeeper.num_refused_keys == 1
     with BusClient(server.endpoint, load_job_keys(job[0], 1),
                    rank_identity(1)) as member:  # still serving
         member.send(Heartbeat(rank=1, sent_at=0.0))
-        assert server.recv(timeout_s=5) == (rank_identity(1), Heartbeat(rank=1, sent_at=0.0))
+        assert server.recv(timeout_s=ARRIVE_S) == (rank_identity(1),
+                                                   Heartbeat(rank=1, sent_at=0.0))
 
 
 def test_a_plain_peer_is_rejected_and_logged(server: BusServer,
@@ -215,6 +234,7 @@ def test_a_plain_peer_is_rejected_and_logged(server: BusServer,
     plain.send_multipart(encode(Heartbeat(rank=9, sent_at=0.0)))
     try:
         assert server.recv(timeout_s=1.0) is None
+        wait_until(lambda: _rejections(caplog), "the plain peer rejected", timeout_s=ARRIVE_S)
     finally:
         plain.close()
         ctx.term()
@@ -242,7 +262,7 @@ def test_malformed_messages_are_dropped_and_logged_and_serving_goes_on(
         raw.send_multipart([b"\x7f", b"\x01", b""])
         raw.send_multipart([b"\x02", b"\x01", b"\xc1"])
         raw.send_multipart(encode(Heartbeat(rank=5, sent_at=2.0)))
-        assert server.recv(timeout_s=5) == (b"rank-5", Heartbeat(rank=5, sent_at=2.0))
+        assert server.recv(timeout_s=ARRIVE_S) == (b"rank-5", Heartbeat(rank=5, sent_at=2.0))
     finally:
         raw.close()
         ctx.term()
@@ -262,14 +282,13 @@ def test_a_killed_rank_is_declared_dead(server: BusServer,
     monitor = HeartbeatMonitor(interval_s=0.02, misses=5)  # dead after 0.1 s of silence
     proc = _peer("heartbeat", server.endpoint, job[0])
     try:
-        got = server.recv(timeout_s=10)
-        assert got is not None
+        got = _recv_from(server, proc)
         monitor.beat(got[1].rank, now=time.monotonic())
         assert monitor.alive() == [3]
         proc.kill()
         proc.wait(5)
         dead: list[int] = []
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + ARRIVE_S  # 0.1 s of silence after the last beat read
         while not dead and time.monotonic() < deadline:
             got = server.recv(timeout_s=0.02)
             if got is not None:

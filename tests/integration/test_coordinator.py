@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.bus_ranks import Clock, Ranks
+from tests.integration.bus_ranks import ARRIVE_S, Clock, Ranks
 from tiderl.launch.plan import initial_roles
 from tiderl.profile import load_profile
 from tiderl.runtime.bus import (
@@ -170,7 +170,7 @@ def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):
         before = (dict(job.controller.rollout.book.tasks), job.controller.state.phase)
         with BusClient(ranks.server.endpoint, None, rank_identity(7)) as stranger:
             stranger.send(Hello(rank=7, pid=1, host="h", role="rollout", device="cpu"))
-            job.handle(*ranks.server.recv(5.0))  # rank 7 is no rank of this job
+            job.handle(*ranks.server.recv(ARRIVE_S))  # rank 7 is no rank of this job
         ranks.send(0, finished(0, "g9.0", 1.0))  # a group the job never fed
         ranks.send(0, finished(0, "g0.1", 1.0))  # a task CTB has not admitted yet
         ranks.send(0, turn(0, "g0.1", 50))
@@ -318,6 +318,6 @@ def test_the_watchdog_speaks_when_nothing_moves_and_stops_the_job_later(tmp_path
 
 def ranks_recv(ranks: Ranks, rank: int, msg) -> tuple:
     ranks.clients[rank].send(msg)
-    got = ranks.server.recv(5.0)
+    got = ranks.server.recv(ARRIVE_S)
     assert got is not None
     return got

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
 from tiderl.launch.local import (
     JobRecord,
     LaunchError,
@@ -31,13 +32,21 @@ def _job(tmp_path) -> LocalExecutor:
     return LocalExecutor(JobRecord(job_id="j1", run_dir=str(tmp_path), created=time.time()))
 
 
-def _wait_for_logs(records, text="up", timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(text in Path(r.log).read_text() for r in records):
-            return
-        time.sleep(0.05)
-    raise AssertionError("processes did not start")
+def _wait_for_logs(executor: LocalExecutor, text: str = "up") -> None:
+    """Until every process has printed ``text``; fails at once if one has exited."""
+    def exited() -> str | None:
+        ended = executor.exited()
+        return f"exited: {[(r.name, code) for r, code in ended]}" if ended else None
+    wait_until(lambda: all(text in Path(r.log).read_text() for r in executor.job.processes),
+               f"{text!r} from every process", gone=exited)
+
+
+def _wait_gone(pids: list[int]) -> None:
+    """Until none of ``pids`` runs: a SIGKILL takes effect once the process is scheduled again
+    (these would otherwise sleep on for a minute)."""
+    wait_until(lambda: not any(is_running(pid) for pid in pids),
+               lambda: f"every one gone: {[(pid, process_state(pid)) for pid in pids]}",
+               timeout_s=30)
 
 
 def test_start_records_pids_and_logs_then_stop_leaves_nothing(tmp_path):
@@ -47,7 +56,7 @@ def test_start_records_pids_and_logs_then_stop_leaves_nothing(tmp_path):
                     ProcessCommand("rank1", "rank", (sys.executable, "-c", SLEEPER), rank=1,
                                    env={"TIDERL_TEST": "1"})])
     records = executor.job.processes
-    _wait_for_logs(records)
+    _wait_for_logs(executor)
     saved = json.loads((tmp_path / "job.json").read_text())
     assert [p["name"] for p in saved["processes"]] == ["env", "rank0", "rank1"]
     assert [p["pid"] for p in saved["processes"]] == [r.pid for r in records]
@@ -58,9 +67,7 @@ def test_start_records_pids_and_logs_then_stop_leaves_nothing(tmp_path):
 
     outcome = executor.stop(grace_s=1.0)
     assert outcome == {"env": "terminated", "rank0": "killed", "rank1": "terminated"}
-    time.sleep(0.1)
-    for pid in [r.pid for r in records] + stubborn_group:
-        assert not is_running(pid), (pid, process_state(pid))
+    _wait_gone([r.pid for r in records] + stubborn_group)
     assert executor.stop(grace_s=0.1) == dict.fromkeys(["env", "rank0", "rank1"], "gone")
 
 
@@ -77,9 +84,8 @@ def test_exited_reports_exit_codes(tmp_path):
     executor = _job(tmp_path)
     executor.start([ProcessCommand("quick", "rank", (sys.executable, "-c", "raise SystemExit(3)")),
                     ProcessCommand("slow", "rank", (sys.executable, "-c", SLEEPER))])
-    deadline = time.monotonic() + 10
-    while not executor.exited() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # until the quick one has ended (the slow one sleeps for a minute)
+    wait_until(executor.exited, "an exit", timeout_s=50)
     assert [(r.name, code) for r, code in executor.exited()] == [("quick", 3)]
     executor.stop(grace_s=1.0)
 

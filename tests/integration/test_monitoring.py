@@ -15,7 +15,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.integration.serving import free_port, serving, tiderl_command
+from tests.integration.serving import HUNG_START_S, free_port, serving, tiderl_command
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tests.unit.test_profile_kv import sglang_text, vllm_text
 from tiderl.engine.clients import TideRLHTTPClient
@@ -141,7 +141,7 @@ def test_profile_kv_against_a_real_engine(tmp_path):
         try:
             note = profiler.stderr.readline()  # its baseline scrape is done: send traffic now
             assert note.startswith(f"sampling {url}/metrics (tiderl engine)"), note
-            asyncio.run(_repeat_prompts(url, until=time.monotonic() + 2.0))
+            asyncio.run(_repeat_prompts(url, profiler))  # through every interval it samples
             out, err = profiler.communicate(timeout=60)
         finally:
             if profiler.poll() is None:
@@ -156,11 +156,14 @@ def test_profile_kv_against_a_real_engine(tmp_path):
     assert rates and max(rates) > 0.5  # the same 48-token prompt again: 3 full blocks hit
 
 
-async def _repeat_prompts(url: str, until: float) -> None:
+async def _repeat_prompts(url: str, profiler: subprocess.Popen) -> None:
+    """The same prompt again and again while ``profiler`` runs (it samples for seconds)."""
     sampling = SamplingParams(max_tokens=2, temperature=0.0)
+    deadline = time.monotonic() + HUNG_START_S
     async with TideRLHTTPClient(url) as client:
         k = 0
-        while time.monotonic() < until:
+        while profiler.poll() is None:
+            assert time.monotonic() < deadline, f"the profiler still runs after {HUNG_START_S} s"
             await client.generate(f"t{k}", list(range(10, 58)), sampling)
             k += 1
 

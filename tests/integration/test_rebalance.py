@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.integration.bus_ranks import ARRIVE_S, sent_so_far
 from tests.integration.running_job import running_job
 from tests.integration.serving import tiderl_command
 
@@ -158,14 +159,12 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
     from tiderl.runtime.run_log import RunLog
 
     def ask(coordinator, server, client, msg) -> list[RebalanceReply]:
+        """The coordinator's answers to ``msg``: all it sent the asker once it handled it."""
         client.send(msg)
-        got = server.recv(5.0)
+        got = server.recv(ARRIVE_S)
         assert got is not None
         coordinator.handle(*got)
-        replies = []
-        while (reply := client.recv(0.5)) is not None:
-            replies.append(reply)
-        return replies
+        return sent_so_far(server, got[0], client)
 
     def coordinator_for(mode: str, steps: int, folder: Path):
         folder.mkdir()
@@ -196,12 +195,12 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
         (reply,) = ask(job, server, b, Rebalance(seq=7, rollout=1, trainer=2, mode="decoupled"))
         assert (reply.ref, reply.status, reply.roles) == (7, "accepted",
                                                           ["rollout", "actor", "ref"])
-        (old,) = [r for r in [a.recv(1.0)] if r is not None]
+        (old,) = sent_so_far(server, b"ctl-a", a)
         assert (old.ref, old.status) == (1, "refused")
         assert old.reason == "replaced by a newer manual plan (R1/T2 decoupled)"
         (reply,) = ask(job, server, a, Rebalance(seq=2, auto=True))
         assert reply.status == "applied" and "ERS plans again" in reply.reason
-        (dropped,) = [r for r in [b.recv(1.0)] if r is not None]
+        (dropped,) = sent_so_far(server, b"ctl-b", b)
         assert (dropped.ref, dropped.status, dropped.reason) == (7, "refused",
                                                                  "withdrawn by --auto")
         assert job.controller.manual.pending is None and not job.controller.manual.is_held

@@ -142,15 +142,13 @@ def test_generate_waits_for_a_step_off_the_event_loop_and_a_cancelled_turn_leave
         turn.cancel()
         with pytest.raises(asyncio.CancelledError):
             await turn
-        for _ in range(1000):  # the queueing thread may still be on its way to the lock
-            if not eng._withdrawn:
-                break
-            await asyncio.sleep(0.01)
         return waiting, await eng.generate("u", [7, 8, 9], SamplingParams(3, 0.0))
 
     stepping = threading.Thread(target=step)
     stepping.start()
     held.wait()
+    # asyncio.run returns once its default executor's threads are done: the cancelled turn's
+    # queueing thread too, which may still have been on its way to the lock
     waiting, after = asyncio.run(scenario())
     stepping.join()
     assert seen["loop_ran"] and waiting

@@ -57,27 +57,43 @@ def test_trajectory_rebuilds_every_turns_prompt_and_reports_each_turn():
 
 
 def test_pause_holds_the_task_at_its_turn_boundary_until_resume():
+    """The pause comes while the first turn is under way (from its first report, after the
+    generation): that turn's environment step is still played, then the task holds; while it
+    holds, another task plays its whole game on the same engine and the held one plays nothing."""
     events: list[TurnEvent] = []
     loop, env = _loop(events, max_turns=3)
     task = AgentTask("p", "g", "guess", "1 1000", seed=1)
 
     async def scenario():
+        boundary = asyncio.Event()
+
+        def on_turn(event: TurnEvent) -> None:
+            events.append(event)
+            if event.task_id == "p" and _num_events(events, "p") == 1:
+                loop.pause("p")
+            elif event.task_id == "p" and _num_events(events, "p") == 2:
+                boundary.set()  # the turn under way when the pause came is played out
+
+        loop.on_turn = on_turn
         running = asyncio.create_task(loop.run(task))
-        while not events:  # let the first turn happen
-            await asyncio.sleep(0.01)
-        loop.pause("p")
-        await asyncio.sleep(0.3)
-        held = len(events)
+        await boundary.wait()
+        other = await loop.run(AgentTask("q", "g", "guess", "1 1000", seed=5))
+        held = _num_events(events, "p")
         paused_sessions = [s for s in env.service.table.sessions.values()
                            if s.state is SessionState.PAUSED]
         loop.resume("p")
         trajectory = await running
-        return held, len(paused_sessions), trajectory
+        return held, len(paused_sessions), other, trajectory
 
-    held, num_paused, trajectory = asyncio.run(scenario())
-    assert held <= 4  # at most the turn already under way when the pause came (2 events)
+    held, num_paused, other, trajectory = asyncio.run(scenario())
+    assert held == 2  # the turn already under way when the pause came (2 events), no more
+    assert _num_events(events, "q") == 2 * len(other.turns) >= 2  # played meanwhile
     assert num_paused == 1  # the environment session was paused while the task waited
     assert 2 * len(trajectory.turns) >= held
+
+
+def _num_events(events: list[TurnEvent], task_id: str) -> int:
+    return sum(1 for e in events if e.task_id == task_id)
 
 
 def test_context_cap_ends_the_task_with_reward_zero():
@@ -99,11 +115,15 @@ def test_a_detached_task_goes_on_from_its_carry_on_another_loop():
                        max_turns=6, max_context_tokens=4096, on_turn=events.append)
     task = AgentTask("d", "g", "guess", "1 1000", seed=3)
 
+    def on_turn(event: TurnEvent) -> None:
+        events.append(event)
+        if len(events) == 2:  # the first turn played: it stops at the boundary that follows
+            first.detach("d")
+
+    first.on_turn = on_turn
+
     async def scenario():
         running = asyncio.create_task(first.run(task))
-        while len(events) < 2:
-            await asyncio.sleep(0.005)
-        first.detach("d")
         try:
             await running
         except TaskDetachedError as exc:

@@ -3,6 +3,7 @@ semantics (real threads), and the per-micro-batch times a rank reports."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -41,28 +42,41 @@ def _mb(mb_id: int, *ids: str) -> tuple[MicroBatch, list[TrainSample]]:
 
 def test_a_streamed_step_blocks_until_data_or_close_and_knows_its_last_micro_batch():
     step = StreamedStep()
-    seen: list[tuple[int, bool]] = []
+    seen: queue.Queue[tuple[int, bool]] = queue.Queue()
 
     def consume() -> None:
         index = 0
         while step.wait(index):
-            seen.append((index, step.is_last(index)))
+            seen.put((index, step.is_last(index)))
             index += 1
 
     worker = threading.Thread(target=consume)
     worker.start()
     step.add(*_mb(0, "a", "b"))
-    time.sleep(0.05)
-    assert seen == []  # mb 0 arrived, but whether it is the last one is not known yet
+    time.sleep(0.05)  # time to answer too early, if it would
+    assert seen.empty()  # mb 0 arrived, but whether it is the last one is not known yet
     step.add(*_mb(1, "c"))
+    assert _answer(seen) == (0, False)
     time.sleep(0.05)
-    assert seen == [(0, False)]
+    assert seen.empty()  # nor whether mb 1 is
     step.close()
-    worker.join(timeout=5)
-    assert seen == [(0, False), (1, True)]
+    assert _answer(seen) == (1, True)
+    worker.join(ANSWER_S)
+    assert not worker.is_alive() and seen.empty()  # closed: no third micro-batch
     assert step.num_loss_tokens == 6 and step.num_ready() == 2
     with pytest.raises(ValueError, match="after its step was closed"):
         step.add(*_mb(2, "d"))
+
+
+ANSWER_S = 30.0  # a consumer thread that has not answered by then never will
+
+
+def _answer(seen: queue.Queue[tuple[int, bool]]) -> tuple[int, bool]:
+    """The consumer's next answer, once it has given it."""
+    try:
+        return seen.get(timeout=ANSWER_S)
+    except queue.Empty:
+        raise AssertionError(f"the consumer gave no answer in {ANSWER_S:.0f} s") from None
 
 
 def test_phase_times_are_per_micro_batch_and_waits_add_up():

@@ -71,11 +71,11 @@ def _runs(num_ranks: int, extras: bool = True) -> list[tuple[str, list[str]]]:
     """Every mode unpinned; then (``extras``) tiderl with the predictive planner, and tiderl and
     the default split again with each rank pinned to its own cores
     (``runtime.cpu_affinity=spread``)."""
-    runs = [("sync", ["runtime.mode=sync", f"runtime.rollout_ranks={num_ranks}"])]
-    runs += [(f"async-r{r}", ["runtime.mode=async", f"runtime.rollout_ranks={r}"])
+    runs = [("sync", ["runtime.system=sync", f"runtime.rollout_ranks={num_ranks}"])]
+    runs += [(f"async-r{r}", ["runtime.system=async", f"runtime.rollout_ranks={r}"])
              for r in range(1, num_ranks)]
-    runs += [("stream", ["runtime.mode=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
-             ("tiderl", ["runtime.mode=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
+    runs += [("stream", ["runtime.system=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
+             ("tiderl", ["runtime.system=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
     if not extras:
         return runs
     runs += [("tiderl-predictive", [*runs[-1][1], "ers.planner=predictive"]),

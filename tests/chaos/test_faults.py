@@ -76,7 +76,7 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
     """The open batch closes with what it holds and the next boundary moves a trainer rank to
     rollout; if the batch held nothing, the job stops with its resume line instead."""
     with chaos(tmp_path) as jobs:
-        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", "runtime.mode=async")
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", "runtime.system=async")
         job.until(lambda: steps_done(run_dir) >= 2, "step 2")
         kill(state, "rank0")  # the one rollout rank
         code = job.wait()
@@ -95,7 +95,7 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
     ("actor", signal.SIGSTOP, ()),  # past its heartbeats: stopped for good with the job
     ("ref", signal.SIGKILL, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
     ("ref", signal.SIGSTOP, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
-    ("rollout", signal.SIGKILL, ("runtime.mode=sync", "runtime.rollout_ranks=3")),  # a trainer
+    ("rollout", signal.SIGKILL, ("runtime.system=sync", "runtime.rollout_ranks=3")),  # a trainer
 ], ids=["actor-kill", "actor-stop", "ref-kill", "ref-stop", "sync-kill"])
 def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, sig, extra):
     """Every DDP actor holds the whole model: the step the rank died in is trained once (by the
@@ -167,7 +167,7 @@ def test_the_whole_job_killed_resumes_from_its_checkpoint(tmp_path, mode):
     with chaos(tmp_path) as jobs:
         ahead = ("runtime.num_ranks=4", "runtime.rollout_ranks=3", "job.max_staleness=2") \
             if mode == "async" else ()
-        job, _, run_dir = started(jobs, tmp_path, f"runtime.mode={mode}", *ahead)
+        job, _, run_dir = started(jobs, tmp_path, f"runtime.system={mode}", *ahead)
         job.until(lambda: checkpoint_of(run_dir, 2), "the checkpoint of step 2")
         kill_job(JobRecord.load(run_dir))
         job.wait()

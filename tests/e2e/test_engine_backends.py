@@ -35,7 +35,7 @@ def _all_gone(run_dir: Path) -> list[str]:
 
 
 def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
-    """3 steps of mode tiderl, one rollout and two actor ranks, each with its own server. ERS's
+    """3 steps of system tiderl, one rollout and two actor ranks, each with its own server. ERS's
     cold start wakes rank 2's server at launch (weights from disk) and puts it back to sleep
     after step 0; every new version reaches the rollout servers as an HF folder; CTB's pins
     reach rank 0's server (its pin counter, read while the job runs)."""

@@ -49,7 +49,7 @@ def _assert_all_gone(run_dir: Path) -> None:
 
 def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(tmp_path,
                                                                                 monkeypatch):
-    """3 steps of mode tiderl on one rollout and two actor ranks. ERS's cold start moves the
+    """3 steps of system tiderl on one rollout and two actor ranks. ERS's cold start moves the
     spare actor to rollout at launch and back after step 0 (a role switch both ways: it drops
     its engine and gets the weights and the optimizer state); the job goes on to the end.
     Meanwhile a client with other keys knocks on the bus. Its coordinator logs to TensorBoard
@@ -125,8 +125,8 @@ def _rejected_a_peer(log: Path) -> bool:
 
 @pytest.mark.parametrize("mode", ["sync", "stream"])
 def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
-    extra = ["runtime.mode=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
-        ["runtime.mode=stream", "job.eval_every=1", "job.eval_groups=1"]
+    extra = ["runtime.system=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
+        ["runtime.system=stream", "job.eval_every=1", "job.eval_groups=1"]
     profile = _small(2, *extra)
     result = run_local(profile, run_root=tmp_path)
     assert result.exit_code == 0

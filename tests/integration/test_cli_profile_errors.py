@@ -19,7 +19,7 @@ def test_set_errors_say_what_to_change():
     line = assert_one_line_error(
         tiderl("launch", "--dry-run", "--set", "runtime.num_ranks=1"), 2)
     assert line == ("error: --set: runtime.num_ranks: 1 rank cannot split into rollout and "
-                    "trainer ranks: mode tiderl needs at least 2, e.g. runtime.num_ranks=2 with "
+                    "trainer ranks: system tiderl needs at least 2, e.g. runtime.num_ranks=2 with "
                     "runtime.rollout_ranks=1")
     line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", "runtme.steps=3"), 2)
     assert line == ("error: --set runtme.steps: unknown key 'runtme' (known: job, model, engine, "

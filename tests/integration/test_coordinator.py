@@ -134,7 +134,7 @@ def test_a_cold_start_a_step_and_its_boundary_on_the_bus(tmp_path):
 
 
 def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
-    with coordinator(tmp_path, "runtime.mode=async", "runtime.rollout_ranks=2") as (
+    with coordinator(tmp_path, "runtime.system=async", "runtime.rollout_ranks=2") as (
             job, ranks, clock):
         job.launch()
         job.schedule_round()
@@ -212,7 +212,7 @@ def done(rank: int, step: int, attempt: int = 0) -> StepDone:
 
 
 def test_a_step_an_actor_died_in_runs_again_on_the_actor_left(tmp_path):
-    with coordinator(tmp_path, "runtime.mode=async") as (job, ranks, clock):
+    with coordinator(tmp_path, "runtime.system=async") as (job, ranks, clock):
         job.launch()
         job.schedule_round()
         play_group(ranks, job, "g0")
@@ -251,7 +251,7 @@ def test_a_step_an_actor_died_in_runs_again_on_the_actor_left(tmp_path):
 
 
 def test_a_step_that_fails_with_every_rank_alive_stops_the_job(tmp_path):
-    with coordinator(tmp_path, "runtime.mode=async") as (job, ranks, clock):
+    with coordinator(tmp_path, "runtime.system=async") as (job, ranks, clock):
         job.launch()
         job.schedule_round()
         play_group(ranks, job, "g0")

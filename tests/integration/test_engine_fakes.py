@@ -134,7 +134,7 @@ SMALL = [
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_a_job_rolls_out_on_attached_servers_of_each_backend(tmp_path, models, backend):
-    """2 steps of mode tiderl on one rollout and two actor ranks, each attached to its own
+    """2 steps of system tiderl on one rollout and two actor ranks, each attached to its own
     fake server: the cold start wakes rank 2's (from the model folder) and puts it back to
     sleep (ERS may move it again later), every version reaches rank 0's server by disk."""
     fakes = [(FakeVLLMServer if backend == "vllm" else FakeSGLangServer)(models / "m0")

@@ -120,13 +120,13 @@ def test_a_manual_plan_in_mode_tiderl_is_applied_held_and_handed_back(tmp_path):
 
 def test_a_fixed_split_job_takes_a_manual_layout_and_refuses_a_mode(tmp_path):
     """Mode async without ERS: the split stays fixed until an operator moves it."""
-    with running_job(tmp_path / "runs", "runtime.mode=async", "ers.enabled=false",
+    with running_job(tmp_path / "runs", "runtime.system=async", "ers.enabled=false",
                      wait_steps=1) as (state, launcher):
         run_dir = Path(state.run_dir)
         args = ("--run-root", str(tmp_path / "runs"))
         line = one_line_error(tiderl("rebalance", state.job_id, "--rollout", "1", "--trainer",
                                      "2", "--mode", "colocated", *args))
-        assert line.endswith("refused: mode async has no RA2P mode choice (only mode tiderl "
+        assert line.endswith("refused: system async has no RA2P mode choice (only system tiderl "
                              "runs decoupled or colocated): leave out --mode")
         proc = tiderl("rebalance", state.job_id, "--rollout", "2", "--trainer", "1", "--no-wait",
                       "--json", *args)
@@ -170,7 +170,7 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
         folder.mkdir()
         rollout = 3 if mode == "sync" else 1
         profile = load_profile("local", ["runtime.num_ranks=3", f"runtime.rollout_ranks={rollout}",
-                                         f"runtime.mode={mode}", f"job.steps={steps}"])
+                                         f"runtime.system={mode}", f"job.steps={steps}"])
         roles = [Role.ROLLOUT] * 3 if mode == "sync" else [Role.ROLLOUT, Role.ACTOR, Role.ACTOR]
         return profile, roles
 
@@ -180,9 +180,9 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
         sync = Coordinator(profile, server, roles, RunLog(tmp_path / "sync", time.monotonic))
         (reply,) = ask(sync, server, a, Rebalance(seq=1, rollout=2, trainer=1))
         assert (reply.ref, reply.status) == (1, "refused")
-        assert reply.reason == "mode sync: every rank rolls out and trains"
+        assert reply.reason == "system sync: every rank rolls out and trains"
         (reply,) = ask(sync, server, a, Rebalance(seq=2, auto=True))
-        assert reply.status == "refused" and reply.reason.startswith("mode sync")
+        assert reply.status == "refused" and reply.reason.startswith("system sync")
         sync.log.close()
 
         profile, roles = coordinator_for("tiderl", 5, tmp_path / "tiderl")

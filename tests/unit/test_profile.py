@@ -211,6 +211,6 @@ def test_a_tensor_parallel_megatron_job_on_whole_tp_blocks_is_accepted():
 def test_runtime_config_built_in_code_says_why_one_rank_cannot_split():
     with pytest.raises(ConfigError) as error:
         RuntimeConfig(num_ranks=1)
-    assert str(error.value) == ("num_ranks: expected at least 2 in mode tiderl (a rollout rank "
-                                "and a trainer rank; mode sync runs on one), got 1")
-    assert RuntimeConfig(num_ranks=1, rollout_ranks=1, mode="sync").num_ranks == 1
+    assert str(error.value) == ("num_ranks: expected at least 2 in system tiderl (a rollout rank "
+                                "and a trainer rank; system sync runs on one), got 1")
+    assert RuntimeConfig(num_ranks=1, rollout_ranks=1, system="sync").num_ranks == 1

@@ -16,7 +16,7 @@ def error_of(*args) -> str:
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["runtime.num_ranks=1"],
-     "runtime.num_ranks: 1 rank cannot split into rollout and trainer ranks: mode tiderl needs "
+     "runtime.num_ranks: 1 rank cannot split into rollout and trainer ranks: system tiderl needs "
      "at least 2, e.g. runtime.num_ranks=2 with runtime.rollout_ranks=1"),
     (["runtime.num_ranks=2"],  # the local profile's rollout_ranks is 2
      "runtime.rollout_ranks: 2 rollout ranks of runtime.num_ranks=2 leave no trainer rank: set "
@@ -24,8 +24,8 @@ def error_of(*args) -> str:
     (["runtime.rollout_ranks=0"],
      "runtime.rollout_ranks: a job needs at least 1 rollout rank, got 0: set "
      "runtime.rollout_ranks to 1..3 (the other ranks train)"),
-    (["runtime.mode=verl"],  # verl is sync: every rank rolls out and trains
-     "runtime.rollout_ranks: mode sync rolls out and trains on every rank: set "
+    (["runtime.system=verl"],  # verl is sync: every rank rolls out and trains
+     "runtime.rollout_ranks: system sync rolls out and trains on every rank: set "
      "runtime.rollout_ranks=4 (runtime.num_ranks), got 2"),
 ])
 def test_a_rank_split_that_cannot_be_says_what_to_set(overrides, message):
@@ -34,7 +34,7 @@ def test_a_rank_split_that_cannot_be_says_what_to_set(overrides, message):
 
 def test_rank_splits_that_can_be_are_accepted():
     assert load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1"])
-    sync = load_profile("local", ["runtime.mode=sync", "runtime.num_ranks=1",
+    sync = load_profile("local", ["runtime.system=sync", "runtime.num_ranks=1",
                                   "runtime.rollout_ranks=1"])
     assert sync.runtime.num_ranks == 1
     # a value of the wrong type is named as before, not explained as a split

@@ -447,7 +447,7 @@ def test_a_manual_plan_applies_at_the_next_boundary_and_holds_until_released():
 def test_sync_systems_and_the_last_step_refuse_manual_plans():
     sync = make(System.SYNC, (R, R))
     (reply,) = sync.release_manual("a", 0.0)
-    assert reply.reason == "mode sync: every rank rolls out and trains"
+    assert reply.reason == "system sync: every rank rolls out and trains"
     last = make(roles=(R, A, A), steps=1)
     (reply,) = last.submit_manual(ManualRequest("a", 2, 1), 0.0)
     assert reply.reason.startswith("the job is finishing: step 0 is its last")

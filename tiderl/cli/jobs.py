@@ -62,7 +62,7 @@ def status(
 def _job_row(job_record: JobRecord, summary: JobStatus) -> dict:
     """A job's line of ``tiderl status``."""
     total = "?" if summary.steps_total is None else summary.steps_total
-    return {"job": job_record.job_id, "mode": job_record.info.get("mode", ""),
+    return {"job": job_record.job_id, "system": job_record.info.get("system", ""),
             "started": f"{datetime.fromtimestamp(job_record.created):%Y-%m-%d %H:%M:%S}",
             "where": summary.where,
             "processes": f"{summary.num_running}/{summary.num_processes}",

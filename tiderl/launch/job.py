@@ -103,13 +103,13 @@ class JobResult:
 
 def job_info(profile: Profile, ep: Endpoints, **extra) -> dict:
     """job.json's ``info``: what the CLI needs to reach the job (see tiderl.launch.run_folders)."""
-    return {"mode": profile.runtime.mode, "steps": profile.job.steps,
+    return {"system": profile.runtime.system, "steps": profile.job.steps,
             "ports": dict(ep.ports), "bus": ep.bus, "pub": ep.pub, "metrics": ep.metrics,
             **extra}
 
 
 def new_job_id(profile: Profile) -> str:
-    return f"{datetime.now():%Y%m%d-%H%M%S}-{profile.runtime.mode}"
+    return f"{datetime.now():%Y%m%d-%H%M%S}-{profile.runtime.system}"
 
 
 def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path,
@@ -339,7 +339,7 @@ def _lose_rank_of(executor: Executor, engine: ProcessRecord, code: int,
     handles a dead rank (its tasks start again elsewhere); a trainer rank (its server asleep)
     trains on, but cannot roll out again: a move of it to rollout fails that boundary."""
     role = last.roles.get(engine.rank if engine.rank is not None else -1, "")
-    if role != "rollout" and executor.job.info.get("mode") != "sync":  # sync: all roll out
+    if role != "rollout" and executor.job.info.get("system") != "sync":  # sync: all roll out
         log.warning("%s; rank %s (%s) goes on without it", exit_line(engine, code),
                     engine.rank, role or "unknown role")
         return

@@ -11,10 +11,10 @@ not a rollout rank (ERS may move any rank, so every rank has one). Our own serve
 ``tiderl engine serve``) reads the run folder's profile, as every daemon does; vLLM and SGLang
 servers get the engine settings as their flags.
 
-Initial roles: in mode ``sync`` every rank is one colocated set (it rolls out, then trains). In the
-other modes ranks ``0..rollout_ranks-1`` start as rollout and the rest as trainer ranks: all actor
-(Ref colocated) unless RA2P is pinned to ``decoupled``, which needs a dedicated ref rank. ERS may
-move ranks from the first post-update boundary on.
+Initial roles: under system ``sync`` every rank is one colocated set (it rolls out, then
+trains). In the other systems ranks ``0..rollout_ranks-1`` start as rollout and the rest as
+trainer ranks: all actor (Ref colocated) unless RA2P is pinned to ``decoupled``, which needs a
+dedicated ref rank. ERS may move ranks from the first post-update boundary on.
 
 On nodes (:func:`plan_nodes`) ranks fill the nodes of hosts.yaml in order, one per device; the
 coordinator and the environment service run where hosts.yaml says. Every daemon reads the run
@@ -101,7 +101,7 @@ class LaunchPlan:
 def initial_roles(profile: Profile) -> list[Role]:
     """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
     rt = profile.runtime
-    return launch_roles(SystemSpec.named(rt.mode), rt.num_ranks, rt.rollout_ranks,
+    return launch_roles(SystemSpec.named(rt.system), rt.num_ranks, rt.rollout_ranks,
                         profile.ra2p.mode)
 
 

@@ -32,7 +32,7 @@ from tiderl.trainer.checkpoint_meta import CheckpointError, step_folders
 
 log = logging.getLogger("tiderl.launch")
 
-SHAPE_KEYS = (("runtime", "mode"), ("runtime", "num_ranks"), ("job", "group_size"),
+SHAPE_KEYS = (("runtime", "system"), ("runtime", "num_ranks"), ("job", "group_size"),
               ("trainer", "backend"), ("trainer", "tensor_parallel"), ("model", "size"),
               ("model", "path"))
 

@@ -83,7 +83,7 @@ class Profile:
                 require(getattr(rt, name) % tp == 0, f"runtime.{name}",
                         f"expected a multiple of trainer.tensor_parallel ({tp}), "
                         f"got {getattr(rt, name)}")
-            require(self.ra2p.mode == "colocated" or rt.mode != "tiderl", "ra2p.mode",
+            require(self.ra2p.mode == "colocated" or rt.system != "tiderl", "ra2p.mode",
                     "trainer.tensor_parallel > 1 runs the Ref beside its actors: set "
                     "ra2p.mode=colocated (a Ref rank of its own would need a TP group)")
 
@@ -159,18 +159,18 @@ def _check_rank_split(data: Any) -> None:
     num_ranks = runtime.get("num_ranks", defaults.num_ranks)
     rollout = runtime.get("rollout_ranks", defaults.rollout_ranks)
     try:
-        mode = System.parse(str(runtime.get("mode", defaults.mode))).value
+        system = System.parse(str(runtime.get("system", defaults.system))).value
     except ConfigError:
         return
     if type(num_ranks) is not int or type(rollout) is not int or num_ranks < 1:
         return
-    if mode == System.SYNC.value:
+    if system == System.SYNC.value:
         require(rollout == num_ranks, "runtime.rollout_ranks",
-                f"mode sync rolls out and trains on every rank: set runtime.rollout_ranks="
+                f"system sync rolls out and trains on every rank: set runtime.rollout_ranks="
                 f"{num_ranks} (runtime.num_ranks), got {rollout}")
         return
     require(num_ranks >= 2, "runtime.num_ranks",
-            f"1 rank cannot split into rollout and trainer ranks: mode {mode} needs at least "
+            f"1 rank cannot split into rollout and trainer ranks: system {system} needs at least "
             "2, e.g. runtime.num_ranks=2 with runtime.rollout_ranks=1")
     span = "=1" if num_ranks == 2 else f" to 1..{num_ranks - 1}"
     fix = f"set runtime.rollout_ranks{span} (the other ranks train)"

@@ -22,9 +22,9 @@ WANDB_MODES = ("offline", "online")
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    mode: str = "tiderl"  # the system: sync | async | stream | tiderl (verl, areal, streamrl)
+    system: str = "tiderl"  # sync | async | stream | tiderl (verl, areal, streamrl accepted)
     num_ranks: int = 4
-    rollout_ranks: int = 2  # initial split; ERS moves ranks in mode tiderl
+    rollout_ranks: int = 2  # initial split; ERS moves ranks in system tiderl
     device: str = "cpu"
     threads_per_rank: int = 1
     cpu_affinity: str = "none"  # none | spread: each rank pinned to its own cores
@@ -40,21 +40,22 @@ class RuntimeConfig:
     watchdog_factor: float = 5.0  # ... or this many mean step times, if longer
 
     def __post_init__(self) -> None:
-        require_choice(self.mode, SYSTEM_CHOICES, "mode")
-        object.__setattr__(self, "mode", System.parse(self.mode).value)
+        require_choice(self.system, SYSTEM_CHOICES, "system")
+        object.__setattr__(self, "system", System.parse(self.system).value)
         require_choice(self.device, DEVICES, "device")
         require_choice(self.cpu_affinity, CPU_AFFINITIES, "cpu_affinity")
         for name in ("num_ranks", "threads_per_rank", "heartbeat_s", "heartbeat_misses",
                      "collective_timeout_s", "checkpoint_keep", "watchdog_s", "watchdog_factor"):
             require_positive(getattr(self, name), name)
         require_non_negative(self.checkpoint_every, "checkpoint_every")
-        if self.mode == "sync":  # one colocated set: every rank rolls out, then trains
+        if self.system == "sync":  # one colocated set: every rank rolls out, then trains
             require(self.rollout_ranks == self.num_ranks, "rollout_ranks",
-                    f"expected num_ranks ({self.num_ranks}) in mode sync, got {self.rollout_ranks}")
+                    f"expected num_ranks ({self.num_ranks}) in system sync, got "
+                    f"{self.rollout_ranks}")
         else:
             require(self.num_ranks >= 2, "num_ranks",
-                    f"expected at least 2 in mode {self.mode} (a rollout rank and a trainer "
-                    f"rank; mode sync runs on one), got {self.num_ranks}")
+                    f"expected at least 2 in system {self.system} (a rollout rank and a trainer "
+                    f"rank; system sync runs on one), got {self.num_ranks}")
             require(1 <= self.rollout_ranks < self.num_ranks, "rollout_ranks",
                     f"expected 1..{self.num_ranks - 1} (at least one trainer rank), "
                     f"got {self.rollout_ranks}")

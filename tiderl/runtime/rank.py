@@ -106,7 +106,7 @@ class RankDaemon:
     def __init__(self, args: RankArgs, profile: Profile):
         self.args, self.profile = args, profile
         self.rank = args.rank
-        self.is_sync = profile.runtime.mode == "sync"
+        self.is_sync = profile.runtime.system == "sync"
         self.role = args.role
         self.version = 0
         self.world = RankWorld(args, profile)

@@ -14,7 +14,7 @@ from tiderl.profile import Profile
 
 
 def step_config(profile: Profile) -> StepControlConfig:
-    """The step cycle a profile asks the coordinator for (``runtime.mode`` names the system),
+    """The step cycle a profile asks the coordinator for (``runtime.system`` names the system),
     made by :func:`tiderl.core.step_control.effective_config` on this substrate: each rollout
     rank's engine holds ``engine.kv_cache_tokens``; without a KL term (``trainer.kl_beta`` 0) no
     step runs a Ref pass; the world's process groups and the trainer backend limit layouts."""
@@ -28,5 +28,5 @@ def step_config(profile: Profile) -> StepControlConfig:
                             else "",
                             sharded_actor_backend="fsdp2" if trainer.backend == "fsdp2"
                             else ""))
-    return effective_config(SystemSpec(System.parse(rt.mode)), profile.job, profile.ctb,
+    return effective_config(SystemSpec(System.parse(rt.system)), profile.job, profile.ctb,
                             profile.ra2p, profile.ers, substrate)

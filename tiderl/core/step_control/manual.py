@@ -21,7 +21,7 @@ from tiderl.core.step_control.state import CycleState
 from tiderl.core.system import System, SystemSpec
 from tiderl.core.types import Mode, Role, RoleChange, ScalingPlan
 
-SYNC_REFUSAL = "mode sync: every rank rolls out and trains"
+SYNC_REFUSAL = "system sync: every rank rolls out and trains"
 WITHDRAWN = "withdrawn by --auto"
 
 
@@ -44,7 +44,7 @@ def check_manual(request: ManualRequest, config: StepControlConfig, *, step: int
         return (f"the job is finishing: step {step} is its last "
                 "(no boundary is left to apply a plan at)")
     if request.mode is not None and system.system is not System.TIDERL:
-        return (f"mode {system.system.value} has no RA2P mode choice (only mode tiderl runs "
+        return (f"system {system.system.value} has no RA2P mode choice (only system tiderl runs "
                 "decoupled or colocated): leave out --mode")
     refusal = manual_refusal(tuple(roles), request.rollout, request.trainer, request.mode)
     if refusal is not None:
@@ -60,7 +60,7 @@ def after_release(system: SystemSpec, has_ers: bool) -> str:
         return "ERS plans again from the next boundary"
     if system.system is System.TIDERL:
         return "RA2P chooses the mode again from the next step"
-    return f"mode {system.system.value} has no ERS: the layout stays as it is"
+    return f"system {system.system.value} has no ERS: the layout stays as it is"
 
 
 @dataclass

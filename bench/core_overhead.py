@@ -27,9 +27,9 @@ from machine import machine_info
 from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook
 from tiderl.core.ers import ERSConfig, ERSInput, ERSPolicy
 from tiderl.core.job import BatchBounds
-from tiderl.core.ra2p import RA2PConfig, choose_mode
+from tiderl.core.ra2p import RA2PConfig, choose_placement
 from tiderl.core.readiness import readiness_signals
-from tiderl.core.types import Admit, Group, Mode, Pause, Ra2pTimings, Role, Task
+from tiderl.core.types import Admit, Group, Pause, Placement, Ra2pTimings, Role, Task
 
 NUM_RANKS = 64
 NUM_ACTIVE, NUM_PAUSED, NUM_NEW = 6_400, 1_000, 2_600
@@ -159,11 +159,11 @@ def run_ra2p(reps: int) -> dict:
     for i in range(reps):
         times = cases[i % len(cases)]
         t0 = time.perf_counter()
-        mode = choose_mode(times, TIMINGS, num_actor_ranks=8, max_aggregate=8, config=config)
+        mode = choose_placement(times, TIMINGS, num_actor_ranks=8, max_aggregate=8, config=config)
         samples.append(time.perf_counter() - t0)
         modes.append(mode)
     return {"choose_mode_ms": summarize(samples),
-            "decoupled_fraction": round(modes.count(Mode.DECOUPLED) / len(modes), 3)}
+            "decoupled_fraction": round(modes.count(Placement.DECOUPLED) / len(modes), 3)}
 
 
 def run_ers(reps: int) -> dict:
@@ -174,7 +174,8 @@ def run_ers(reps: int) -> dict:
         times = ready_times(rng, 64, rng.randint(0, 64))
         signals = readiness_signals(times, 0.0, now=30.0, samples_per_mb=8)
         inp = ERSInput(step=10 + i, is_eval_step=False, signals=signals, step_duration_s=30.0,
-                       roles=roles, mode=Mode.DECOUPLED, timings=TIMINGS, num_micro_batches=64,
+                       roles=roles, placement=Placement.DECOUPLED, timings=TIMINGS,
+                       num_micro_batches=64,
                        batch=BatchBounds(min=32, ideal=64))
         t0 = time.perf_counter()
         policy.plan(inp)

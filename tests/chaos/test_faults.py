@@ -93,8 +93,8 @@ def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
 @pytest.mark.parametrize(("role", "sig", "extra"), [
     ("actor", signal.SIGKILL, ()),
     ("actor", signal.SIGSTOP, ()),  # past its heartbeats: stopped for good with the job
-    ("ref", signal.SIGKILL, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
-    ("ref", signal.SIGSTOP, ("ra2p.mode=decoupled", "runtime.num_ranks=4")),
+    ("ref", signal.SIGKILL, ("ra2p.placement=decoupled", "runtime.num_ranks=4")),
+    ("ref", signal.SIGSTOP, ("ra2p.placement=decoupled", "runtime.num_ranks=4")),
     ("rollout", signal.SIGKILL, ("runtime.system=sync", "runtime.rollout_ranks=3")),  # a trainer
 ], ids=["actor-kill", "actor-stop", "ref-kill", "ref-stop", "sync-kill"])
 def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, sig, extra):

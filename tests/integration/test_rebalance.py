@@ -192,7 +192,8 @@ def test_the_coordinator_answers_requests_on_a_real_bus_without_ranks(tmp_path):
             "accepted", 0, ["rollout", "actor", "rollout"])
         assert job.desk.note == "manual plan R2/T1 colocated: pending (next boundary, after " \
                                 "step 0)"
-        (reply,) = ask(job, server, b, Rebalance(seq=7, rollout=1, trainer=2, mode="decoupled"))
+        (reply,) = ask(job, server, b,
+                       Rebalance(seq=7, rollout=1, trainer=2, placement="decoupled"))
         assert (reply.ref, reply.status, reply.roles) == (7, "accepted",
                                                           ["rollout", "actor", "ref"])
         (old,) = sent_so_far(server, b"ctl-a", a)

@@ -77,9 +77,9 @@ EXAMPLES = [
     Shutdown(seq=8, reason="job done"),
     Snapshot(step=5, time=12.5, roles={0: "rollout", 3: "actor"},
              metrics={"goodput_tok_s": 812.5}, ranks=[METRICS], ctb_budgets={2: 3686}),
-    Rebalance(seq=1, rollout=2, trainer=1, mode="colocated"),
+    Rebalance(seq=1, rollout=2, trainer=1, placement="colocated"),
     RebalanceReply(ref=1, status="applied", reason="", step=4, version=5,
-                   roles=["rollout", "actor", "rollout"], mode="colocated"),
+                   roles=["rollout", "actor", "rollout"], placement="colocated"),
 ]
 
 
@@ -116,12 +116,12 @@ def test_rebalance_defaults_and_kind_ranges() -> None:
     """The CLI's request carries no rank (it is not a rank's message); kinds stay in the
     direction ranges (0x01-0x1f to the coordinator, 0x20-0x3f from it)."""
     auto = Rebalance(seq=3, auto=True)
-    assert (auto.rollout, auto.trainer, auto.mode) == (0, 0, "")
+    assert (auto.rollout, auto.trainer, auto.placement) == (0, 0, "")
     assert not hasattr(auto, "rank")
     assert RebalanceReply(ref=3, status="refused", reason="x").roles == []
     assert 0x01 <= Rebalance.kind <= 0x1F and 0x20 <= RebalanceReply.kind <= 0x3F
     assert msgspec.msgpack.decode(encode(auto)[2]) == {
-        "seq": 3, "rollout": 0, "trainer": 0, "mode": "", "auto": True}
+        "seq": 3, "rollout": 0, "trainer": 0, "placement": "", "auto": True}
 
 
 @pytest.mark.parametrize("mode", list(StepMode), ids=lambda m: m.value)

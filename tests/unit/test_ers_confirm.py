@@ -30,11 +30,11 @@ from tiderl.core.types import PlanReason, RoleChange, ScalingPlan
 
 def test_a_deficit_moves_ranks_at_its_second_boundary_of_three():
     policy = ERSPolicy()
-    assert policy.plan(starved("RRRRRAAA")) == plan(mode=COL, batch=64, reason=GEN)
+    assert policy.plan(starved("RRRRRAAA")) == plan(placement=COL, batch=64, reason=GEN)
     assert policy.state == ERSState(recent=(TO_ROLLOUT,))
     assert policy.plan(balanced("RRRRRAAA", step=6)).changes == ()  # it comes back:
     third = policy.plan(starved("RRRRRAAA", step=7))
-    assert third == plan((7, A, R), mode=COL, batch=64, reason=GEN)
+    assert third == plan((7, A, R), placement=COL, batch=64, reason=GEN)
     assert policy.state == ERSState(TO_ROLLOUT)
 
 
@@ -65,12 +65,12 @@ def test_the_backlog_a_cold_start_leaves_behind_moves_nothing(make_policy, moves
     end = policy.plan(make_input(layout, step=0, volume=64, is_phase_over=True))
     assert end.reason is PlanReason.PHASE_END and apply(layout, end) == roles("RRAA")
     after_launch = policy.plan(backlogged("RRAA", step=1, ras=11, goodput=(1658.0,)))
-    assert after_launch == plan(mode=COL, batch=64, reason=CONS)  # no steady step yet
+    assert after_launch == plan(placement=COL, batch=64, reason=CONS)  # no steady step yet
     residue = policy.plan(backlogged("RRAA", step=2, ras=11, goodput=(1658.0, 2334.0)))
     assert residue.reason is CONS and bool(residue.changes) is moves_at_step_2
     if not moves_at_step_2:
         drained = policy.plan(balanced("RRAA", step=3, goodput=(1658.0, 2334.0, 2617.0)))
-        assert drained == plan(mode=COL, batch=64, reason=PlanReason.BALANCED)
+        assert drained == plan(placement=COL, batch=64, reason=PlanReason.BALANCED)
         assert policy.state == ERSState(recent=(TO_TRAINER, None))
 
 
@@ -78,11 +78,11 @@ def test_the_backlog_a_cold_start_leaves_behind_moves_nothing(make_policy, moves
 def run_alternating(config: ERSConfig, num_steps: int = 20) -> list[ScalingPlan]:
     """Generation deficit on even steps, consumption deficit on odd ones; plans applied."""
     policy = ERSPolicy(config)
-    layout, mode, plans = roles("RRRRRFAA"), DEC, []
+    layout, placement, plans = roles("RRRRRFAA"), DEC, []
     for step in range(num_steps):
         make = starved if step % 2 == 0 else backlogged
-        result = policy.plan(make(layout, mode, step=step))
-        layout, mode = apply(layout, result), result.mode
+        result = policy.plan(make(layout, placement, step=step))
+        layout, placement = apply(layout, result), result.placement
         plans.append(result)
     return plans
 
@@ -94,7 +94,7 @@ def test_alternating_signals_do_not_thrash():
     # the window of three boundaries, and nothing moves again.
     assert moves == {0: (RoleChange(5, F, R),)}
     assert [p.reason for p in plans] == [GEN, CONS] * 10
-    assert all(p.mode is COL for p in plans)
+    assert all(p.placement is COL for p in plans)
 
 
 def test_without_hysteresis_the_same_signals_thrash():
@@ -121,7 +121,7 @@ def test_an_opposite_deficit_must_come_back_within_the_window():
     policy.plan(backlogged("RRRRRAA"))
     policy.plan(balanced("RRRRRAA"))
     policy.plan(balanced("RRRRRAA"))
-    assert policy.plan(backlogged("RRRRRAA")) == plan(mode=COL, batch=64, reason=CONS)
+    assert policy.plan(backlogged("RRRRRAA")) == plan(placement=COL, batch=64, reason=CONS)
     assert policy.state == ERSState(Direction.TO_ROLLOUT, (None, None, Direction.TO_TRAINER))
 
 
@@ -129,11 +129,12 @@ def test_a_phase_is_undone_at_its_end_and_resets_hysteresis():
     policy = eager(hysteresis_steps=3)
     policy.plan(starved("RRRRFAA", DEC))  # -> RRRRRAA, direction: to rollout
     during = policy.plan(make_input("RRRRRAA", is_eval=True, volume=64))
-    assert during == plan((6, A, R), mode=COL, batch=64, reason=EVAL)  # -> RRRRRAR
+    assert during == plan((6, A, R), placement=COL, batch=64, reason=EVAL)  # -> RRRRRAR
     again = policy.plan(make_input("RRRRRAR", is_eval=True, volume=64))  # still evaluating
-    assert again == plan(mode=COL, batch=64, reason=EVAL)
+    assert again == plan(placement=COL, batch=64, reason=EVAL)
     after = policy.plan(backlogged("RRRRRAR"))
-    assert after == plan((6, R, A), mode=COL, batch=64, reason=PlanReason.PHASE_END)
+    assert after == plan((6, R, A), placement=COL, batch=64, reason=PlanReason.PHASE_END)
     assert policy.state == ERSState()
     # the phase cleared the memory of the move to rollout: the next signal acts at once
-    assert policy.plan(backlogged("RRRRRAA")) == plan((4, R, A), mode=COL, batch=64, reason=CONS)
+    moved = policy.plan(backlogged("RRRRRAA"))
+    assert moved == plan((4, R, A), placement=COL, batch=64, reason=CONS)

@@ -19,7 +19,7 @@ from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
 from tiderl.core.types import (
-    Mode,
+    Placement,
     PlanReason,
     Ra2pTimings,
     ReadinessSignals,
@@ -125,7 +125,7 @@ def test_a_predicted_gain_within_the_margin_moves_nothing():
 def predictive_input(layout: tuple[Role, ...], *, step: int, goodput: tuple[float, ...],
                      rates: RateWindow | None) -> ERSInput:
     return ERSInput(step, False, ReadinessSignals(0, 10.0, 1.0, 64, 6400), 60.0, layout,
-                    Mode.COLOCATED, Ra2pTimings(1.0, 1.0, 2.0, 0.5), 16,
+                    Placement.COLOCATED, Ra2pTimings(1.0, 1.0, 2.0, 0.5), 16,
                     BatchBounds(min=32, ideal=64), goodput=goodput,
                     rates=rates)
 
@@ -135,13 +135,13 @@ def test_a_predicted_move_takes_the_highest_rollout_ranks_and_goes_on_trial():
     w = window(supply=15_000.0, demand=1000.0, goodput=24_000.0)
     policy = ERSPolicy(PREDICTIVE, RA2PConfig())
     first = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
-    assert first == ScalingPlan((), Mode.COLOCATED, 64, PlanReason.BALANCED)  # to be confirmed
+    assert first == ScalingPlan((), Placement.COLOCATED, 64, PlanReason.BALANCED)  # to be confirmed
     assert policy.state == ERSState(recent=(Direction.TO_TRAINER,))
     got = policy.plan(predictive_input(layout, step=4, goodput=(5.0, 10.0, 10.0, 10.0),
                                        rates=w))
     moves = tuple(RoleChange(r, R, A) for r in (7, 6, 5, 4))
-    assert got == ScalingPlan(moves, Mode.COLOCATED, 64, PREDICTED)  # a full batch ready
-    assert policy.state.trial == Trial(Direction.TO_TRAINER, moves, Mode.COLOCATED, 4, 10.0)
+    assert got == ScalingPlan(moves, Placement.COLOCATED, 64, PREDICTED)  # a full batch ready
+    assert policy.state.trial == Trial(Direction.TO_TRAINER, moves, Placement.COLOCATED, 4, 10.0)
 
 
 def test_a_predicted_move_to_rollout_lends_the_highest_actor_ranks():
@@ -150,8 +150,8 @@ def test_a_predicted_move_to_rollout_lends_the_highest_actor_ranks():
     policy = ERSPolicy(replace(PREDICTIVE, confirm_steps=1), RA2PConfig())
     got = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=w))
     moves = tuple(RoleChange(r, A, R) for r in (31, 30, 29, 28))
-    assert got == ScalingPlan(moves, Mode.COLOCATED, 64, PREDICTED)
-    assert policy.state.trial == Trial(Direction.TO_ROLLOUT, moves, Mode.COLOCATED, 3, 10.0)
+    assert got == ScalingPlan(moves, Placement.COLOCATED, 64, PREDICTED)
+    assert policy.state.trial == Trial(Direction.TO_ROLLOUT, moves, Placement.COLOCATED, 3, 10.0)
 
 
 def test_a_predicted_move_that_trains_slower_is_reverted():
@@ -159,7 +159,7 @@ def test_a_predicted_move_that_trains_slower_is_reverted():
     policy = ERSPolicy(PREDICTIVE, RA2PConfig())
     moves = tuple(RoleChange(r, R, A) for r in (3, 2))
     policy.state = ERSState(Direction.TO_TRAINER,
-                            trial=Trial(Direction.TO_TRAINER, moves, Mode.COLOCATED, 3, 10.0))
+                            trial=Trial(Direction.TO_TRAINER, moves, Placement.COLOCATED, 3, 10.0))
     trained = (*layout[:2], A, A, *layout[4:])  # steps 3 and 4 trained slower on this layout
     got = policy.plan(predictive_input(trained, step=5, goodput=(5.0, 10.0, 10.0, 8.0, 9.0),
                                        rates=None))
@@ -171,7 +171,7 @@ def test_without_measured_rates_the_predictive_planner_moves_nothing():
     policy = ERSPolicy(PREDICTIVE, RA2PConfig())
     layout = (R,) * 8 + (A,) * 24
     got = policy.plan(predictive_input(layout, step=3, goodput=(5.0, 10.0, 10.0), rates=None))
-    assert got == ScalingPlan((), Mode.COLOCATED, 64, PlanReason.BALANCED)
+    assert got == ScalingPlan((), Placement.COLOCATED, 64, PlanReason.BALANCED)
 
 
 def test_an_unknown_planner_is_a_config_error():

@@ -11,7 +11,7 @@ import torch
 
 from tiderl.core.step_control import ResumePoint
 from tiderl.core.step_control.state import GroupCount
-from tiderl.core.types import Mode, Role
+from tiderl.core.types import Placement, Role
 from tiderl.runtime.resume import (
     JobState,
     check_complete,
@@ -31,7 +31,7 @@ def point(version: int) -> ResumePoint:
         version=version, elapsed_s=1.5 * version, roles=(Role.ROLLOUT, Role.ACTOR), num_fed=4,
         ready=(), in_flight=(), trained_tokens=0, trained_samples=0, failed_samples=0,
         num_retired=0, discarded_tokens=0, discarded_groups=0, discarded_samples=0,
-        generated_tokens=0, tasks_per_step=4, ra2p_mode=Mode.COLOCATED, eval_fed_at=-1,
+        generated_tokens=0, tasks_per_step=4, placement=Placement.COLOCATED, eval_fed_at=-1,
         groups=GroupCount())
 
 

@@ -90,6 +90,9 @@ def test_old_keys_are_read_as_the_keys_they_moved_to(tmp_path):
     assert (job.batch_min_groups, job.batch_groups) == (1, 3)
     job = load_profile("local", ["runtime.steps=2", "job.group_size=4", "ers.batch_ideal=16"]).job
     assert (job.steps, job.group_size, job.batch_groups) == (2, 4, 4)
+    # the names that said "mode" for a system and for RA2P's placement
+    renamed = load_profile("local", ["runtime.mode=async", "ra2p.mode=decoupled"])
+    assert (renamed.runtime.system, renamed.ra2p.placement) == ("async", "decoupled")
 
 
 def test_an_old_key_beside_its_new_one_or_a_partial_group_is_refused(tmp_path):
@@ -184,7 +187,7 @@ def test_exponent_floats_without_a_dot_are_floats():
         load_profile("local", ["trainer.lr=fast"])
 
 
-MEGATRON = ["trainer.backend=megatron", "runtime.device=cuda", "ra2p.mode=colocated"]
+MEGATRON = ["trainer.backend=megatron", "runtime.device=cuda", "ra2p.placement=colocated"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -196,8 +199,8 @@ MEGATRON = ["trainer.backend=megatron", "runtime.device=cuda", "ra2p.mode=coloca
     ([*MEGATRON, "trainer.tensor_parallel=2", "runtime.rollout_ranks=1"],
      "runtime.rollout_ranks: expected a multiple of trainer.tensor_parallel (2), got 1"),
     ([*MEGATRON[:2], "trainer.tensor_parallel=2"],
-     "ra2p.mode: trainer.tensor_parallel > 1 runs the Ref beside its actors: set "
-     "ra2p.mode=colocated (a Ref rank of its own would need a TP group)"),
+     "ra2p.placement: trainer.tensor_parallel > 1 runs the Ref beside its actors: set "
+     "ra2p.placement=colocated (a Ref rank of its own would need a TP group)"),
 ])
 def test_trainer_backend_settings_are_checked_against_the_job(overrides, message):
     assert error_of(load_profile, "local", overrides) == f"--set: {message}"

@@ -8,7 +8,7 @@ from tiderl.core.config import ConfigError
 from tiderl.core.ra2p import (
     RA2PConfig,
     break_even_ras,
-    choose_mode,
+    choose_placement,
     cost_colocated,
     cost_decoupled,
     dispatch_zigzag,
@@ -19,7 +19,7 @@ from tiderl.core.ra2p import (
     order_smallest_last,
     synthetic_ready_times,
 )
-from tiderl.core.types import Mode, Ra2pTimings, SeqRef
+from tiderl.core.types import Placement, Ra2pTimings, SeqRef
 
 FAST = settings(max_examples=200, deadline=None)
 T = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)  # actor busy time 3.0
@@ -126,37 +126,38 @@ def test_costs_refuse_zero_ranks():
 PURE = RA2PConfig(decoupled_margin=0.0)
 
 
-def test_choose_mode_by_hand():
+def test_choose_placement_by_hand():
     times = [5.0, -2.0, 6.0, 0.0, 1.0]  # C_dec 16 < C_col 22
-    assert choose_mode(times, T, 2, 8, PURE) is Mode.DECOUPLED
-    assert choose_mode(times, T, 2, 8) is Mode.DECOUPLED
+    assert choose_placement(times, T, 2, 8, PURE) is Placement.DECOUPLED
+    assert choose_placement(times, T, 2, 8) is Placement.DECOUPLED
     # long gaps, 2 actors: C_dec = 1 + 33 = 34 < C_col = 30 + 0.5 + 1 + 0.5 + 3 = 35, not by 10%
-    assert choose_mode([10.0, 20.0, 30.0], T, 2, 8, PURE) is Mode.DECOUPLED
-    assert choose_mode([10.0, 20.0, 30.0], T, 2, 8) is Mode.COLOCATED
+    assert choose_placement([10.0, 20.0, 30.0], T, 2, 8, PURE) is Placement.DECOUPLED
+    assert choose_placement([10.0, 20.0, 30.0], T, 2, 8) is Placement.COLOCATED
     # 4 actors fill a longer bubble (0 + 1 + 2): C_dec = 36 > 35
-    assert choose_mode([10.0, 20.0, 30.0], T, 4, 8, PURE) is Mode.COLOCATED
+    assert choose_placement([10.0, 20.0, 30.0], T, 4, 8, PURE) is Placement.COLOCATED
 
 
 def test_tie_goes_to_colocated():
     no_swap = Ra2pTimings(t_ref=0.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.0)
     assert cost_decoupled([0.0], no_swap, 1) == cost_colocated([0.0], no_swap, 1) == 3.0
-    assert choose_mode([0.0], no_swap, 1, 1, PURE) is Mode.COLOCATED
-    assert choose_mode([], T, 1, 1, PURE) is Mode.COLOCATED
+    assert choose_placement([0.0], no_swap, 1, 1, PURE) is Placement.COLOCATED
+    assert choose_placement([], T, 1, 1, PURE) is Placement.COLOCATED
 
 
-def test_fixed_mode_is_honoured():
+def test_fixed_placement_is_honoured():
     times = [5.0, -2.0, 6.0, 0.0, 1.0]
-    assert choose_mode(times, T, 2, 8, RA2PConfig(mode="colocated")) is Mode.COLOCATED
-    assert choose_mode([0.0], T, 1, 1, RA2PConfig(mode="decoupled")) is Mode.DECOUPLED
+    colocated, decoupled = RA2PConfig(placement="colocated"), RA2PConfig(placement="decoupled")
+    assert choose_placement(times, T, 2, 8, colocated) is Placement.COLOCATED
+    assert choose_placement([0.0], T, 1, 1, decoupled) is Placement.DECOUPLED
 
 
 @FAST
 @given(dyadic_times, dyadic_timings, st.integers(1, 8), st.integers(1, 8))
-def test_choose_mode_picks_the_lower_cost(times, timings, num_actor_ranks, max_aggregate):
+def test_choose_placement_picks_the_lower_cost(times, timings, num_actor_ranks, max_aggregate):
     c_dec = reference_decoupled(times, timings, num_actor_ranks)
     c_col = reference_colocated(times, timings, max_aggregate)
-    mode = choose_mode(times, timings, num_actor_ranks, max_aggregate, PURE)
-    assert mode is (Mode.DECOUPLED if c_dec < c_col else Mode.COLOCATED)
+    mode = choose_placement(times, timings, num_actor_ranks, max_aggregate, PURE)
+    assert mode is (Placement.DECOUPLED if c_dec < c_col else Placement.COLOCATED)
 
 
 def test_break_even_by_hand():
@@ -213,8 +214,8 @@ def test_break_even_is_consistent_with_costs(n, tprm, timings, actors, cap, marg
 
 def test_config_validation():
     with pytest.raises(ConfigError) as error:
-        RA2PConfig(mode="fast")
-    assert error.value.key == "mode"
+        RA2PConfig(placement="fast")
+    assert error.value.key == "placement"
     for field in ("tokens_per_rank", "max_aggregate", "num_ref_ranks"):
         with pytest.raises(ConfigError) as error:
             RA2PConfig(**{field: 0})

@@ -44,7 +44,7 @@ from tiderl.core.step_control import (
 )
 from tiderl.core.step_control.inputs import MeasuredPasses, layout_timings
 from tiderl.core.system import StepMode, System, SystemSpec
-from tiderl.core.types import Admit, Group, Mode, PlanReason, Ra2pTimings, Role, SeqRef, Task
+from tiderl.core.types import Admit, Group, Placement, PlanReason, Ra2pTimings, Role, SeqRef, Task
 
 R, A, F, IDLE = Role.ROLLOUT, Role.ACTOR, Role.REF, Role.IDLE
 G = 2  # group size
@@ -419,8 +419,9 @@ def test_a_manual_plan_applies_at_the_next_boundary_and_holds_until_released():
                                           "live ranks")]
     request = ManualRequest("b", 2, 1)
     assert c.submit_manual(request, 0.6) == [
-        ManualReply(request, "b", "accepted", 0, roles=(R, A, R), mode=Mode.COLOCATED)]
-    newer = ManualRequest("c", 1, 2, Mode.DECOUPLED)
+        ManualReply(request, "b", "accepted", 0, roles=(R, A, R),
+                    placement=Placement.COLOCATED)]
+    newer = ManualRequest("c", 1, 2, Placement.DECOUPLED)
     out = c.submit_manual(newer, 0.7)
     assert out[0] == ManualReply(request, "b", "refused", 0,
                                  reason="replaced by a newer manual plan (R1/T2 decoupled)")
@@ -533,13 +534,13 @@ def test_without_ers_ra2p_chooses_each_step_from_the_measured_pass_times():
 
 
 def test_a_layout_not_measured_is_costed_from_the_other_with_the_ref_share_scaled():
-    colocated = {Mode.COLOCATED: MeasuredPasses(Ra2pTimings(1.0, 2.0, 4.0, 0.5), 4, 4)}
+    colocated = {Placement.COLOCATED: MeasuredPasses(Ra2pTimings(1.0, 2.0, 4.0, 0.5), 4, 4)}
     # one Ref rank for three actors computes three actors' worth of each micro-batch
-    assert layout_timings(colocated, Mode.DECOUPLED, 1, 3) == Ra2pTimings(3.0, 2.0, 4.0, 0.5)
-    assert layout_timings(colocated, Mode.COLOCATED, 0, 2) == Ra2pTimings(1.0, 2.0, 4.0, 0.5)
-    decoupled = {Mode.DECOUPLED: MeasuredPasses(Ra2pTimings(3.0, 2.0, 4.0, 0.0), 1, 3)}
-    assert layout_timings(decoupled, Mode.COLOCATED, 1, 3) == Ra2pTimings(1.0, 2.0, 4.0, 0.0)
-    assert layout_timings({}, Mode.DECOUPLED, 1, 3) is None
+    assert layout_timings(colocated, Placement.DECOUPLED, 1, 3) == Ra2pTimings(3.0, 2.0, 4.0, 0.5)
+    assert layout_timings(colocated, Placement.COLOCATED, 0, 2) == Ra2pTimings(1.0, 2.0, 4.0, 0.5)
+    decoupled = {Placement.DECOUPLED: MeasuredPasses(Ra2pTimings(3.0, 2.0, 4.0, 0.0), 1, 3)}
+    assert layout_timings(decoupled, Placement.COLOCATED, 1, 3) == Ra2pTimings(1.0, 2.0, 4.0, 0.0)
+    assert layout_timings({}, Placement.DECOUPLED, 1, 3) is None
 
 
 def test_a_refused_plan_leaves_ers_as_it_was():

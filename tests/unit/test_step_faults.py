@@ -100,7 +100,7 @@ def test_actors_that_disagree_on_the_update_stop_the_job():
 
 def test_a_ref_rank_dying_in_a_decoupled_step_runs_it_again_colocated():
     c = make(System.TIDERL, (R, F, A, A), steps=4, ers=NO_ERS,
-             ra2p=RA2PConfig(mode="decoupled", tokens_per_rank=100))
+             ra2p=RA2PConfig(placement="decoupled", tokens_per_rank=100))
     c.launch(0.0)
     (mb0,) = only(c.group_ready("g0", Ready("g0", 0), 1.0), Dispatch)  # streamed at once
     start = c.steps.current.start

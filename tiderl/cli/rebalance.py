@@ -10,7 +10,7 @@ import typer
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output
 
-MODES = ("decoupled", "colocated")
+PLACEMENTS = ("decoupled", "colocated")
 REPLY_TIMEOUT_S = 15.0  # the first answer (accepted or refused) comes within a coordinator round
 
 
@@ -18,8 +18,9 @@ def rebalance(
     job: str = typer.Argument(..., help="Job id (or the path of its run folder)."),
     rollout: int | None = typer.Option(None, "--rollout", help="Rollout ranks after the move."),
     trainer: int | None = typer.Option(None, "--trainer", help="Trainer ranks after the move."),
-    mode: str | None = typer.Option(None, "--mode",
-                                    help="RA2P mode: decoupled or colocated (default: keep)."),
+    placement: str | None = typer.Option(
+        None, "--placement", "--mode",
+        help="RA2P's placement: decoupled or colocated (default: keep; --mode is an alias)."),
     auto: bool = typer.Option(False, "--auto",
                               help="End a held manual layout: ERS plans again."),
     run_root: Path | None = typer.Option(None, "--run-root", help="Folder of the job folders."),
@@ -32,11 +33,11 @@ def rebalance(
     from tiderl.launch.rebalance import request_rebalance
     from tiderl.runtime import bus as b
 
-    if auto and (rollout is not None or trainer is not None or mode is not None):
-        raise CLIError("tiderl rebalance: --auto takes no --rollout, --trainer or --mode",
+    if auto and (rollout is not None or trainer is not None or placement is not None):
+        raise CLIError("tiderl rebalance: --auto takes no --rollout, --trainer or --placement",
                        EXIT_USAGE)
     request = b.Rebalance(seq=1, auto=True) if auto else b.Rebalance(
-        seq=1, mode=_check_mode(mode), **_check_counts(rollout, trainer))
+        seq=1, placement=_check_placement(placement), **_check_counts(rollout, trainer))
     out = Output(json_mode)
     endpoint, keys = _job_bus(job, run_root)
     reply_timeout = min(timeout, REPLY_TIMEOUT_S)
@@ -56,7 +57,7 @@ def rebalance(
                                f"it applies at the boundary after step {first.step} "
                                "(see events.jsonl)")
     payload = {"job": job, "status": final.status, "reason": final.reason, "step": final.step,
-               "version": final.version, "roles": final.roles, "mode": final.mode}
+               "version": final.version, "roles": final.roles, "placement": final.placement}
     if final.status == "refused":
         if json_mode:
             out.result(payload)
@@ -64,11 +65,11 @@ def rebalance(
     out.result(payload, lambda console: console.print(_summary(final), markup=False))
 
 
-def _check_mode(mode: str | None) -> str:
-    if mode is not None and mode not in MODES:
-        raise CLIError(f"tiderl rebalance: --mode {mode!r}: expected one of {', '.join(MODES)}",
-                       EXIT_USAGE)
-    return mode or ""
+def _check_placement(placement: str | None) -> str:
+    if placement is not None and placement not in PLACEMENTS:
+        raise CLIError(f"tiderl rebalance: --placement {placement!r}: expected one of "
+                       f"{', '.join(PLACEMENTS)}", EXIT_USAGE)
+    return placement or ""
 
 
 def _check_counts(rollout: int | None, trainer: int | None) -> dict[str, int]:
@@ -97,8 +98,9 @@ def _job_bus(job: str, run_root: Path | None):
 
 def _summary(reply) -> str:
     if reply.status == "accepted":  # --no-wait
-        return f"accepted: roles {', '.join(reply.roles)} ({reply.mode}) from the next boundary"
+        return (f"accepted: roles {', '.join(reply.roles)} ({reply.placement}) from the next "
+                "boundary")
     if reply.reason:  # --auto
         return reply.reason
     return (f"applied at version {reply.version}: roles {', '.join(reply.roles)} "
-            f"({reply.mode}); held until `tiderl rebalance JOB --auto`")
+            f"({reply.placement}); held until `tiderl rebalance JOB --auto`")

@@ -32,7 +32,7 @@ from enum import Enum
 
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
-from tiderl.core.types import MicroBatch, Mode, PlanReason, Role
+from tiderl.core.types import MicroBatch, Placement, PlanReason, Role
 
 # --------------------------------------------------------------------------- reports in
 
@@ -92,17 +92,17 @@ class StepOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ManualRequest:
-    """An operator's layout: ``rollout`` + ``trainer`` ranks, the RA2P mode (None: keep).
+    """An operator's layout: ``rollout`` + ``trainer`` ranks, RA2P's placement (None: keep).
     ``key`` identifies the requester for the replies."""
 
     key: object
     rollout: int
     trainer: int
-    mode: Mode | None = None
+    placement: Placement | None = None
 
-    def describe(self, mode: Mode | None = None) -> str:
-        """"R2/T1 colocated": the counts and mode, for events and notes."""
-        shown = mode or self.mode
+    def describe(self, placement: Placement | None = None) -> str:
+        """"R2/T1 colocated": the counts and placement, for events and notes."""
+        shown = placement or self.placement
         return f"R{self.rollout}/T{self.trainer}" + (f" {shown.value}" if shown else "")
 
 
@@ -218,7 +218,7 @@ class PlanRefused:
 @dataclass(frozen=True, slots=True)
 class ManualReply:
     """``status``: "accepted" (applies at the boundary after ``step``), "refused" (``reason``),
-    "applied" (at ``version``, with ``roles`` and ``mode``), "released" (``--auto``; ``reason``
+    "applied" (at ``version``, with ``roles`` and ``placement``), "released" (``--auto``; ``reason``
     says what happens next, ``was_held`` whether a layout was held)."""
 
     request: ManualRequest | None  # None for a release
@@ -228,7 +228,7 @@ class ManualReply:
     reason: str = ""
     version: int = 0
     roles: tuple[Role, ...] = ()
-    mode: Mode | None = None
+    placement: Placement | None = None
     was_held: bool = False
     is_at_boundary: bool = False  # decided at the post-update boundary, not on request
 

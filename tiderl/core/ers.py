@@ -2,10 +2,10 @@
 
 Called once per step at the post-update boundary, before ``sync_params``:
 
-    ERSInput (signals, roles, mode) --classify--> reason --hysteresis gate--> role moves + mode
-                                                        \\--> elastic batch size in [B_min, B_ideal]
+    ERSInput (signals, roles, placement) --classify--> reason --hysteresis gate--> role moves
+                                          \\--> RA2P placement, batch size in [B_min, B_ideal]
 
-    reason               when                                          moves             mode
+    reason               when                                          moves             placement
     COLD_START           step < cold_start_steps (nothing to train     trainer->rollout  colocated
                          yet): every trainer rank above the minimum
     EVALUATION           an evaluation phase runs: as many actor       trainer->rollout  colocated
@@ -13,7 +13,7 @@ Called once per step at the post-update boundary, before ``sync_params``:
                          tasks_per_rank, at least one), at most
                          max_eval_lend of the trainer's ranks
     PHASE_END            the phase's work is done (``is_phase_over``:  the layout before it
-                         batch 0 is ready; at the first boundary       is restored        its mode
+                         batch 0 is ready; at the first boundary       is restored        its own
                          after the evaluation groups drained)
     GENERATION_DEFICIT   the trainer starved (TWT share >              trainer->rollout  colocated
                          max_idle_trainer), rollout busy (RWT share <=
@@ -34,18 +34,18 @@ Called once per step at the post-update boundary, before ``sync_params``:
                          in, ranks picked there; the step controller holds it and skips
                          ``plan_step`` until a release)
 
-Role layout: in colocated mode every trainer rank is ACTOR (it hosts Ref and Actor and swaps);
-REF ranks exist only in decoupled mode. IDLE ranks are never moved. Ranks with the highest id move
-first. Invariant: a plan never moves a rank out of a group (rollout, trainer) that is at its
-minimum, never leaves the trainer without an actor, makes a signal-driven move only when its
-deficit was seen at ``confirm_steps`` of the last ``confirm_window`` boundaries and the
-opposite one at none (one boundary's reading, such as the backlog the cold start's lent ranks
-leave behind, moves nothing; a deficit that comes back every other boundary does), and never
-reverses the direction of the last move before ``hysteresis_steps`` boundaries of the opposite
-deficit among the last ``confirm_window`` (cold start and evaluation moves reset this
-memory). Phase moves are temporary: the layout and mode from before a cold start or evaluation
-phase come back in one plan when its work is done (``max_scale_up_per_step`` bounds
-signal-driven moves, not this restoration). A signal-driven move waits for a step after step 0
+Role layout: colocated, every trainer rank is ACTOR (it hosts Ref and Actor and swaps); REF ranks
+exist only decoupled. IDLE ranks are never moved. Ranks with the highest id move first.
+Invariant: a plan never moves a rank out of a group (rollout, trainer) that is at its minimum,
+never leaves the trainer without an actor, makes a signal-driven move only when its deficit was
+seen at ``confirm_steps`` of the last ``confirm_window`` boundaries and the opposite one at none
+(one boundary's reading, such as the backlog the cold start's lent ranks leave behind, moves
+nothing; a deficit that comes back every other boundary does), and never reverses the direction
+of the last move before ``hysteresis_steps`` boundaries of the opposite deficit among the last
+``confirm_window`` (cold start and evaluation moves reset this memory). Phase moves are
+temporary: the layout and placement from before a cold start or evaluation phase come back in
+one plan when its work is done (``max_scale_up_per_step`` bounds signal-driven moves, not this
+restoration). A signal-driven move waits for a step after step 0
 to measure against, and goes on trial.
 """
 
@@ -60,7 +60,7 @@ from tiderl.core.ers_state import Block, Direction, ERSState, Trial
 from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, break_even_ras
 from tiderl.core.types import (
-    Mode,
+    Placement,
     PlanReason,
     Ra2pTimings,
     ReadinessSignals,
@@ -134,7 +134,7 @@ class ERSInput:
     signals: ReadinessSignals
     step_duration_s: float
     roles: tuple[Role, ...]
-    mode: Mode
+    placement: Placement
     timings: Ra2pTimings  # per micro-batch, in the decoupled layout these roles have or would have
     num_micro_batches: int
     batch: BatchBounds  # the job's elastic batch, in samples
@@ -310,7 +310,7 @@ def moves_to_trainer(
     minimum), or by ``num`` of them for the predictive planner; each becomes a Ref rank while
     fewer than ``num_refs_needed`` exist, else an actor.
     Without a backlog (see ``is_backlogged``; only RAS is at the break-even) only missing Ref
-    ranks are provisioned: the decoupled mode is what that signal asks for (paper §5.2: it
+    ranks are provisioned: the decoupled placement is what that signal asks for (paper §5.2: it
     "reclaims a Rollout rank to provision a dedicated Ref rank"). With no rollout rank
     to spare, an actor becomes the missing Ref if another actor remains."""
     layout = _Layout(list(roles))
@@ -348,27 +348,27 @@ def _apply(roles: tuple[Role, ...], changes: tuple[RoleChange, ...]) -> tuple[Ro
 # --------------------------------------------------------------------------- the policy
 
 
-def _fixed_mode(ra2p: RA2PConfig) -> Mode | None:
-    return None if ra2p.mode == "auto" else Mode(ra2p.mode)
+def _fixed_placement(ra2p: RA2PConfig) -> Placement | None:
+    return None if ra2p.placement == "auto" else Placement(ra2p.placement)
 
 
 def _scale_rollout(
     inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, num_phase: int | None = None
-) -> tuple[tuple[RoleChange, ...], Mode]:
-    mode = _fixed_mode(ra2p) or Mode.COLOCATED
-    return moves_to_rollout(inp.roles, config, _kept_refs(ra2p), num_phase=num_phase), mode
+) -> tuple[tuple[RoleChange, ...], Placement]:
+    placement = _fixed_placement(ra2p) or Placement.COLOCATED
+    return moves_to_rollout(inp.roles, config, _kept_refs(ra2p), num_phase=num_phase), placement
 
 
 def _kept_refs(ra2p: RA2PConfig) -> int:
-    """Ref ranks a scale-up of rollout keeps: only a fixed decoupled mode needs them."""
-    return ra2p.num_ref_ranks if _fixed_mode(ra2p) is Mode.DECOUPLED else 0
+    """Ref ranks a scale-up of rollout keeps: only a fixed decoupled placement needs them."""
+    return ra2p.num_ref_ranks if _fixed_placement(ra2p) is Placement.DECOUPLED else 0
 
 
 def _scale_trainer(
     inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig, num: int | None = None
-) -> tuple[tuple[RoleChange, ...], Mode]:
-    fixed = _fixed_mode(ra2p)
-    wants_ref = fixed is Mode.DECOUPLED or (fixed is None and is_ras_at_break_even(inp, ra2p))
+) -> tuple[tuple[RoleChange, ...], Placement]:
+    fixed = _fixed_placement(ra2p)
+    wants_ref = fixed is Placement.DECOUPLED or (fixed is None and is_ras_at_break_even(inp, ra2p))
     num_refs = ra2p.num_ref_ranks if wants_ref else 0
     changes = moves_to_trainer(inp.roles, config, num_refs,
                                is_backlogged=is_backlogged(inp, config), num=num)
@@ -378,7 +378,7 @@ def _scale_trainer(
                                                                                  Role.REF))
         new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
-    return changes, fixed or (Mode.DECOUPLED if has_pipeline else Mode.COLOCATED)
+    return changes, fixed or (Placement.DECOUPLED if has_pipeline else Placement.COLOCATED)
 
 
 def _seen(state: ERSState, reading: Direction | None, config: ERSConfig) -> ERSState:
@@ -426,7 +426,7 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
     if trial is None:
         return None, state
     if inp.step < trial.step + config.trial_steps:
-        return ScalingPlan((), inp.mode, inp.batch.ideal, PlanReason.TRIAL), state
+        return ScalingPlan((), inp.placement, inp.batch.ideal, PlanReason.TRIAL), state
     after = _mean(inp.goodput[trial.step: trial.step + config.trial_steps])
     if after is not None and after > trial.baseline:
         return None, replace(state, trial=None, blocks=state.unblocked(trial.direction))
@@ -437,36 +437,37 @@ def _judge(inp: ERSInput, state: ERSState, config: ERSConfig
     changes = _undo(inp.roles, trial.changes, config)
     new_roles = _apply(inp.roles, changes)
     has_pipeline = Role.REF in new_roles and Role.ACTOR in new_roles
-    mode = trial.mode if has_pipeline or trial.mode is Mode.COLOCATED else Mode.COLOCATED
-    return ScalingPlan(changes, mode, inp.batch.ideal, PlanReason.REVERT), state
+    placement = trial.placement if has_pipeline or trial.placement is Placement.COLOCATED \
+        else Placement.COLOCATED
+    return ScalingPlan(changes, placement, inp.batch.ideal, PlanReason.REVERT), state
 
 
 def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig,
                   direction: Direction, num: int | None = None
-                  ) -> tuple[tuple[RoleChange, ...], Mode, ERSState]:
+                  ) -> tuple[tuple[RoleChange, ...], Placement, ERSState]:
     """A deficit's moves (``num`` ranks for the predictive planner, else the rules' count),
     through the hysteresis gate and the damping block; a move goes on trial against the steps
     before it (step 0 excluded: its span holds the launch's rollout), and none is made before
     there is such a step."""
     block = state.block(direction)
     if block is not None and inp.step < block.until:
-        return (), inp.mode, state
+        return (), inp.placement, state
     history = inp.goodput[1:]  # step 0's span holds the launch's rollout: no baseline
     if config.trial_steps and inp.goodput and not history:
-        return (), inp.mode, state  # nothing steady yet to measure a move against
+        return (), inp.placement, state  # nothing steady yet to measure a move against
     may_act, state = _gate(state, direction, config)
     if not may_act:
-        return (), inp.mode, state
+        return (), inp.placement, state
     if direction is Direction.TO_ROLLOUT:
-        changes, mode = _scale_rollout(inp, config, ra2p, _num_actors_out(inp, ra2p, num))
+        changes, placement = _scale_rollout(inp, config, ra2p, _num_actors_out(inp, ra2p, num))
     else:
-        changes, mode = _scale_trainer(inp, config, ra2p, num)
+        changes, placement = _scale_trainer(inp, config, ra2p, num)
     if changes:
         state = replace(state, recent=(), last_direction=direction)
     baseline = _mean(history[-2 * config.trial_steps:])
     if changes and config.trial_steps and baseline:
-        state = replace(state, trial=Trial(direction, changes, inp.mode, inp.step, baseline))
-    return changes, mode, state
+        state = replace(state, trial=Trial(direction, changes, inp.placement, inp.step, baseline))
+    return changes, placement, state
 
 
 def _num_actors_out(inp: ERSInput, ra2p: RA2PConfig, num: int | None) -> int | None:
@@ -478,10 +479,10 @@ def _num_actors_out(inp: ERSInput, ra2p: RA2PConfig, num: int | None) -> int | N
 
 
 def _predicted_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PConfig
-                     ) -> tuple[tuple[RoleChange, ...], Mode, ERSState, PlanReason]:
+                     ) -> tuple[tuple[RoleChange, ...], Placement, ERSState, PlanReason]:
     """The predictive planner (``ers_predict``): move toward the split with the highest
     predicted goodput, through the same gate, damping and trial as a rule's move; BALANCED
-    while no steps on this layout were measured or no split beats it by the margin. The mode
+    while no steps on this layout were measured or no split beats it by the margin. The placement
     and the Ref ranks follow RA2P's break-even as for the rules."""
     num_rollout = inp.roles.count(Role.ROLLOUT)
     num_movable = num_rollout + sum(inp.roles.count(role) for role in TRAINER_ROLES)
@@ -490,11 +491,11 @@ def _predicted_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA
         hi=num_movable - config.min_trainer_ranks, max_moves=config.predictive_max_moves,
         margin=config.predictive_margin)
     if target == num_rollout:
-        return (), inp.mode, _seen(state, None, config), PlanReason.BALANCED
+        return (), inp.placement, _seen(state, None, config), PlanReason.BALANCED
     direction = Direction.TO_ROLLOUT if target > num_rollout else Direction.TO_TRAINER
-    changes, mode, state = _signal_moves(inp, state, config, ra2p, direction,
+    changes, placement, state = _signal_moves(inp, state, config, ra2p, direction,
                                          abs(target - num_rollout))
-    return changes, mode, state, PlanReason.PREDICTED if changes else PlanReason.BALANCED
+    return changes, placement, state, PlanReason.PREDICTED if changes else PlanReason.BALANCED
 
 
 def plan_step(
@@ -502,40 +503,42 @@ def plan_step(
 ) -> tuple[ScalingPlan, ERSState]:
     """One ERS decision and the next state; pure."""
     if not config.enabled:
-        return ScalingPlan((), inp.mode, inp.batch.ideal, PlanReason.BALANCED), state
+        return ScalingPlan((), inp.placement, inp.batch.ideal, PlanReason.BALANCED), state
     reason = classify(inp, config, ra2p)
     changes: tuple[RoleChange, ...] = ()
-    mode = inp.mode
+    placement = inp.placement
     damping = {"blocks": state.blocks}
     if inp.is_phase_over and state.saved_roles is not None:
-        changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
+        changes = _restore(inp.roles, state.saved_roles)
+        placement = state.saved_placement or inp.placement
         reason, state = PlanReason.PHASE_END, ERSState(**damping)
     elif reason in (PlanReason.COLD_START, PlanReason.EVALUATION):
         num = num_eval_ranks(inp, state.saved_roles, config.max_eval_lend) \
             if reason is PlanReason.EVALUATION \
             else len(inp.roles)  # the cold start: nothing to train yet, every rank above the min
-        changes, mode = _scale_rollout(inp, config, ra2p, num)
+        changes, placement = _scale_rollout(inp, config, ra2p, num)
         saved_roles = state.saved_roles or inp.roles  # a phase right after a phase keeps the first
-        saved_mode = state.saved_mode or inp.mode
-        state = ERSState(saved_roles=saved_roles, saved_mode=saved_mode, **damping)
+        saved_placement = state.saved_placement or inp.placement
+        state = ERSState(saved_roles=saved_roles, saved_placement=saved_placement, **damping)
     elif state.saved_roles is not None:
-        changes, mode = _restore(inp.roles, state.saved_roles), state.saved_mode or inp.mode
+        changes = _restore(inp.roles, state.saved_roles)
+        placement = state.saved_placement or inp.placement
         reason, state = PlanReason.PHASE_END, ERSState(**damping)  # fresh hysteresis
     else:
         verdict, state = _judge(inp, state, config)
         if verdict is not None:
             return verdict, state
         if config.planner == "predictive":
-            changes, mode, state, reason = _predicted_moves(inp, state, config, ra2p)
+            changes, placement, state, reason = _predicted_moves(inp, state, config, ra2p)
         elif reason is PlanReason.BALANCED:
             state = _seen(state, None, config)
         else:
             direction = Direction.TO_ROLLOUT if reason is PlanReason.GENERATION_DEFICIT \
                 else Direction.TO_TRAINER
-            changes, mode, state = _signal_moves(inp, state, config, ra2p, direction)
+            changes, placement, state = _signal_moves(inp, state, config, ra2p, direction)
     is_retaining = any(c.src is Role.ROLLOUT for c in changes)
     batch_size = elastic_batch_size(inp.signals.ready_volume, inp.batch, is_retaining)
-    return ScalingPlan(changes, mode, batch_size, reason), state
+    return ScalingPlan(changes, placement, batch_size, reason), state
 
 
 class ERSPolicy:

@@ -1,4 +1,4 @@
-"""Manual plans: ``tiderl rebalance --rollout N --trainer M [--mode]`` as an ERS plan (reason
+"""Manual plans: ``tiderl rebalance --rollout N --trainer M [--placement]`` as an ERS plan (reason
 MANUAL). The operator gives the counts, these functions pick the ranks; the step controller holds
 the plan (``step_control.manual``) and ERS plans again after a release.
 
@@ -11,11 +11,11 @@ actor). The lowest actor always keeps its role, so the weights have a source.
 from __future__ import annotations
 
 from tiderl.core.ers import TRAINER_ROLES, ranks_with
-from tiderl.core.types import Mode, PlanReason, Role, RoleChange, ScalingPlan
+from tiderl.core.types import Placement, PlanReason, Role, RoleChange, ScalingPlan
 
 
 def manual_refusal(
-    roles: tuple[Role, ...], num_rollout: int, num_trainer: int, mode: Mode | None
+    roles: tuple[Role, ...], num_rollout: int, num_trainer: int, placement: Placement | None
 ) -> str | None:
     """Why ``manual_plan`` cannot form this layout from ``roles``, in one line; None if it can.
     IDLE (dead) ranks do not count: the counts must add up to the live ranks."""
@@ -27,7 +27,7 @@ def manual_refusal(
     if num_rollout + num_trainer != num_live:
         return (f"--rollout {num_rollout} + --trainer {num_trainer} = "
                 f"{num_rollout + num_trainer}, but the job has {num_live} live ranks")
-    if mode is Mode.DECOUPLED and num_trainer < 2:
+    if placement is Placement.DECOUPLED and num_trainer < 2:
         return (f"decoupled needs at least 2 trainer ranks (a Ref and an Actor), "
                 f"got --trainer {num_trainer}")
     if Role.ACTOR not in roles:
@@ -35,11 +35,12 @@ def manual_refusal(
     return None
 
 
-def manual_mode(requested: Mode | None, current: Mode, num_trainer: int) -> Mode:
-    """The requested mode, else the current one where the trainer can run it."""
+def manual_placement(requested: Placement | None, current: Placement,
+                     num_trainer: int) -> Placement:
+    """The requested placement, else the current one where the trainer can run it."""
     if requested is not None:
         return requested
-    return current if num_trainer >= 2 else Mode.COLOCATED
+    return current if num_trainer >= 2 else Placement.COLOCATED
 
 
 def _manual_trainer_set(roles: tuple[Role, ...], num_trainer: int, keep_refs: int) -> set[int]:
@@ -66,24 +67,25 @@ def manual_plan(
     roles: tuple[Role, ...],
     num_rollout: int,
     num_trainer: int,
-    mode: Mode | None,
-    current_mode: Mode,
+    placement: Placement | None,
+    current_placement: Placement,
     batch_size: int,
 ) -> ScalingPlan:
-    """The operator's layout as a plan (reason MANUAL); ``mode`` None keeps ``current_mode``
-    where it can (see ``manual_mode``). ValueError with ``manual_refusal``'s line if refused."""
-    refusal = manual_refusal(roles, num_rollout, num_trainer, mode)
+    """The operator's layout as a plan (reason MANUAL); ``placement`` None keeps
+    ``current_placement`` where it can (see ``manual_placement``). ValueError with
+    ``manual_refusal``'s line if refused."""
+    refusal = manual_refusal(roles, num_rollout, num_trainer, placement)
     if refusal is not None:
         raise ValueError(refusal)
-    mode = manual_mode(mode, current_mode, num_trainer)
-    trainer = _manual_trainer_set(roles, num_trainer, 1 if mode is Mode.DECOUPLED else 0)
+    placement = manual_placement(placement, current_placement, num_trainer)
+    trainer = _manual_trainer_set(roles, num_trainer, 1 if placement is Placement.DECOUPLED else 0)
     target = [role if role is Role.IDLE or r in trainer else Role.ROLLOUT
               for r, role in enumerate(roles)]
     for rank in trainer:
         target[rank] = Role.ACTOR
-    if mode is Mode.DECOUPLED:
+    if placement is Placement.DECOUPLED:
         target[_manual_ref(roles, trainer)] = Role.REF
     changes = tuple(RoleChange(rank, old, new)
                     for rank, (old, new) in enumerate(zip(roles, target, strict=True))
                     if old is not new)
-    return ScalingPlan(changes, mode, batch_size, PlanReason.MANUAL)
+    return ScalingPlan(changes, placement, batch_size, PlanReason.MANUAL)

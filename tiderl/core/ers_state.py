@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from tiderl.core.types import Mode, Role, RoleChange
+from tiderl.core.types import Placement, Role, RoleChange
 
 
 class Direction(str, Enum):
@@ -24,7 +24,7 @@ class Trial:
 
     direction: Direction
     changes: tuple[RoleChange, ...]
-    mode: Mode  # the mode before the move
+    placement: Placement  # the placement before the move
     step: int
     baseline: float
 
@@ -43,13 +43,13 @@ class Block:
 class ERSState:
     """Hysteresis memory: the direction of the last signal-driven move, and what the boundaries
     since it read (``recent``: the last ``confirm_window``, oldest first; a deficit's direction,
-    None where balanced); during a phase (cold start, evaluation), the layout and mode from
+    None where balanced); during a phase (cold start, evaluation), the layout and placement from
     before it; the move on trial; the damped directions, one block each."""
 
     last_direction: Direction | None = None
     recent: tuple[Direction | None, ...] = ()
     saved_roles: tuple[Role, ...] | None = None
-    saved_mode: Mode | None = None
+    saved_placement: Placement | None = None
     trial: Trial | None = None
     blocks: tuple[Block, ...] = ()
 

@@ -1,4 +1,4 @@
-"""RA2P: Ref-Actor execution-mode choice, micro-batch formation and dispatch (paper §5.1, App. A).
+"""RA2P: Ref-Actor placement choice, micro-batch formation and dispatch (paper §5.1, App. A).
 
 Cost models over the sorted ready times ``a_1..a_N`` of a step's micro-batches, relative to the
 step start (``a_i <= 0``: ready at the start; N0 of them is the RAS):
@@ -45,25 +45,25 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from tiderl.core.config import require, require_choice, require_positive
-from tiderl.core.types import MicroBatch, Mode, Ra2pTimings, SeqRef
+from tiderl.core.types import MicroBatch, Placement, Ra2pTimings, SeqRef
 
-MODE_CHOICES = ("auto", "decoupled", "colocated")
+PLACEMENT_CHOICES = ("auto", "decoupled", "colocated")
 DEFAULT_DECOUPLED_MARGIN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
 class RA2PConfig:
-    """``mode``: "auto" (cost models decide) or a fixed mode. ``decoupled_margin``: the fraction
-    of C_col decoupled must save to be chosen (0 = pure App. A latency comparison)."""
+    """``placement``: "auto" (cost models decide) or a fixed placement. ``decoupled_margin``: the
+    fraction of C_col decoupled must save to be chosen (0 = pure App. A latency comparison)."""
 
-    mode: str = "auto"
+    placement: str = "auto"
     tokens_per_rank: int = 8192
     max_aggregate: int = 8
     num_ref_ranks: int = 1
     decoupled_margin: float = DEFAULT_DECOUPLED_MARGIN
 
     def __post_init__(self) -> None:
-        require_choice(self.mode, MODE_CHOICES, "mode")
+        require_choice(self.placement, PLACEMENT_CHOICES, "placement")
         require_positive(self.tokens_per_rank, "tokens_per_rank")
         require_positive(self.max_aggregate, "max_aggregate")
         require_positive(self.num_ref_ranks, "num_ref_ranks")
@@ -120,27 +120,27 @@ def is_decoupled_cheaper(
     return c_dec < (1.0 - margin) * c_col
 
 
-def choose_mode(
+def choose_placement(
     ready_times: Iterable[float],
     timings: Ra2pTimings,
     num_actor_ranks: int,
     max_aggregate: int,
     config: RA2PConfig | None = None,
     colocated_timings: Ra2pTimings | None = None,
-) -> Mode:
-    """The mode with the lower App. A cost, unless ``config.mode`` fixes one.
+) -> Placement:
+    """The placement with the lower App. A cost, unless ``config.placement`` fixes one.
 
     ``timings`` are per micro-batch in the decoupled layout; ``colocated_timings``, when given,
     are those of the colocated layout (there Ref and Actor both run on every trainer rank, so a
     micro-batch's times differ from the decoupled layout's)."""
     config = config or RA2PConfig()
-    if config.mode != "auto":
-        return Mode(config.mode)
+    if config.placement != "auto":
+        return Placement(config.placement)
     times = list(ready_times)
     c_dec = cost_decoupled(times, timings, num_actor_ranks)
     c_col = cost_colocated(times, colocated_timings or timings, max_aggregate)
     cheaper = is_decoupled_cheaper(c_dec, c_col, config.decoupled_margin)
-    return Mode.DECOUPLED if cheaper else Mode.COLOCATED
+    return Placement.DECOUPLED if cheaper else Placement.COLOCATED
 
 
 def synthetic_ready_times(num_micro_batches: int, num_at_start: int, tprm_s: float) -> list[float]:
@@ -161,7 +161,7 @@ def break_even_ras(
     """The smallest RAS N0 in [0, N] at which decoupled wins (``is_decoupled_cheaper``) when the
     other N - N0 micro-batches arrive every ``tprm_s`` after the start; None if it never does.
     ``timings`` are the decoupled layout's, ``colocated_timings`` (default: the same) the
-    colocated layout's, as in ``choose_mode``.
+    colocated layout's, as in ``choose_placement``.
 
     C_col is not monotone in N0 (an earlier arrival can split an aggregate), so every N0 is
     tried in order: O(N²) in the worst case, ~1 ms for N = 64.

@@ -11,7 +11,7 @@ frameworks are descriptions of them (and accepted as aliases: ``verl`` is ``sync
     tiderl   CTB + RA2P + ERS (each switchable for the ablation of paper Table 2)
 
 A :class:`StepMode` is how one optimizer step consumes its micro-batches; the RA2P choice
-(:class:`tiderl.core.types.Mode`, decoupled or colocated) is two of them.
+(:class:`tiderl.core.types.Placement`, decoupled or colocated) is two of them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared vocabulary: roles, modes, lifecycles, tasks, trajectories, micro-batches and decisions.
+"""Shared vocabulary: roles, placements, lifecycles, tasks, trajectories, micro-batches,
+decisions.
 
 Lifecycles (Enums below):
 
@@ -29,8 +30,8 @@ class Role(str, Enum):
     IDLE = "idle"
 
 
-class Mode(str, Enum):
-    """RA2P execution mode of the trainer."""
+class Placement(str, Enum):
+    """RA2P's choice: where Ref runs relative to Actor."""
 
     DECOUPLED = "decoupled"  # Ref on its own ranks, streaming, loss deferred into backward
     COLOCATED = "colocated"  # Ref and Actor share ranks, ready micro-batches aggregated
@@ -320,10 +321,10 @@ class RoleChange:
 
 @dataclass(frozen=True, slots=True)
 class ScalingPlan:
-    """ERS's decision at a post-update boundary: role moves, the RA2P mode, the next batch size."""
+    """ERS's decision at a post-update boundary: role moves, RA2P's placement, the batch size."""
 
     changes: tuple[RoleChange, ...]
-    mode: Mode
+    placement: Placement
     batch_size: int
     reason: PlanReason
 

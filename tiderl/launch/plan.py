@@ -102,7 +102,7 @@ def initial_roles(profile: Profile) -> list[Role]:
     """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
     rt = profile.runtime
     return launch_roles(SystemSpec.named(rt.system), rt.num_ranks, rt.rollout_ranks,
-                        profile.ra2p.mode)
+                        profile.ra2p.placement)
 
 
 def engine_port_names(profile: Profile) -> list[str]:

@@ -83,9 +83,10 @@ class Profile:
                 require(getattr(rt, name) % tp == 0, f"runtime.{name}",
                         f"expected a multiple of trainer.tensor_parallel ({tp}), "
                         f"got {getattr(rt, name)}")
-            require(self.ra2p.mode == "colocated" or rt.system != "tiderl", "ra2p.mode",
+            require(self.ra2p.placement == "colocated" or rt.system != "tiderl",
+                    "ra2p.placement",
                     "trainer.tensor_parallel > 1 runs the Ref beside its actors: set "
-                    "ra2p.mode=colocated (a Ref rank of its own would need a TP group)")
+                    "ra2p.placement=colocated (a Ref rank of its own would need a TP group)")
 
 
 class ProfileError(ConfigError):

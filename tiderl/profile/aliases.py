@@ -16,6 +16,7 @@ from tiderl.core.job import JobShape
 
 ALIASES: dict[str, str] = {
     "runtime.mode": "runtime.system",
+    "ra2p.mode": "ra2p.placement",
     **{f"runtime.{k}": f"job.{k}" for k in ("steps", "group_size", "max_staleness",
                                              "eval_every", "eval_groups")},
     **{f"sim.{k}": f"job.{k}" for k in ("steps", "group_size", "batch_groups",

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from tiderl.core.commands import Command, ManualReply, ManualRequest
 from tiderl.core.step_control import StepController
 from tiderl.core.step_control.manual import WITHDRAWN
-from tiderl.core.types import Mode
+from tiderl.core.types import Placement
 from tiderl.runtime import bus as b
 from tiderl.runtime.bus import BusSendError, BusServer
 
@@ -38,43 +38,44 @@ class RebalanceDesk:
         key = (identity, msg.seq)
         if msg.auto:
             return controller.release_manual(key, now)
-        if msg.mode not in ("", *(m.value for m in Mode)):
-            reason = f"unknown RA2P mode {msg.mode!r} (decoupled or colocated)"
+        if msg.placement not in ("", *(m.value for m in Placement)):
+            reason = f"unknown RA2P placement {msg.placement!r} (decoupled or colocated)"
             self.event("rebalance_refused", reason=reason, request=_describe(msg),
                        step=controller.state.step)
             self._reply(key, "refused", reason=reason, step=controller.state.step)
             return []
-        mode = Mode(msg.mode) if msg.mode else None
-        return controller.submit_manual(ManualRequest(key, msg.rollout, msg.trainer, mode), now)
+        placement = Placement(msg.placement) if msg.placement else None
+        return controller.submit_manual(ManualRequest(key, msg.rollout, msg.trainer, placement),
+                                        now)
 
     def deliver(self, reply: ManualReply) -> None:
         roles = [role.value for role in reply.roles]
-        mode = reply.mode.value if reply.mode is not None else ""
+        placement = reply.placement.value if reply.placement is not None else ""
         request = reply.request
         if reply.status == "released":
             self.event("rebalance_auto", step=reply.step, was_held=reply.was_held,
                        dropped=request.describe() if request is not None else None)
             self.note = f"manual hold released at step {reply.step}: {reply.reason}"
             self._reply(reply.key, "applied", reason=self.note, step=reply.step,
-                        version=reply.version, roles=roles, mode=mode)
+                        version=reply.version, roles=roles, placement=placement)
             return
         what = request.describe() if request is not None else "--auto"
         if request is not None and reply.status == "accepted":
-            self.event("rebalance_requested", request=what, mode=mode, roles=roles,
+            self.event("rebalance_requested", request=what, placement=placement, roles=roles,
                        step=reply.step)
-            self.note = (f"manual plan {request.describe(reply.mode)}: pending (next boundary, "
-                         f"after step {reply.step})")
+            self.note = (f"manual plan {request.describe(reply.placement)}: pending (next "
+                         f"boundary, after step {reply.step})")
         elif request is not None and reply.status == "applied":
             self.event("rebalance_applied", request=what, version=reply.version,
-                       step=reply.step, roles=roles, mode=mode)
-            self.note = (f"manual plan {request.describe(reply.mode)} applied at version "
+                       step=reply.step, roles=roles, placement=placement)
+            self.note = (f"manual plan {request.describe(reply.placement)} applied at version "
                          f"{reply.version} (held; {HAND_BACK})")
         elif reply.reason != WITHDRAWN:  # refused: the --auto that withdrew it says so
             self.event("rebalance_refused", reason=reply.reason, request=what, step=reply.step)
             if reply.is_at_boundary:
                 self.note = f"manual plan {what}: refused {reply.reason}"
         self._reply(reply.key, reply.status, reason=reply.reason, step=reply.step,
-                    version=reply.version, roles=roles, mode=mode)
+                    version=reply.version, roles=roles, placement=placement)
 
     def _reply(self, key: object, status: str, **fields: object) -> None:
         identity, ref = key
@@ -85,4 +86,4 @@ class RebalanceDesk:
 
 
 def _describe(msg: b.Rebalance) -> str:
-    return f"R{msg.rollout}/T{msg.trainer}" + (f" {msg.mode}" if msg.mode else "")
+    return f"R{msg.rollout}/T{msg.trainer}" + (f" {msg.placement}" if msg.placement else "")

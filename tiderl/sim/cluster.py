@@ -94,7 +94,7 @@ class Cluster:
         n = scenario.sim.gpus
         num_rollout = min(scenario.num_rollout_gpus(), max(1, n - min_trainer(scenario,
                                                                              self.cost)))
-        roles = initial_roles(system, n, num_rollout, scenario.ra2p.mode)
+        roles = initial_roles(system, n, num_rollout, scenario.ra2p.placement)
         self.controller = StepController(step_config(system, scenario, self.cost), roles,
                                          self._group, now=0.0)
         self.pool = RolloutPool(self.loop, self.cost, self.controller.rollout,

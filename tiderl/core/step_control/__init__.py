@@ -6,7 +6,7 @@ both the simulator (an event heap) and the runtime coordinator (a bus).
           CycleState        phase, hold, step, version, roles, dead ranks          (.state)
           RolloutControl    TaskBook + CTB or request-level policy, footprints, RWT (.rollout)
           ReadyBuffer       ready groups -> micro-batches of batch s (BufferEvents) (core.buffer)
-          ERSPolicy         layouts, RA2P modes, elastic batches                   (core.ers)
+          ERSPolicy         layouts, RA2P placements, batches                   (core.ers)
           TrainingFeed      groups out up to the staleness throttle                (.feed)
           Evaluation        evaluation phases                                      (.evaluation)
           Boundaries        the boundary out and its acknowledgements              (.boundary)

@@ -12,7 +12,7 @@ from tiderl.core.job import JobShape
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.rank_sets import MAX_ALL_SUBSETS, has_group
 from tiderl.core.system import System, SystemSpec
-from tiderl.core.types import Mode, Role
+from tiderl.core.types import Placement, Role
 
 
 class StepControlError(RuntimeError):
@@ -25,13 +25,13 @@ def task_id(group_id: str, index: int) -> str:
 
 
 def initial_roles(system: SystemSpec, num_ranks: int, num_rollout: int,
-                  ra2p_mode: str) -> list[Role]:
+                  placement: str) -> list[Role]:
     """The launch layout: rollout ranks first, then the trainer (a Ref rank first when RA2P runs
     and is fixed to decoupled); every rank rolls out under a synchronous system."""
     if system.is_sync:
         return [Role.ROLLOUT] * num_ranks
     trainer = [Role.ACTOR] * (num_ranks - num_rollout)
-    if system.uses_ra2p and ra2p_mode == Mode.DECOUPLED.value and len(trainer) >= 2:
+    if system.uses_ra2p and placement == Placement.DECOUPLED.value and len(trainer) >= 2:
         trainer[0] = Role.REF
     return [Role.ROLLOUT] * num_rollout + trainer
 
@@ -175,7 +175,7 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
     - without CTB (every baseline, and the ablation) rollout is request-level: ``ctb.policy``
       is ``request``, filling the substrate's running requests where it fixes them;
     - RA2P's choice is colocated where no step can run decoupled: without a KL term (no Ref
-      pass) an ``auto`` mode, and ERS's view of a system without RA2P (it moves ranks but never
+      pass) an ``auto`` placement, and ERS's view of a system without RA2P (it moves ranks but never
       provisions a Ref rank);
     - stream cuts micro-batches to its own target where the substrate gives one;
     - ERS keeps at least the substrate's trainer floor;
@@ -183,10 +183,10 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
       provisioning under async."""
     ctb = effective_ctb(ctb, policy=None if system.uses_ctb else "request",
                         request_concurrency=substrate.request_concurrency)
-    if not substrate.has_kl and ra2p.mode == "auto":
-        ra2p = replace(ra2p, mode=Mode.COLOCATED.value)
+    if not substrate.has_kl and ra2p.placement == "auto":
+        ra2p = replace(ra2p, placement=Placement.COLOCATED.value)
     if not system.uses_ra2p:
-        ra2p = replace(ra2p, mode=Mode.COLOCATED.value)
+        ra2p = replace(ra2p, placement=Placement.COLOCATED.value)
     if system.system is System.STREAM and substrate.stream_tokens_per_rank is not None:
         ra2p = replace(ra2p, tokens_per_rank=substrate.stream_tokens_per_rank)
     if substrate.min_trainer_ranks > ers.min_trainer_ranks:

@@ -49,7 +49,7 @@ from tiderl.core.step_control.rollout import RolloutControl
 from tiderl.core.step_control.state import CycleState, Hold, Phase, actors
 from tiderl.core.step_control.steps import StepRunner, step_start
 from tiderl.core.system import StepMode
-from tiderl.core.types import Decision, Group, Mode, PlanReason, Role
+from tiderl.core.types import Decision, Group, Placement, PlanReason, Role
 
 
 class StepController:
@@ -143,7 +143,8 @@ class StepController:
             return [Abort(why)]
         if verdict is Settlement.RUN_AGAIN:
             return self._run_again(now)
-        layout = Mode.DECOUPLED if current.start.mode is StepMode.DECOUPLED else Mode.COLOCATED
+        layout = Placement.DECOUPLED if current.start.mode is StepMode.DECOUPLED \
+            else Placement.COLOCATED
         self.steps.passes[layout] = learn_passes(outcome.reports, current.start)
         self.rollout.park(now, False)
         record = self.ledger.record(current, outcome, now, state=st, rollout=self.rollout,
@@ -228,12 +229,13 @@ class StepController:
         if taken is not None:
             request, plan = taken
             roles = planned_roles(st.roles, plan.changes)
-            st.ra2p_mode, st.plan_reason = plan.mode, plan.reason
+            st.placement, st.plan_reason = plan.placement, plan.reason
             if self.ers is not None:
                 self.ers.reset()  # its hysteresis and phase memory were about the old layout
             out += self._boundary(now, roles, plan.reason)
             out.append(ManualReply(request, request.key, "applied", st.step, version=st.version,
-                                   roles=tuple(roles), mode=plan.mode, is_at_boundary=True))
+                                   roles=tuple(roles), placement=plan.placement,
+                                   is_at_boundary=True))
         elif self.ers is not None and not self.manual.is_held:
             out += self._plan(now)
         else:
@@ -242,14 +244,14 @@ class StepController:
 
     def _plan(self, now: float, is_launch: bool = False,
               is_phase_over: bool = False) -> list[Command]:
-        """ERS plans the next step's layout and RA2P mode; the layout limits may refuse its roles
-        (the mode still applies, and ERS keeps the state it had: the moves did not happen)."""
+        """ERS plans the next step's layout and RA2P placement; the layout limits may refuse its
+        roles (the placement still applies, and ERS keeps its old state: no move happened)."""
         st, ers = self.state, self.ers
         assert ers is not None
         plan, after = ers.propose(ers_input(
             step=st.step, is_eval_step=self.evaluation.is_phase(st.step),
             signals=self.tracker.signals(now), records=self.ledger.records, roles=st.roles,
-            mode=st.ra2p_mode, measured=self.steps.passes, batch=self.config.job.batch,
+            placement=st.placement, measured=self.steps.passes, batch=self.config.job.batch,
             phase_tasks=self.evaluation.num_unfinished_tasks(st.step),
             tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over,
             rate_steps=rate_steps(ers.config)))
@@ -268,7 +270,7 @@ class StepController:
         # a streaming step trains B_ideal (what is ready at its boundary is not what it will
         # consume, and a shrunken batch closes early and ages the groups behind it out of the
         # staleness window: fig8 discarded 16 M tokens so).
-        st.ra2p_mode = plan.mode
+        st.placement = plan.placement
         return out + self._boundary(now, roles, plan.reason)
 
     def _boundary(self, now: float, roles: list[Role], reason: PlanReason | None, *,
@@ -405,7 +407,7 @@ class StepController:
         trainer rank died, the ones its failed attempt had)."""
         st, steps, is_sync = self.state, self.steps, self.config.system.is_sync
         st.to(Phase.TRAINING)
-        start, st.ra2p_mode = step_start(  # RA2P chooses on the TPRM of the arrivals so far
+        start, st.placement = step_start(  # RA2P chooses on the TPRM of the arrivals so far
             st, self.config, self.tracker.signals(now), self.steps.passes, self.ledger.records,
             is_chosen_by_ra2p=self.ers is None and not self.manual.is_held)
         num_dp = max(1, len(start.actor_ranks) // self.config.tensor_parallel)

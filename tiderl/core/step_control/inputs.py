@@ -4,7 +4,7 @@
                                                  GPUs each pass ran on
     StepRecords ──mean step time, micro-batches per step, idle shares, rates──┐
     ReadinessTracker.signals(now) ────────────────────────────────────────────┼──> ERSInput
-    layout_timings: the pass times of a layout about to run ─────────────────┴──> choose_mode
+    layout_timings: the pass times of a layout about to run ─────────────────┴──> choose_placement
 
 Micro-batches are cut for the step's actor ranks (``tokens_per_rank`` each), so an actor's share
 of one is the same in any layout; the Ref pass's share is the micro-batch over the GPUs that run
@@ -23,10 +23,10 @@ from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSConfig, ERSInput
 from tiderl.core.ers_predict import rate_window
 from tiderl.core.job import BatchBounds
-from tiderl.core.ra2p import RA2PConfig, choose_mode, synthetic_ready_times
+from tiderl.core.ra2p import RA2PConfig, choose_placement, synthetic_ready_times
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
-from tiderl.core.types import Mode, Ra2pTimings, ReadinessSignals, Role
+from tiderl.core.types import Placement, Ra2pTimings, ReadinessSignals, Role
 
 NO_TIMINGS = Ra2pTimings(0.0, 0.0, 0.0, 0.0)
 
@@ -59,20 +59,21 @@ def learn_passes(reports: Sequence[RankReport], start: StartStep) -> MeasuredPas
                           num_actors)
 
 
-def layout_timings(measured: dict[Mode, MeasuredPasses], mode: Mode, num_refs: int,
+def layout_timings(measured: dict[Placement, MeasuredPasses], placement: Placement,
+                   num_refs: int,
                    num_actors: int) -> Ra2pTimings | None:
-    """The pass times of ``mode`` with ``num_refs`` Ref and ``num_actors`` actor ranks (a
+    """The pass times of ``placement`` with ``num_refs`` Ref and ``num_actors`` actor ranks (a
     colocated layout runs Ref on the actors), from its own last measurement or the other
     layout's; None when nothing was measured."""
-    other = Mode.COLOCATED if mode is Mode.DECOUPLED else Mode.DECOUPLED
-    last = measured.get(mode) or measured.get(other)
+    other = Placement.COLOCATED if placement is Placement.DECOUPLED else Placement.DECOUPLED
+    last = measured.get(placement) or measured.get(other)
     if last is None:
         return None
     num_actors = max(1, num_actors)
-    ref_gpus = max(1, num_refs) if mode is Mode.DECOUPLED else num_actors
+    ref_gpus = max(1, num_refs) if placement is Placement.DECOUPLED else num_actors
     t = last.timings
     scale = (num_actors / ref_gpus) / last.ref_share
-    swaps = measured.get(Mode.COLOCATED) or last  # only a colocated step swaps
+    swaps = measured.get(Placement.COLOCATED) or last  # only a colocated step swaps
     return Ra2pTimings(t.t_ref * scale, t.t_act_f, t.t_act_b, swaps.timings.t_swap)
 
 
@@ -122,8 +123,8 @@ def rate_steps(config: ERSConfig) -> int:
 
 
 def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
-              records: Sequence[StepRecord], roles: Sequence[Role], mode: Mode,
-              measured: dict[Mode, MeasuredPasses], batch: BatchBounds, phase_tasks: int = 0,
+              records: Sequence[StepRecord], roles: Sequence[Role], placement: Placement,
+              measured: dict[Placement, MeasuredPasses], batch: BatchBounds, phase_tasks: int = 0,
               tasks_per_rank: float = 0.0, is_phase_over: bool = False,
               rate_steps: int = 0) -> ERSInput:
     """What ERS plans step ``step`` from (at launch, at the end of the cold start, or at the
@@ -131,10 +132,11 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
     have (one Ref rank at least); the per-rank rates of the last ``rate_steps`` steps on one
     layout (``ers_predict.rate_window``; 0: none, the rules planner reads no rates)."""
     num_refs, num_actors = roles.count(Role.REF), roles.count(Role.ACTOR)
-    timings = layout_timings(measured, Mode.DECOUPLED, num_refs, num_actors)
-    colocated = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)
+    timings = layout_timings(measured, Placement.DECOUPLED, num_refs, num_actors)
+    colocated = layout_timings(measured, Placement.COLOCATED, num_refs, num_actors)
     return ERSInput(step=step, is_eval_step=is_eval_step, signals=signals,
-                    step_duration_s=mean_step_s(records), roles=tuple(roles), mode=mode,
+                    step_duration_s=mean_step_s(records), roles=tuple(roles),
+                    placement=placement,
                     timings=timings or NO_TIMINGS,
                     num_micro_batches=max(1, last_num_micro_batches(records)), batch=batch,
                     rollout_idle_frac=rollout_idle_frac(records),
@@ -144,20 +146,20 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
                     colocated_timings=colocated, rates=rate_window(records, rate_steps))
 
 
-def choose_step_mode(config: RA2PConfig, signals: ReadinessSignals,
-                     measured: dict[Mode, MeasuredPasses], num_refs: int, num_actors: int,
-                     records: Sequence[StepRecord]) -> Mode:
+def step_placement(config: RA2PConfig, signals: ReadinessSignals,
+                     measured: dict[Placement, MeasuredPasses], num_refs: int, num_actors: int,
+                     records: Sequence[StepRecord]) -> Placement:
     """RA2P's choice for a step opening now: the core cost models on the expected ready times
     (RAS now, the rest TPRM apart; T_step / micro-batches while TPRM is unknown), each layout
     with its own pass times."""
-    if config.mode != "auto":
-        return Mode(config.mode)
-    dec = layout_timings(measured, Mode.DECOUPLED, num_refs, num_actors)
-    col = layout_timings(measured, Mode.COLOCATED, num_refs, num_actors)
+    if config.placement != "auto":
+        return Placement(config.placement)
+    dec = layout_timings(measured, Placement.DECOUPLED, num_refs, num_actors)
+    col = layout_timings(measured, Placement.COLOCATED, num_refs, num_actors)
     if dec is None or col is None:
-        return Mode.COLOCATED
+        return Placement.COLOCATED
     num = max(1, signals.ras, last_num_micro_batches(records))
     tprm = signals.tprm_s if signals.tprm_s is not None else mean_step_s(records) / num
     times = synthetic_ready_times(num, min(signals.ras, num), tprm)
-    return choose_mode(times, dec, max(1, num_actors), config.max_aggregate, config,
+    return choose_placement(times, dec, max(1, num_actors), config.max_aggregate, config,
                        colocated_timings=col)

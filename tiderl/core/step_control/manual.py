@@ -19,7 +19,7 @@ from tiderl.core.ers_manual import manual_plan, manual_refusal
 from tiderl.core.step_control.config import StepControlConfig
 from tiderl.core.step_control.state import CycleState
 from tiderl.core.system import System, SystemSpec
-from tiderl.core.types import Mode, Role, RoleChange, ScalingPlan
+from tiderl.core.types import Placement, Role, RoleChange, ScalingPlan
 
 SYNC_REFUSAL = "system sync: every rank rolls out and trains"
 WITHDRAWN = "withdrawn by --auto"
@@ -34,7 +34,8 @@ def planned_roles(roles: Sequence[Role], changes: Sequence[RoleChange]) -> list[
 
 
 def check_manual(request: ManualRequest, config: StepControlConfig, *, step: int,
-                 roles: Sequence[Role], ra2p_mode: Mode, is_request: bool) -> ScalingPlan | str:
+                 roles: Sequence[Role], placement: Placement,
+                 is_request: bool) -> ScalingPlan | str:
     """The plan for ``request``, or why it cannot run (one line). A new request also needs a
     boundary before the last one (that one only saves)."""
     system = config.system
@@ -43,13 +44,14 @@ def check_manual(request: ManualRequest, config: StepControlConfig, *, step: int
     if is_request and step >= config.job.steps - 1:
         return (f"the job is finishing: step {step} is its last "
                 "(no boundary is left to apply a plan at)")
-    if request.mode is not None and system.system is not System.TIDERL:
-        return (f"system {system.system.value} has no RA2P mode choice (only system tiderl runs "
-                "decoupled or colocated): leave out --mode")
-    refusal = manual_refusal(tuple(roles), request.rollout, request.trainer, request.mode)
+    if request.placement is not None and system.system is not System.TIDERL:
+        return (f"system {system.system.value} has no RA2P placement (only system tiderl runs "
+                "decoupled or colocated): leave out --placement")
+    refusal = manual_refusal(tuple(roles), request.rollout, request.trainer, request.placement)
     if refusal is not None:
         return refusal
-    plan = manual_plan(tuple(roles), request.rollout, request.trainer, request.mode, ra2p_mode,
+    plan = manual_plan(tuple(roles), request.rollout, request.trainer, request.placement,
+                       placement,
                        config.job.batch_ideal)
     return config.limits.refusal(list(roles), planned_roles(roles, plan.changes)) or plan
 
@@ -59,7 +61,7 @@ def after_release(system: SystemSpec, has_ers: bool) -> str:
     if has_ers:
         return "ERS plans again from the next boundary"
     if system.system is System.TIDERL:
-        return "RA2P chooses the mode again from the next step"
+        return "RA2P chooses the placement again from the next step"
     return f"system {system.system.value} has no ERS: the layout stays as it is"
 
 
@@ -75,7 +77,7 @@ class ManualPlans:
                state: CycleState) -> list[ManualReply]:
         """Refused, or pending until the next post-update boundary (replacing an older one)."""
         result = check_manual(request, config, step=state.step, roles=state.roles,
-                              ra2p_mode=state.ra2p_mode, is_request=True)
+                              placement=state.placement, is_request=True)
         if isinstance(result, str):
             return [ManualReply(request, request.key, "refused", state.step, reason=result)]
         replies = []
@@ -86,7 +88,7 @@ class ManualPlans:
         self.pending = (request, result)
         replies.append(ManualReply(request, request.key, "accepted", state.step,
                                    roles=tuple(planned_roles(state.roles, result.changes)),
-                                   mode=result.mode))
+                                   placement=result.placement))
         return replies
 
     def release(self, key: object, config: StepControlConfig,
@@ -106,7 +108,7 @@ class ManualPlans:
                                    state.step, reason=after_release(config.system,
                                                                     config.has_ers),
                                    version=state.version, roles=tuple(state.roles),
-                                   mode=state.ra2p_mode, was_held=was_held))
+                                   placement=state.placement, was_held=was_held))
         return replies
 
     def take(self, config: StepControlConfig, state: CycleState
@@ -118,7 +120,7 @@ class ManualPlans:
             return None, []
         request = pending[0]
         result = check_manual(request, config, step=state.step, roles=state.roles,
-                              ra2p_mode=state.ra2p_mode, is_request=False)
+                              placement=state.placement, is_request=False)
         if isinstance(result, str):
             reason = f"at the boundary of version {state.version}: {result}"
             return None, [ManualReply(request, request.key, "refused", state.step,

@@ -33,7 +33,7 @@ from tiderl.core.ers_state import ERSState
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlError
 from tiderl.core.step_control.state import GroupCount, Phase
-from tiderl.core.types import Mode, Role
+from tiderl.core.types import Placement, Role
 
 if TYPE_CHECKING:
     from tiderl.core.commands import Command
@@ -59,7 +59,7 @@ class ResumePoint:
     discarded_samples: int
     generated_tokens: int
     tasks_per_step: int
-    ra2p_mode: Mode
+    placement: Placement
     eval_fed_at: int
     groups: GroupCount
     records: tuple[StepRecord, ...] = ()
@@ -87,7 +87,7 @@ def resume_point(ctl: StepController, now: float) -> ResumePoint:
         discarded_samples=buffer.discarded.samples,
         generated_tokens=ctl.rollout.generated_tokens,
         tasks_per_step=ctl.rollout.book.tasks_per_step,
-        ra2p_mode=st.ra2p_mode, eval_fed_at=ctl.evaluation.fed_at,
+        placement=st.placement, eval_fed_at=ctl.evaluation.fed_at,
         groups=GroupCount(count.fed, count.ready, set(count.trained_ids), count.stale,
                           count.failed),
         records=tuple(ledger.records), ers=ctl.ers.state if ctl.ers is not None else None,
@@ -110,7 +110,7 @@ def restore(ctl: StepController, point: ResumePoint, ready: Sequence[ReadyGroup]
     st.trainer_free_at = now
     st.step = st.version = point.version
     st.roles = list(point.roles)
-    st.ra2p_mode = point.ra2p_mode
+    st.placement = point.placement
     ledger = ctl.ledger
     ledger.records = list(point.records)
     ledger.trained_tokens, ledger.trained_samples = point.trained_tokens, point.trained_samples

@@ -28,7 +28,7 @@ from enum import Enum
 
 from tiderl.core.commands import StartStep
 from tiderl.core.step_control.config import StepControlError
-from tiderl.core.types import MicroBatch, Mode, PlanReason, Role
+from tiderl.core.types import MicroBatch, Placement, PlanReason, Role
 
 
 class Phase(str, Enum):
@@ -61,7 +61,7 @@ HOLDS: dict[Hold | None, frozenset[Hold | None]] = {
 @dataclass
 class CycleState:
     """What every part of the cycle reads: the phase and hold, the step about to open (or open)
-    and the version the trainer holds, the layout and the dead ranks, the RA2P mode and the
+    and the version the trainer holds, the layout and the dead ranks, RA2P's placement and the
     reason of the plan that laid the coming steps out, and the job's clock marks."""
 
     roles: list[Role]
@@ -72,7 +72,7 @@ class CycleState:
     step: int = 0
     version: int = 0
     dead: set[int] = field(default_factory=set)
-    ra2p_mode: Mode = Mode.COLOCATED
+    placement: Placement = Placement.COLOCATED
     plan_reason: PlanReason | None = None
 
     def to(self, phase: Phase) -> None:

@@ -21,10 +21,10 @@ from tiderl.core.commands import CloseStep, Command, Dispatch, StartStep
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlConfig
-from tiderl.core.step_control.inputs import MeasuredPasses, choose_step_mode
+from tiderl.core.step_control.inputs import MeasuredPasses, step_placement
 from tiderl.core.step_control.state import CycleState, OpenStep, actors
 from tiderl.core.system import StepMode
-from tiderl.core.types import MicroBatch, Mode, ReadinessSignals, Role
+from tiderl.core.types import MicroBatch, Placement, ReadinessSignals, Role
 
 
 @dataclass
@@ -33,7 +33,7 @@ class StepRunner:
     retry: OpenStep | None = None  # an attempt a trainer rank died in, to open again
     waiting: dict[int, list[MicroBatch]] = field(default_factory=dict)  # by batch, in order
     closed: set[int] = field(default_factory=set)  # complete before their step opened
-    passes: dict[Mode, MeasuredPasses] = field(default_factory=dict)  # the last of each layout
+    passes: dict[Placement, MeasuredPasses] = field(default_factory=dict)  # the last of each layout
 
     def is_open(self, batch: int) -> bool:
         """Step ``batch`` is open and takes micro-batches (not an attempt a rank died in)."""
@@ -122,25 +122,27 @@ class StepRunner:
 
 
 def step_start(state: CycleState, config: StepControlConfig, signals: ReadinessSignals,
-               passes: dict[Mode, MeasuredPasses], records: Sequence[StepRecord], *,
-               is_chosen_by_ra2p: bool) -> tuple[StartStep, Mode]:
-    """Step ``state.step``'s mode and ranks, and the RA2P mode from then on. ERS plans the mode
+               passes: dict[Placement, MeasuredPasses], records: Sequence[StepRecord], *,
+               is_chosen_by_ra2p: bool) -> tuple[StartStep, Placement]:
+    """Step ``state.step``'s mode and ranks, and RA2P's placement from then on. ERS plans it
     with the layout (its break-even is RA2P's cost model); without ERS, and outside a held
     manual plan (``is_chosen_by_ra2p``), RA2P chooses each step. A colocated step runs on the
     actor ranks only (a Ref rank then waits)."""
-    step, roles, system, mode = state.step, state.roles, config.system, state.ra2p_mode
-    if system.is_sync:
-        return StartStep(step, StepMode.BATCH, (), tuple(sorted(actors(roles, True))), 0), mode
+    step, roles, system, placement = state.step, state.roles, config.system, state.placement
     actor_ranks = tuple(r for r, role in enumerate(roles) if role is Role.ACTOR)
     refs = tuple(r for r, role in enumerate(roles) if role is Role.REF)
     fixed = system.fixed_step_mode
-    if fixed is not None:
-        return StartStep(step, fixed, (), actor_ranks, 0 if fixed is StepMode.BATCH else 1), mode
-    if not refs:
-        mode = Mode.COLOCATED
-    elif is_chosen_by_ra2p:
-        mode = choose_step_mode(config.ra2p, signals, passes, len(refs), len(actor_ranks),
-                                records)
-    if mode is Mode.DECOUPLED:
-        return StartStep(step, StepMode.DECOUPLED, refs, actor_ranks, 1), mode
-    return StartStep(step, StepMode.COLOCATED, (), actor_ranks, config.ra2p.max_aggregate), mode
+    if system.is_sync:
+        start = StartStep(step, StepMode.BATCH, (), tuple(sorted(actors(roles, True))), 0)
+    elif fixed is not None:
+        start = StartStep(step, fixed, (), actor_ranks, 0 if fixed is StepMode.BATCH else 1)
+    else:
+        if not refs:
+            placement = Placement.COLOCATED
+        elif is_chosen_by_ra2p:
+            placement = step_placement(config.ra2p, signals, passes, len(refs),
+                                       len(actor_ranks), records)
+        start = StartStep(step, StepMode.DECOUPLED, refs, actor_ranks, 1) \
+            if placement is Placement.DECOUPLED \
+            else StartStep(step, StepMode.COLOCATED, (), actor_ranks, config.ra2p.max_aggregate)
+    return start, placement

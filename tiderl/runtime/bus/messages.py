@@ -191,16 +191,16 @@ class RankMetrics(Message, kw_only=True):
 # --- tiderl CLI -> coordinator ---------------------------------------------------------------
 
 class Rebalance(Message, kw_only=True):
-    """``tiderl rebalance``: a manual ERS layout of ``rollout`` + ``trainer`` ranks (``mode``
-    decoupled | colocated, "" keeps the current one), applied at the next post-update boundary
-    and then held; ``auto`` hands the layout back to ERS (the counts are ignored). Answered by
-    :class:`RebalanceReply` s with ``ref`` = ``seq``."""
+    """``tiderl rebalance``: a manual ERS layout of ``rollout`` + ``trainer`` ranks (RA2P's
+    ``placement`` decoupled | colocated, "" keeps the current one), applied at the next
+    post-update boundary and then held; ``auto`` hands the layout back to ERS (the counts are
+    ignored). Answered by :class:`RebalanceReply` s with ``ref`` = ``seq``."""
 
     kind: ClassVar[int] = 0x10
     seq: int
     rollout: int = 0
     trainer: int = 0
-    mode: str = ""
+    placement: str = ""
     auto: bool = False
 
 
@@ -342,7 +342,7 @@ class RebalanceReply(Message, kw_only=True):
     step: int = 0
     version: int = 0
     roles: list[str] = []
-    mode: str = ""  # the RA2P mode the plan runs (applied)
+    placement: str = ""  # the RA2P placement the plan runs (applied)
 
 
 # --- coordinator PUB -------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def one(name: str, steps: int, samples: int) -> dict:
     for step in range(steps):
         stream = step_data(step, samples)
         micro_batches.append(len(stream.micro_batches))
-        executor = ColocatedExecutor.for_mode(StepMode.COLOCATED, ref, actor, max_aggregate=8,
+        executor = ColocatedExecutor.for_step_mode(StepMode.COLOCATED, ref, actor, max_aggregate=8,
                                               group=dist.group.WORLD)
         start, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         pool.submit(executor.run_step, stream, stream, time.time()).result()

@@ -172,8 +172,9 @@ def run_bench(steps: int, root: Path, note, cpu: CpuSampler, workload: str = "te
         "reward_gap_vs_sync": round(results["tiderl"]["reward_at_equal_samples"] - sync_reward,
                                     4),
         "equal_samples": common, "steps": steps, "workload": overrides_of,
-        "series": {k: [{key: m.to_dict()[key] for key in ("step", "time_s", "goodput_tok_s",
-                                                          "reward_mean", "mode", "num_rollout")}
+        "series": {k: [{key: m.to_dict()[key]
+                        for key in ("step", "time_s", "goodput_tok_s", "reward_mean", "step_mode",
+                                    "num_rollout")}
                        for m in v] for k, v in series.items()},
         "machine": machine_info(),
     }

@@ -76,7 +76,7 @@ TEMPLATES: tuple[Message, ...] = (  # one valid message of rank 0 per rank kind
     TaskDetached(rank=RANK, task_id="t", carry=CarryData(session="s", turns=[_TURN],
                                                           next_context=[1])),
     Ack(rank=RANK, ref=1, ok=True),
-    StepDone(rank=RANK, step=0, version=1, mode="colocated", loss=0.5, loss_tokens=4,
+    StepDone(rank=RANK, step=0, version=1, step_mode="colocated", loss=0.5, loss_tokens=4,
              grad_norm=1.0, seconds=0.1, stats={"kl": 0.0}),
     StepFailed(rank=RANK, step=0, attempt=0, updated=False, error="closed"),
     RankMetrics(rank=RANK, role="rollout", kv_tokens_used=1, kv_tokens_capacity=8,

@@ -82,7 +82,7 @@ def step_messages(step: int, samples: list[TrainSample]) -> list[list[bytes]]:
     """What the coordinator sends a trainer rank for one step, encoded as on the bus."""
     by_id = {s.seq_id: s for s in samples}
     mbs = form_micro_batches([s.as_sequence() for s in samples], 1, TOKENS_PER_RANK)
-    frames = [encode(TrainStep(seq=0, step=step, mode=StepMode.COLOCATED, ref_ranks=[],
+    frames = [encode(TrainStep(seq=0, step=step, step_mode=StepMode.COLOCATED, ref_ranks=[],
                                actor_ranks=[0], max_aggregate=8))]
     for mb in mbs:
         data = [TrainSampleData(seq_id=s.seq_id, input_ids=list(s.input_ids),
@@ -156,7 +156,7 @@ class JobPath:
                 stream.add(*micro_batch_of(msg))
             else:
                 stream.close()
-        executor = ColocatedExecutor.for_mode(cmd.mode, self.ref, self.actor,
+        executor = ColocatedExecutor.for_step_mode(cmd.step_mode, self.ref, self.actor,
                                               max_aggregate=cmd.max_aggregate,
                                               group=dist.group.WORLD)
         result = executor.run_step(stream, stream, time.time())

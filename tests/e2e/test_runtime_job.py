@@ -123,18 +123,18 @@ def _rejected_a_peer(log: Path) -> bool:
     return log.exists() and "bus: rejected a peer" in log.read_text()
 
 
-@pytest.mark.parametrize("mode", ["sync", "stream"])
-def test_the_baseline_modes_run_on_the_same_substrate(tmp_path, mode):
-    extra = ["runtime.system=sync", "runtime.rollout_ranks=3"] if mode == "sync" else \
+@pytest.mark.parametrize("system", ["sync", "stream"])
+def test_the_baseline_systems_run_on_the_same_substrate(tmp_path, system):
+    extra = ["runtime.system=sync", "runtime.rollout_ranks=3"] if system == "sync" else \
         ["runtime.system=stream", "job.eval_every=1", "job.eval_groups=1"]
     profile = _small(2, *extra)
     result = run_local(profile, run_root=tmp_path)
     assert result.exit_code == 0
     metrics = _read(result.run_dir / "metrics.jsonl")
     assert len(metrics) == 2
-    expected = "batch" if mode == "sync" else "vso"  # sync: the whole batch, one swap pair
-    assert {m["mode"] for m in metrics} == {expected}
-    if mode == "sync":  # verl: staleness 0, every rank trains
+    expected = "batch" if system == "sync" else "vso"  # sync: the whole batch, one swap pair
+    assert {m["step_mode"] for m in metrics} == {expected}
+    if system == "sync":  # verl: staleness 0, every rank trains
         assert all(m["staleness_max"] == 0 and m["num_trainer"] == 3 for m in metrics)
     else:  # an evaluation per step, each on one anchored version, never trained
         evals = [e for e in _read(result.run_dir / "events.jsonl") if e["kind"] == "eval"]

@@ -19,7 +19,7 @@ STEPS = 10  # a step takes about a second: both moves are applied by step 5 or s
 def test_an_fsdp2_job_trains_through_rebalance_moves_and_exports_hf_folders(tmp_path):
     runs = tmp_path / "runs"
     with running_job(runs, "trainer.backend=fsdp2", "trainer.export_every=4",
-                     "ra2p.mode=colocated", "trainer.lr_schedule=cosine",
+                     "ra2p.placement=colocated", "trainer.lr_schedule=cosine",
                      "trainer.warmup_steps=2", steps=STEPS, wait_steps=1,
                      timeout_s=240) as (state, launcher):
         args = ("--run-root", str(runs))

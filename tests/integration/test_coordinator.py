@@ -111,14 +111,14 @@ def test_a_cold_start_a_step_and_its_boundary_on_the_bus(tmp_path):
             ranks.ack(rank, 0)
         got = {rank: ranks.drain(rank) for rank in (1, 2)}
         (step,) = of(TrainStep, got[1])
-        assert (step.step, step.mode.value, step.actor_ranks) == (0, "colocated", [1, 2])
+        assert (step.step, step.step_mode.value, step.actor_ranks) == (0, "colocated", [1, 2])
         (batch,) = of(MicroBatchData, got[1])
         assert [s.seq_id for s in batch.samples] == ["g0.0", "g0.1"]
         assert [s.advantage for s in batch.samples] == pytest.approx([1.0, -1.0], abs=1e-5)
         assert of(StepClosed, got[1]) == [StepClosed(seq=batch.seq + 1, step=0)]
         clock.now = 2.0
         for rank in (1, 2):
-            ranks.send(rank, StepDone(rank=rank, step=0, version=1, mode="colocated",
+            ranks.send(rank, StepDone(rank=rank, step=0, version=1, step_mode="colocated",
                                       loss=0.25, loss_tokens=4, grad_norm=0.5, seconds=1.0,
                                       stats={"wait_s": 0.05, "t_ref": 0.1, "t_act_f": 0.1,
                                              "t_act_b": 0.2, "t_swap": 0.0}))
@@ -140,8 +140,8 @@ def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
         job.schedule_round()
         play_group(ranks, job, "g0", rank=job.router.task_rank["g0.0"])
         (step,) = of(TrainStep, ranks.drain(2))
-        assert step.mode.value == "batch" and step.max_aggregate == 0
-        ranks.send(2, StepDone(rank=2, step=0, version=1, mode="batch", loss=0.1,
+        assert step.step_mode.value == "batch" and step.max_aggregate == 0
+        ranks.send(2, StepDone(rank=2, step=0, version=1, step_mode="batch", loss=0.1,
                                loss_tokens=4, grad_norm=0.5, seconds=1.0, stats={}))
         for rank in range(3):  # rank 1 died in the broadcast: it failed for every member
             ranks.ack(rank, 1, ok=False, error="gloo: connection closed by peer")
@@ -207,7 +207,7 @@ def test_a_step_failing_because_a_peer_died_names_the_dead_rank(tmp_path):
 
 
 def done(rank: int, step: int, attempt: int = 0) -> StepDone:
-    return StepDone(rank=rank, step=step, version=step + 1, mode="batch", loss=0.25,
+    return StepDone(rank=rank, step=step, version=step + 1, step_mode="batch", loss=0.25,
                     loss_tokens=4, grad_norm=0.5, seconds=1.0, stats={}, attempt=attempt)
 
 
@@ -283,7 +283,7 @@ def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tm
             raise ValueError("a bug in a handler")
 
         job._on_step_report = broken
-        job.handle_safely(*ranks_recv(ranks, 1, StepDone(rank=1, step=0, mode="colocated",
+        job.handle_safely(*ranks_recv(ranks, 1, StepDone(rank=1, step=0, step_mode="colocated",
                                                           loss=0.0, grad_norm=0.0,
                                                           loss_tokens=0, version=1,
                                                           seconds=0.0, stats={})))

@@ -106,7 +106,7 @@ def test_the_coordinator_serves_its_metrics(job):
              if name == "tiderl_ranks"}
     assert set(ranks) == {"rollout", "ref", "actor", "idle"}
     assert sum(ranks.values()) == 3
-    modes = [v for (name, _), v in samples.items() if name == "tiderl_ra2p_mode"]
+    modes = [v for (name, _), v in samples.items() if name == "tiderl_step_mode"]
     assert sorted(modes) == [0, 0, 0, 0, 1]  # one series per step mode, the last step's 1
 
 
@@ -132,7 +132,7 @@ def test_profile_readiness_of_the_job(job):
     data = json.loads(tiderl("profile", "readiness", "--job", state.job_id, *root,
                              "--json").stdout)
     assert len(data["steps"]) >= 2
-    assert set(data["steps"][0]) == {"step", "ras", "tprm_s", "mode", "num_micro_batches",
+    assert set(data["steps"][0]) == {"step", "ras", "tprm_s", "step_mode", "num_micro_batches",
                                      "step_s"}
     assert data["png"] == png
     with open(png, "rb") as f:

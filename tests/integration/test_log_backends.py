@@ -37,7 +37,7 @@ def _record(step: int, loss: float | None, kv: float | None) -> StepRecord:
         step=step, start_s=10.0 * step, end_s=10.0 * step + 8.0, trained_tokens=100 + step,
         trained_tokens_total=100 * (step + 1), trained_samples=16, generated_tokens_total=300,
         discarded_tokens_total=0, ras=step, tprm_s=0.25 if step else None, rwt_s=0.5,
-        twt_s=1.5, mode=StepMode.COLOCATED, roles=ROLES, num_rollout=2, num_trainer=2,
+        twt_s=1.5, step_mode=StepMode.COLOCATED, roles=ROLES, num_rollout=2, num_trainer=2,
         num_micro_batches=3, kv_hit_rate=kv, staleness_max=step % 2, reward_mean=0.1 * step,
         solved_frac=0.0, eval_reward=None, loss=loss, grad_norm=0.3, batch_size=16,
         ers_reason="phase_end")
@@ -65,7 +65,7 @@ def test_each_step_record_reaches_tensorboard_and_an_offline_wandb_run(tmp_path,
     numeric = {k for row in rows for k, v in row.items() if isinstance(v, int | float)} - {"step"}
     scalars = tensorboard_scalars(run_dir / "tensorboard")
     assert set(scalars) == numeric  # the strings and lists (mode, roles) stay in metrics.jsonl
-    assert "mode" not in scalars and "roles" not in scalars
+    assert "step_mode" not in scalars and "roles" not in scalars
     for tag in numeric:
         assert scalars[tag] == [(row["step"], as_float32(row[tag])) for row in rows
                                 if row.get(tag) is not None], tag

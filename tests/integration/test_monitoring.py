@@ -25,7 +25,7 @@ from tiderl.models.init import write_random_checkpoint
 
 TEN = ("tiderl_goodput_tokens_total", "tiderl_trained_tokens_total", "tiderl_ras",
        "tiderl_tprm_seconds", "tiderl_rwt_seconds_total", "tiderl_twt_seconds_total",
-       "tiderl_ra2p_mode", "tiderl_ranks", "tiderl_kv_hit_rate", "tiderl_staleness")
+       "tiderl_step_mode", "tiderl_ranks", "tiderl_kv_hit_rate", "tiderl_staleness")
 
 
 # -- fake vLLM / SGLang metrics pages ------------------------------------------------------------

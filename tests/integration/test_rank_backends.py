@@ -66,7 +66,7 @@ async def _play(daemon: RankDaemon) -> None:
                 members=members, joiners=sorted(new_actors - old_actors)))
             roles = new_roles
         daemon.trainer.streams[(step, 0)] = steps[step]
-        await daemon.train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
+        await daemon.train(TrainStep(seq=10 + step, step=step, step_mode=StepMode.COLOCATED,
                                       ref_ranks=[], actor_ranks=actors, max_aggregate=2))
 
 

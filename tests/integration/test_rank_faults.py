@@ -25,7 +25,7 @@ A, IDLE = Role.ACTOR, Role.IDLE
 
 def train(daemon: RankDaemon, steps, step: int, actors: list[int], attempt: int = 0):
     daemon.trainer.streams[(step, attempt)] = steps[step]
-    return daemon.train(TrainStep(seq=10 + step, step=step, mode=StepMode.COLOCATED,
+    return daemon.train(TrainStep(seq=10 + step, step=step, step_mode=StepMode.COLOCATED,
                                    ref_ranks=[], actor_ranks=actors, max_aggregate=2,
                                    attempt=attempt))
 

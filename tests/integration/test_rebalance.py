@@ -85,7 +85,7 @@ def test_a_manual_plan_in_mode_tiderl_is_applied_held_and_handed_back(tmp_path):
         assert second["version"] > first["version"]
         version = second["version"]
         assert sorted(second["roles"]) == ["actor", "rollout", "rollout"]
-        assert second["mode"] == "colocated" and second["step"] == version
+        assert second["placement"] == "colocated" and second["step"] == version
         events = read(run_dir, "events.jsonl")
         requested = [e for e in events if e["kind"] == "rebalance_requested"]
         assert [e["request"] for e in requested] == ["R1/T2", "R2/T1"]

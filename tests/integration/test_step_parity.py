@@ -153,7 +153,7 @@ def replay(calls, ranks: Ranks, coordinator: Coordinator, clock: Clock) -> None:
                          if getattr(report, k) is not None}
                 ranks.send(report.rank, StepDone(
                     rank=report.rank, step=outcome.step, version=outcome.step + 1,
-                    mode="", loss=0.0, loss_tokens=0, grad_norm=0.0, seconds=0.0,
+                    step_mode="", loss=0.0, loss_tokens=0, grad_norm=0.0, seconds=0.0,
                     stats=stats))
         elif name == "boundary_acked":
             ranks.ack(args[0], args[1])

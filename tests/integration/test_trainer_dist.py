@@ -123,7 +123,7 @@ def _modes_rank(ctx: RankContext, _arg) -> dict:
         executor = ColocatedExecutor(ref, actor, max_aggregate=aggregate, swap=swap)
         dist.barrier()
         result = executor.run_step(step4, AllReady(len(step4.micro_batches)), time.time())
-        assert result.mode == name
+        assert result.step_mode == name
         out[name] = (result.seq_ids, result.events, actor.backend.full_state_dict(),
                      result.loss.loss_tokens)
     out["micro_batches_4"] = [[s.seq_id for s in mb.sequences] for mb in step4.micro_batches]

@@ -55,7 +55,7 @@ EXAMPLES = [
         session="s9", next_context=[7, 8],
         turns=[TurnData(context_ids=[1, 2], output_ids=[3], logprobs=[-0.5], version=3)])),
     Ack(rank=1, ref=17, ok=False, error="no such task"),
-    StepDone(rank=3, step=5, version=6, mode="decoupled", loss=0.125, loss_tokens=4096,
+    StepDone(rank=3, step=5, version=6, step_mode="decoupled", loss=0.125, loss_tokens=4096,
              grad_norm=0.75, seconds=2.5, stats={"kl": 0.01}, attempt=1),
     StepFailed(rank=3, step=5, attempt=0, updated=False,
                error="Connection closed by peer"),
@@ -67,7 +67,7 @@ EXAMPLES = [
     DetachTask(seq=4, task_id="t-8"),
     SyncWeights(seq=5, version=6, src_rank=3, roles=["rollout", "ref", "actor"], members=[0, 1, 2],
                 joiners=[2], checkpoint="runs/j/checkpoints"),
-    TrainStep(seq=7, step=5, mode=StepMode.DECOUPLED, ref_ranks=[2], actor_ranks=[3, 4],
+    TrainStep(seq=7, step=5, step_mode=StepMode.DECOUPLED, ref_ranks=[2], actor_ranks=[3, 4],
               max_aggregate=4, attempt=1),
     MicroBatchData(seq=8, step=5, mb_id=0, attempt=1,
                    samples=[TrainSampleData(seq_id="s0", input_ids=[1, 2, 3], loss_mask=[0, 1, 1],
@@ -126,16 +126,18 @@ def test_rebalance_defaults_and_kind_ranges() -> None:
 
 @pytest.mark.parametrize("mode", list(StepMode), ids=lambda m: m.value)
 def test_a_train_step_carries_its_step_mode_by_value(mode: StepMode) -> None:
-    msg = TrainStep(seq=1, step=0, mode=mode, ref_ranks=[], actor_ranks=[0, 1], max_aggregate=0)
-    assert msgspec.msgpack.decode(encode(msg)[2])["mode"] == mode.value
+    msg = TrainStep(seq=1, step=0, step_mode=mode, ref_ranks=[], actor_ranks=[0, 1],
+                    max_aggregate=0)
+    assert msgspec.msgpack.decode(encode(msg)[2])["step_mode"] == mode.value
     got = decode(encode(msg))
-    assert got.mode is mode
+    assert got.step_mode is mode
 
 
 def test_an_unknown_step_mode_is_a_bad_payload() -> None:
-    payload = {"seq": 1, "step": 0, "mode": "sideways", "ref_ranks": [], "actor_ranks": [0],
+    payload = {"seq": 1, "step": 0, "step_mode": "sideways", "ref_ranks": [], "actor_ranks": [0],
                "max_aggregate": 1}
-    with pytest.raises(BusProtocolError, match=r"TrainStep \(kind 0x25\): bad payload: .*\$\.mode"):
+    with pytest.raises(BusProtocolError,
+                       match=r"TrainStep \(kind 0x25\): bad payload: .*\$\.step_mode"):
         decode(_frames(TrainStep.kind, payload))
 
 

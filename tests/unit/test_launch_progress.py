@@ -10,20 +10,20 @@ ROLES = {0: "rollout", 1: "rollout", 2: "actor", 3: "ref"}
 
 def snapshot(step: int) -> Snapshot:
     return Snapshot(step=step, time=12.0, roles=ROLES, metrics=METRICS, ranks=[],
-                    mode="decoupled")
+                    step_mode="decoupled")
 
 
 def test_every_field_in_display_order_without_a_width():
     fields = progress_fields(snapshot(12), 40, elapsed_s=83.0, eta_s=190.0)
     assert progress_line(fields, None) == (
-        "step 12/40  1:23 eta 3:10  reward 0.123  goodput 357 tok/s  mode decoupled  "
+        "step 12/40  1:23 eta 3:10  reward 0.123  goodput 357 tok/s  decoupled steps  "
         "roles actor 1 ref 1 rollout 2  tasks 24 active 3 paused")
 
 
 def test_at_80_columns_the_least_important_fields_go_first():
     fields = progress_fields(snapshot(12), 40, elapsed_s=83.0, eta_s=190.0)
     line = progress_line(fields, 80)
-    assert line == "step 12/40  1:23 eta 3:10  reward 0.123  goodput 357 tok/s  mode decoupled"
+    assert line == "step 12/40  1:23 eta 3:10  reward 0.123  goodput 357 tok/s  decoupled steps"
     assert progress_line(fields, 40) == "step 12/40  1:23 eta 3:10  reward 0.123"
 
 

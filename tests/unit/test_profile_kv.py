@@ -92,7 +92,7 @@ def coordinator_text(hit_rate: float | None, kv: dict[int, tuple[int, int]]) -> 
                          kv_tokens=kv, ctb_budgets={r: capacity * 9 // 10
                                                     for r, (_, capacity) in kv.items()})
     exporter.update_step(trained_tokens_total=10, twt_s_total=0.0, kv_hit_rate=hit_rate,
-                         staleness=0, mode="colocated")
+                         staleness=0, step_mode="colocated")
     return generate_latest(exporter.registry).decode()
 
 

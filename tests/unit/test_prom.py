@@ -7,11 +7,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiderl.core.system import StepMode
-from tiderl.runtime.prom import MODES, ROLES, MetricsExporter
+from tiderl.runtime.prom import ROLES, STEP_MODES, MetricsExporter
 
 NAMES = ("tiderl_goodput_tokens_total", "tiderl_trained_tokens_total", "tiderl_ras",
          "tiderl_tprm_seconds", "tiderl_rwt_seconds_total", "tiderl_twt_seconds_total",
-         "tiderl_ra2p_mode", "tiderl_ranks", "tiderl_kv_hit_rate", "tiderl_staleness")
+         "tiderl_step_mode", "tiderl_ranks", "tiderl_kv_hit_rate", "tiderl_staleness")
 
 
 def exposed(exporter: MetricsExporter) -> dict[tuple[str, tuple], float]:
@@ -25,9 +25,9 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def step(exporter, trained=0, twt=0.0, hit=None, staleness=0, mode="colocated"):
+def step(exporter, trained=0, twt=0.0, hit=None, staleness=0, step_mode="colocated"):
     exporter.update_step(trained_tokens_total=trained, twt_s_total=twt, kv_hit_rate=hit,
-                         staleness=staleness, mode=mode)
+                         staleness=staleness, step_mode=step_mode)
 
 
 def live(exporter, rwt=0.0, ras=0, tprm=None, roles=(), kv=None, budgets=None):
@@ -36,7 +36,7 @@ def live(exporter, rwt=0.0, ras=0, tprm=None, roles=(), kv=None, budgets=None):
 
 
 def test_the_modes_are_the_step_modes():
-    assert tuple(mode.value for mode in StepMode) == MODES
+    assert tuple(mode.value for mode in StepMode) == STEP_MODES
 
 
 def test_a_fresh_exporter_has_every_series_with_unknowns_as_nan():
@@ -46,7 +46,7 @@ def test_a_fresh_exporter_has_every_series_with_unknowns_as_nan():
     assert value(samples, "tiderl_trained_tokens_total") == 0
     assert math.isnan(value(samples, "tiderl_tprm_seconds"))
     assert math.isnan(value(samples, "tiderl_kv_hit_rate"))
-    assert all(value(samples, "tiderl_ra2p_mode", mode=m) == 0 for m in MODES)
+    assert all(value(samples, "tiderl_step_mode", step_mode=m) == 0 for m in STEP_MODES)
     assert all(value(samples, "tiderl_ranks", role=r) == 0 for r in ROLES)
 
 
@@ -54,7 +54,7 @@ def test_updates_show_in_the_text():
     exporter = MetricsExporter()
     live(exporter, rwt=1.5, ras=3, tprm=0.25, roles=["rollout", "actor", "actor", "ref"],
          kv={0: (100, 2048)}, budgets={0: 1843})
-    step(exporter, trained=640, twt=2.0, hit=0.75, staleness=2, mode="decoupled")
+    step(exporter, trained=640, twt=2.0, hit=0.75, staleness=2, step_mode="decoupled")
     s = exposed(exporter)
     assert value(s, "tiderl_trained_tokens_total") == 640
     assert value(s, "tiderl_goodput_tokens_total") == 640
@@ -64,7 +64,7 @@ def test_updates_show_in_the_text():
     assert value(s, "tiderl_tprm_seconds") == 0.25
     assert value(s, "tiderl_kv_hit_rate") == 0.75
     assert value(s, "tiderl_staleness") == 2
-    assert {m: value(s, "tiderl_ra2p_mode", mode=m) for m in MODES} == {
+    assert {m: value(s, "tiderl_step_mode", step_mode=m) for m in STEP_MODES} == {
         "colocated": 0, "decoupled": 1, "vs": 0, "vso": 0, "batch": 0}
     assert {r: value(s, "tiderl_ranks", role=r) for r in ROLES} == {
         "rollout": 1, "ref": 1, "actor": 2, "idle": 0}
@@ -88,10 +88,10 @@ def test_counters_follow_totals_and_never_go_down():
 
 def test_mode_switches_and_unknown_hit_rate_is_nan():
     exporter = MetricsExporter()
-    step(exporter, hit=0.5, mode="decoupled")
-    step(exporter, hit=None, mode="vso")
+    step(exporter, hit=0.5, step_mode="decoupled")
+    step(exporter, hit=None, step_mode="vso")
     s = exposed(exporter)
-    assert {m for m in MODES if value(s, "tiderl_ra2p_mode", mode=m) == 1} == {"vso"}
+    assert {m for m in STEP_MODES if value(s, "tiderl_step_mode", step_mode=m) == 1} == {"vso"}
     assert math.isnan(value(s, "tiderl_kv_hit_rate"))
 
 

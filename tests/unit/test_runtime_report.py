@@ -40,7 +40,7 @@ def _metrics() -> list[StepRecord]:
             step=i, start_s=TIMES[i] - 10.0, end_s=TIMES[i], trained_tokens=TOKENS[i],
             trained_tokens_total=total, trained_samples=4,
             generated_tokens_total=250 * (i + 1), discarded_tokens_total=10 * i, ras=i % 3,
-            tprm_s=TPRM[i], rwt_s=1.0, twt_s=0.5, mode=StepMode(MODES[i]),
+            tprm_s=TPRM[i], rwt_s=1.0, twt_s=0.5, step_mode=StepMode(MODES[i]),
             roles=tuple(ROLES[i]), num_rollout=ROLES[i].count("rollout"),
             num_trainer=ROLES[i].count("actor"), num_micro_batches=2, kv_hit_rate=KV[i],
             staleness_max=STALENESS[i], reward_mean=REWARDS[i], solved_frac=0.0,
@@ -168,8 +168,8 @@ def test_a_line_reads_back_as_the_same_line():
     for record in _metrics():
         row = json.loads(json.dumps(record.to_dict()))  # floats rounded to 4 digits
         assert StepRecord.from_dict(row).to_dict() == row
-        assert (row["version"], row["step_s"], row["mode"]) == (record.step + 1, 10.0,
-                                                               record.mode.value)
+        assert (row["version"], row["step_s"], row["step_mode"]) == (record.step + 1, 10.0,
+                                                               record.step_mode.value)
 
 
 def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):

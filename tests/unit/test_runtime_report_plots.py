@@ -20,7 +20,7 @@ def records() -> list[StepRecord]:
     """Six steps at 10-15 tok/s; steps 0 and 1 colocated without a TPRM, step 2 colocated at
     the very point (RAS 2, TPRM 0.8) of decoupled step 5."""
     rows = [dataclasses.replace(m, solved_frac=s) for m, s in zip(_metrics(), SOLVED, strict=True)]
-    rows[2] = dataclasses.replace(rows[2], mode=StepMode.COLOCATED, ras=2, tprm_s=0.8)
+    rows[2] = dataclasses.replace(rows[2], step_mode=StepMode.COLOCATED, ras=2, tprm_s=0.8)
     return rows
 
 

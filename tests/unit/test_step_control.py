@@ -132,7 +132,7 @@ def test_a_sync_step_waits_for_its_whole_batch_then_every_rank_trains_it():
     assert len(mb.sequences) == 4
     out = c.step_done(outcome(0, 0, 1), 5.0)
     record = record_of(out)
-    assert (record.trained_samples, record.trained_tokens, record.mode) == (4, 400,
+    assert (record.trained_samples, record.trained_tokens, record.step_mode) == (4, 400,
                                                                           StepMode.BATCH)
     assert record.twt_s == 0.5  # the in-step waits; the ranks were rolling out before
     assert record.kv_hit_rate == 0.5 and record.loss == 0.5 and record.grad_norm == 1.5

@@ -104,7 +104,7 @@ def test_a_ref_rank_dying_in_a_decoupled_step_runs_it_again_colocated():
     c.launch(0.0)
     (mb0,) = only(c.group_ready("g0", Ready("g0", 0), 1.0), Dispatch)  # streamed at once
     start = c.steps.current.start
-    assert (start.mode, start.ref_ranks) == (StepMode.DECOUPLED, (1,))
+    assert (start.step_mode, start.ref_ranks) == (StepMode.DECOUPLED, (1,))
     assert c.rank_dead(1, "missed heartbeats", 2.0) == [AbortStep(0, 0)]
     out = c.group_ready("g1", Ready("g1", 0), 2.5)  # formed meanwhile: waits for attempt 1
     assert only(out, Dispatch) == [] and only(out, CloseStep) == []

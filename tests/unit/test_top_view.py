@@ -26,7 +26,7 @@ def snapshot(step: int, record_step: int | None = None, **metrics: float) -> Sna
         values["step"] = float(record_step)
     return Snapshot(
         step=step, time=12.5, roles={0: "rollout", 1: "rollout", 2: "actor", 3: "ref"},
-        metrics=values, mode="decoupled", ctb_budgets={0: 1843, 1: 3686}, ranks=[
+        metrics=values, step_mode="decoupled", ctb_budgets={0: 1843, 1: 3686}, ranks=[
             RankMetrics(rank=0, role="rollout", kv_tokens_used=1536, kv_tokens_capacity=2048,
                         prefix_hit_rate=0.625, running=5, waiting=1, prefix_queries=800,
                         prefix_hits=500),
@@ -79,7 +79,7 @@ def test_render_shows_the_ranks_with_roles_kv_capacity_budgets_and_gauges():
     assert "connected (last update 0.4 s ago)" in out and "disconnected" not in out
     assert "step       7/200" in out and "elapsed 12.5 s" in out
     assert "2 rollout" in out and "1 actor" in out and "1 ref" in out
-    assert "RA2P mode decoupled" in out
+    assert "step mode decoupled" in out
     assert "1234.5 tok/s" in out and "reward     0.250" in out and "staleness 2" in out
     assert "RAS 3   TPRM 0.125 s   RWT 1.50 s   TWT 0.25 s" in out
     assert "active 6   paused 2   new 3" in out
@@ -177,4 +177,4 @@ def test_missing_metrics_show_a_dash():
     state = TopState(job="j", endpoint="e", started_at=0.0)
     state.fold(Snapshot(step=0, time=0.0, roles={}, metrics={}, ranks=[]), now=0.0)
     out = text(state, now=0.0)
-    assert "step       0/—" in out and "RAS —   TPRM —" in out and "RA2P mode —" in out
+    assert "step       0/—" in out and "RAS —   TPRM —" in out and "step mode —" in out

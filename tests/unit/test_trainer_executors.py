@@ -40,7 +40,7 @@ def _step() -> StepInput:
 def _executor(mode: StepMode, max_aggregate: int = 8) -> ColocatedExecutor:
     ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
     actor = ActorWorker(make_backend("ddp", init_model("tiny", seed=0)), CONFIG)
-    return ColocatedExecutor.for_mode(mode, ref, actor, max_aggregate=max_aggregate)
+    return ColocatedExecutor.for_step_mode(mode, ref, actor, max_aggregate=max_aggregate)
 
 
 def _passes(events: list[dict], name: str) -> list[tuple[int, ...]]:
@@ -54,7 +54,8 @@ def test_each_mode_gets_its_bound_and_swap_and_reports_itself(mode, max_aggregat
     executor = _executor(mode, max_aggregate)
     assert (executor.max_aggregate, executor.swapper is not None) == (bound, swaps)
     step = _step()
-    assert executor.run_step(step, AllReady(len(step.micro_batches)), time.time()).mode is mode
+    assert executor.run_step(step, AllReady(len(step.micro_batches)),
+                             time.time()).step_mode is mode
 
 
 def test_the_decoupled_mode_and_a_negative_bound_are_refused():
@@ -142,7 +143,7 @@ def test_without_kl_no_ref_pass_runs():
     actor = ActorWorker(make_backend("ddp", init_model("tiny", seed=0)),
                         dataclasses.replace(CONFIG, kl_beta=0.0))
     ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
-    colocated = ColocatedExecutor.for_mode(StepMode.COLOCATED, ref, actor, max_aggregate=8)
+    colocated = ColocatedExecutor.for_step_mode(StepMode.COLOCATED, ref, actor, max_aggregate=8)
     result = colocated.run_step(step, AllReady(len(step.micro_batches)), time.time())
     assert "ref_forward" not in {e["name"] for e in result.events}
     assert result.loss.kl_sum == 0.0 and result.loss.loss_tokens == step.num_loss_tokens
@@ -166,4 +167,4 @@ def test_a_rank_reports_the_steps_loss_tokens():
     done = step_done(2, 5, result, step)
     expected = sum(sum(s.loss_mask) for s in step.samples.values())
     assert (done.rank, done.step, done.version, done.loss_tokens) == (2, 5, 1, expected)
-    assert done.mode == "colocated" and done.stats["t_act_f"] > 0
+    assert done.step_mode == "colocated" and done.stats["t_act_f"] > 0

@@ -59,7 +59,7 @@ class _Watched:
 def test_no_tensor_of_a_step_outlives_it():
     ref = RefWorker(make_backend("ddp", init_model("tiny", seed=1), trainable=False))
     actor = ActorWorker(make_backend("ddp", init_model("tiny", seed=0)), CONFIG)
-    executor = ColocatedExecutor.for_mode(StepMode.COLOCATED, ref, actor, max_aggregate=2)
+    executor = ColocatedExecutor.for_step_mode(StepMode.COLOCATED, ref, actor, max_aggregate=2)
     watched = _Watched(actor, ref)
     for seed in (1, 2):
         step = _step(seed)

@@ -173,7 +173,7 @@ def _render_ctb(console: Console, result: dict) -> None:
 def _render_ra2p(console: Console, result: dict) -> None:
     modes = result["modes"]
     console.print(table("step time, all micro-batches ready at the start (s)",
-                        ("mode", "measured", "cost model", "error"),
+                        ("step_mode", "measured", "cost model", "error"),
                         [(m, v["measured_s"], v["predicted_s"], f"{v['error']:.1%}")
                          for m, v in modes.items()]))
     rows = [(c["ras"], c["tprm_s"], c["measured_s"]["CM"], c["measured_s"]["DM"], c["fastest"],
@@ -191,7 +191,7 @@ def _render_e2e(console: Console, result: dict) -> None:
              v.get("cpu_busy_share", "-"))
             for mode, v in result["modes"].items()]
     console.print(table("modes (goodput in trained tokens/s)",
-                        ("mode", "split", "goodput", "reward", "RWT s", "TWT s", "KV hit",
+                        ("step_mode", "split", "goodput", "reward", "RWT s", "TWT s", "KV hit",
                          "staleness", "CPU busy"), rows))
     targets, bounds = result["targets"], result.get("cpu_bounds", {})
     console.print(table("ratios", ("ratio", "measured", "target", "CPU ceiling"),

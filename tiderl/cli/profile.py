@@ -99,10 +99,10 @@ def _render_kv(console: Console, payload: dict) -> None:
 
 
 def _render_readiness(console: Console, payload: dict) -> None:
-    rows = [(s["step"], s["ras"], _num(s["tprm_s"], 3), s["mode"], s["num_micro_batches"],
+    rows = [(s["step"], s["ras"], _num(s["tprm_s"], 3), s["step_mode"], s["num_micro_batches"],
              _num(s["step_s"], 2)) for s in payload["steps"]]
     console.print(table(f"Readiness of job {payload['job']}",
-                        ("step", "RAS", "TPRM s", "mode", "micro-batches", "step s"), rows))
+                        ("step", "RAS", "TPRM s", "step_mode", "micro-batches", "step s"), rows))
     console.print(f"plot: {payload['png']}", markup=False)
 
 

@@ -81,7 +81,7 @@ class JobProgress:
 def progress_fields(snap: Snapshot | None, steps: int, elapsed_s: float,
                     eta_s: float | None) -> list[tuple[int, str]]:
     """The progress line's fields, (priority, text) in display order: the step counter (0,
-    always shown), the time, reward, goodput, the RA2P mode, the roles, the tasks."""
+    always shown), the time, reward, goodput, the step mode, the roles, the tasks."""
     clock = _duration(elapsed_s) + (f" eta {_duration(eta_s)}" if eta_s is not None else "")
     if snap is None:
         return [(0, f"step 0/{steps}"), (1, clock), (2, "starting ...")]
@@ -93,8 +93,8 @@ def progress_fields(snap: Snapshot | None, steps: int, elapsed_s: float,
         fields.append((2, f"reward {m['reward_mean']:.3f}"))
     if "goodput_tok_s" in m:
         fields.append((3, f"goodput {m['goodput_tok_s']:.0f} tok/s"))
-    if snap.mode:
-        fields.append((4, f"mode {snap.mode}"))
+    if snap.step_mode:
+        fields.append((4, f"{snap.step_mode} steps"))
     roles: dict[str, int] = {}
     for role in snap.roles.values():
         roles[role] = roles.get(role, 0) + 1

@@ -30,7 +30,7 @@ HEADERS = {"goodput_tok_s": "goodput tok/s", "gen_tok_s": "gen tok/s", "kv_hit_r
            "rwt_s": "RWT s", "twt_s": "TWT s", "recomputed_tokens": "recomputed tokens",
            "env_step_median_s": "env median s", "env_step_sigma": "env sigma",
            "max_staleness": "max stale", "colocate_switch_s": "switch s"}
-KEY_COLUMNS = ("run", "mode", "env_step_median_s", "env_step_sigma", "max_staleness",
+KEY_COLUMNS = ("run", "step_mode", "env_step_median_s", "env_step_sigma", "max_staleness",
                "colocate_switch_s")  # what names a row: repeated in each part of a split table
 
 

@@ -71,7 +71,7 @@ def top(
                                                             "a snapshot."),
     json_mode: bool = JsonFlag,
 ) -> None:
-    """Live view: ranks and roles, KV use and CTB budgets, RA2P mode, RAS/TPRM, goodput. q quits."""
+    """Live view: ranks and roles, KV use and CTB budgets, step mode, RAS/TPRM, goodput. q quits."""
     if json_mode and not once:
         raise CLIError("tiderl top: --json needs --once", EXIT_USAGE)
     target = find_target(job, run_root, bus, keys)

@@ -135,7 +135,7 @@ def _header_rows(snap: Snapshot) -> list[tuple[str, str | Text]]:
         ("step", f"{snap.step}/{_num(m, 'steps', '{:.0f}')}   elapsed "
                  f"{_num(m, 'elapsed_s', '{:.1f} s')}   step time {_num(m, 'step_s', '{:.2f} s')}"
                  f"   batch {_num(m, 'batch_size', '{:.0f}')}"),
-        ("ranks", f"{_role_counts(snap.roles)}   RA2P mode {snap.mode or '—'}"),
+        ("ranks", f"{_role_counts(snap.roles)}   step mode {snap.step_mode or '—'}"),
         ("goodput", f"{_num(m, 'goodput_tok_s', '{:.1f} tok/s')}   trained "
                     f"{_num(m, 'trained_tokens_total', '{:.0f} tok')}"),
         ("reward", f"{_num(m, 'reward_mean', '{:.3f}')}   solved "

@@ -134,7 +134,7 @@ class LeaveRollout:
 @dataclass(frozen=True, slots=True)
 class StartStep:
     step: int
-    mode: StepMode
+    step_mode: StepMode
     ref_ranks: tuple[int, ...]
     actor_ranks: tuple[int, ...]
     max_aggregate: int  # colocated: micro-batches per swap pair; 0: the whole batch; else 1

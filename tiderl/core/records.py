@@ -29,7 +29,7 @@ class StepRecord:
     tprm_s: float | None  # mean gap between later ready micro-batches (None: < 2 of them)
     rwt_s: float  # rollout wait since the previous record
     twt_s: float  # trainer ranks' waits for data, in the step and before it opened
-    mode: StepMode
+    step_mode: StepMode
     roles: tuple[str, ...]  # every rank's role while the step ran
     num_rollout: int
     num_trainer: int
@@ -72,18 +72,21 @@ class StepRecord:
         """The ``metrics.jsonl`` line: every field, rounded, plus time_s, step_s, version and
         goodput_tok_s."""
         row = {name: _rounded(value) for name, value in asdict(self).items()}
-        row.update(mode=self.mode.value, roles=list(self.roles), time_s=round(self.time_s, 3),
-                   step_s=round(self.step_s, 3), version=self.version,
-                   goodput_tok_s=round(self.goodput_tok_s, 2))
+        row.update(step_mode=self.step_mode.value, roles=list(self.roles),
+                   time_s=round(self.time_s, 3), step_s=round(self.step_s, 3),
+                   version=self.version, goodput_tok_s=round(self.goodput_tok_s, 2))
         return row
 
     @classmethod
     def from_dict(cls, row: dict[str, object]) -> StepRecord:
+        """A ``metrics.jsonl`` line read back (``mode``: the step mode's key in older runs)."""
+        if "mode" in row and "step_mode" not in row:
+            row = {**row, "step_mode": row["mode"]}
         missing = [f.name for f in fields(cls) if f.name not in row and f.default is MISSING]
         if missing:
             raise ValueError(f"a step record needs {missing[0]!r}")
         values = {f.name: row[f.name] for f in fields(cls) if f.name in row}
-        values.update(mode=StepMode(values["mode"]), roles=tuple(values["roles"]))
+        values.update(step_mode=StepMode(values["step_mode"]), roles=tuple(values["roles"]))
         return cls(**values)
 
 

@@ -117,7 +117,7 @@ def plot_kv(profile: KVProfile, path: Path) -> Path:
 def readiness_rows(metrics: list[StepRecord]) -> list[dict[str, Any]]:
     """Per step: RAS, TPRM (None when the step saw fewer than two ready micro-batches), the
     mode, micro-batches and duration, from metrics.jsonl records."""
-    return [{"step": m.step, "ras": m.ras, "tprm_s": m.tprm_s, "mode": m.mode.value,
+    return [{"step": m.step, "ras": m.ras, "tprm_s": m.tprm_s, "step_mode": m.step_mode.value,
              "num_micro_batches": m.num_micro_batches, "step_s": round(m.step_s, 3)}
             for m in metrics]
 

@@ -95,7 +95,7 @@ class Coordinator:
         self.liveness.progress_at = now
         if self.resume_from is None:
             self.log.t0 = now
-            self.log.event("launch", mode=self.profile.runtime.system,
+            self.log.event("launch", system=self.profile.runtime.system,
                            roles=[r.value for r in self.controller.state.roles])
             self._apply(self.controller.launch(now))
             return

@@ -21,7 +21,7 @@ from tiderl.core.system import StepMode
 from tiderl.core.types import Role
 from tiderl.engine.metric_names import TIDERL_COORDINATOR
 
-MODES = tuple(mode.value for mode in StepMode)  # the step modes a metrics.jsonl record names
+STEP_MODES = tuple(mode.value for mode in StepMode)  # the step modes a metrics.jsonl record names
 ROLES = tuple(role.value for role in Role)
 
 
@@ -78,9 +78,9 @@ class MetricsExporter:
         self.tprm_seconds = Gauge(
             "tiderl_tprm_seconds", "Mean interval between micro-batches that became ready "
             "after the current step started (NaN: fewer than two yet).", registry=reg)
-        self.ra2p_mode = Gauge(
-            "tiderl_ra2p_mode", "1 for the mode of the last step, 0 for the others (all 0 "
-            "before the first step).", ["mode"], registry=reg)
+        self.step_mode = Gauge(
+            "tiderl_step_mode", "1 for the step mode of the last step, 0 for the others (all 0 "
+            "before the first step).", ["step_mode"], registry=reg)
         self.ranks = Gauge("tiderl_ranks", "Ranks per role now.", ["role"], registry=reg)
         self.kv_hit_rate = Gauge(
             TIDERL_COORDINATOR.hit_rate, "Prefix-cache hit rate of the last step: prompt "
@@ -97,8 +97,8 @@ class MetricsExporter:
         self.ctb_budget_tokens = RankGauge(
             "tiderl_ctb_budget_tokens", "CTB's token budget B_r of a rollout rank: the KV "
             "tokens its admitted tasks may take.", reg)
-        for mode in MODES:
-            self.ra2p_mode.labels(mode=mode).set(0)
+        for mode in STEP_MODES:
+            self.step_mode.labels(step_mode=mode).set(0)
         for role in ROLES:
             self.ranks.labels(role=role).set(0)
         self.tprm_seconds.set(math.nan)
@@ -108,15 +108,16 @@ class MetricsExporter:
     # ------------------------------------------------------------------ updates
 
     def update_step(self, *, trained_tokens_total: float, twt_s_total: float,
-                    kv_hit_rate: float | None, staleness: float, mode: str) -> None:
-        """After each step: cumulative totals, and the last step's hit rate, staleness, mode."""
+                    kv_hit_rate: float | None, staleness: float, step_mode: str) -> None:
+        """After each step: cumulative totals, and the last step's hit rate, staleness, step
+        mode."""
         self.trained_tokens.advance(trained_tokens_total)
         self.goodput_tokens.advance(trained_tokens_total)
         self.twt_seconds.advance(twt_s_total)
         self.kv_hit_rate.set(_or_nan(kv_hit_rate))
         self.staleness.set(staleness)
-        for name in {*MODES, mode}:
-            self.ra2p_mode.labels(mode=name).set(1 if name == mode else 0)
+        for name in {*STEP_MODES, step_mode}:
+            self.step_mode.labels(step_mode=name).set(1 if name == step_mode else 0)
 
     def update_live(self, *, rwt_s_total: float, ras: int, tprm_s: float | None,
                     roles: Sequence[str], kv_tokens: Mapping[int, tuple[int, int]],

@@ -171,7 +171,7 @@ class TrainerSide:
             version = result.step.version
         done = step_done(self.rank, cmd.step, result, stream, version, cmd.attempt)
         log.info("rank %d: step %d %s, %d loss tokens, loss %.4f, %.2f s", self.rank, cmd.step,
-                 done.mode, done.loss_tokens, done.loss, done.seconds)
+                 done.step_mode, done.loss_tokens, done.loss, done.seconds)
         self.send(done)
         return version
 
@@ -187,12 +187,12 @@ class TrainerSide:
 
     def _executor(self, cmd: TrainStep) -> DecoupledExecutor | ColocatedExecutor | None:
         """This rank's executor of the step's mode; None when it is not in the step's ranks."""
-        if cmd.mode is StepMode.DECOUPLED:
+        if cmd.step_mode is StepMode.DECOUPLED:
             return self._decoupled_executor(cmd)
         if self.rank not in cmd.actor_ranks:
             return None
         assert self.actor is not None, f"rank {self.rank} has no actor for step {cmd.step}"
-        return ColocatedExecutor.for_mode(cmd.mode, self.ref, self.actor,
+        return ColocatedExecutor.for_step_mode(cmd.step_mode, self.ref, self.actor,
                                           max_aggregate=cmd.max_aggregate,
                                           group=self.actor.backend.group,
                                           device=self.world.device)

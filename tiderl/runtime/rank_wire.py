@@ -25,7 +25,7 @@ def step_done(rank: int, step: int, result: StepResult, data: StepData,
     if version is None:
         version = result.step.version if result.step is not None else 0
     return StepDone(
-        rank=rank, step=step, version=version, mode=result.mode.value,
+        rank=rank, step=step, version=version, step_mode=result.step_mode.value,
         loss=float(means.get("loss", 0.0)), loss_tokens=int(data.num_loss_tokens),
         grad_norm=result.step.grad_norm if result.step else 0.0, seconds=result.seconds,
         stats={**{k: float(v) for k, v in means.items()}, **phase_times(result.events)},

@@ -40,7 +40,7 @@ Row = dict[str, Any]
 
 ROLE_LETTERS = {"rollout": "R", "ref": "F", "actor": "A", "idle": "I"}
 IMAGES = ("goodput_reward.png", "roles.png", "readiness.png")
-STEP_COLUMNS = ("step", "time (s)", "mode", "roles", "RAS", "TPRM (s)", "goodput (tok/s)",
+STEP_COLUMNS = ("step", "time (s)", "step_mode", "roles", "RAS", "TPRM (s)", "goodput (tok/s)",
                 "reward", "loss", "staleness")
 # readiness plane: (colour, marker, z-order) per mode; colocated on top of the others
 MODE_STYLE = {"decoupled": ("tab:blue", "o", 2), "vs": ("tab:green", "^", 2),
@@ -111,7 +111,7 @@ def summarize(metrics: list[StepRecord]) -> Row:
         "kv_hit_rate_mean": _mean(kv),
         "rwt_total_s": sum(m.rwt_s for m in metrics),
         "twt_total_s": sum(m.twt_s for m in metrics),
-        "modes": dict(Counter(m.mode.value for m in metrics)),
+        "modes": dict(Counter(m.step_mode.value for m in metrics)),
         "num_role_changes": sum(
             _num_changed(list(prev.roles), list(cur.roles)) for prev, cur in pairwise(metrics)
         ),
@@ -203,7 +203,7 @@ def _steps_section(metrics: list[StepRecord]) -> list[str]:
     lines = ["## Steps", "", "Roles: R rollout, F ref, A actor, I idle.", "",
              "| " + " | ".join(STEP_COLUMNS) + " |", "|" + "---|" * len(STEP_COLUMNS)]
     for m in metrics:
-        cells = [m.step, _fmt(m.time_s, 1), m.mode.value, compact_roles(list(m.roles)), m.ras,
+        cells = [m.step, _fmt(m.time_s, 1), m.step_mode.value, compact_roles(list(m.roles)), m.ras,
                  _fmt(m.tprm_s, 2), _fmt(m.goodput_tok_s, 1), _fmt(m.reward_mean),
                  _fmt(m.loss, 4), m.staleness_max]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -306,9 +306,9 @@ def readiness_figure(metrics: list[StepRecord]) -> Figure:
     a step whose TPRM is null is a triangle of its mode's colour on the RAS axis."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for mode in dict.fromkeys(m.mode.value for m in metrics):
+    for mode in dict.fromkeys(m.step_mode.value for m in metrics):
         colour, marker, zorder = MODE_STYLE.get(mode, ("tab:gray", "X", 2))
-        steps = [m for m in metrics if m.mode.value == mode]
+        steps = [m for m in metrics if m.step_mode.value == mode]
         known = [m for m in steps if m.tprm_s is not None]
         if known:
             ax.scatter([m.ras for m in known], [m.tprm_s for m in known], label=mode,

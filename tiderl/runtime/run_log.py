@@ -97,7 +97,7 @@ class RunLog:
                 trained_tokens_total=record.trained_tokens_total,
                 twt_s_total=sum(r.twt_s for r in controller.ledger.records),
                 kv_hit_rate=record.kv_hit_rate, staleness=record.staleness_max,
-                mode=record.mode.value)
+                step_mode=record.step_mode.value)
         row = record.to_dict()
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
@@ -120,7 +120,7 @@ class RunLog:
             step=controller.state.step, time=self.elapsed(),
             roles={r: role.value for r, role in enumerate(controller.state.roles)}, metrics=metrics,
             ranks=[self.rank_metrics[r] for r in sorted(self.rank_metrics)],
-            mode=last.mode.value if last is not None else "", note=note,
+            step_mode=last.step_mode.value if last is not None else "", note=note,
             ctb_budgets=controller.rollout.budgets())
 
     def is_snapshot_due(self) -> bool:

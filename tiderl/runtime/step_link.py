@@ -46,7 +46,7 @@ class StepLink:
             self.start, self.reports, self.errors = command, {}, {}
             self.failed_at, self.rewards = None, []
             msg: b.Message = b.TrainStep(
-                seq=self._next_seq(), step=command.step, mode=command.mode,
+                seq=self._next_seq(), step=command.step, step_mode=command.step_mode,
                 ref_ranks=list(command.ref_ranks), actor_ranks=list(command.actor_ranks),
                 max_aggregate=command.max_aggregate, attempt=command.attempt)
         elif isinstance(command, c.Dispatch):

@@ -182,7 +182,7 @@ class Cluster:
         self.start = start
         self._step_rewards = {}
         switch_s = self.scenario.sim.colocate_switch_s if self.system.is_sync else 0.0
-        self.executor = build_executor(start.mode, self.loop, self.cost,
+        self.executor = build_executor(start.step_mode, self.loop, self.cost,
                                        num_gpus=len(start.ranks), num_ref=len(start.ref_ranks),
                                        max_aggregate=start.max_aggregate or 1,
                                        on_done=self._on_step_done,

@@ -233,7 +233,7 @@ def fig14(scenario: SimScenario, progress: Progress | None = None) -> Experiment
         "reduction_vs_vso": round(1 - best / times["vso"], 3),
         "reduction_vs_vs": round(1 - best / times["vs"], 3),
     }
-    rows = [{"mode": k, "step_s": round(v, 3)} for k, v in times.items()]
+    rows = [{"step_mode": k, "step_s": round(v, 3)} for k, v in times.items()]
     return ExperimentResult("fig14", headline, PAPER["fig14"], rows)
 
 

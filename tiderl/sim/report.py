@@ -28,7 +28,7 @@ def write_plots(result: ExperimentResult, out_dir: Path) -> list[Path]:
         paths.append(_save(fig, out_dir / f"{result.name}_{metric}.png"))
     key = _bar_key(result)
     if key:
-        labels = [str(row.get("run", row.get("mode"))) for row in result.rows]
+        labels = [str(row.get("run", row.get("step_mode"))) for row in result.rows]
         values = [float(row[key]) for row in result.rows]
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.bar(range(len(values)), values)

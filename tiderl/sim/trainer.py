@@ -106,7 +106,7 @@ class StepExecutor:
         n = max(1, self.num_micro_batches)
         t_ref, t_act_f, t_act_b = (self.pass_s[k] / n for k in ("t_ref", "t_act_f", "t_act_b"))
         wait = self.twt_s / max(1, len(start.ranks))
-        if start.mode is StepMode.DECOUPLED:
+        if start.step_mode is StepMode.DECOUPLED:
             refs = tuple(RankReport(r, wait, t_ref=t_ref) for r in start.ref_ranks)
             return refs + tuple(RankReport(r, wait, t_act_f=t_act_f, t_act_b=t_act_b)
                                 for r in start.actor_ranks)

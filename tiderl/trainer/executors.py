@@ -179,7 +179,7 @@ StepData = StepInput | StreamedStep
 
 @dataclass
 class StepResult:
-    mode: StepMode
+    step_mode: StepMode
     seconds: float  # step start to the end of the last backward on this rank
     loss: LossStats  # summed over the step's actor ranks
     step: StepStats | None  # None on a rank without an actor
@@ -268,7 +268,7 @@ class DecoupledExecutor:
     step, attempt and micro-batch (:func:`p2p_tag`): a send an aborted attempt left unreceived
     can never be taken for another's."""
 
-    mode = StepMode.DECOUPLED
+    step_mode = StepMode.DECOUPLED
 
     def __init__(self, rank: int, ref_ranks: list[int], actor_ranks: list[int], *,
                  ref: RefWorker | None = None, actor: ActorWorker | None = None,
@@ -305,7 +305,7 @@ class DecoupledExecutor:
         self.timeline.start_step(origin)
         if self.actor is None:
             if not self.use_ref:  # no KL: nothing for a Ref rank to compute
-                return StepResult(self.mode, 0.0, LossStats(), None)
+                return StepResult(self.step_mode, 0.0, LossStats(), None)
             return self._run_ref(step, arrivals)
         return self._run_actor(step, arrivals)
 
@@ -326,7 +326,7 @@ class DecoupledExecutor:
         seconds = self.timeline.now()
         for work in sends:
             work.wait()
-        return StepResult(self.mode, seconds, LossStats(), None, seq_ids,
+        return StepResult(self.step_mode, seconds, LossStats(), None, seq_ids,
                           self.timeline.as_dicts())
 
     def _run_actor(self, step: StepData, arrivals: Arrivals) -> StepResult:
@@ -354,7 +354,7 @@ class DecoupledExecutor:
         stats = _reduce_loss(stats, self.actor_group)  # before: see _reduce_loss
         with self.timeline.span("optimizer_step"):
             step_stats = self.actor.optimizer_step(step.num_loss_tokens)
-        return StepResult(self.mode, seconds, stats, step_stats, seq_ids,
+        return StepResult(self.step_mode, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
 
 
@@ -383,7 +383,7 @@ class ColocatedExecutor:
         self.swapper = ModelSwap(models, self.device) if swap else None
 
     @classmethod
-    def for_mode(cls, mode: StepMode, ref: RefWorker | None, actor: ActorWorker, *,
+    def for_step_mode(cls, mode: StepMode, ref: RefWorker | None, actor: ActorWorker, *,
                  max_aggregate: int, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu") -> ColocatedExecutor:
         """The executor of a step mode other than decoupled; ``max_aggregate`` bounds the
@@ -395,8 +395,8 @@ class ColocatedExecutor:
                    swap=mode.has_swaps, group=group, device=device)
 
     @property
-    def mode(self) -> StepMode:
-        """The mode this executor runs, as its bound and swap make it."""
+    def step_mode(self) -> StepMode:
+        """The step mode this executor runs, as its bound and swap make it."""
         if self.max_aggregate == WHOLE_BATCH:
             return StepMode.BATCH
         if self.max_aggregate > 1:
@@ -423,7 +423,7 @@ class ColocatedExecutor:
         stats = _reduce_loss(stats, self.group)  # before: see _reduce_loss
         with self.timeline.span("optimizer_step"):
             step_stats = self.actor.optimizer_step(step.num_loss_tokens)
-        return StepResult(self.mode, seconds, stats, step_stats, seq_ids,
+        return StepResult(self.step_mode, seconds, stats, step_stats, seq_ids,
                           self.timeline.as_dicts())
 
     def _run_round(self, step: StepData, arrivals: Arrivals, index: int, count: int,

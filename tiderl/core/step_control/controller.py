@@ -143,7 +143,7 @@ class StepController:
             return [Abort(why)]
         if verdict is Settlement.RUN_AGAIN:
             return self._run_again(now)
-        layout = Placement.DECOUPLED if current.start.mode is StepMode.DECOUPLED \
+        layout = Placement.DECOUPLED if current.start.step_mode is StepMode.DECOUPLED \
             else Placement.COLOCATED
         self.steps.passes[layout] = learn_passes(outcome.reports, current.start)
         self.rollout.park(now, False)

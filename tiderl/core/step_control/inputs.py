@@ -54,7 +54,7 @@ def learn_passes(reports: Sequence[RankReport], start: StartStep) -> MeasuredPas
 
     timings = Ra2pTimings(mean("t_ref"), mean("t_act_f"), mean("t_act_b"), mean("t_swap"))
     num_actors = max(1, len(start.actor_ranks))
-    is_decoupled = start.mode is StepMode.DECOUPLED
+    is_decoupled = start.step_mode is StepMode.DECOUPLED
     return MeasuredPasses(timings, max(1, len(start.ref_ranks)) if is_decoupled else num_actors,
                           num_actors)
 

@@ -38,7 +38,7 @@ class Ledger:
             trained_samples=current.samples,
             generated_tokens_total=rollout.generated_tokens,
             discarded_tokens_total=buffer.discarded.tokens, ras=current.ras,
-            tprm_s=tprm_s, rwt_s=rwt, twt_s=twt, mode=start.mode,
+            tprm_s=tprm_s, rwt_s=rwt, twt_s=twt, step_mode=start.step_mode,
             roles=tuple(role.value for role in state.roles),
             num_rollout=num_rollout, num_trainer=len(start.ranks),
             num_micro_batches=current.num_micro_batches,

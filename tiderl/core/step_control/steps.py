@@ -73,8 +73,8 @@ class StepRunner:
         it had (sent again before any new one)."""
         retry, self.retry = self.retry, None
         assert retry is not None
-        if start.mode is StepMode.DECOUPLED:
-            start = replace(start, mode=StepMode.COLOCATED, ref_ranks=(),
+        if start.step_mode is StepMode.DECOUPLED:
+            start = replace(start, step_mode=StepMode.COLOCATED, ref_ranks=(),
                             max_aggregate=max_aggregate)
         start = replace(start, attempt=retry.start.attempt + 1)
         self.current = replace(retry, start=start, num_micro_batches=0, sent=[],

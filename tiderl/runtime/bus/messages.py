@@ -152,7 +152,7 @@ class StepDone(Message, kw_only=True):
     rank: int
     step: int
     version: int
-    mode: str
+    step_mode: str
     loss: float
     loss_tokens: int
     grad_norm: float
@@ -283,7 +283,7 @@ class TrainStep(Message, kw_only=True):
     kind: ClassVar[int] = 0x25
     seq: int
     step: int
-    mode: StepMode
+    step_mode: StepMode
     ref_ranks: list[int]
     actor_ranks: list[int]
     max_aggregate: int  # micro-batches per colocated Ref/Actor round (0: no bound)
@@ -356,7 +356,7 @@ class Snapshot(Message, kw_only=True):
     roles: dict[int, str]
     metrics: dict[str, float]
     ranks: list[RankMetrics]
-    mode: str = ""  # the RA2P mode of the last step
+    step_mode: str = ""  # the RA2P mode of the last step
     note: str = ""  # for operators: a pending or the last manual plan (tiderl rebalance)
     ctb_budgets: dict[int, int] = {}  # rollout rank -> CTB's token budget B_r there
 

@@ -101,7 +101,7 @@ def _control(hosts_path: Path, run_root: Path, folder: Path) -> dict:
                "top_once_s": _timed("top", job, *root, "--once", "--json")[0],
                "rebalance_applied_s": _timed("rebalance", job, "--rollout", "2", "--trainer",
                                              "1", *root)[0],
-               "profile_readiness_s": _timed("profile", "readiness", "--job", job, *root)[0]}
+               "profile_readiness_s": _timed("measure", "readiness", "--job", job, *root)[0]}
         out["stop_s"] = _timed("stop", job, *root)[0]
         launcher.wait(60)
         return out

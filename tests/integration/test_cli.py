@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-GROUPS = ["launch", "top", "status", "logs", "stop", "rebalance", "profile", "bench", "sim",
+GROUPS = ["launch", "top", "status", "logs", "stop", "rebalance", "measure", "bench", "sim",
           "env", "engine", "model"]
 
 
@@ -79,8 +79,9 @@ def test_bad_usage_is_one_line_with_exit_2():
     (["top", "j1"], "no job 'j1'"), (["status", "j1"], "no job 'j1'"),
     (["logs", "j1"], "no job 'j1'"), (["stop", "j1"], "no job 'j1'"),
     (["rebalance", "j1", "--rollout", "2", "--trainer", "2"], "no job 'j1'"),
-    (["profile", "kv", "--engine", "http://127.0.0.1:1"], "cannot read http://127.0.0.1:1"),
-    (["profile", "readiness", "--job", "j1"], "no job 'j1'"),
+    (["measure", "kv", "--engine", "http://127.0.0.1:1"], "cannot read http://127.0.0.1:1"),
+    (["measure", "readiness", "--job", "j1"], "no job 'j1'"),
+    (["profile", "readiness", "--job", "j1"], "no job 'j1'"),  # measure's old name
 ])
 def test_job_commands_on_a_missing_job_or_server_exit_1_with_one_line(args, text, tmp_path):
     line = assert_one_line_error(tiderl(*args, cwd=tmp_path), 1)

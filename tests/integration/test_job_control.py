@@ -24,7 +24,7 @@ from tests.integration.running_job import running_job
 from tests.integration.serving import tiderl_command
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tests.integration.test_cli_progress_status import STEP_LINE
-from tests.integration.test_monitoring import TEN, profile_kv_json
+from tests.integration.test_monitoring import TEN, measure_kv_json
 from tests.integration.test_top import CONNECTED, STEP, Pane, require_tmux, status_line
 from tiderl.launch.local import JobRecord, group_members, is_running
 
@@ -110,9 +110,9 @@ def test_the_coordinator_serves_its_metrics(job):
     assert sorted(modes) == [0, 0, 0, 0, 1]  # one series per step mode, the last step's 1
 
 
-def test_profile_kv_of_the_job(job):
+def test_measure_kv_of_the_job(job):
     state, _launcher, run_root = _running(job)
-    data = profile_kv_json("--job", state.job_id, "--run-root", str(run_root), "--duration",
+    data = measure_kv_json("--job", state.job_id, "--run-root", str(run_root), "--duration",
                            "2", "--interval", "0.5")
     assert data["source"] == "tiderl coordinator"
     assert data["url"] == state.info["metrics"]
@@ -121,15 +121,15 @@ def test_profile_kv_of_the_job(job):
     assert {s["hit_rate_kind"] for s in data["samples"]} == {"gauge"}
 
 
-def test_profile_readiness_of_the_job(job):
+def test_measure_readiness_of_the_job(job):
     state, _launcher, run_root = _running(job)
     root = ("--run-root", str(run_root))
-    proc = tiderl("profile", "readiness", "--job", state.job_id, *root)
+    proc = tiderl("measure", "readiness", "--job", state.job_id, *root)
     assert proc.returncode == 0, proc.stderr
     assert "RAS" in proc.stdout and "TPRM s" in proc.stdout and "micro-batches" in proc.stdout
     png = f"{state.run_dir}/readiness.png"
     assert f"plot: {png}" in proc.stdout.replace("\n", "")
-    data = json.loads(tiderl("profile", "readiness", "--job", state.job_id, *root,
+    data = json.loads(tiderl("measure", "readiness", "--job", state.job_id, *root,
                              "--json").stdout)
     assert len(data["steps"]) >= 2
     assert set(data["steps"][0]) == {"step", "ras", "tprm_s", "step_mode", "num_micro_batches",

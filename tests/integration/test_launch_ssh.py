@@ -157,8 +157,8 @@ def _reads_work_on_it(job: str, root: tuple[str, ...], state: JobRecord) -> None
         "every log": ("logs", job, *root),
         "logs of rank 7": ("logs", job, "--rank", "7", *root),
         "top": ("top", job, *root, "--once", "--json"),
-        "readiness": ("profile", "readiness", "--job", job, *root, "--json"),
-        "kv": ("profile", "kv", "--job", job, *root, "--duration", "1", "--interval", "0.5",
+        "readiness": ("measure", "readiness", "--job", job, *root, "--json"),
+        "kv": ("measure", "kv", "--job", job, *root, "--duration", "1", "--interval", "0.5",
                "--json"),
     }
     with ThreadPoolExecutor(len(commands)) as pool:

@@ -1,10 +1,10 @@
-"""Monitoring against real processes: `tiderl profile kv` against a real `tiderl engine serve` and
+"""Monitoring against real processes: `tiderl measure kv` against a real `tiderl engine serve` and
 recorded vLLM/SGLang pages, and the one-line errors of `profile kv` and `profile readiness`. The
 coordinator's /metrics of a running job, and `profile kv` and `profile readiness` of that job:
 tests/integration/test_job_control.py (one job for the commands that act on one).
 
 vLLM and SGLang cannot run here: ``FakeVLLMMetricsServer`` and ``FakeSGLangMetricsServer`` are
-real HTTP servers that serve their recorded formats (see tests/unit/test_profile_kv.py), with
+real HTTP servers that serve their recorded formats (see tests/unit/test_measure_kv.py), with
 prefix counters that advance by a fixed amount per scrape.
 """
 
@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.integration.serving import HUNG_START_S, free_port, serving, tiderl_command
 from tests.integration.test_cli import assert_one_line_error, tiderl
-from tests.unit.test_profile_kv import sglang_text, vllm_text
+from tests.unit.test_measure_kv import sglang_text, vllm_text
 from tiderl.engine.clients import TideRLHTTPClient
 from tiderl.engine.request import SamplingParams
 from tiderl.launch.local import JobRecord
@@ -83,16 +83,16 @@ class FakeOtherMetricsServer(FakeMetricsServer):
         return "# TYPE up gauge\nup 1\n"
 
 
-def profile_kv_json(*args: str) -> dict:
-    proc = tiderl("profile", "kv", *args, "--json")
+def measure_kv_json(*args: str) -> dict:
+    proc = tiderl("measure", "kv", *args, "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
-def test_profile_kv_reads_vllm_counters_as_interval_rates(tmp_path):
+def test_measure_kv_reads_vllm_counters_as_interval_rates(tmp_path):
     png = tmp_path / "kv.png"
     with FakeVLLMMetricsServer() as fake:
-        data = profile_kv_json("--engine", fake.url, "--duration", "1", "--interval", "0.5",
+        data = measure_kv_json("--engine", fake.url, "--duration", "1", "--interval", "0.5",
                                "--out", str(png))
     assert data["source"] == "vllm"
     assert data["url"] == f"{fake.url}/metrics"
@@ -101,9 +101,9 @@ def test_profile_kv_reads_vllm_counters_as_interval_rates(tmp_path):
     assert data["png"] == str(png) and png.stat().st_size > 0
 
 
-def test_profile_kv_reads_sglang_gauges():
+def test_measure_kv_reads_sglang_gauges():
     with FakeSGLangMetricsServer() as fake:
-        data = profile_kv_json("--engine", fake.url + "/metrics", "--duration", "0.5",
+        data = measure_kv_json("--engine", fake.url + "/metrics", "--duration", "0.5",
                                "--interval", "0.5")
     assert data["source"] == "sglang"
     sample, = data["samples"]
@@ -111,23 +111,23 @@ def test_profile_kv_reads_sglang_gauges():
     assert (sample["used_tokens"], sample["capacity_tokens"]) == (5000, 10000)
 
 
-def test_profile_kv_errors_are_one_line():
-    line = assert_one_line_error(tiderl("profile", "kv", "--engine", "http://127.0.0.1:1",
+def test_measure_kv_errors_are_one_line():
+    line = assert_one_line_error(tiderl("measure", "kv", "--engine", "http://127.0.0.1:1",
                                         "--duration", "0.5", "--interval", "0.5"), 1)
     assert "cannot read http://127.0.0.1:1/metrics" in line
     with FakeOtherMetricsServer() as fake:
-        line = assert_one_line_error(tiderl("profile", "kv", "--engine", fake.url,
+        line = assert_one_line_error(tiderl("measure", "kv", "--engine", fake.url,
                                             "--duration", "0.5", "--interval", "0.5"), 1)
     assert "no KV-cache metrics found (expected tiderl:kv_cache_usage_perc" in line
     assert "sglang:cache_hit_rate" in line
-    assert_one_line_error(tiderl("profile", "kv"), 2)
-    assert_one_line_error(tiderl("profile", "kv", "--engine", "http://x", "--job", "j"), 2)
-    assert_one_line_error(tiderl("profile", "kv", "--engine", "http://x", "--interval", "0"), 2)
+    assert_one_line_error(tiderl("measure", "kv"), 2)
+    assert_one_line_error(tiderl("measure", "kv", "--engine", "http://x", "--job", "j"), 2)
+    assert_one_line_error(tiderl("measure", "kv", "--engine", "http://x", "--interval", "0"), 2)
 
 
 # -- a real engine -------------------------------------------------------------------------------
 
-def test_profile_kv_against_a_real_engine(tmp_path):
+def test_measure_kv_against_a_real_engine(tmp_path):
     model = tmp_path / "model"
     write_random_checkpoint("tiny", model)  # what `tiderl model init` writes
     port = free_port()
@@ -135,7 +135,7 @@ def test_profile_kv_against_a_real_engine(tmp_path):
             "--set", "engine.kv_cache_tokens=2048"]
     with serving(args, port, tmp_path / "server.log") as (url, _):
         profiler = subprocess.Popen(
-            [*tiderl_command(), "profile", "kv", "--engine", url, "--duration", "3",
+            [*tiderl_command(), "measure", "kv", "--engine", url, "--duration", "3",
              "--interval", "0.5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         try:
@@ -168,16 +168,16 @@ async def _repeat_prompts(url: str, profiler: subprocess.Popen) -> None:
             k += 1
 
 
-def test_profile_readiness_of_no_job_is_one_line(tmp_path):
-    line = assert_one_line_error(tiderl("profile", "readiness", "--job", "nope", "--run-root",
+def test_measure_readiness_of_no_job_is_one_line(tmp_path):
+    line = assert_one_line_error(tiderl("measure", "readiness", "--job", "nope", "--run-root",
                                         str(tmp_path)), 1)
     assert "no job 'nope'" in line
 
 
-def test_profile_kv_of_a_job_that_is_gone_is_one_line(tmp_path):
+def test_measure_kv_of_a_job_that_is_gone_is_one_line(tmp_path):
     (tmp_path / "gone").mkdir()
     JobRecord("gone", str(tmp_path / "gone"), 0.0,
              info={"metrics": "http://127.0.0.1:1/metrics"}).save()
-    line = assert_one_line_error(tiderl("profile", "kv", "--job", "gone", "--run-root",
+    line = assert_one_line_error(tiderl("measure", "kv", "--job", "gone", "--run-root",
                                         str(tmp_path), "--duration", "0.5", "--interval", "0.5"), 1)
     assert line.endswith("(is job gone still running?)")

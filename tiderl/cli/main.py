@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import typer
 
 from tiderl import __version__
-from tiderl.cli import bench, engine, env, jobs, launch, model, profile, rebalance, sim, top
+from tiderl.cli import bench, engine, env, jobs, launch, measure, model, rebalance, sim, top
 from tiderl.cli.errors import EXIT_FAILURE, EXIT_USAGE, CLIError
 from tiderl.cli.output import Output
 from tiderl.core.config import ConfigError  # a ProfileError is one too
@@ -53,7 +53,8 @@ app.command("status")(jobs.status)
 app.command("logs")(jobs.logs)
 app.command("stop")(jobs.stop)
 app.command("rebalance")(rebalance.rebalance)
-app.add_typer(profile.app, name="profile")
+app.add_typer(measure.app, name="measure")
+app.add_typer(measure.app, name="profile", hidden=True)  # its old name
 app.add_typer(bench.app, name="bench")
 app.command("sim")(sim.sim)
 app.add_typer(env.app, name="env")

@@ -4,7 +4,7 @@ one row per engine and naming. Every reader and writer of these names takes them
     TIDERL_ENGINE       ──> tiderl/engine/server.py exports them
     TIDERL_COORDINATOR  ──> tiderl/runtime/prom.py exports them
     VLLM_NAMINGS, SGLANG_NAMINGS, TIDERL_ENGINE ──> the engine clients read /metrics by them
-    SOURCES (every row)  ──> ``tiderl profile kv`` (tiderl/launch/kv_sources.py)
+    SOURCES (every row)  ──> ``tiderl measure kv`` (tiderl/launch/kv_sources.py)
 
 Counters are named without ``_total`` (exposition adds it; :mod:`tiderl.engine.prometheus`
 drops it). docs/monitoring.md lists the rows.

@@ -1,5 +1,5 @@
 """Reading KV-cache usage and prefix hit rate out of a Prometheus text page: our engine's, our
-coordinator's, vLLM's or SGLang's. Pure (no I/O): ``tiderl profile kv`` fetches, this parses.
+coordinator's, vLLM's or SGLang's. Pure (no I/O): ``tiderl measure kv`` fetches, this parses.
 
 Every metric name ``profile kv`` knows is in ``SOURCES`` of :mod:`tiderl.engine.metric_names`
 (docs/monitoring.md lists them). A source has either counters of prompt tokens looked up /

@@ -1,4 +1,4 @@
-"""The coordinator's Prometheus ``/metrics`` (what ``tiderl profile kv --job`` and a Prometheus
+"""The coordinator's Prometheus ``/metrics`` (what ``tiderl measure kv --job`` and a Prometheus
 server scrape). Its own registry, fed plain values, so it is testable without a coordinator:
 
     Coordinator._publish      (every 0.5 s) ──update_live()──┐

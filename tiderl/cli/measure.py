@@ -1,4 +1,4 @@
-"""`tiderl profile kv|readiness`: KV-cache hit rate and RAS/TPRM of a job or an engine."""
+"""`tiderl measure kv|readiness`: KV-cache hit rate and RAS/TPRM of a job or an engine."""
 
 from __future__ import annotations
 
@@ -29,27 +29,27 @@ def kv(
     json_mode: bool = JsonFlag,
 ) -> None:
     """KV-cache hit rate and usage over time, from the engine's Prometheus metrics."""
-    from tiderl.launch import profiling
+    from tiderl.launch import measure
 
     if (job is None) == (engine is None):
-        raise CLIError("tiderl profile kv: give exactly one of --job JOB or --engine URL",
+        raise CLIError("tiderl measure kv: give exactly one of --job JOB or --engine URL",
                        EXIT_USAGE)
     if interval <= 0 or duration < interval:
-        raise CLIError(f"tiderl profile kv: need 0 < --interval ({interval}) <= --duration "
+        raise CLIError(f"tiderl measure kv: need 0 < --interval ({interval}) <= --duration "
                        f"({duration})", EXIT_USAGE)
     state = _job("kv", job, run_root) if job is not None else None
     output = Output(json_mode)
     try:
-        url = (profiling.job_metrics_url(state) if state is not None
-               else profiling.engine_metrics_url(str(engine)))
-        result = profiling.profile_kv(url, duration, interval, on_start=lambda source: (
+        url = (measure.job_metrics_url(state) if state is not None
+               else measure.engine_metrics_url(str(engine)))
+        result = measure.measure_kv(url, duration, interval, on_start=lambda source: (
             output.note(f"sampling {url} ({source}) every {interval:g} s for {duration:g} s")))
-    except profiling.ProfilingError as exc:
+    except measure.MeasureError as exc:
         hint = (f" (is job {state.job_id} still running?)" if state is not None
-                and isinstance(exc, profiling.EndpointUnreachable) else "")
-        raise CLIError(f"tiderl profile kv: {exc}{hint}") from None
+                and isinstance(exc, measure.EndpointUnreachable) else "")
+        raise CLIError(f"tiderl measure kv: {exc}{hint}") from None
     payload = result.to_dict()
-    payload["png"] = str(profiling.plot_kv(result, out)) if out is not None else None
+    payload["png"] = str(measure.plot_kv(result, out)) if out is not None else None
     output.result(payload, lambda console: _render_kv(console, payload))
 
 
@@ -62,7 +62,7 @@ def readiness(
     json_mode: bool = JsonFlag,
 ) -> None:
     """RAS and TPRM per step: a table and a PNG of the RAS/TPRM plane."""
-    from tiderl.launch import profiling
+    from tiderl.launch import measure
     from tiderl.launch.local import LaunchError
     from tiderl.launch.run_folders import job_file
     from tiderl.runtime.report import ReportError, plot_readiness, read_records
@@ -71,11 +71,11 @@ def readiness(
     try:
         metrics = read_records(job_file(state, "metrics.jsonl"))
     except (LaunchError, ReportError) as exc:
-        raise CLIError(f"tiderl profile readiness: {exc}") from None
+        raise CLIError(f"tiderl measure readiness: {exc}") from None
     if not metrics:
-        raise CLIError(f"tiderl profile readiness: job {state.job_id} has no steps yet")
+        raise CLIError(f"tiderl measure readiness: job {state.job_id} has no steps yet")
     path = plot_readiness(metrics, out or Path(state.run_dir) / "readiness.png")
-    payload = {"job": state.job_id, "steps": profiling.readiness_rows(metrics), "png": str(path)}
+    payload = {"job": state.job_id, "steps": measure.readiness_rows(metrics), "png": str(path)}
     Output(json_mode).result(payload, lambda console: _render_readiness(console, payload))
 
 
@@ -86,7 +86,7 @@ def _job(command: str, job: str, run_root: Path | None):
     try:
         return resolve_job(job, run_root)
     except LaunchError as exc:
-        raise CLIError(f"tiderl profile {command}: {exc}") from None
+        raise CLIError(f"tiderl measure {command}: {exc}") from None
 
 
 def _render_kv(console: Console, payload: dict) -> None:

@@ -1,4 +1,4 @@
-"""Parsing the KV metrics of each source ``tiderl profile kv`` knows, and its sampling loop.
+"""Parsing the KV metrics of each source ``tiderl measure kv`` knows, and its sampling loop.
 
 The vLLM and SGLang pages are recorded formats (names, types and labels as their servers print
 them: vLLM ``vllm/v1/metrics/loggers.py``, SGLang ``srt/metrics/collector.py`` and its
@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from tiderl.launch.kv_sources import SOURCES, KVSourceError, kv_sample, read_kv
-from tiderl.launch.profiling import ProfilingError, profile_kv
+from tiderl.launch.measure import MeasureError, measure_kv
 from tiderl.runtime.prom import MetricsExporter
 
 VLLM_LABELS = 'engine="{engine}",model_name="Qwen/Qwen2.5-7B-Instruct"'
@@ -195,11 +195,11 @@ class FakeClock:
         self.t += seconds
 
 
-def test_profile_kv_samples_on_a_grid_with_interval_rates():
+def test_measure_kv_samples_on_a_grid_with_interval_rates():
     clock = FakeClock()
     pages = iter(tiderl_engine_text(q, h, u) for q, h, u in (
         (0, 0, 0.0), (100, 50, 0.25), (100, 50, 0.25), (300, 250, 0.5), (400, 250, 0.5)))
-    result = profile_kv("http://x/metrics", duration_s=2.0, interval_s=0.5,
+    result = measure_kv("http://x/metrics", duration_s=2.0, interval_s=0.5,
                         fetch=lambda url: next(pages), clock=clock, sleep=clock.sleep)
     assert result.source == "tiderl engine"
     assert [s.t_s for s in result.samples] == [0.5, 1.0, 1.5, 2.0]
@@ -208,12 +208,12 @@ def test_profile_kv_samples_on_a_grid_with_interval_rates():
     assert result.to_dict()["samples"][0]["hit_rate_kind"] == "interval"
 
 
-def test_profile_kv_reports_an_unknown_page_with_its_url():
-    with pytest.raises(ProfilingError, match=r"^http://x/metrics: no KV-cache metrics found"):
-        profile_kv("http://x/metrics", 1.0, 0.5, fetch=lambda url: "up 1\n",
+def test_measure_kv_reports_an_unknown_page_with_its_url():
+    with pytest.raises(MeasureError, match=r"^http://x/metrics: no KV-cache metrics found"):
+        measure_kv("http://x/metrics", 1.0, 0.5, fetch=lambda url: "up 1\n",
                    clock=FakeClock(), sleep=lambda s: None)
 
 
-def test_profile_kv_rejects_a_bad_interval():
-    with pytest.raises(ProfilingError, match="interval"):
-        profile_kv("http://x", 0.5, 1.0, fetch=lambda url: "")
+def test_measure_kv_rejects_a_bad_interval():
+    with pytest.raises(MeasureError, match="interval"):
+        measure_kv("http://x", 0.5, 1.0, fetch=lambda url: "")

@@ -1,8 +1,8 @@
-"""The library half of ``tiderl profile kv|readiness`` (the CLI only parses and prints):
+"""The library half of ``tiderl measure kv|readiness`` (the CLI only parses and prints):
 
-    profile kv:         GET <url>/metrics every interval ──read_kv──> KVReading ──kv_sample──> rows
+    measure kv:         GET <url>/metrics every interval ──read_kv──> KVReading ──kv_sample──> rows
                         (an engine's page: TideRL, vLLM, SGLang; or the job's coordinator)
-    profile readiness:  runs/<job>/metrics.jsonl ──> per-step RAS/TPRM rows + the RAS/TPRM PNG
+    measure readiness:  runs/<job>/metrics.jsonl ──> per-step RAS/TPRM rows + the RAS/TPRM PNG
 
 Plots reuse :mod:`tiderl.runtime.report`'s matplotlib (Agg) helpers.
 """
@@ -23,16 +23,16 @@ from tiderl.launch.local import JobRecord
 from tiderl.runtime.report import pyplot, save_figure
 
 
-class ProfilingError(RuntimeError):
-    """What stops a profile: an endpoint that does not answer or is not a known source."""
+class MeasureError(RuntimeError):
+    """What stops a measurement: an endpoint that does not answer or is not a known source."""
 
 
-class EndpointUnreachable(ProfilingError):
+class EndpointUnreachable(MeasureError):
     """No HTTP answer at all (nothing listens there, or it timed out)."""
 
 
 @dataclass(frozen=True, slots=True)
-class KVProfile:
+class KVSeries:
     url: str
     source: str
     interval_s: float
@@ -52,7 +52,7 @@ def engine_metrics_url(base_url: str) -> str:
 def job_metrics_url(job: JobRecord) -> str:
     url = job.info.get("metrics")
     if not url:
-        raise ProfilingError(f"job {job.job_id} has no metrics endpoint in its job.json")
+        raise MeasureError(f"job {job.job_id} has no metrics endpoint in its job.json")
     return str(url)
 
 
@@ -62,20 +62,20 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
     except httpx.HTTPError as exc:
         raise EndpointUnreachable(f"cannot read {url}: {exc or type(exc).__name__}") from None
     if response.status_code != 200:
-        raise ProfilingError(f"{url} answered HTTP {response.status_code}")
+        raise MeasureError(f"{url} answered HTTP {response.status_code}")
     return response.text
 
 
-def profile_kv(url: str, duration_s: float, interval_s: float,
+def measure_kv(url: str, duration_s: float, interval_s: float,
                fetch: Callable[[str], str] = scrape,
                clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep,
-               on_start: Callable[[str], None] | None = None) -> KVProfile:
+               on_start: Callable[[str], None] | None = None) -> KVSeries:
     """A baseline scrape at t=0, then one sample every ``interval_s`` up to ``duration_s``
     (at least one), each with the hit rate over the interval before it. ``on_start(source)``
     is called once the baseline scrape is read (a progress note)."""
     if interval_s <= 0 or duration_s < interval_s:
-        raise ProfilingError(f"need 0 < interval ({interval_s} s) <= duration ({duration_s} s)")
+        raise MeasureError(f"need 0 < interval ({interval_s} s) <= duration ({duration_s} s)")
     start = clock()
     before = _read(url, fetch)
     if on_start is not None:
@@ -86,25 +86,25 @@ def profile_kv(url: str, duration_s: float, interval_s: float,
         now = _read(url, fetch)
         samples.append(kv_sample(round(clock() - start, 3), before, now))
         before = now
-    return KVProfile(url, before.source, interval_s, samples)
+    return KVSeries(url, before.source, interval_s, samples)
 
 
 def _read(url: str, fetch: Callable[[str], str]):
     try:
         return read_kv(fetch(url))
     except KVSourceError as exc:
-        raise ProfilingError(f"{url}: {exc}") from None
+        raise MeasureError(f"{url}: {exc}") from None
 
 
-def plot_kv(profile: KVProfile, path: Path) -> Path:
+def plot_kv(series: KVSeries, path: Path) -> Path:
     """KV usage and hit rate over time, one panel each."""
     plt = pyplot()
-    t = [s.t_s for s in profile.samples]
+    t = [s.t_s for s in series.samples]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    top.plot(t, [_nan(s.usage) for s in profile.samples], marker=".", linewidth=1.2)
+    top.plot(t, [_nan(s.usage) for s in series.samples], marker=".", linewidth=1.2)
     top.set_ylabel("KV usage (fraction)")
-    top.set_title(f"KV cache: {profile.source} ({profile.url})")
-    bottom.plot(t, [_nan(s.hit_rate) for s in profile.samples], marker=".", linewidth=1.2)
+    top.set_title(f"KV cache: {series.source} ({series.url})")
+    bottom.plot(t, [_nan(s.hit_rate) for s in series.samples], marker=".", linewidth=1.2)
     bottom.set_ylabel("prefix hit rate")
     for ax in (top, bottom):
         ax.set_ylim(0.0, 1.05)

@@ -51,7 +51,7 @@ from machine import machine_info, write_result
 
 from tiderl.core.ra2p import form_micro_batches
 from tiderl.core.system import StepMode
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.models.vocab import VOCAB
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import ColocatedExecutor, StreamedStep

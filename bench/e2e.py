@@ -44,7 +44,7 @@ from jobs import run_job
 from machine import CpuSampler, machine_info, write_result
 
 from tiderl.core.records import StepRecord
-from tiderl.models.init import write_random_checkpoint
+from tiderl.models.random_init import write_random_checkpoint
 
 WORKLOAD = [
     "env.envs=[guess,shop]", "env.max_turns=8", "env.step_latency.kind=lognormal",

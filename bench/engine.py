@@ -42,7 +42,7 @@ from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
 from tiderl.models.folder import save_model
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 BATCHES = (1, 8, 32, 64)

@@ -36,7 +36,7 @@ from tiderl.engine.clients import TideRLHTTPClient
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.launch.job import run_local
-from tiderl.models.init import init_model, write_random_checkpoint
+from tiderl.models.random_init import init_model, write_random_checkpoint
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import load_profile
 from tiderl.runtime.report import read_records, summarize

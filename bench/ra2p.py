@@ -41,7 +41,7 @@ from tiderl.core.ra2p import (
     synthetic_ready_times,
 )
 from tiderl.core.types import MicroBatch, Ra2pTimings
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import (

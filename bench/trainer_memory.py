@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info, write_result
 
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM, packed_token_logprobs, token_logprobs
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.loss import grpo_loss_sum
 from tiderl.trainer.sample import TrainSample

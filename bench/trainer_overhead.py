@@ -43,7 +43,7 @@ from machine import machine_info, write_result
 from tiderl.core.grpo import group_advantages
 from tiderl.core.ra2p import form_micro_batches
 from tiderl.core.system import StepMode
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.models.vocab import VOCAB
 from tiderl.runtime.bus import MicroBatchData, StepClosed, TrainStep
 from tiderl.runtime.bus.messages import TrainSampleData, decode, encode

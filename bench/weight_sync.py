@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info, write_result
 
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.trainer.spawn import RankContext, run_ranks
 from tiderl.trainer.sync import param_layout, plan_buckets, state_layout, sync_params
 

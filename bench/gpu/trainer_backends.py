@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from machine import machine_info  # noqa: E402
 
-from tiderl.models.init import init_model  # noqa: E402
 from tiderl.models.qwen2 import packed_token_logprobs, token_logprobs  # noqa: E402
+from tiderl.models.random_init import init_model  # noqa: E402
 from tiderl.trainer.batch import pack  # noqa: E402
 from tiderl.trainer.config import TrainerConfig  # noqa: E402
 from tiderl.trainer.loss import grpo_loss_sum  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 from tiderl.launch.job import run_local
 from tiderl.models.chat import ChatEncoder, turn_encoder
 from tiderl.models.folder import load_tokenizer
-from tiderl.models.init import write_random_checkpoint
 from tiderl.models.loading import load_config
+from tiderl.models.random_init import write_random_checkpoint
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.models.vocab import UNK
 from tiderl.profile import load_profile

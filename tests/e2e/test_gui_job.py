@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.test_chat_job import JOB as CHAT_JOB
 from tests.e2e.test_chat_job import run_two_steps
-from tiderl.models.init import write_random_checkpoint
+from tiderl.models.random_init import write_random_checkpoint
 
 # the tool job's layout and length, on the gui screens, with a window that prunes 5-turn tasks
 JOB = [*CHAT_JOB, "env.envs=[gui]", "env.max_turns=5", "env.image_window.limit=3",

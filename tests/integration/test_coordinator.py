@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.bus_ranks import ARRIVE_S, Clock, Ranks
-from tiderl.launch.plan import initial_roles
+from tiderl.launch.plan import profile_roles
 from tiderl.profile import load_profile
 from tiderl.runtime.bus import (
     AbortStep,
@@ -47,7 +47,7 @@ def coordinator(tmp_path: Path, *overrides: str) -> Iterator[tuple[Coordinator, 
     profile = load_profile("local", [*JOB, *overrides])
     clock = Clock()
     with BusServer(None) as server:
-        job = Coordinator(profile, server, initial_roles(profile), RunLog(tmp_path, clock),
+        job = Coordinator(profile, server, profile_roles(profile), RunLog(tmp_path, clock),
                           clock)
         ranks = Ranks(server, job, profile.runtime.num_ranks)
         try:

@@ -25,7 +25,7 @@ from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.engine.request import SamplingParams
 from tiderl.launch.job import run_local
 from tiderl.models.folder import load_state_dict
-from tiderl.models.init import write_random_checkpoint
+from tiderl.models.random_init import write_random_checkpoint
 from tiderl.profile import load_profile
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

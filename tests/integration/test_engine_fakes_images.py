@@ -19,15 +19,15 @@ from tiderl.engine.clients import (
     EngineRequestError,
     GenerateResult,
     SGLangClient,
-    png_data_url,
 )
 from tiderl.engine.config import VLLM_NO_IMAGES, EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import Images, SamplingParams
+from tiderl.env.images import png_data_url
 from tiderl.launch.job import LaunchError, check_architecture
 from tiderl.models.image_turns import ImagePlacer, PlacedTurn
-from tiderl.models.init import write_random_checkpoint
 from tiderl.models.loading import load_config, load_model
+from tiderl.models.random_init import write_random_checkpoint
 from tiderl.models.vision_inputs import image_settings
 from tiderl.profile import load_profile
 

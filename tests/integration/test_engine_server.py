@@ -23,8 +23,8 @@ from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.prometheus import parse_prometheus
 from tiderl.engine.request import SamplingParams
 from tiderl.models.config import ModelConfig
-from tiderl.models.init import write_random_checkpoint
 from tiderl.models.loading import model_from_config
+from tiderl.models.random_init import write_random_checkpoint
 from tiderl.models.vocab import VOCAB
 
 BLOCK = 16
@@ -278,7 +278,7 @@ def test_sleep_frees_the_engine_and_wake_up_serves_the_folder_it_is_given(server
 def _loading_server(load):
     """A LoadingServer on a free port, run in a thread: (url, server, thread, gone), where
     gone() says the thread ended (for wait_healthy)."""
-    from tiderl.engine.starting import LoadingServer
+    from tiderl.engine.loading_server import LoadingServer
 
     server = LoadingServer(load, port=free_port())
     thread = threading.Thread(target=server.run, daemon=True)
@@ -331,7 +331,7 @@ def _answer(http: httpx.Client, path: str) -> httpx.Response | None:
 
 
 def test_a_load_that_fails_stops_the_server_and_is_raised():
-    from tiderl.engine.starting import serve_loading
+    from tiderl.engine.loading_server import serve_loading
 
     def load():
         raise RuntimeError("no such weights")

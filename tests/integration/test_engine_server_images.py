@@ -20,8 +20,8 @@ from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
 from tiderl.models.config import ModelConfig
 from tiderl.models.image_turns import ImagePlacer, PlacedTurn
-from tiderl.models.init import write_random_checkpoint
 from tiderl.models.loading import model_from_config
+from tiderl.models.random_init import write_random_checkpoint
 from tiderl.models.vision_inputs import image_settings
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)

@@ -21,13 +21,13 @@ from tests.integration.tracking import (
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control import StepController
 from tiderl.core.system import StepMode
-from tiderl.launch.plan import initial_roles
+from tiderl.launch.plan import profile_roles
 from tiderl.profile import ProfileError, load_profile, profile_to_dict
 from tiderl.runtime.groups import Dataset
 from tiderl.runtime.log_backends import TensorBoardWriter, open_writers
 from tiderl.runtime.report import write_report
 from tiderl.runtime.run_log import RunLog
-from tiderl.runtime.step_config import step_config
+from tiderl.runtime.step_config import profile_step_config
 
 ROLES = ("rollout", "rollout", "actor", "actor")
 
@@ -52,7 +52,7 @@ def test_each_step_record_reaches_tensorboard_and_an_offline_wandb_run(tmp_path,
     run_dir.mkdir()
     profile = load_profile("local", ["logging.backends=[jsonl, tensorboard, wandb]"])
     assert profile.logging.backends == ["jsonl", "tensorboard", "wandb"]
-    controller = StepController(step_config(profile), initial_roles(profile),
+    controller = StepController(profile_step_config(profile), profile_roles(profile),
                                 Dataset(profile).group, now=0.0)
     run_log = RunLog(run_dir, lambda: 0.0,
                      writers=open_writers(profile.logging, run_dir, profile_to_dict(profile)))

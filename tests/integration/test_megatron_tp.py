@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.random_init import init_model
 from tiderl.trainer import megatron as mg
 from tiderl.trainer.spawn import RankContext, run_ranks
 

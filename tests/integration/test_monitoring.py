@@ -21,7 +21,7 @@ from tests.unit.test_measure_kv import sglang_text, vllm_text
 from tiderl.engine.clients import TideRLHTTPClient
 from tiderl.engine.request import SamplingParams
 from tiderl.launch.local import JobRecord
-from tiderl.models.init import write_random_checkpoint
+from tiderl.models.random_init import write_random_checkpoint
 
 TEN = ("tiderl_goodput_tokens_total", "tiderl_trained_tokens_total", "tiderl_ras",
        "tiderl_tprm_seconds", "tiderl_rwt_seconds_total", "tiderl_twt_seconds_total",

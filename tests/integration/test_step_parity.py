@@ -28,7 +28,7 @@ from tiderl.core.commands import RecordStep
 from tiderl.core.job import JobShape
 from tiderl.core.step_control import LayoutLimits
 from tiderl.core.system import System, SystemSpec
-from tiderl.launch.plan import initial_roles
+from tiderl.launch.plan import profile_roles
 from tiderl.profile import load_profile
 from tiderl.runtime.bus import (
     BusServer,
@@ -40,9 +40,9 @@ from tiderl.runtime.bus import (
 )
 from tiderl.runtime.coordinator import Coordinator
 from tiderl.runtime.run_log import RunLog
-from tiderl.runtime.step_config import step_config as runtime_config
+from tiderl.runtime.step_config import profile_step_config as runtime_config
 from tiderl.sim.cluster import Cluster
-from tiderl.sim.cluster import step_config as sim_config
+from tiderl.sim.cluster import scenario_step_config as sim_config
 from tiderl.sim.config import SimConfig
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.workload import TaskPlan
@@ -180,7 +180,7 @@ def test_the_simulator_and_the_runtime_drive_the_controller_alike(tmp_path, job)
 
     clock = Clock()
     with BusServer(None) as server:
-        coordinator = Coordinator(profile, server, initial_roles(profile),
+        coordinator = Coordinator(profile, server, profile_roles(profile),
                                   RunLog(tmp_path, clock), clock)
         runtime = Recorder(coordinator.controller)
         ranks = Ranks(server, coordinator, 3)

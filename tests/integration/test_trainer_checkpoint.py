@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.trainer.checkpoint import (
     CheckpointError,
     latest_checkpoint,

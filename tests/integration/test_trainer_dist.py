@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tiderl.core.ra2p import dispatch_zigzag, form_micro_batches, order_smallest_last
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import (

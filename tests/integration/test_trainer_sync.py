@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.parallel import make_backend

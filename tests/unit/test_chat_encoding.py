@@ -133,7 +133,7 @@ def test_a_folder_without_a_template_or_with_it_turned_off_encodes_plain_text(fo
 
 
 def test_the_eos_set_joins_generation_config_and_ends_a_generation(tmp_path):
-    from tiderl.models.init import write_random_checkpoint
+    from tiderl.models.random_init import write_random_checkpoint
 
     write_random_checkpoint("tiny", tmp_path, tokenizer="bpe")
     config = load_config(tmp_path)

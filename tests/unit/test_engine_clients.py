@@ -3,12 +3,14 @@ vLLM / SGLang request bodies and response parsing, and the clients' HTTP calls a
 httpx.MockTransport (a fake at the true external edge: a vLLM or SGLang server)."""
 
 import asyncio
+import base64
 import json
 import os
 
 import httpx
 import pytest
 
+from tests.unit.test_engine_images import png
 from tiderl.core.types import ImageRef
 from tiderl.engine.clients import (
     ClientMetrics,
@@ -194,10 +196,12 @@ def test_request_bodies():
 
 def test_sglang_body_sends_each_image_as_a_data_url_in_the_order_of_its_run():
     later, first = ImageRef("b", 20, 4, (1, 4, 4)), ImageRef("a", 2, 6, (1, 4, 6))
+    png_a, png_b = png(8, 8, seed=1), png(8, 8, seed=2)
     body = sglang_generate_body(list(range(30)), SamplingParams(max_tokens=2),
-                                [(later, b"\x89PNG-b"), (first, b"\x89PNG-a")])
-    assert body["image_data"] == ["data:image/png;base64,iVBORy1h",
-                                  "data:image/png;base64,iVBORy1i"]
+                                [(later, png_b), (first, png_a)])
+    prefix = "data:image/png;base64,"
+    assert body["image_data"] == [prefix + base64.b64encode(png_a).decode(),
+                                  prefix + base64.b64encode(png_b).decode()]
     assert "image_data" not in sglang_generate_body([1], SamplingParams(max_tokens=2))
 
 

@@ -19,8 +19,8 @@ from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.multimodal import ImagesMissing
 from tiderl.engine.request import SamplingParams
 from tiderl.models.image_turns import ImagePlacer, PlacedTurn
-from tiderl.models.init import init_model
 from tiderl.models.qwen2_vl import span_positions
+from tiderl.models.random_init import init_model
 from tiderl.models.vision_inputs import image_settings, preprocess_image
 
 BS = 4

@@ -13,8 +13,8 @@ from tiderl.engine.config import EngineConfig
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.engine.request import SamplingParams
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.random_init import init_model
 
 BS = 4
 CONTEXT = 64  # max_position_embeddings of the model below

@@ -15,8 +15,8 @@ from tiderl.engine.model_runner import padding_pays
 from tiderl.engine.request import SamplingParams
 from tiderl.engine.sampler import Sampler
 from tiderl.models.attention import PagedBatch
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import token_logprobs
+from tiderl.models.random_init import init_model
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

@@ -13,14 +13,14 @@ from tiderl.core.step_control import ResumePoint
 from tiderl.core.step_control.state import GroupCount
 from tiderl.core.types import Placement, Role
 from tiderl.runtime.resume import (
-    JobState,
+    CheckpointState,
     check_complete,
     latest_complete,
     prune,
-    read_job_state,
+    read_checkpoint_state,
     resume_hint,
     space_shortfall,
-    write_job_state,
+    write_checkpoint_state,
 )
 from tiderl.trainer.checkpoint import CheckpointError, save_checkpoint, step_dir
 from tiderl.trainer.parallel import make_backend
@@ -38,7 +38,7 @@ def point(version: int) -> ResumePoint:
 def checkpoint(root: Path, version: int) -> Path:
     """A job checkpoint as a job writes one: job.json first, then the actor's DCP save."""
     folder = step_dir(root, version)
-    write_job_state(folder, JobState(point(version), []))
+    write_checkpoint_state(folder, CheckpointState(point(version), []))
     model = torch.nn.Linear(64, 64)
     backend = make_backend("ddp", model, None)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -52,7 +52,7 @@ def test_a_complete_checkpoint_reads_back_and_the_newest_wins(tmp_path):
     assert check_complete(step_dir(tmp_path, 4), 1) == 4
     choice = latest_complete(tmp_path, 1)
     assert (choice.version, choice.skipped) == (4, ())
-    assert read_job_state(choice.folder).point == point(4)
+    assert read_checkpoint_state(choice.folder).point == point(4)
 
 
 @pytest.mark.parametrize("damage", ["truncated shard", "no rng", "no meta", "no job state",

@@ -9,9 +9,9 @@ import torch
 from tiderl.models.attention import PagedBatch
 from tiderl.models.config import ModelConfig
 from tiderl.models.folder import ModelLoadError, load_state_dict, load_tokenizer, save_model
-from tiderl.models.init import init_model, size_config, write_random_checkpoint
 from tiderl.models.loading import load_model, model_from_config
 from tiderl.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, token_logprobs
+from tiderl.models.random_init import init_model, size_config, write_random_checkpoint
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.models.vocab import UNK, VOCAB
 

@@ -9,8 +9,8 @@ import stat
 import pytest
 
 from tiderl.models.folder import save_model
-from tiderl.models.init import init_model, write_random_checkpoint
 from tiderl.models.loading import load_config, load_model
+from tiderl.models.random_init import init_model, write_random_checkpoint
 from tiderl.models.vocab import EOS, VOCAB
 
 

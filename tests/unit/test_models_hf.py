@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tiderl.models.folder import save_model
-from tiderl.models.init import init_model, size_config
 from tiderl.models.loading import load_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM, token_logprobs
+from tiderl.models.random_init import init_model, size_config
 from tiderl.models.vocab import VOCAB
 
 transformers = pytest.importorskip(

@@ -18,9 +18,9 @@ from tiderl.cli.main import app as cli
 from tiderl.models.attention import PagedBatch
 from tiderl.models.config import ModelConfig
 from tiderl.models.folder import ModelLoadError, load_state_dict, load_tokenizer, save_model
-from tiderl.models.init import init_model, size_config
 from tiderl.models.loading import load_model, model_from_config
 from tiderl.models.qwen2_vl import Qwen2VLConfig, Qwen2VLForCausalLM, mrope_positions
+from tiderl.models.random_init import init_model, size_config
 from tiderl.models.vision import VisionConfig
 from tiderl.models.vision_inputs import (
     ImageSettings,

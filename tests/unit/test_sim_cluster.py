@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from tiderl.core.ctb import CTBPolicy, RequestLevelPolicy
-from tiderl.core.ctb_state import TaskBook
 from tiderl.core.ers import ERSPolicy
 from tiderl.core.job import JobShape
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.system import StepMode, System, SystemSpec
+from tiderl.core.task_book import TaskBook
 from tiderl.sim.cluster import Cluster, simulate, simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.config import SimConfig
 from tiderl.sim.scenario import SYSTEMS, SimScenario

@@ -14,7 +14,7 @@ from tiderl.core.step_control import RolloutControl
 from tiderl.core.system import StepMode
 from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.costcache import CachedCostModel
-from tiderl.sim.engine import Request, RolloutEngine
+from tiderl.sim.engine import RolloutEngine, SimRequest
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
 from tiderl.sim.kvcache import SimKVCache
@@ -96,8 +96,8 @@ def _engine(capacity: int = 10_000, max_running: int | None = None):
 
 def test_processor_sharing_finish_times_by_hand():
     loop, engine, done = _engine()
-    loop.at(0.0, lambda _: engine.submit(Request("a", "g", 32, 32, 10, 32)))
-    loop.at(0.05, lambda _: engine.submit(Request("b", "h", 16, 16, 5, 16)))
+    loop.at(0.0, lambda _: engine.submit(SimRequest("a", "g", 32, 32, 10, 32)))
+    loop.at(0.05, lambda _: engine.submit(SimRequest("b", "h", 16, 16, 5, 16)))
     loop.run()
     # a: prefill 32 tokens stalls the rank to 0.032, then 1.8 tokens by 0.05. b's prefill of 16
     # stalls both to 0.066; then b needs 5 steps (0.116) and a the 8.2 it has left (0.148).
@@ -112,9 +112,9 @@ def test_a_request_waits_until_its_context_and_output_fit():
     cached; c evicts 2 of them (b's entry is least recently used), prefills 16 (to 0.272) and
     decodes 16 (0.432); a had 24 tokens left at 0.256 and ends at 0.272 + 0.24 = 0.512."""
     loop, engine, done = _engine(capacity=160)
-    loop.at(0.0, lambda _: engine.submit(Request("a", "g1", 16, 48, 40, 48)))
-    loop.at(0.001, lambda _: engine.submit(Request("b", "g2", 16, 48, 16, 48)))
-    loop.at(0.002, lambda _: engine.submit(Request("c", "g3", 16, 16, 16, 16)))
+    loop.at(0.0, lambda _: engine.submit(SimRequest("a", "g1", 16, 48, 40, 48)))
+    loop.at(0.001, lambda _: engine.submit(SimRequest("b", "g2", 16, 48, 16, 48)))
+    loop.at(0.002, lambda _: engine.submit(SimRequest("c", "g3", 16, 16, 16, 16)))
     loop.run()
     assert [task for _, task in done] == ["b", "c", "a"]
     assert [t for t, _ in done] == pytest.approx([0.256, 0.432, 0.512])
@@ -131,9 +131,9 @@ def test_with_nothing_running_a_waiting_request_gives_up_its_pinned_blocks():
     waits for a's pinned blocks (a waits for its environment, as CTB pinned it)."""
     loop, engine, done = _engine(capacity=160)
     for task, group in (("a", "g1"), ("b", "g2")):
-        loop.at(0.0, lambda _, t=task, g=group: engine.submit(Request(t, g, 16, 48, 16, 48,
+        loop.at(0.0, lambda _, t=task, g=group: engine.submit(SimRequest(t, g, 16, 48, 16, 48,
                                                                       pin=True)))
-        loop.at(1.0, lambda _, t=task, g=group: engine.submit(Request(t, g, 16, 80, 32, 16,
+        loop.at(1.0, lambda _, t=task, g=group: engine.submit(SimRequest(t, g, 16, 80, 32, 16,
                                                                       pin=True)))
     loop.run()
     assert done == [(0.256, "a"), (0.256, "b"), (pytest.approx(1.336), "a")]
@@ -243,8 +243,8 @@ def test_ctb_keeps_more_cache_than_request_level_under_memory_pressure():
     new turns evict the caches of tasks waiting for their environment; CTB admits by token
     budget and pins the active ones, so their next turns hit."""
     from tiderl.sim.config import SimConfig
-    from tiderl.sim.micro import simulate_rollout_step
     from tiderl.sim.scenario import SimScenario
+    from tiderl.sim.single_gpu import simulate_rollout_step
 
     scenario = SimScenario(sim=SimConfig(workload="webshop"), job=JobShape(steps=10))
     cost = FakeSmallRankCostModel(MODELS["qwen2.5-7b"], GPUS["h100-sxm"])

@@ -11,7 +11,7 @@ from tiderl.core.job import JobShape
 from tiderl.core.segments import task_of
 from tiderl.core.system import SystemSpec
 from tiderl.core.types import MicroBatch, SeqRef
-from tiderl.sim.cluster import Cluster, simulate, step_config
+from tiderl.sim.cluster import Cluster, scenario_step_config, simulate
 from tiderl.sim.config import SimConfig
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
@@ -69,9 +69,9 @@ def test_aggregated_micro_batches_are_dealt_over_the_gpus_as_one_union():
 def test_stream_forms_its_own_micro_batches():
     scenario = SMALL.with_sim(stream_tokens_per_rank=1024)
     cost = MODEL
-    assert step_config(SYSTEMS["stream"], scenario, cost).ra2p.tokens_per_rank == 1024
+    assert scenario_step_config(SYSTEMS["stream"], scenario, cost).ra2p.tokens_per_rank == 1024
     for name in ("async", "tiderl"):
-        config = step_config(SYSTEMS[name], scenario, cost)
+        config = scenario_step_config(SYSTEMS[name], scenario, cost)
         assert config.ra2p.tokens_per_rank == scenario.ra2p.tokens_per_rank != 1024
 
 
@@ -132,7 +132,7 @@ def test_evaluation_finishes_before_the_next_weight_sync():
 def test_april_window_adds_extra_batches_to_async_admission():
     scenario = SMALL.with_sim(async_over_provision=2.0)  # B = 16 tasks, eta = 1
     # the window, (1 + 2) x 16 tasks, is 2 batches of 24
-    assert step_config(SYSTEMS["async"], scenario, MODEL).window_tasks == 24
+    assert scenario_step_config(SYSTEMS["async"], scenario, MODEL).window_tasks == 24
     assert Cluster(SYSTEMS["async"], scenario).controller.rollout.book.tasks_per_step == 24
     assert Cluster(SYSTEMS["stream"], scenario).controller.rollout.book.tasks_per_step == 16
     assert Cluster(SYSTEMS["async"], SMALL).controller.rollout.book.tasks_per_step == 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tiderl.models.folder import load_tokenizer
-from tiderl.models.init import init_model
 from tiderl.models.loading import load_model
+from tiderl.models.random_init import init_model
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.trainer.export import export_version, version_dir, versions
 

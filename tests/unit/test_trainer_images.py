@@ -9,9 +9,9 @@ import torch
 
 from tests.unit.test_engine_images import png
 from tiderl.models.image_turns import ImagePlacer
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import token_logprobs
 from tiderl.models.qwen2_vl import span_positions
+from tiderl.models.random_init import init_model
 from tiderl.models.vision_inputs import preprocess_image
 from tiderl.trainer.batch import pack
 from tiderl.trainer.parallel import make_backend

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tiderl.models.attention import varlen_attention
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import packed_token_logprobs, token_logprobs
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.loss import grpo_loss_sum
 from tiderl.trainer.sample import TrainSample

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiderl.core.types import Trajectory, Turn
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.loss import LossStats, grpo_loss_sum

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM, token_logprobs
+from tiderl.models.random_init import init_model
 from tiderl.trainer import megatron as mg
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import RankContext, free_port, run_ranks

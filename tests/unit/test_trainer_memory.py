@@ -12,7 +12,7 @@ import torch
 
 from tiderl.core.ra2p import form_micro_batches
 from tiderl.core.system import StepMode
-from tiderl.models.init import init_model
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import PackedBatch
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.executors import AllReady, ColocatedExecutor, StepInput

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tiderl.models.init import init_model
 from tiderl.models.qwen2 import Qwen2ForCausalLM
+from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
 from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.parallel import make_backend

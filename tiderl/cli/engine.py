@@ -61,6 +61,6 @@ def serve(
         return engine, tokenizer
 
     # uvicorn only: the socket opens at once, torch and the model load behind it
-    from tiderl.engine.starting import serve_loading
+    from tiderl.engine.loading_server import serve_loading
 
     serve_loading(load, host, port, model_name=name, admin_token=admin_token)

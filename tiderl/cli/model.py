@@ -42,7 +42,9 @@ def init(
         raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} "
                        f"(known: {', '.join(TOKENIZER_KINDS)})", EXIT_USAGE)
     _check_out(out, force)
-    from tiderl.models.init import write_random_checkpoint  # late: `tiderl --help` stays fast
+    from tiderl.models.random_init import (
+        write_random_checkpoint,  # late: `tiderl --help` stays fast
+    )
 
     paths = write_random_checkpoint(size, out, seed, tokenizer)
     payload = {"size": size, "seed": seed, "tokenizer": tokenizer, "out": str(out),

@@ -1,6 +1,6 @@
 """Continuous Task Batching (paper §4, Algorithm 1, Table 1) and the request-level baseline.
 
-A policy reads a :class:`~tiderl.core.ctb_state.TaskBook` and returns a plan (Pauses, then
+A policy reads a :class:`~tiderl.core.task_book.TaskBook` and returns a plan (Pauses, then
 Resumes, then Admits); it never mutates the book, ``book.apply(plan)`` does. One CTB round::
 
     pause phase    per rank, while usage > budget and > 1 active task: pause argmin P(t)
@@ -29,7 +29,7 @@ from operator import add, mul, sub
 from typing import ClassVar
 
 from tiderl.core.config import require, require_choice, require_int
-from tiderl.core.ctb_state import (
+from tiderl.core.task_book import (
     GroupRecord,
     PriorityWeights,
     StalenessWindow,

@@ -46,7 +46,7 @@ from tiderl.engine.metric_names import (
 )
 from tiderl.engine.prometheus import info_labels, parse_prometheus
 from tiderl.engine.request import Images, SamplingParams
-from tiderl.env.images import PNG_DATA_URL_PREFIX
+from tiderl.env.images import png_data_url
 
 if TYPE_CHECKING:
     from tiderl.engine.kv_cache_manager import TokenUsage
@@ -530,12 +530,6 @@ def sglang_generate_body(prompt_ids: list[int], sampling: SamplingParams,
         ordered = sorted(images, key=lambda image: image[0].offset)
         body["image_data"] = [png_data_url(png) for _, png in ordered]
     return body
-
-
-def png_data_url(png: bytes) -> str:
-    """The data URL of PNG bytes, unchecked (an image was checked where it entered the
-    environment protocol: :func:`tiderl.env.images.png_data_url`)."""
-    return PNG_DATA_URL_PREFIX + base64.b64encode(png).decode()
 
 
 def parse_sglang_generate(task_id: str, prompt_ids: list[int], data: dict) -> GenerateResult:

@@ -22,7 +22,7 @@ content hash and key the prefix cache (:mod:`tiderl.engine.multimodal`). An imag
 may come by its key alone (no ``png``): where the engine no longer holds its embeddings the
 completion is answered 409 ``image_missing`` with the ``keys`` to send again with their bytes.
 
-:func:`tiderl.engine.starting.serve_loading` opens the socket before the engine exists: until
+:func:`tiderl.engine.loading_server.serve_loading` opens the socket before the engine exists: until
 :func:`build_app` serves, ``/health`` answers 503 ``{"status": "loading"}``, so that 200 keeps
 meaning "ready to generate".
 

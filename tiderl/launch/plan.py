@@ -98,7 +98,7 @@ class LaunchPlan:
         return tuple(dict.fromkeys(p.host for p in self.processes))
 
 
-def initial_roles(profile: Profile) -> list[Role]:
+def profile_roles(profile: Profile) -> list[Role]:
     """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
     rt = profile.runtime
     return launch_roles(SystemSpec.named(rt.system), rt.num_ranks, rt.rollout_ranks,
@@ -234,7 +234,7 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
     env = [] if profile.env.url else [ProcessSpec(name="env", kind="env")]
     slots = _cpu_slots(profile, [LOCAL_HOST] * rt.num_ranks)
     ranks = []
-    for rank, role in enumerate(initial_roles(profile)):
+    for rank, role in enumerate(profile_roles(profile)):
         device = f"cuda:{rank}" if rt.device == "cuda" else "cpu"
         threads = rt.threads_per_rank if rt.device == "cpu" else None
         ranks.append(ProcessSpec(name=f"rank{rank}", kind="rank", rank=rank, role=role,
@@ -338,7 +338,7 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
     env = [] if env_node is None else [ProcessSpec(name="env", kind="env", host=env_node)]
     cpu_slots = _cpu_slots(profile, nodes_of_ranks)
     ranks = []
-    for rank, role in enumerate(initial_roles(profile)):
+    for rank, role in enumerate(profile_roles(profile)):
         node, index = slots[rank]
         cuda = rt.device == "cuda"
         ranks.append(ProcessSpec(name=f"rank{rank}", kind="rank", host=node.name, rank=rank,

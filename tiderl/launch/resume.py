@@ -25,7 +25,7 @@ from tiderl.profile import Profile, load_profile
 from tiderl.runtime.resume import (
     CHECKPOINTS,
     latest_complete,
-    read_job_state,
+    read_checkpoint_state,
     write_resume_request,
 )
 from tiderl.trainer.checkpoint_meta import CheckpointError, step_folders
@@ -88,7 +88,7 @@ def prepare_resume(profile: Profile, run_dir: Path) -> list[Role]:
         raise LaunchError(f"cannot resume {run_dir.name}: {exc}") from None
     for skipped in choice.skipped:
         log.warning("passed over checkpoint %s", skipped)
-    state = read_job_state(choice.folder)
+    state = read_checkpoint_state(choice.folder)
     if state.point.version >= profile.job.steps:
         raise LaunchError(f"job {run_dir.name} is complete: step {state.point.version} of "
                           f"{profile.job.steps} (--set job.steps=N trains on)")

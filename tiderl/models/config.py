@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tiderl.core.config import require_choice
 
-MODEL_SIZES = ("tiny", "small", "tiny-vl")  # tiny-vl: a Qwen2-VL (tiderl.models.init)
+MODEL_SIZES = ("tiny", "small", "tiny-vl")  # tiny-vl: a Qwen2-VL (tiderl.models.random_init)
 TOKENIZER_KINDS = ("word", "bpe")  # of `tiderl model init --tokenizer`
 DTYPES = ("float32", "bfloat16")
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # config.json model_type of a Qwen2-VL folder

@@ -8,8 +8,9 @@ processor's).
 
 This module reads and writes those files: the weights by HF name, the eos set, the tokenizer.
 Which model a folder holds (Qwen2, Qwen2-VL, any other transformers causal LM) is decided above
-it, by :mod:`tiderl.models.loading`; the random-init checkpoints (:mod:`tiderl.models.init`) and
-the transformers wrapper (:mod:`tiderl.models.hf_causal`) write and read through it.
+it, by :mod:`tiderl.models.loading`; the random-init checkpoints
+(:mod:`tiderl.models.random_init`) and the transformers wrapper (:mod:`tiderl.models.hf_causal`)
+write and read through it.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def model_from_config(config: ModelConfig,
                 load_tokenizer(config.path))
     if config.path:
         return load_model(config.path, config.dtype, device), load_tokenizer(config.path)
-    from tiderl.models.init import init_model, is_vision_size
+    from tiderl.models.random_init import init_model, is_vision_size
     from tiderl.models.tokenizer import with_vision_tokens, word_tokenizer
 
     model = init_model(config.size, config.seed)

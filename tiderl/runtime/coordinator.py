@@ -31,17 +31,17 @@ from tiderl.core.types import Role
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
 from tiderl.profile import Profile
 from tiderl.runtime import bus as b
+from tiderl.runtime import resume as checkpoints
 from tiderl.runtime.boundary import BoundaryLink
 from tiderl.runtime.bus import BusSendError, BusServer, rank_identity
 from tiderl.runtime.errors import CoordinatorError
 from tiderl.runtime.groups import GroupRun, GroupStore
 from tiderl.runtime.liveness import Liveness, RankMail, end_sessions
 from tiderl.runtime.rebalance import RebalanceDesk
-from tiderl.runtime.resume import CHECKPOINTS, JobState, read_job_state, start_checkpoint
 from tiderl.runtime.run_log import RunLog
-from tiderl.runtime.step_config import step_config
+from tiderl.runtime.step_config import profile_step_config
 from tiderl.runtime.step_link import StepLink
-from tiderl.runtime.tasks import TaskRouter
+from tiderl.runtime.task_router import TaskRouter
 
 log = logging.getLogger("tiderl.coordinator")
 
@@ -57,8 +57,8 @@ class Coordinator:
         self.profile, self.log, self.clock = profile, run_log, clock
         self.resume_from, self.env_url = resume, env_url
         self.store = GroupStore(profile)
-        self.controller = StepController(step_config(profile), roles, self.store.dataset.group,
-                                         now=clock())
+        self.controller = StepController(profile_step_config(profile), roles,
+                                         self.store.dataset.group, now=clock())
         self.mail = RankMail(server)
         self.liveness = Liveness(profile, clock())
         window_s = self.liveness.window_s  # how long heartbeats take to name a dead rank
@@ -99,7 +99,7 @@ class Coordinator:
                            roles=[r.value for r in self.controller.state.roles])
             self._apply(self.controller.launch(now))
             return
-        state = read_job_state(self.resume_from)
+        state = checkpoints.read_checkpoint_state(self.resume_from)
         point = state.point
         self.log.t0 = now - point.elapsed_s
         self.log.event("resume", version=point.version, elapsed_s=round(point.elapsed_s, 3),
@@ -330,12 +330,12 @@ class Coordinator:
                            version=self.controller.state.version, groups=len(command.groups))
 
     def _boundary(self, boundary: c.Boundary) -> None:
-        root = self.log.run_dir / CHECKPOINTS
+        root = self.log.run_dir / checkpoints.CHECKPOINTS
         if boundary.checkpoint:
             point = resume_point(self.controller, self.clock())
-            start_checkpoint(root, boundary.version, self.profile.runtime.checkpoint_keep,
-                             self.profile.trainer.tensor_parallel,
-                             JobState(point, self.store.ready_state(point.ready)))
+            state = checkpoints.CheckpointState(point, self.store.ready_state(point.ready))
+            keep, tp = self.profile.runtime.checkpoint_keep, self.profile.trainer.tensor_parallel
+            checkpoints.start_checkpoint(root, boundary.version, keep, tp, state)
         for rank, src, dst in self.link.announce(boundary):  # a death is its rank_dead event
             self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
                            step=self.controller.state.step, version=boundary.version,

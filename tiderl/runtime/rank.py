@@ -65,7 +65,7 @@ from tiderl.runtime.bus import (
     load_job_keys,
     rank_identity,
 )
-from tiderl.runtime.engines import EmbeddedEngine
+from tiderl.runtime.rank_engines import EmbeddedEngine
 from tiderl.runtime.rank_rollout import RolloutSide
 from tiderl.runtime.rank_trainer import TrainerSide
 from tiderl.runtime.rank_world import RankArgs, RankWorld, ranks_with

@@ -48,7 +48,7 @@ from tiderl.runtime.bus import (
     TaskFinished,
     TurnReport,
 )
-from tiderl.runtime.engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
+from tiderl.runtime.rank_engines import EmbeddedEngine, EngineStats, RankEngine, ServerEngine
 from tiderl.runtime.rank_wire import carry_data, carry_of
 from tiderl.runtime.rank_world import RankWorld
 from tiderl.runtime.rollout_log import RolloutLog

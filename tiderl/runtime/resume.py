@@ -56,13 +56,13 @@ class ReadyGroupState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rewards: list[float]
 
 
-class JobState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class CheckpointState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     point: ResumePoint
     ready: list[ReadyGroupState]
     schema: int = 1
 
 
-def write_job_state(folder: Path, state: JobState) -> Path:
+def write_checkpoint_state(folder: Path, state: CheckpointState) -> Path:
     """``folder/job.json``, atomically: a crash leaves the old file or none, never half."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / JOB_STATE
@@ -70,10 +70,10 @@ def write_job_state(folder: Path, state: JobState) -> Path:
     return path
 
 
-def read_job_state(folder: Path) -> JobState:
+def read_checkpoint_state(folder: Path) -> CheckpointState:
     path = folder / JOB_STATE
     try:
-        return msgspec.json.decode(path.read_bytes(), type=JobState)
+        return msgspec.json.decode(path.read_bytes(), type=CheckpointState)
     except FileNotFoundError:
         raise CheckpointError(f"no complete checkpoint at {folder}: {JOB_STATE} is missing") \
             from None
@@ -90,7 +90,7 @@ def parts(folder: Path, tensor_parallel: int) -> list[Path]:
 def check_complete(folder: Path, tensor_parallel: int) -> int:
     """The version of a complete checkpoint at ``folder``; CheckpointError naming what is
     missing or short otherwise."""
-    state = read_job_state(folder)
+    state = read_checkpoint_state(folder)
     for part in parts(folder, tensor_parallel):
         meta = read_meta(part)
         if meta.version != state.point.version:
@@ -219,7 +219,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def start_checkpoint(root: Path, version: int, keep: int, tensor_parallel: int,
-                     state: JobState) -> Path:
+                     state: CheckpointState) -> Path:
     """The folder of version ``version``'s checkpoint, begun: the older ones pruned to
     ``keep``, then ``job.json`` (the actors' meta.json completes it). CoordinatorError when it
     would not fit: stop before the actors fill the disk mid-save."""
@@ -230,5 +230,5 @@ def start_checkpoint(root: Path, version: int, keep: int, tensor_parallel: int,
     shortfall = space_shortfall(root, folder)
     if shortfall:
         raise CoordinatorError(f"no disk space for checkpoint {folder.name}: {shortfall}")
-    write_job_state(folder, state)
+    write_checkpoint_state(folder, state)
     return folder

@@ -13,7 +13,7 @@ from tiderl.core.system import System, SystemSpec
 from tiderl.profile import Profile
 
 
-def step_config(profile: Profile) -> StepControlConfig:
+def profile_step_config(profile: Profile) -> StepControlConfig:
     """The step cycle a profile asks the coordinator for (``runtime.system`` names the system),
     made by :func:`tiderl.core.step_control.effective_config` on this substrate: each rollout
     rank's engine holds ``engine.kv_cache_tokens``; without a KL term (``trainer.kl_beta`` 0) no

@@ -46,10 +46,10 @@ from tiderl.core.types import Group, Role
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
-from tiderl.sim.micro import simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.results import RolloutResult, SimResult
 from tiderl.sim.rollout import RolloutPool, SimGroup, group_of
 from tiderl.sim.scenario import SimScenario
+from tiderl.sim.single_gpu import simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.trainer import StepExecutor, build_executor
 from tiderl.sim.workload import TaskPlan, WorkloadSampler
 
@@ -62,7 +62,7 @@ def simulate(system: SystemSpec, scenario: SimScenario) -> SimResult:
     return Cluster(system, scenario).run()
 
 
-def step_config(system: SystemSpec, scenario: SimScenario,
+def scenario_step_config(system: SystemSpec, scenario: SimScenario,
                    cost: CostModel) -> StepControlConfig:
     """The step cycle of ``system`` on the scenario: the trainer keeps enough GPUs to hold its
     sharded state (``CostModel.min_train_gpus``), request-level engines their concurrency."""
@@ -95,7 +95,7 @@ class Cluster:
         num_rollout = min(scenario.num_rollout_gpus(), max(1, n - min_trainer(scenario,
                                                                              self.cost)))
         roles = initial_roles(system, n, num_rollout, scenario.ra2p.placement)
-        self.controller = StepController(step_config(system, scenario, self.cost), roles,
+        self.controller = StepController(scenario_step_config(system, scenario, self.cost), roles,
                                          self._group, now=0.0)
         self.pool = RolloutPool(self.loop, self.cost, self.controller.rollout,
                                 round_interval_s=scenario.sim.ctb_round_interval_s,

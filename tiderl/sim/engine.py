@@ -41,7 +41,7 @@ EPS_TOKENS = 1e-6  # V is a float: a target within this of V is reached
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class SimRequest:
     """One generation request (one turn of a task) on a rank."""
 
     task_id: str
@@ -64,16 +64,16 @@ class RolloutEngine:
     """A rank: ``submit`` requests; ``on_done(request)`` is called when one finishes decoding."""
 
     def __init__(self, rank: int, loop: EventLoop, cost: CostModel, kv: SimKVCache,
-                 on_done: Callable[[Request], None], max_running: int | None = None) -> None:
+                 on_done: Callable[[SimRequest], None], max_running: int | None = None) -> None:
         self.rank = rank
         self.loop = loop
         self.cost = cost
         self.kv = kv
         self.max_running = max_running
         self._on_done = on_done
-        self.queue: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # by admission seq, oldest first
-        self._heap: list[tuple[float, int, Request]] = []
+        self.queue: deque[SimRequest] = deque()
+        self.running: dict[int, SimRequest] = {}  # by admission seq, oldest first
+        self._heap: list[tuple[float, int, SimRequest]] = []
         self._seq = 0
         self._num_submitted = 0
         self._epoch = 0
@@ -92,7 +92,7 @@ class RolloutEngine:
 
     # ---- the caller's side ----
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: SimRequest) -> None:
         self._advance()
         request.arrival = self._num_submitted
         self._num_submitted += 1
@@ -106,7 +106,7 @@ class RolloutEngine:
         self.stall_until = max(self.stall_until, until)
         self._reschedule()
 
-    def close(self) -> list[Request]:
+    def close(self) -> list[SimRequest]:
         """The rank leaves rollout: every queued and running request is returned, unfinished."""
         self._advance()
         self.is_closed = True
@@ -175,7 +175,7 @@ class RolloutEngine:
         for request in done:
             self._on_done(request)
 
-    def _remove(self, request: Request) -> None:
+    def _remove(self, request: SimRequest) -> None:
         request.is_running = False
         del self.running[request.seq]
         self._sum_base -= request.context - request.v_start
@@ -226,7 +226,7 @@ class RolloutEngine:
             self._start(request)
         return chunks
 
-    def _reserve_output(self, request: Request) -> bool:
+    def _reserve_output(self, request: SimRequest) -> bool:
         """Allocate the turn's output blocks, preempting running requests that arrived after it
         (newest first) if needed; if even that fails it gives its blocks back and waits."""
         while not self.kv.grow(request.task_id, request.remaining, self.loop.now):
@@ -237,7 +237,7 @@ class RolloutEngine:
             self._preempt(max(newer, key=lambda r: r.arrival))
         return True
 
-    def _preempt(self, victim: Request) -> None:
+    def _preempt(self, victim: SimRequest) -> None:
         """Recompute-preemption: its tokens so far join its context; it goes back to the front."""
         produced = min(victim.remaining, int(self._v - victim.v_start + EPS_TOKENS))
         self._remove(victim)
@@ -247,7 +247,7 @@ class RolloutEngine:
         victim.remaining -= produced
         self.queue.insert(1, victim)  # right behind the request that preempted it
 
-    def _start(self, request: Request) -> None:
+    def _start(self, request: SimRequest) -> None:
         request.seq = self._seq
         self._seq += 1
         request.v_start = self._v

@@ -3,7 +3,7 @@
     add_group ──> SimTasks (their group is in the controller's book already)
     round: rollout.schedule(now) (CTB or request level; the book applies it) ──┐
                                                                                v
-      Admit(t, r) ──> env reset ──> turn: turn_started, Request ──> RolloutEngine r ──> done
+      Admit(t, r) ──> env reset ──> turn: turn_started, SimRequest ──> RolloutEngine r ──> done
                           ^                                                              │
                           └── env step (env_latency_s) <── turn_done(context) ───────────┤
       Pause(t): unpin; the task stops at its next turn boundary (held until Resume)      │
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from tiderl.core.segments import segment_id
 from tiderl.core.step_control import RolloutControl
 from tiderl.core.types import Admit, Group, Pause, Resume, SeqRef, Task
-from tiderl.sim.engine import Request, RolloutEngine
+from tiderl.sim.engine import RolloutEngine, SimRequest
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import CostModel
 from tiderl.sim.kvcache import SimKVCache
@@ -41,7 +41,7 @@ class SimTask:
     rank: int | None = None  # where its KV lives and its requests run
     is_paused: bool = False  # CTB paused it: it starts no new turn
     is_waiting_env: bool = False  # its environment is working (reset or step)
-    request: Request | None = None
+    request: SimRequest | None = None
     version: int | None = None  # policy version of its first turn (its oldest tokens)
     rank_next: int | None = None  # resumed elsewhere while a turn ran: move after the turn
 
@@ -243,7 +243,7 @@ class RolloutPool:
         task.context = context
         self.rollout.turn_started(task.task_id, self.loop.now)
         engine = self.engines[task.rank]
-        request = Request(task.task_id, plan.group_id, plan.prompt_tokens, context,
+        request = SimRequest(task.task_id, plan.group_id, plan.prompt_tokens, context,
                           turn.action_tokens, context if k == 0 else turn.context_add,
                           turn.kept_prefix, pin=self.pins_tasks and not task.is_paused,
                           payload=task)
@@ -251,7 +251,7 @@ class RolloutPool:
         engine.submit(request)
         self.mark_dirty()
 
-    def _on_turn_done(self, request: Request) -> None:
+    def _on_turn_done(self, request: SimRequest) -> None:
         task: SimTask = request.payload
         task.request = None
         turn = task.plan.turns[task.turn]

@@ -52,6 +52,22 @@ def test_dry_run_json_with_overrides():
     assert {p["kind"] for p in data["plan"]} == {"env", "coordinator", "rank"}
 
 
+def test_dry_run_shows_what_the_system_runs_where_it_differs_from_the_profile():
+    proc = tiderl("launch", "--dry-run", "--json", "--set", "runtime.system=async")
+    assert proc.returncode == 0, proc.stderr
+    effective = json.loads(proc.stdout)["effective"]
+    assert effective["system"] == "async" and not effective["has_ers"]
+    assert effective["changes"] == {"ctb.policy": ["ctb", "request"],
+                                    "ra2p.placement": ["auto", "colocated"]}
+    text = tiderl("launch", "--dry-run", "--set", "runtime.system=async").stdout
+    assert "effective: what system async runs" in text and "request (profile: ctb)" in text
+    sim = json.loads(tiderl("sim", "sim/cluster32", "--dry-run", "--json").stdout)
+    assert sim["job"]["batch_groups"] == 32 and set(sim["systems"]) == {"sync", "async",
+                                                                        "stream", "tiderl"}
+    assert sim["systems"]["stream"]["changes"]["ra2p.tokens_per_rank"] == [8192, 2048]
+    assert sim["systems"]["tiderl"]["has_ers"] and not sim["systems"]["async"]["has_ers"]
+
+
 def test_bad_key_is_one_line_with_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("ctb:\n  weights:\n    eval: high\n")

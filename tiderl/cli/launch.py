@@ -130,9 +130,11 @@ def _run(request: LaunchRequest, out: Output) -> JobResult:
 
 def _payload(profile: Profile, plan: LaunchPlan) -> dict:
     from tiderl.profile import profile_to_dict
+    from tiderl.runtime.step_config import profile_effective_view
 
     return {
         "profile": profile_to_dict(profile),
+        "effective": profile_effective_view(profile),
         "plan": [
             {"name": p.name, "kind": p.kind, "host": p.host, "rank": p.rank,
              "role": p.role.value if p.role else None, "device": p.device, "threads": p.threads,
@@ -144,10 +146,12 @@ def _payload(profile: Profile, plan: LaunchPlan) -> dict:
 
 def _render(console: Console, profile: Profile, plan: LaunchPlan) -> None:
     from tiderl.profile import profile_to_dict
+    from tiderl.runtime.step_config import profile_effective_view
 
     for section, values in profile_to_dict(profile).items():
         rows = list(_flatten(values))
         console.print(table(section, ("key", "value"), rows))
+    render_effective(console, profile_effective_view(profile))
     rows = [(p.name, p.kind, p.host, p.role.value if p.role else "", p.device or "",
              p.threads or "") for p in plan.processes]
     console.print(table("plan", ("process", "kind", "node", "role", "device", "threads"), rows))
@@ -156,6 +160,15 @@ def _render(console: Console, profile: Profile, plan: LaunchPlan) -> None:
             env = " ".join(f"{k}={v}" for k, v in p.env.items())
             console.print(f"[bold]{p.name}[/] on {p.host}: {env + ' ' if env else ''}"
                           f"{shlex.join(p.argv)}", soft_wrap=True)
+
+
+def render_effective(console: Console, view: dict) -> None:
+    """What the system runs (:func:`tiderl.core.step_control.effective_view`): the policy
+    settings it runs otherwise than the profile says, then what it derives."""
+    changes = view["changes"]
+    rows = [(key, f"{used} (profile: {given})") for key, (given, used) in changes.items()]
+    rows += [(key, value) for key, value in view.items() if key not in ("system", "changes")]
+    console.print(table(f"effective: what system {view['system']} runs", ("key", "value"), rows))
 
 
 def _flatten(values: dict, prefix: str = ""):

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
-from tiderl.cli.launch import SetOpt
+from tiderl.cli.options import SetOpt
 from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.sim.config import EXPERIMENTS, POLICIES
@@ -52,6 +52,9 @@ def sim(
                                "verl's colocate switch around the profile (default "
                                f"{SWEEP_PROFILE}), 20-step runs of every system: a table, a "
                                "heat-map PNG in --out, the rows in --results."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print each scenario's job and what each system runs on it "
+                                 "(the effective configuration); simulate nothing."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
@@ -68,6 +71,12 @@ def sim(
         raise CLIError("tiderl sim: --policies compares systems on a PROFILE; an experiment "
                        "fixes its own, drop --experiment or --policies", EXIT_USAGE)
     output = Output(json_mode)
+    if dry_run:
+        views = [_effective(load_profile(profile or f"sim/{name}", overrides or []), name, chosen)
+                 for name in names]
+        output.result(views if len(views) > 1 else views[0],
+                      lambda console: _render_effective(console, views))
+        return
     clock = _Progress(output)
     headlines, payload = {}, []
     for index, name in enumerate(names, start=1):
@@ -130,6 +139,32 @@ def _sweep(profile: str | None, experiment: str | None, overrides: list[str], ou
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(payload, indent=2) + "\n")
     output.result(payload, lambda console: _render(console, [payload]))
+
+
+def _effective(profile, name: str, chosen: list[str] | None) -> dict[str, Any]:
+    """A scenario's job and, for each system it compares (an experiment: the four), what the
+    system runs on it."""
+    from dataclasses import asdict
+
+    from tiderl.core.system import SystemSpec
+    from tiderl.profile.scenario import scenario_of
+    from tiderl.sim.cluster import scenario_effective_view
+
+    scenario = scenario_of(profile)
+    systems = chosen or (list(POLICIES) if name else scenario.sim.policies)
+    return {"experiment": name or "policy comparison", "job": asdict(scenario.job),
+            "systems": {system: scenario_effective_view(SystemSpec.named(system), scenario)
+                        for system in systems}}
+
+
+def _render_effective(console: Console, views: list[dict[str, Any]]) -> None:
+    from tiderl.cli.launch import render_effective
+
+    for view in views:
+        console.print(table(f"{view['experiment']}: job", ("key", "value"),
+                            list(view["job"].items())))
+        for effective in view["systems"].values():
+            render_effective(console, effective)
 
 
 def _experiments(experiment: str | None, profile: str | None) -> list[str]:

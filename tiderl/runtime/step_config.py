@@ -8,6 +8,7 @@ from tiderl.core.step_control import (
     StepControlConfig,
     Substrate,
     effective_config,
+    effective_view,
 )
 from tiderl.core.system import System, SystemSpec
 from tiderl.profile import Profile
@@ -30,3 +31,8 @@ def profile_step_config(profile: Profile) -> StepControlConfig:
                             else ""))
     return effective_config(SystemSpec(System.parse(rt.system)), profile.job, profile.ctb,
                             profile.ra2p, profile.ers, substrate)
+
+
+def profile_effective_view(profile: Profile) -> dict[str, object]:
+    """What the profile's system runs on this substrate (:func:`effective_view`)."""
+    return effective_view(profile_step_config(profile), profile.ctb, profile.ra2p, profile.ers)

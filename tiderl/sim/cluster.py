@@ -39,6 +39,7 @@ from tiderl.core.step_control import (
     StepController,
     Substrate,
     effective_config,
+    effective_view,
     initial_roles,
 )
 from tiderl.core.system import SystemSpec
@@ -76,6 +77,14 @@ def scenario_step_config(system: SystemSpec, scenario: SimScenario,
                           over_provision=scenario.sim.async_over_provision)
     return effective_config(system, scenario.job, scenario.ctb, scenario.ra2p, scenario.ers,
                             substrate)
+
+
+def scenario_effective_view(system: SystemSpec, scenario: SimScenario) -> dict[str, object]:
+    """What ``system`` runs on the scenario (:func:`tiderl.core.step_control.effective_view`),
+    on the scenario's simulated GPUs."""
+    cost = CachedCostModel(MODELS[scenario.sim.model], GPUS[scenario.sim.gpu])
+    return effective_view(scenario_step_config(system, scenario, cost), scenario.ctb,
+                          scenario.ra2p, scenario.ers)
 
 
 def min_trainer(scenario: SimScenario, cost: CostModel) -> int:

@@ -49,6 +49,7 @@ from tiderl.core.step_control.config import (
     Substrate,
     effective_config,
     effective_ctb,
+    effective_view,
     initial_roles,
     task_id,
 )
@@ -59,5 +60,5 @@ from tiderl.core.step_control.state import Hold, Phase
 
 __all__ = ["Hold", "LayoutLimits", "Phase", "ResumePoint", "RolloutControl", "RolloutWait",
            "StepControlConfig", "StepControlError", "StepController", "Substrate",
-           "effective_config", "effective_ctb", "initial_roles", "restore", "resume_point",
-           "task_id"]
+           "effective_config", "effective_ctb", "effective_view", "initial_roles", "restore",
+           "resume_point", "task_id"]

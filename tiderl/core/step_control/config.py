@@ -4,7 +4,7 @@ made what a system runs (both substrates build their cycle through it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
@@ -201,3 +201,19 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
         max_new_tokens=substrate.max_new_tokens, window_tasks=window_tasks,
         checkpoint_every=substrate.checkpoint_every, export_every=substrate.export_every,
         tensor_parallel=substrate.tensor_parallel, limits=substrate.limits)
+
+
+def effective_view(config: StepControlConfig, ctb: CTBConfig, ra2p: RA2PConfig,
+                   ers: ERSConfig) -> dict[str, object]:
+    """What ``tiderl launch --dry-run`` and ``tiderl sim --dry-run`` print of ``config``: the
+    system, every policy setting it runs with another value than the profile's ``ctb``,
+    ``ra2p`` and ``ers`` (``changes``: key -> [the profile's, the one run]) and what it derives
+    (B_r, the generation cap, the staleness window, whether ERS plans)."""
+    changes = {f"{name}.{f.name}": [getattr(given, f.name), getattr(used, f.name)]
+               for name, given, used in (("ctb", ctb, config.ctb), ("ra2p", ra2p, config.ra2p),
+                                         ("ers", ers, config.ers))
+               for f in fields(given) if getattr(given, f.name) != getattr(used, f.name)}
+    return {"system": config.system.label, "changes": changes,
+            "rank_budget_tokens": config.rank_budget, "max_new_tokens": config.max_new_tokens,
+            "window_tasks": config.window_tasks, "max_staleness": config.max_staleness,
+            "has_ers": config.has_ers}

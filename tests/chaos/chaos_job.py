@@ -127,6 +127,11 @@ def steps_done(run_dir: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
+def rank_log(run_dir: Path, rank: int) -> str:
+    log = run_dir / "logs" / f"rank{rank}.log"
+    return log.read_text(errors="replace") if log.exists() else ""
+
+
 def checkpoint_of(run_dir: Path, version: int) -> Path | None:
     """The step folder of ``version`` once the actors completed it (meta.json written)."""
     folder = run_dir / "checkpoints" / f"step-{version:08d}"

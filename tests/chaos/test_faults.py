@@ -23,6 +23,7 @@ from tests.chaos.chaos_job import (
     kill,
     kill_job,
     launch,
+    rank_log,
     started,
     status_of,
     steps_done,
@@ -121,15 +122,15 @@ def test_a_trainer_rank_killed_the_others_train_on_without_it(tmp_path, role, si
 
 def test_an_actor_killed_in_a_step_the_other_trains_it_again(tmp_path):
     """Turns that wait 0.5 s for their environment keep each streaming step open for seconds
-    while its micro-batches come: an actor killed a second into a step leaves the other one
+    while its micro-batches come: an actor killed once a step is open leaves the other one
     waiting for data (AbortStep wakes it) or failing in the reduction; the step runs again on
     it alone (attempt 1) and trains once."""
     with chaos(tmp_path) as jobs:
         job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false",
                                       "env.step_latency.median_s=0.5", steps=6)
-        job.until(lambda: steps_done(run_dir) >= 2, "step 2")
-        time.sleep(1.0)  # past the boundary: step 2 is open, waiting for its groups
-        kill(state, "rank2")
+        opened = "rank 2: step 2 attempt 0 opens"
+        job.until(lambda: opened in rank_log(run_dir, 2), "step 2 open on rank 2")
+        kill(state, "rank2")  # step 2 is open, waiting for its groups (turns take 0.5 s each)
         assert job.wait() == 0, job.output
         (again,) = [e for e in events(run_dir, "trained") if e["attempt"]]
         assert (again["step"], again["attempt"]) == (2, 1)

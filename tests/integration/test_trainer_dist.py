@@ -28,7 +28,7 @@ from tiderl.trainer.executors import (
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import RankContext, RankError, run_ranks
 from tiderl.trainer.synthetic import synthetic_samples
-from tiderl.trainer.timeline import Event, overlap_seconds
+from tiderl.trainer.timeline import Event
 from tiderl.trainer.worker import ActorWorker, RefWorker
 
 CONFIG = TrainerConfig(lr=0.1, kl_beta=0.05)  # each step runs at lr (the schedule sets it)
@@ -148,13 +148,19 @@ def test_ra2p_modes_train_the_same_update_on_four_ranks():
             torch.testing.assert_close(ranks[r]["decoupled"][2][name], want[name],
                                        rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
-    # the timeline shows Ref computing while the Actors run their passes
-    def events(rank: int, prefix: str) -> list[Event]:
-        return [Event(**e) for e in ranks[rank]["decoupled"][1] if e["name"].startswith(prefix)]
-    ref_events = events(0, "ref_forward")
-    actor_events = [e for r in (1, 2, 3) for e in events(r, "actor_")]
-    assert len(ref_events) == 3 * len(mbs3)
-    assert overlap_seconds(ref_events, actor_events) > 0
+    # the deferred loss: Ref ran one forward per actor share; each actor ran its forward of a
+    # micro-batch before it waited for Ref's logprobs of it, and only its backward after
+    # (how much the passes then overlap in time is bench/ra2p.py's measure, not a test's)
+    def events(rank: int) -> list[Event]:
+        return [Event(**e) for e in ranks[rank]["decoupled"][1]]
+    ref_passes = [e.mb_ids for e in events(0) if e.name != "wait"]
+    mb_ids = list(dict.fromkeys(ref_passes))
+    assert len(mb_ids) == len(mbs3) and ref_passes == [m for m in mb_ids for _ in range(3)]
+    for r in (1, 2, 3):
+        passes = [(e.name, e.mb_ids) for e in events(r) if e.name != "wait"]
+        assert passes == [(name, mb) for mb in mb_ids
+                          for name in ("actor_forward", "wait_ref", "actor_backward")] \
+            + [("optimizer_step", ())], passes
 
     # colocated, VSO, VS, batch: zig-zag shares, same update, swaps only where asked (no-ops on
     # CPU)

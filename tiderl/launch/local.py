@@ -242,7 +242,20 @@ def stop_together(records: Sequence[ProcessRecord], grace_s: float = 10.0,
     for record in records:
         if group_members(record.pid):
             _signal_group(record.pid, signal.SIGKILL)
+    _wait_killed(records, popens)
     return outcome
+
+
+def _wait_killed(records: Sequence[ProcessRecord], popens: dict[int, subprocess.Popen],
+                 timeout_s: float = 10.0) -> None:
+    """Until every process of the records' groups has ended: a SIGKILLed process is not gone
+    until the kernel has torn it down (a moment; longer in uninterruptible sleep), and whoever
+    called stop expects none of them left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(r.pid, popens) or group_members(r.pid) for r in records):
+            return
+        time.sleep(0.05)
 
 
 def records_by_host(records: Sequence[ProcessRecord]) -> dict[str, list[ProcessRecord]]:

@@ -133,6 +133,7 @@ class TrainerSide:
     def open_stream(self, cmd: TrainStep) -> None:
         """A step this rank may train in: its stream takes the step's messages from now on."""
         self.streams[(cmd.step, cmd.attempt)] = StreamedStep()
+        log.info("rank %d: step %d attempt %d opens", self.rank, cmd.step, cmd.attempt)
 
     def to_stream(self, msg: MicroBatchData | StepClosed | AbortStep) -> None:
         """Into the step's stream (its TrainStep came first), at once: the step may be what

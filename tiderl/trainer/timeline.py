@@ -50,12 +50,3 @@ class Timeline:
     def as_dicts(self) -> list[dict]:
         return [asdict(e) for e in self.events]
 
-
-def overlap_seconds(a: list[Event], b: list[Event]) -> float:
-    """Total time during which some event of ``a`` and some event of ``b`` both run (each list's
-    own events do not overlap one another: one rank runs one thing at a time)."""
-    total = 0.0
-    for x in a:
-        for y in b:
-            total += max(0.0, min(x.end, y.end) - max(x.start, y.start))
-    return total

@@ -42,14 +42,13 @@ from tiderl.core.step_control.faults import (
     settle,
 )
 from tiderl.core.step_control.feed import TrainingFeed
-from tiderl.core.step_control.inputs import ers_input, learn_passes, rate_steps
+from tiderl.core.step_control.inputs import ers_input, rate_steps
 from tiderl.core.step_control.ledger import Ledger
 from tiderl.core.step_control.manual import ManualPlans, planned_roles
 from tiderl.core.step_control.rollout import RolloutControl
 from tiderl.core.step_control.state import CycleState, Hold, Phase, actors
 from tiderl.core.step_control.steps import StepRunner, step_start
-from tiderl.core.system import StepMode
-from tiderl.core.types import Decision, Group, Placement, PlanReason, Role
+from tiderl.core.types import Decision, Group, PlanReason, Role
 
 
 class StepController:
@@ -143,9 +142,7 @@ class StepController:
             return [Abort(why)]
         if verdict is Settlement.RUN_AGAIN:
             return self._run_again(now)
-        layout = Placement.DECOUPLED if current.start.step_mode is StepMode.DECOUPLED \
-            else Placement.COLOCATED
-        self.steps.passes[layout] = learn_passes(outcome.reports, current.start)
+        self.steps.learn(outcome.reports, current.start)
         self.rollout.park(now, False)
         record = self.ledger.record(current, outcome, now, state=st, rollout=self.rollout,
                                     buffer=self.buffer, tprm_s=self.tracker.signals(now).tprm_s,

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tiderl.core.buffer import ReadyBuffer
-from tiderl.core.commands import CloseStep, Command, Dispatch, StartStep
+from tiderl.core.commands import CloseStep, Command, Dispatch, RankReport, StartStep
 from tiderl.core.readiness import ReadinessTracker
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control.config import StepControlConfig
-from tiderl.core.step_control.inputs import MeasuredPasses, step_placement
+from tiderl.core.step_control.inputs import MeasuredPasses, learn_passes, step_placement
 from tiderl.core.step_control.state import CycleState, OpenStep, actors
 from tiderl.core.system import StepMode
 from tiderl.core.types import MicroBatch, Placement, ReadinessSignals, Role
@@ -47,6 +47,12 @@ class StepRunner:
             return [self.dispatch(mb, buffer)]
         self.waiting.setdefault(batch, []).append(mb)
         return []
+
+    def learn(self, reports: Sequence[RankReport], start: StartStep) -> None:
+        """A trained step's pass times: the last measure of its layout."""
+        layout = Placement.DECOUPLED if start.step_mode is StepMode.DECOUPLED \
+            else Placement.COLOCATED
+        self.passes[layout] = learn_passes(reports, start)
 
     def closed_batch(self, batch: int) -> list[Command]:
         """Batch ``batch`` is complete: the open step's closes; another waits for its step."""

@@ -12,7 +12,7 @@ host memory), so it is recorded as a no-op and measured as what it costs: almost
    step time (step start to the last backward, slowest rank; median of repeats) beside the cost
    model's prediction.
 3. Grid: N micro-batches, RAS of them ready at the start and the rest every TPRM seconds; CM and
-   DM measured in each cell; the fastest beside ``choose_mode``'s pick.
+   DM measured in each cell; the fastest beside ``choose_placement``'s pick.
 
 Run: ``.venv/bin/python bench/ra2p.py [--quick]`` or ``tiderl bench ra2p`` (about 4 minutes).
 """
@@ -35,7 +35,7 @@ from machine import machine_info, write_result
 
 from tiderl.core.ra2p import (
     RA2PConfig,
-    choose_mode,
+    choose_placement,
     cost_colocated,
     cost_decoupled,
     synthetic_ready_times,
@@ -260,8 +260,8 @@ def _bench_rank(ctx: RankContext, config: BenchConfig) -> dict | None:
             "cells": cells}
 
 
-def _mode_name(mode) -> str:
-    return "DM" if mode.value == "decoupled" else "CM"
+def _placement_name(placement) -> str:
+    return "DM" if placement.value == "decoupled" else "CM"
 
 
 def run_bench(quick: bool = False, note: Callable[[str], None] = print) -> dict:
@@ -279,12 +279,12 @@ def run_bench(quick: bool = False, note: Callable[[str], None] = print) -> dict:
         measured = raw["measured"][mode]
         modes[mode] = {"measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
                        "error": round(abs(predicted - measured) / measured, 4)}
-    chosen_all_ready = _mode_name(choose_mode(
+    chosen_all_ready = _placement_name(choose_placement(
         all_ready, timings["decoupled"], len(ACTOR_RANKS), config.max_aggregate, ra2p,
         colocated_timings=timings["colocated"]))
     grid = []
     for ras, tprm, times, cell in raw["cells"]:
-        chosen = _mode_name(choose_mode(times, timings["decoupled"], len(ACTOR_RANKS),
+        chosen = _placement_name(choose_placement(times, timings["decoupled"], len(ACTOR_RANKS),
                                         config.max_aggregate, ra2p,
                                         colocated_timings=timings["colocated"]))
         fastest = min(cell, key=cell.get)

@@ -118,16 +118,16 @@ def test_a_manual_plan_in_mode_tiderl_is_applied_held_and_handed_back(tmp_path):
     assert "no answer from the coordinator of job" in line
 
 
-def test_a_fixed_split_job_takes_a_manual_layout_and_refuses_a_mode(tmp_path):
-    """Mode async without ERS: the split stays fixed until an operator moves it."""
+def test_a_fixed_split_job_takes_a_manual_layout_and_refuses_a_placement(tmp_path):
+    """System async without ERS: the split stays fixed until an operator moves it."""
     with running_job(tmp_path / "runs", "runtime.system=async", "ers.enabled=false",
                      wait_steps=1) as (state, launcher):
         run_dir = Path(state.run_dir)
         args = ("--run-root", str(tmp_path / "runs"))
         line = one_line_error(tiderl("rebalance", state.job_id, "--rollout", "1", "--trainer",
-                                     "2", "--mode", "colocated", *args))
-        assert line.endswith("refused: system async has no RA2P mode choice (only system tiderl "
-                             "runs decoupled or colocated): leave out --mode")
+                                     "2", "--placement", "colocated", *args))
+        assert line.endswith("refused: system async has no RA2P placement (only system tiderl "
+                             "runs decoupled or colocated): leave out --placement")
         proc = tiderl("rebalance", state.job_id, "--rollout", "2", "--trainer", "1", "--no-wait",
                       "--json", *args)
         assert proc.returncode == 0, proc.stderr

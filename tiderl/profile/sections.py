@@ -72,6 +72,9 @@ class LoggingConfig:
     # every finished episode to rollouts/rank-N.jsonl: its ids per turn as trained, and the
     # turns as the environment and the engine saw them (docs/models.md)
     rollouts: bool = False
+    # every step's micro-batches as trained, with its start and loss, to batches/step-N.msgpack
+    # (docs/runtime.md)
+    batches: bool = False
 
     def __post_init__(self) -> None:
         for i, name in enumerate(self.backends):

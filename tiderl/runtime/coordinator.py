@@ -66,7 +66,7 @@ class Coordinator:
                                  lambda: self.controller.rollout.book.ranks,
                                  self.controller.rollout.policy.pins_tasks)
         self.link = BoundaryLink(self._send, self.mail.next_seq, window_s)
-        self.steps = StepLink(self._send, self.mail.next_seq, window_s)
+        self.steps = StepLink.of(profile, run_log.run_dir, self._send, self.mail.next_seq, window_s)
         self.desk = RebalanceDesk(server, self.log.event)
         self.is_finished = False
 

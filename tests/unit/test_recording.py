@@ -1,5 +1,6 @@
 """The rollout/train boundary on disk (``logging.batches``): a recorded step reads back as it
-was written, and a file that is not one is one line naming it."""
+was written, a file that is not one is one line naming it, and a roll-out-only step on the bus
+link (``runtime.train`` false) sends the ranks nothing and is recorded as not trained."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.core.commands import RankReport, StartStep
+from tiderl.core.commands import AbortStep, CloseStep, Dispatch, RankReport, StartStep
 from tiderl.core.system import StepMode
+from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.profile import load_profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.recording import BatchTape, RecordingError, read_step, shape_of, step_file
+from tiderl.runtime.step_link import StepLink
+from tiderl.runtime.trajectory_wire import sample_of
 
 SMALL = ["runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=2",
          "job.batch_min_groups=1", "job.batch_groups=2", "job.steps=2"]
@@ -85,3 +89,31 @@ def test_a_missing_or_misplaced_step_is_one_line(tmp_path):
         with pytest.raises(RecordingError) as info:
             read_step(tmp_path, step)
         assert str(info.value) == expected
+
+# --------------------------------------------------------------------------- roll out only
+
+
+def test_a_roll_out_only_step_sends_nothing_and_is_done_with_its_batch(tmp_path):
+    sent: list[b.Message] = []
+    link = StepLink(lambda rank, msg: sent.append(msg), iter(range(1, 100)).__next__, 3.0,
+                    BatchTape(tmp_path, shape_of(profile())), is_training=False)
+    samples = {s: sample_of(sample(s)) for s in ("g0.0", "g0.1")}
+    rewards = {"g0.0": 1.0, "g0.1": 0.0}
+    mb = MicroBatch(0, tuple(SeqRef(s, 4) for s in samples))
+    link.send(COLOCATED, samples, rewards, set())
+    link.send(Dispatch(0, 0, mb), samples, rewards, set())
+    assert link.outcome(set(), 1.0, (0, 0), None) is None  # its batch is not complete yet
+    link.send(CloseStep(0), samples, rewards, set())
+    outcome = link.outcome(set(), 1.0, (0, 0), None)
+    assert sent == [] and outcome is not None and not outcome.is_trained
+    assert outcome.reports == (RankReport(1), RankReport(2)) and outcome.reward_mean == 0.5
+    assert link.done() == {"g0"}
+    step = read_step(tmp_path, 0)
+    assert (step.is_trained, step.loss, [len(m.samples) for m in step.micro_batches]) == \
+        (False, None, [2])
+    # an attempt a trainer rank died in ends as it is aborted: no rank updated
+    link.send(StartStep(1, StepMode.COLOCATED, (), (1, 2), 8), samples, rewards, set())
+    link.send(AbortStep(1, 0), samples, rewards, {2})
+    outcome = link.outcome({2}, 2.0, (0, 0), None)
+    assert outcome is not None and outcome.reports == (RankReport(1, failed=True),)
+    assert sent == []

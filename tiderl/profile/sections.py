@@ -38,6 +38,7 @@ class RuntimeConfig:
     checkpoint_keep: int = 2  # the newest complete checkpoints kept
     watchdog_s: float = 300.0  # no progress this long (at least): a watchdog event
     watchdog_factor: float = 5.0  # ... or this many mean step times, if longer
+    train: bool = True  # false: roll out and form each step's batch, run no optimizer step
 
     def __post_init__(self) -> None:
         require_choice(self.system, SYSTEM_CHOICES, "system")

@@ -13,8 +13,9 @@ One msgpack document per step, typed with msgspec like the bus and a checkpoint'
 backend and TP, model);
 ``start`` the attempt that trained (an attempt a trainer rank died in is not kept);
 ``micro_batches`` its samples (``TrainSampleData``: ids, loss mask, behaviour logprobs,
-advantage, version) and rewards; then whether it trained and the ranks' ``StepDone`` figures,
-with the step's loss as metrics.jsonl has it (the mean over its actors), unrounded.
+advantage, version) and rewards; then whether it trained (a roll-out-only job's steps did not)
+and the ranks' ``StepDone`` figures, with the step's loss as metrics.jsonl has it (the mean
+over its actors), unrounded.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def step_file(folder: Path, step: int) -> Path:
 
 
 class BatchTape:
-    """A job's recording: each step to its file once it trained."""
+    """A job's recording: each step to its file once it trained (or, with ``runtime.train``
+    false, once its batch was complete)."""
 
     def __init__(self, folder: Path, shape: RecordedShape) -> None:
         self.folder, self.shape = folder, shape

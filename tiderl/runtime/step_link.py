@@ -12,7 +12,11 @@ settle (the step runs again, or was trained). The samples of a dispatched micro-
 until the step is done, so that an attempt a rank died in can be sent again.
 
 With ``logging.batches`` the step that trained goes to its file then (:mod:`.recording`: its
-start, its micro-batches as sent, its ranks' reports).
+start, its micro-batches as sent, its ranks' reports). With ``runtime.train`` false
+(``is_training``) nothing goes to the ranks: a step is complete, with a report of no update
+from each of its ranks, once its batch is (an attempt a trainer rank died in: once it is
+aborted); the controller records it as not trained and runs the boundary after it as after an
+update (the weights it carries are the ones the ranks had).
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ from tiderl.trainer.sample import TrainSample
 
 class StepLink:
     def __init__(self, send: Callable[[int, b.Message], None], next_seq: Callable[[], int],
-                 window_s: float, tape: BatchTape | None = None) -> None:
+                 window_s: float, tape: BatchTape | None = None,
+                 is_training: bool = True) -> None:
         self._send, self._next_seq = send, next_seq
         self.window_s = window_s  # how long heartbeats take to name a dead rank
-        self.tape = tape
+        self.tape, self.is_training = tape, is_training
         self.dispatched: list[b.MicroBatchData] = []  # the attempt's, in order
         self.start: c.StartStep | None = None  # the open attempt
         self.reports: dict[int, c.RankReport] = {}
@@ -48,8 +53,8 @@ class StepLink:
     @classmethod
     def of(cls, profile: Profile, run_dir: Path, send: Callable[[int, b.Message], None],
            next_seq: Callable[[], int], window_s: float) -> StepLink:
-        """The link of a job of ``profile``, with its tape (``logging.batches``)."""
-        return cls(send, next_seq, window_s, batch_tape(profile, run_dir))
+        """The link of a job of ``profile``: its tape (``logging.batches``), whether it trains."""
+        return cls(send, next_seq, window_s, batch_tape(profile, run_dir), profile.runtime.train)
 
     def send(self, command: c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep,
              samples: dict[str, TrainSample], rewards: dict[str, float],
@@ -85,6 +90,11 @@ class StepLink:
         else:
             msg = b.AbortStep(seq=self._next_seq(), step=command.step, attempt=command.attempt)
         assert self.start is not None
+        if not self.is_training:  # the ranks run no step: its end is known here
+            if isinstance(command, c.CloseStep | c.AbortStep):
+                failed = isinstance(command, c.AbortStep)
+                self.reports = {r: c.RankReport(r, failed=failed) for r in self.start.ranks}
+            return
         for rank in self.start.ranks:
             if rank not in dead:
                 self._send(rank, msg)
@@ -140,13 +150,14 @@ class StepLink:
         reward_mean, solved_frac = reward_summary(self.rewards)
         return c.StepOutcome(self.start.step, reports, kv_queries=kv_counters[0],
                              kv_hits=kv_counters[1], reward_mean=reward_mean,
-                             solved_frac=solved_frac, eval_reward=eval_reward)
+                             solved_frac=solved_frac, eval_reward=eval_reward,
+                             is_trained=self.is_training)
 
     def done(self) -> set[str]:
-        """The step trained: its groups. With a tape, its file."""
+        """The step trained (or, not training, was taken): its groups. With a tape, its file."""
         if self.tape is not None and self.start is not None:
             self.tape.record(self.start, self.dispatched, self.rewards,
-                             list(self.reports.values()), True)
+                             list(self.reports.values()), self.is_training)
         groups, self.dispatched = self.groups, []
         self.start, self.reports, self.sent, self.groups = None, {}, {}, set()
         return groups

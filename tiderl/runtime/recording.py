@@ -1,5 +1,5 @@
 """``batches/step-N.msgpack`` (``logging.batches``): what crossed the rollout/train boundary in
-each step, as the trainer ranks got it; :func:`read_step` reads one back.
+each step, as the trainer ranks got it; read back by a replay (``runtime.replay``).
 
     StepLink   StartStep ──TrainStep──>        (the start: step mode, ranks, max_aggregate,
                                                 attempt)
@@ -9,8 +9,7 @@ each step, as the trainer ranks got it; :func:`read_step` reads one back.
                    batches/step-00000003.msgpack (write, fsync, rename)
 
 One msgpack document per step, typed with msgspec like the bus and a checkpoint's job state
-(:class:`StepBatches`): ``shape`` is the recording job's (system, ranks, group size, trainer
-backend and TP, model);
+(:class:`StepBatches`): ``shape`` is the recording job's (what a replay must share with it);
 ``start`` the attempt that trained (an attempt a trainer rank died in is not kept);
 ``micro_batches`` its samples (``TrainSampleData``: ids, loss mask, behaviour logprobs,
 advantage, version) and rewards; then whether it trained (a roll-out-only job's steps did not)
@@ -86,6 +85,12 @@ class StepBatches(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ranks: list[RecordedRank]
 
 
+# (field of RecordedShape, the profile key a replay must match it with)
+SHAPE_KEYS = (("system", "runtime.system"), ("num_ranks", "runtime.num_ranks"),
+              ("group_size", "job.group_size"), ("trainer_backend", "trainer.backend"),
+              ("tensor_parallel", "trainer.tensor_parallel"), ("model", "model"))
+
+
 def shape_of(profile: Profile) -> RecordedShape:
     model = profile.model
     weights = str(Path(model.path).resolve()) if model.path else \
@@ -93,6 +98,15 @@ def shape_of(profile: Profile) -> RecordedShape:
     return RecordedShape(profile.runtime.system, profile.runtime.num_ranks,
                          profile.job.group_size, profile.trainer.backend,
                          profile.trainer.tensor_parallel, f"{weights} {model.dtype}")
+
+
+def shape_problem(recorded: RecordedShape, here: RecordedShape) -> str | None:
+    """Why a job of shape ``here`` cannot replay steps recorded at ``recorded``; None if it can."""
+    for name, key in SHAPE_KEYS:
+        was, now = getattr(recorded, name), getattr(here, name)
+        if was != now:
+            return f"recorded with {key} {was}, this job has {now}"
+    return None
 
 
 def step_file(folder: Path, step: int) -> Path:
@@ -140,6 +154,12 @@ def batch_tape(profile: Profile, run_dir: Path) -> BatchTape | None:
 # --------------------------------------------------------------------------- reading it back
 
 
+def replay_folder(path: str | Path) -> Path:
+    """The batches folder ``runtime.replay`` names: the folder itself, or a run folder's."""
+    folder = Path(path)
+    return folder / BATCHES if (folder / BATCHES).is_dir() else folder
+
+
 def recorded_steps(folder: Path) -> list[int]:
     """The steps ``folder`` holds a file of, in order."""
     if not folder.is_dir():
@@ -166,6 +186,31 @@ def read_step(folder: Path, step: int) -> StepBatches:
         raise RecordingError(f"{path} holds step {batches.step} of schema {batches.schema}, "
                              f"not step {step} of schema {SCHEMA}")
     return batches
+
+
+def check_step(batches: StepBatches, here: RecordedShape, folder: Path) -> StepBatches:
+    """``batches`` if a job of shape ``here`` can replay it; RecordingError otherwise."""
+    problem = shape_problem(batches.shape, here)
+    if problem is not None:
+        raise RecordingError(f"{folder} step {batches.step} was {problem}")
+    return batches
+
+
+def check_recording(profile: Profile) -> Path:
+    """The batches folder of ``runtime.replay`` if it holds the steps this job trains, of its
+    shape (step 0's is checked here; the coordinator checks each step as it loads it);
+    RecordingError naming what does not fit otherwise."""
+    folder = replay_folder(profile.runtime.replay)
+    if not folder.is_dir():
+        raise RecordingError(f"{folder} is not a folder (a run folder's {BATCHES}/, written "
+                             "with logging.batches=true)")
+    steps = profile.job.steps
+    missing = sorted(set(range(steps)) - set(recorded_steps(folder)))
+    if missing:
+        raise RecordingError(f"{folder} has no recorded step {missing[0]} of the {steps} this "
+                             f"job trains ({_holds(folder)}; job.steps sets how many)")
+    check_step(read_step(folder, 0), shape_of(profile), folder)
+    return folder
 
 
 def _holds(folder: Path) -> str:

@@ -68,7 +68,9 @@ class RankReport:
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
     """A finished step: every trainer rank's report, and what only the substrate knows
-    (cumulative prefix-cache counters over all rollout ranks, the trained samples' rewards)."""
+    (cumulative prefix-cache counters over all rollout ranks, the trained samples' rewards).
+    ``is_trained`` false: the substrate ran no optimizer step on the batch (a roll-out-only
+    job); ``recorded_loss``: the loss its recording has (a replayed step)."""
 
     step: int
     reports: tuple[RankReport, ...]
@@ -77,6 +79,8 @@ class StepOutcome:
     reward_mean: float | None = None
     solved_frac: float | None = None
     eval_reward: float | None = None
+    is_trained: bool = True
+    recorded_loss: float | None = None
 
     def actor_figures(self, actor_ranks: tuple[int, ...]
                       ) -> tuple[float | None, float | None, int | None]:

@@ -60,6 +60,7 @@ from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, model_typ
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.runtime.log_backends import missing_backends, missing_line
+from tiderl.runtime.recording import RecordingError, check_recording
 
 log = logging.getLogger("tiderl.launch")
 
@@ -131,8 +132,10 @@ def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path,
 
 
 def local_endpoints(profile: Profile, ports: Mapping[str, int | str]) -> Endpoints:
-    return Endpoints(coordinator=profile.runtime.bus_host,
-                     env_url=profile.env.url or f"http://127.0.0.1:{ports['env']}",
+    """Where the processes of a job on this machine meet (a replay has no environment)."""
+    env_url = "" if profile.runtime.replay else \
+        profile.env.url or f"http://127.0.0.1:{ports['env']}"
+    return Endpoints(coordinator=profile.runtime.bus_host, env_url=env_url,
                      dist_host="127.0.0.1", ports=ports)
 
 
@@ -166,7 +169,8 @@ def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def check_here(profile: Profile) -> None:
     """What a job on this machine needs and can be checked before anything starts
     (LaunchRefused naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA
-    driver, and the libraries of ``logging.backends`` (the coordinator imports them)."""
+    driver, the libraries of ``logging.backends`` (the coordinator imports them), and the
+    recording ``runtime.replay`` names (its steps, of this job's shape)."""
     path = profile.model.path
     if path and not (Path(path) / "config.json").is_file():
         raise LaunchRefused(f"model.path {path}: no config.json there (an HF model folder; "
@@ -179,6 +183,11 @@ def check_here(profile: Profile) -> None:
     missing = missing_backends(profile.logging.backends)
     if missing:
         raise LaunchRefused(missing_line(missing))
+    if profile.runtime.replay:
+        try:
+            check_recording(profile)
+        except RecordingError as exc:
+            raise LaunchRefused(f"runtime.replay: {exc}") from None
 
 
 def check_architecture(profile: Profile) -> None:

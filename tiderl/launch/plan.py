@@ -2,7 +2,8 @@
 Pure (no I/O), so it can be printed (``tiderl launch --dry-run``), tested and executed by the
 local or the SSH executor.
 
-    env service (unless env.url is set)   engine 0 .. N-1   coordinator   rank 0 .. rank N-1
+    env service (unless env.url or runtime.replay is set)   engine 0 .. N-1   coordinator
+    rank 0 .. rank N-1
 
 Each rank has one device. With a server engine backend (``engine.backend``: http, vllm, sglang)
 and no ``engine.urls``, each rank also gets an engine server on its node and device, bound to
@@ -99,10 +100,14 @@ class LaunchPlan:
 
 
 def profile_roles(profile: Profile) -> list[Role]:
-    """The launch layout, by the core's rule (the simulator lays its GPUs out the same way)."""
+    """The launch layout, by the core's rule (the simulator lays its GPUs out the same way). A
+    replay's rollout ranks start idle (no engine): its steps' layouts are its recording's."""
     rt = profile.runtime
-    return launch_roles(SystemSpec.named(rt.system), rt.num_ranks, rt.rollout_ranks,
-                        profile.ra2p.placement)
+    system = SystemSpec.named(rt.system)
+    roles = launch_roles(system, rt.num_ranks, rt.rollout_ranks, profile.ra2p.placement)
+    if rt.replay and not system.is_sync:  # under sync every rank trains: it stays one
+        return [Role.IDLE if role is Role.ROLLOUT else role for role in roles]
+    return roles
 
 
 def engine_port_names(profile: Profile) -> list[str]:
@@ -231,7 +236,8 @@ def plan_local(profile: Profile, python: str | None = None, run_dir: str | None 
     (``visible_devices``: the launcher's ``CUDA_VISIBLE_DEVICES``, which every process
     inherits)."""
     rt = profile.runtime
-    env = [] if profile.env.url else [ProcessSpec(name="env", kind="env")]
+    needs_env = not (profile.env.url or rt.replay)  # a replay runs no episode
+    env = [ProcessSpec(name="env", kind="env")] if needs_env else []
     slots = _cpu_slots(profile, [LOCAL_HOST] * rt.num_ranks)
     ranks = []
     for rank, role in enumerate(profile_roles(profile)):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tiderl.launch.hosts import Hosts, load_hosts
 from tiderl.launch.job import JobResult, check_here, local_plan, run_local
-from tiderl.launch.local import JobRecord
+from tiderl.launch.local import JobRecord, LaunchRefused
 from tiderl.launch.plan import LaunchPlan, numbered_ports, plan_nodes
 from tiderl.launch.resume import ResumeError, resumable_run_dir, resumed_profile
 from tiderl.profile import Profile, load_profile
@@ -47,6 +47,8 @@ def launch_request(profile: str, overrides: Sequence[str] = (), nodes: Path | No
         resolved = resumed_profile(resume_dir, list(overrides))
     else:
         resolved = load_profile(profile, overrides)
+    if resolved.runtime.replay and nodes is not None:
+        raise LaunchRefused("runtime.replay runs on this machine only (not with --nodes yet)")
     hosts = load_hosts(nodes) if nodes is not None else None
     return LaunchRequest(resolved, hosts, resume_dir, run_root)
 

@@ -78,6 +78,9 @@ class Profile:
                 "runtime.device", "trainer.backend megatron runs on GPUs only (megatron-core's "
                 "forward needs CUDA): set runtime.device=cuda, or use ddp or fsdp2")
         tp, rt = self.trainer.tensor_parallel, self.runtime
+        require(not rt.replay or engine.backend == "embedded", "runtime.replay",
+                f"a replay rolls out nothing and starts no engine server: set "
+                f"engine.backend=embedded (it is {engine.backend})")
         if tp > 1:  # megatron's TP groups are blocks of consecutive ranks: actors fill blocks
             for name in ("num_ranks", "rollout_ranks"):
                 require(getattr(rt, name) % tp == 0, f"runtime.{name}",

@@ -38,6 +38,9 @@ class RuntimeConfig:
     checkpoint_keep: int = 2  # the newest complete checkpoints kept
     watchdog_s: float = 300.0  # no progress this long (at least): a watchdog event
     watchdog_factor: float = 5.0  # ... or this many mean step times, if longer
+    # a recorded job's batches/ folder (logging.batches): train its steps, roll out nothing
+    replay: str = ""
+    train: bool = True  # false: roll out and form each step's batch, run no optimizer step
 
     def __post_init__(self) -> None:
         require_choice(self.system, SYSTEM_CHOICES, "system")
@@ -48,6 +51,8 @@ class RuntimeConfig:
                      "collective_timeout_s", "checkpoint_keep", "watchdog_s", "watchdog_factor"):
             require_positive(getattr(self, name), name)
         require_non_negative(self.checkpoint_every, "checkpoint_every")
+        require(self.train or not self.replay, "train",
+                "expected true with runtime.replay (a replay trains its recording), got false")
         if self.system == "sync":  # one colocated set: every rank rolls out, then trains
             require(self.rollout_ranks == self.num_ranks, "rollout_ranks",
                     f"expected num_ranks ({self.num_ranks}) in system sync, got "
@@ -72,6 +77,9 @@ class LoggingConfig:
     # every finished episode to rollouts/rank-N.jsonl: its ids per turn as trained, and the
     # turns as the environment and the engine saw them (docs/models.md)
     rollouts: bool = False
+    # every step's micro-batches as trained, with its start and loss, to batches/step-N.msgpack
+    # (docs/runtime.md): what runtime.replay trains again
+    batches: bool = False
 
     def __post_init__(self) -> None:
         for i, name in enumerate(self.backends):

@@ -14,7 +14,8 @@
 
 Its parts: RankMail (sends), Liveness (heartbeats, the watchdog), GroupStore (groups in flight,
 ready samples) and the links above. Every scheduling decision is the controller's, the object
-the simulator drives too; this module adds the bus, the clock (``now``) and the run folder.
+the simulator drives too (a replay's follows its recording: :mod:`.replay`); this module adds
+the bus, the clock (``now``) and the run folder.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tiderl.core import commands as c
-from tiderl.core.step_control import StepController, restore, resume_point
+from tiderl.core.step_control import restore, resume_point
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
 from tiderl.profile import Profile
@@ -38,8 +39,8 @@ from tiderl.runtime.errors import CoordinatorError
 from tiderl.runtime.groups import GroupRun, GroupStore
 from tiderl.runtime.liveness import Liveness, RankMail, end_sessions
 from tiderl.runtime.rebalance import RebalanceDesk
+from tiderl.runtime.replay import step_controller
 from tiderl.runtime.run_log import RunLog
-from tiderl.runtime.step_config import profile_step_config
 from tiderl.runtime.step_link import StepLink
 from tiderl.runtime.task_router import TaskRouter
 
@@ -57,8 +58,7 @@ class Coordinator:
         self.profile, self.log, self.clock = profile, run_log, clock
         self.resume_from, self.env_url = resume, env_url
         self.store = GroupStore(profile)
-        self.controller = StepController(profile_step_config(profile), roles,
-                                         self.store.dataset.group, now=clock())
+        self.controller = step_controller(profile, roles, self.store, clock())  # or a replay's
         self.mail = RankMail(server)
         self.liveness = Liveness(profile, clock())
         window_s = self.liveness.window_s  # how long heartbeats take to name a dead rank
@@ -66,7 +66,7 @@ class Coordinator:
                                  lambda: self.controller.rollout.book.ranks,
                                  self.controller.rollout.policy.pins_tasks)
         self.link = BoundaryLink(self._send, self.mail.next_seq, window_s)
-        self.steps = StepLink(self._send, self.mail.next_seq, window_s)
+        self.steps = StepLink.of(profile, run_log.run_dir, self._send, self.mail.next_seq, window_s)
         self.desk = RebalanceDesk(server, self.log.event)
         self.is_finished = False
 

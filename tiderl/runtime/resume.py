@@ -66,7 +66,7 @@ def write_checkpoint_state(folder: Path, state: CheckpointState) -> Path:
     """``folder/job.json``, atomically: a crash leaves the old file or none, never half."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / JOB_STATE
-    _write_atomic(path, msgspec.json.encode(state))
+    write_atomic(path, msgspec.json.encode(state))
     return path
 
 
@@ -193,7 +193,7 @@ def space_shortfall(root: Path, starting: Path) -> str:
 
 
 def write_resume_request(run_dir: Path, folder: Path) -> None:
-    _write_atomic(run_dir / RESUME_FILE, json.dumps({"checkpoint": str(folder)}).encode())
+    write_atomic(run_dir / RESUME_FILE, json.dumps({"checkpoint": str(folder)}).encode())
 
 
 def resume_request(run_dir: Path) -> Path | None:
@@ -204,7 +204,8 @@ def resume_request(run_dir: Path) -> Path | None:
     return Path(json.loads(path.read_text())["checkpoint"])
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, never a part (write, fsync, rename)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as handle:
         handle.write(data)

@@ -6,7 +6,8 @@ reads and the Prometheus exporter's values (:mod:`tiderl.runtime.prom`).
                                               (TensorBoard, wandb: runtime/log_backends.py)
     every SNAPSHOT_S ──> Snapshot (the last record, CTB's counts and budgets, rank gauges), and
                          exporter.update_live
-    events ──> events.jsonl (launch, role changes, evaluations, dropped groups, dead ranks, ...)
+    events ──> events.jsonl (launch, role changes, evaluations, dropped groups, dead ranks, ...;
+               a replayed step's loss beside its recorded one)
 
 Every number comes from the controller's :class:`StepRecord` or its queries; the run folder and
 the clock are given (the coordinator's daemon passes the job's folder and ``time.monotonic``).
@@ -104,6 +105,10 @@ class RunLog:
         values = {k: v for k, v in numbers(row).items() if k != "step"}  # step: the x axis
         for writer in self.writers:
             writer.write(record.step, values)
+        if record.recorded_loss is not None:  # a replayed step: both losses, unrounded
+            loss, recorded = record.loss, record.recorded_loss
+            self.event("replayed", step=record.step, loss=loss, recorded_loss=recorded,
+                       difference=None if loss is None else loss - recorded)
         return self.snapshot(controller, note)
 
     def snapshot(self, controller: StepController, note: str) -> b.Snapshot:

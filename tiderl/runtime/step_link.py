@@ -10,25 +10,38 @@ window: a rank that died in the step's collective is then the one named (its pee
 closed" is its consequence), and with a dead rank the failures are the step controller's to
 settle (the step runs again, or was trained). The samples of a dispatched micro-batch are kept
 until the step is done, so that an attempt a rank died in can be sent again.
+
+With ``logging.batches`` the step that trained goes to its file then (:mod:`.recording`: its
+start, its micro-batches as sent, its ranks' reports). With ``runtime.train`` false
+(``is_training``) nothing goes to the ranks: a step is complete, with a report of no update
+from each of its ranks, once its batch is (an attempt a trainer rank died in: once it is
+aborted); the controller records it as not trained and runs the boundary after it as after an
+update (the weights it carries are the ones the ranks had).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from tiderl.core import commands as c
 from tiderl.core.records import reward_summary
+from tiderl.profile import Profile
 from tiderl.runtime import bus as b
 from tiderl.runtime.errors import CoordinatorError
+from tiderl.runtime.recording import BatchTape, batch_tape
 from tiderl.runtime.trajectory_wire import sample_data
 from tiderl.trainer.sample import TrainSample
 
 
 class StepLink:
     def __init__(self, send: Callable[[int, b.Message], None], next_seq: Callable[[], int],
-                 window_s: float) -> None:
+                 window_s: float, tape: BatchTape | None = None,
+                 is_training: bool = True) -> None:
         self._send, self._next_seq = send, next_seq
         self.window_s = window_s  # how long heartbeats take to name a dead rank
+        self.tape, self.is_training = tape, is_training
+        self.dispatched: list[b.MicroBatchData] = []  # the attempt's, in order
         self.start: c.StartStep | None = None  # the open attempt
         self.reports: dict[int, c.RankReport] = {}
         self.failed_at: float | None = None  # the attempt's first failure, while unexplained
@@ -37,6 +50,12 @@ class StepLink:
         self.rewards: list[float] = []  # the attempt's samples', as dispatched
         self.groups: set[str] = set()  # the step's groups, as dispatched
 
+    @classmethod
+    def of(cls, profile: Profile, run_dir: Path, send: Callable[[int, b.Message], None],
+           next_seq: Callable[[], int], window_s: float) -> StepLink:
+        """The link of a job of ``profile``: its tape (``logging.batches``), whether it trains."""
+        return cls(send, next_seq, window_s, batch_tape(profile, run_dir), profile.runtime.train)
+
     def send(self, command: c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep,
              samples: dict[str, TrainSample], rewards: dict[str, float],
              dead: set[int]) -> None:
@@ -44,7 +63,7 @@ class StepLink:
         here until the step is done)."""
         if isinstance(command, c.StartStep):
             self.start, self.reports, self.errors = command, {}, {}
-            self.failed_at, self.rewards = None, []
+            self.failed_at, self.rewards, self.dispatched = None, [], []
             msg: b.Message = b.TrainStep(
                 seq=self._next_seq(), step=command.step, step_mode=command.step_mode,
                 ref_ranks=list(command.ref_ranks), actor_ranks=list(command.actor_ranks),
@@ -63,6 +82,7 @@ class StepLink:
             msg = b.MicroBatchData(seq=self._next_seq(), step=command.step,
                                    mb_id=command.index, samples=data,
                                    attempt=self.start.attempt)
+            self.dispatched.append(msg)
         elif isinstance(command, c.CloseStep):
             assert self.start is not None
             msg = b.StepClosed(seq=self._next_seq(), step=command.step,
@@ -70,6 +90,11 @@ class StepLink:
         else:
             msg = b.AbortStep(seq=self._next_seq(), step=command.step, attempt=command.attempt)
         assert self.start is not None
+        if not self.is_training:  # the ranks run no step: its end is known here
+            if isinstance(command, c.CloseStep | c.AbortStep):
+                failed = isinstance(command, c.AbortStep)
+                self.reports = {r: c.RankReport(r, failed=failed) for r in self.start.ranks}
+            return
         for rank in self.start.ranks:
             if rank not in dead:
                 self._send(rank, msg)
@@ -125,11 +150,15 @@ class StepLink:
         reward_mean, solved_frac = reward_summary(self.rewards)
         return c.StepOutcome(self.start.step, reports, kv_queries=kv_counters[0],
                              kv_hits=kv_counters[1], reward_mean=reward_mean,
-                             solved_frac=solved_frac, eval_reward=eval_reward)
+                             solved_frac=solved_frac, eval_reward=eval_reward,
+                             is_trained=self.is_training)
 
     def done(self) -> set[str]:
-        """The step trained: its groups."""
-        groups = self.groups
+        """The step trained (or, not training, was taken): its groups. With a tape, its file."""
+        if self.tape is not None and self.start is not None:
+            self.tape.record(self.start, self.dispatched, self.rewards,
+                             list(self.reports.values()), self.is_training)
+        groups, self.dispatched = self.groups, []
         self.start, self.reports, self.sent, self.groups = None, {}, {}, set()
         return groups
 

@@ -33,6 +33,9 @@ Invariant: step s opens only once every live rank acknowledged the boundary befo
 staleness window moves only once every rollout rank has the new version (a task admitted earlier
 would start on the old weights and be too stale by the time its batch trains).
 
+A replay (``runtime.replay``) runs :class:`.replay.ReplayController`: a StepController to its
+adapter, on the same parts, whose steps are a recording's (no rollout, ERS or RA2P choice).
+
 Every policy input is built in this package and nowhere else: the task footprints CTB packs
 (:mod:`.rollout`), the ERS input and RA2P's cost-model inputs, with the pass times learned from
 the trainer ranks' reports (:mod:`.inputs`), the step mode, the elastic batch, evaluation

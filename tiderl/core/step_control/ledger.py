@@ -49,6 +49,7 @@ class Ledger:
             loss=loss, grad_norm=grad_norm, batch_size=current.samples,
             ers_reason=state.plan_reason.value if state.plan_reason is not None else None,
             trained_loss_tokens=loss_tokens, rollout_saturated_s=saturated,
-            generating_share=generating_share)
+            generating_share=generating_share, is_trained=outcome.is_trained,
+            recorded_loss=outcome.recorded_loss)
         self.records.append(record)
         return record

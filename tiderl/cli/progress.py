@@ -88,7 +88,7 @@ def progress_fields(snap: Snapshot | None, steps: int, elapsed_s: float,
     m = snap.metrics
     fields = [(0, f"step {snap.step}/{steps}"), (1, clock)]
     if snap.step >= steps:
-        fields.append((2, "finishing (report, checkpoint) ..."))
+        fields.append((2, "finishing (the last weights, the report) ..."))
     if "reward_mean" in m:
         fields.append((2, f"reward {m['reward_mean']:.3f}"))
     if "goodput_tok_s" in m:

@@ -62,9 +62,11 @@ def test_each_step_record_reaches_tensorboard_and_an_offline_wandb_run(tmp_path,
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
-    numeric = {k for row in rows for k, v in row.items() if isinstance(v, int | float)} - {"step"}
+    numeric = {k for row in rows for k, v in row.items()
+               if isinstance(v, int | float) and not isinstance(v, bool)} - {"step"}
     scalars = tensorboard_scalars(run_dir / "tensorboard")
-    assert set(scalars) == numeric  # the strings and lists (mode, roles) stay in metrics.jsonl
+    assert set(scalars) == numeric  # flags, strings and lists (is_trained, step_mode, roles)
+    assert "is_trained" in rows[0] and "is_trained" not in scalars  # stay in metrics.jsonl
     assert "step_mode" not in scalars and "roles" not in scalars
     for tag in numeric:
         assert scalars[tag] == [(row["step"], as_float32(row[tag])) for row in rows

@@ -37,5 +37,6 @@ def test_before_the_first_snapshot_and_after_the_last_step():
     assert progress_line(progress_fields(None, 40, 4.0, None), 80) == (
         "step 0/40  0:04  starting ...")
     last = progress_line(progress_fields(snapshot(40), 40, 100.0, 0.0), 80)
-    assert last.startswith("step 40/40  1:40 eta 0:00  finishing (the last weights, the report) ...")
+    assert last.startswith(
+        "step 40/40  1:40 eta 0:00  finishing (the last weights, the report) ...")
     assert len(last) <= 80

@@ -106,7 +106,10 @@ class ServiceGuard:
             await self.app(scope, receive, send)
             return
         refusal = self._refusal(scope)
-        body, too_big = await _read_body(receive, self.max_body_bytes)
+        read = await _read_body(receive, self.max_body_bytes)
+        if read is None:  # the client went away (or was cut off) before the body's end
+            return
+        body, too_big = read
         if refusal is None and too_big:
             refusal = (413, f"request body over {self.max_body_bytes} bytes", "body_too_large")
         if refusal is not None:
@@ -132,14 +135,15 @@ class ServiceGuard:
                 "unauthorized")
 
 
-async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
-    """The whole body (dropped past ``limit``: then (b"", True)); reads to its end either way."""
+async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool] | None:
+    """The whole body (dropped past ``limit``: then (b"", True)); reads to its end either way.
+    None: the client went away first (no route runs on part of a body)."""
     chunks: list[bytes] = []
     size, more = 0, True
     while more:
         message = await receive()
         if message["type"] != "http.request":
-            break  # the client went away
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
         if size <= limit:

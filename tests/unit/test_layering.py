@@ -13,9 +13,10 @@ and the layers stand in this order (:data:`LAYERS`, highest first):
     engine    trainer
     models
     env       sim
-    tiderl    auth          the package root (its version string) and the HTTP tokens: they
-                            import nothing of the project, and env, engine and launch use them;
-                            below env, and not core, which does no I/O (auth reads key files)
+    tiderl    auth          the package root (its version string), the HTTP tokens and
+              serving       what the HTTP servers share (connection bounds, uvicorn): they
+                            import only core, and env, engine and launch use them; below env,
+                            and not core, which does no I/O (auth reads key files)
     core
 
 A module may import its own layer's package and any lower layer; never a higher one, nor the
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: tuple[tuple[str, ...], ...] = (  # lowest first
     ("core",),
-    ("tiderl", "auth"),
+    ("tiderl", "auth", "serving"),
     ("env", "sim"),
     ("models",),
     ("engine", "trainer"),

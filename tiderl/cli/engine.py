@@ -63,4 +63,5 @@ def serve(
     # uvicorn only: the socket opens at once, torch and the model load behind it
     from tiderl.engine.loading_server import serve_loading
 
-    serve_loading(load, host, port, model_name=name, admin_token=admin_token)
+    serve_loading(load, host, port, model_name=name, admin_token=admin_token,
+                  limits=engine_config.connections)

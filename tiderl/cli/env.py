@@ -6,12 +6,16 @@ import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError, check_port_free
 from tiderl.cli.output import Output
+from tiderl.serving.limits import ConnectionLimits
+
+BOUNDS = ConnectionLimits()  # the defaults of the connection options (a light import)
 
 app = typer.Typer(help="The environment service.", no_args_is_help=True)
 
-# EnvConfig's fields that `serve` sets, by the option that sets them
+# EnvConfig's and its ConnectionLimits' fields that `serve` sets, by the option that sets them
 OPTIONS = {"envs": "--envs", "max_turns": "--max-turns", "max_sessions": "--max-sessions",
-           "idle_ttl_s": "--idle-ttl"}
+           "idle_ttl_s": "--idle-ttl", "header_timeout_s": "--header-timeout",
+           "body_timeout_s": "--body-timeout", "max_per_client": "--max-client-connections"}
 
 
 @app.command("serve")
@@ -30,6 +34,15 @@ def serve(
     token: str | None = typer.Option(
         None, "--token", envvar="TIDERL_ENV_TOKEN", show_envvar=True,
         help="Bearer token every route but /health and /metrics requires (default: none)."),
+    header_timeout: float = typer.Option(
+        BOUNDS.header_timeout_s, "--header-timeout", metavar="SECONDS",
+        help="A request's headers must arrive within this, else 408 and the connection closed."),
+    body_timeout: float = typer.Option(
+        BOUNDS.body_timeout_s, "--body-timeout", metavar="SECONDS",
+        help="Its body within this of the headers, else 408 and the connection closed."),
+    max_client_connections: int = typer.Option(
+        BOUNDS.max_per_client, "--max-client-connections", metavar="N",
+        help="Connections one client address may hold open; a request on one more gets 503."),
 ) -> None:
     """Serve /start /observation /end /pause /resume, /health and /metrics over HTTP."""
     from tiderl.core.config import ConfigError
@@ -37,8 +50,9 @@ def serve(
 
     names = [name.strip() for name in envs.split(",") if name.strip()]
     try:
+        connections = ConnectionLimits(header_timeout, body_timeout, max_client_connections)
         config = EnvConfig(envs=names, max_turns=max_turns, max_sessions=max_sessions,
-                           idle_ttl_s=idle_ttl)
+                           idle_ttl_s=idle_ttl, connections=connections)
     except ConfigError as exc:  # named by the option that set it
         option = OPTIONS.get(exc.key.partition("[")[0], "--envs")
         raise CLIError(f"tiderl env serve: {option}: {exc.message}", EXIT_USAGE) from None

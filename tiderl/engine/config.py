@@ -11,6 +11,7 @@ from tiderl.core.config import (
     require_non_negative,
     require_positive,
 )
+from tiderl.serving.limits import ConnectionLimits
 
 BACKENDS = ("embedded", "http", "vllm", "sglang")
 SERVER_BACKENDS = ("http", "vllm", "sglang")  # a server process per rank, beside it
@@ -48,6 +49,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernels: str = "auto"  # embedded: a step's non-GEMM parts in C++ on the CPU (auto: when
     # they build, else plain torch with a warning; native: an error then; torch: never)
+    # `tiderl engine serve`'s bounds on a request's arrival and a client's connections
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     @property
     def uses_server(self) -> bool:

@@ -10,8 +10,13 @@ that the server is up and loading.
     loader thread: load() (torch, weights, KV pool), build_app ──> StartingApp.app
                    load() raised ──> the server stops; serve_loading raises it
 
-This module imports only uvicorn, tiderl.auth and the standard library; ``load`` runs in the
-loader thread (a daemon, so that Ctrl-C or SIGTERM while loading ends the process at once).
+Every connection has the bounds of ``limits`` (the profile's ``engine.connections``) from the
+first second: a request slow to arrive is cut off with 408, a client address over its cap is
+answered 503 (:mod:`tiderl.serving.uvicorn_server`).
+
+This module imports only uvicorn, tiderl.auth, tiderl.serving and the standard library; ``load``
+runs in the loader thread (a daemon, so that Ctrl-C or SIGTERM while loading ends the process at
+once).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from tiderl.auth import ADMIN, resolve_token
+from tiderl.serving.limits import ConnectionLimits
+from tiderl.serving.uvicorn_server import uvicorn_config
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -88,9 +95,10 @@ class LoadingServer(uvicorn.Server):
     is kept in ``failure``."""
 
     def __init__(self, load: Loader, host: str = "127.0.0.1", port: int = 8000,
-                 model_name: str = "tiderl", admin_token: str | None = None) -> None:
+                 model_name: str = "tiderl", admin_token: str | None = None,
+                 limits: ConnectionLimits | None = None) -> None:
         self.shell = StartingApp()
-        super().__init__(uvicorn.Config(self.shell, host=host, port=port, log_level="warning"))
+        super().__init__(uvicorn_config(self.shell, host, port, limits or ConnectionLimits()))
         self.load, self.model_name, self.admin_token = load, model_name, admin_token
         self.failure: BaseException | None = None
 
@@ -114,12 +122,14 @@ class LoadingServer(uvicorn.Server):
 
 
 def serve_loading(load: Loader, host: str = "127.0.0.1", port: int = 8000,
-                  model_name: str = "tiderl", admin_token: str | None = None) -> None:
+                  model_name: str = "tiderl", admin_token: str | None = None,
+                  limits: ConnectionLimits | None = None) -> None:
     """Listen on ``host:port`` at once, call ``load()`` (engine, tokenizer) in a loader thread
-    and serve the engine's app once it returns; blocks until interrupted. An exception from
-    ``load`` stops the server and is raised here. The admin token is as in
-    :func:`tiderl.engine.server.serve`."""
-    server = LoadingServer(load, host, port, model_name, admin_token)
+    and serve the engine's app once it returns, with ``limits`` (None: the defaults) on every
+    connection; blocks until interrupted. An exception from ``load`` stops the server and is
+    raised here. The admin token is ``admin_token``, else ``TIDERL_ADMIN_TOKEN``, else the
+    job's (``TIDERL_JOB_KEYS``), else none (:mod:`tiderl.auth`)."""
+    server = LoadingServer(load, host, port, model_name, admin_token, limits)
     server.run()
     if server.failure is not None:
         raise server.failure

@@ -6,7 +6,7 @@ metrics and admin routes.
            ──/tiderl/{pin,unpin,forget,usage,update_weights,flush}──> engine admin calls
            ──/tiderl/{sleep,wake_up}──> free / reload the weights and the KV cache (ERS moves)
 
-Every route under ``/tiderl/`` is an admin route: with an admin token (``serve``'s
+Every route under ``/tiderl/`` is an admin route: with an admin token (``serve_loading``'s
 ``admin_token``, else ``TIDERL_ADMIN_TOKEN``, else the job's, see :mod:`tiderl.auth`) it needs
 ``Authorization: Bearer TOKEN`` (else 401); without one it answers loopback clients only (else
 403). A job always sets one. ``/v1/*``, ``/health`` and ``/metrics`` are open, as on vLLM
@@ -53,7 +53,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from tiderl.auth import ADMIN, ServiceGuard, resolve_token
+from tiderl.auth import ServiceGuard
 from tiderl.core.types import ImageRef
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import TIDERL_ENGINE
@@ -284,17 +284,6 @@ def _read_weights(path: str) -> dict:
         return load_state_dict(path)
     except (ModelLoadError, OSError, RuntimeError) as exc:  # unreadable
         raise ValueError(f"weights {path}: {exc}") from exc
-
-
-def serve(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
-          tokenizer: Tokenizer | None = None, model_name: str = "tiderl",
-          admin_token: str | None = None) -> None:
-    """Run the app with uvicorn until interrupted (blocks); the admin token is
-    ``admin_token``, else ``TIDERL_ADMIN_TOKEN``, else the job's (``TIDERL_JOB_KEYS``)."""
-    import uvicorn
-
-    app = build_app(engine, tokenizer, model_name, resolve_token(ADMIN, admin_token))
-    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def _completion_response(out: Any, body: CompletionRequest, model_name: str,

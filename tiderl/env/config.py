@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
 from tiderl.core.segments import ImageWindow
+from tiderl.serving.limits import ConnectionLimits
 
 BUILTIN_ENVS = ("guess", "shop", "household", "calc", "gui")
 LATENCY_KINDS = ("none", "fixed", "lognormal")
@@ -50,6 +51,8 @@ class EnvConfig:
     # screenshots in a context: on reaching ``limit``, the newest ``keep`` stay and a new
     # training segment starts (paper App. C.2: 10 and 5; tiderl.core.segments)
     image_window: ImageWindow = field(default_factory=ImageWindow)
+    # the service's bounds on a request's arrival and a client's connections
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         require(bool(self.envs), "envs", "expected at least one environment")

@@ -15,6 +15,10 @@ env, 401 no or a wrong token, 404 unknown, expired or evicted session (or an unk
 :mod:`tiderl.env.images`), 429 (with ``Retry-After: 1``) when the session table is full and
 every session is in a step. The server keeps serving after any of them.
 
+Connections are bounded (``config.connections``, :mod:`tiderl.serving.uvicorn_server`): a request
+whose headers or body arrive too slowly is answered 408 and its connection closed; a client
+address over its cap of open connections is answered 503 (``Retry-After: 1``).
+
 Token: with one (``serve``'s ``token``, else ``TIDERL_ENV_TOKEN``, else the job's, see
 :mod:`tiderl.auth`) every route but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer TOKEN``; without one the service is open (it binds the loopback unless
@@ -184,12 +188,13 @@ SERVER_KEEPALIVE_S = 75
 
 def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
           gym: str | None = None, token: str | None = None) -> None:
-    """Run the app with uvicorn until interrupted (blocks); the token is ``token``, else
+    """Run the app with uvicorn until interrupted (blocks), with ``config.connections``'s
+    bounds (:mod:`tiderl.serving.uvicorn_server`); the token is ``token``, else
     ``TIDERL_ENV_TOKEN``, else the job's (``TIDERL_JOB_KEYS``), else none."""
-    import uvicorn
+    from tiderl.serving.uvicorn_server import run
 
     app = build_app(config, gym=gym, token=resolve_token(ENV, token))
     # Keep idle connections longer than clients do (``KEEPALIVE_EXPIRY_S``): a server closing a
     # kept-alive connection as a client reuses it fails a non-idempotent /observation.
-    uvicorn.run(app, host=host, port=port, log_level="warning",
-                access_log=False, timeout_keep_alive=SERVER_KEEPALIVE_S)
+    run(app, host, port, config.connections, access_log=False,
+        timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -245,8 +245,9 @@ def test_concurrent_tasks_share_the_engine(server):
 
 
 def test_sleep_frees_the_engine_and_wake_up_serves_the_folder_it_is_given(server):
-    """What a rank moving to the trainer and back does to its server: asleep it refuses
-    generation and holds no KV; waking takes a weights folder and a version."""
+    """What a rank moving to the trainer and back does to its server: asleep it answers a
+    completion 503 (not ready, retry) and holds no KV; waking takes a weights folder and a
+    version."""
     m0, m1 = str(server["root"] / "m0"), str(server["root"] / "m1")
     prompt = list(range(1200, 1230))
 
@@ -256,8 +257,7 @@ def test_sleep_frees_the_engine_and_wake_up_serves_the_folder_it_is_given(server
         await client.sleep()
         health = (await client.http.get("/health")).json()
         usage = await client.token_usage()
-        with pytest.raises(EngineRequestError, match="the engine is asleep"):
-            await client.generate("s1", prompt, GREEDY)
+        refused = await client.http.post("/v1/completions", json={"prompt": prompt})
         with pytest.raises(EngineRequestError, match=r"no model\.safetensors"):
             await client.wake_up(str(server["root"]), 4)
         await client.wake_up(m1, 4)
@@ -265,10 +265,13 @@ def test_sleep_frees_the_engine_and_wake_up_serves_the_folder_it_is_given(server
         await client.sleep()
         await client.wake_up(m0, 5)  # the module's other tests expect m0's weights
         back = await client.generate("s3", prompt, GREEDY)
-        return first, health, usage, other, back, (await client.http.get("/health")).json()
+        return (first, health, usage, refused, other, back,
+                (await client.http.get("/health")).json())
 
-    first, health, usage, other, back, awake = run(server, scenario)
+    first, health, usage, refused, other, back, awake = run(server, scenario)
     assert health["asleep"] is True and usage.num_used_tokens == usage.num_pinned_tokens == 0
+    assert (refused.status_code, refused.headers["retry-after"]) == (503, "1")
+    assert refused.json()["error"]["type"] == "asleep"
     assert other.version == 4 and other.num_cached_tokens == 0
     assert other.output_ids != first.output_ids
     assert back.version == 5 and back.output_ids == first.output_ids

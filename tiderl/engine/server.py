@@ -24,7 +24,9 @@ completion is answered 409 ``image_missing`` with the ``keys`` to send again wit
 
 :func:`tiderl.engine.loading_server.serve_loading` opens the socket before the engine exists: until
 :func:`build_app` serves, ``/health`` answers 503 ``{"status": "loading"}``, so that 200 keeps
-meaning "ready to generate".
+meaning "ready to generate", and every other route 503 ``loading``. While the engine sleeps (its
+rank trains) a completion is answered 503 ``asleep`` (``Retry-After: 1``; ``/health`` says
+``asleep: true``): a completion gets ``choices`` or, while the engine is not ready, a 503.
 
 Bad input (malformed JSON, wrong types, an empty prompt, token ids outside the vocabulary, a
 prompt that leaves no room in the context, images that do not match the prompt or their pixels,
@@ -69,6 +71,7 @@ PREFIX = "tiderl:"
 ADMIN_PREFIX = "/tiderl/"
 MAX_BODY_BYTES = 8 << 20  # a 131,072-token prompt is about 1 MiB of JSON
 MAX_TASK_ID_CHARS = 256
+RETRY_AFTER = {"Retry-After": "1"}  # on a 503: the server is up but cannot generate yet
 
 
 # -- request and response bodies -----------------------------------------------------------------
@@ -117,6 +120,11 @@ class UpdateWeightsBody(BaseModel):
     version: int
 
 
+class NotReady(Exception):
+    """The engine cannot generate now (asleep while its rank trains, or waking): answered 503
+    with ``Retry-After``, as while it loads (:mod:`tiderl.engine.loading_server`)."""
+
+
 class EngineCollector:
     """Reads ``engine.metrics()`` at scrape time; counters gain ``_total`` on exposition. The
     names the clients and ``profile kv`` read are ``TIDERL_ENGINE``'s (metric_names.py)."""
@@ -152,10 +160,11 @@ class EngineCollector:
 
 # -- app -----------------------------------------------------------------------------------------
 
-def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
+def error_response(status: int, message: str, kind: str,
+                   headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
     line = " ".join(message.split())  # one line, whatever the exception said
     return JSONResponse({"error": {"message": line, "type": kind, **extra}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def _png(data: str) -> bytes:
@@ -184,6 +193,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
               model_name: str = "tiderl", admin_token: str | None = None) -> FastAPI:
     """The server's routes over one engine; each app has its own Prometheus registry.
     ``admin_token`` None: the admin routes answer loopback clients only."""
+    from tiderl.engine.llm_engine import EngineAsleepError  # late: torch (loaded with the engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -220,6 +230,9 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer | None = None,
                    None if i.png is None else _png(i.png)) for i in body.images]
         try:
             out = await engine.generate(task_id, list(body.prompt), sampling, images)
+        except EngineAsleepError:  # no weights until /tiderl/wake_up: not ready, not wrong
+            raise NotReady("the engine is asleep (no weights until /tiderl/wake_up): retry "
+                           "when /health answers asleep false") from None
         finally:
             if body.task_id is None:  # nobody can come back for it
                 await asyncio.to_thread(engine.forget, task_id)
@@ -322,6 +335,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
         return error_response(422, "; ".join(parts) or "invalid request",
                               "invalid_request_error")
+
+    @app.exception_handler(NotReady)
+    async def not_ready(_: Request, exc: NotReady) -> JSONResponse:
+        return error_response(503, str(exc), "asleep", headers=RETRY_AFTER)
 
     @app.exception_handler(ValueError)
     async def bad_value(_: Request, exc: ValueError) -> JSONResponse:

@@ -201,3 +201,16 @@ def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
             "ranks left ran it again |") in text
     assert "| groups dropped: stale | 1 |" in text
     assert "| message dropped | 5 |" in text
+
+
+def test_a_figure_that_cannot_be_written_is_left_out_and_the_report_says_why(run_dir: Path):
+    """A folder where roles.png should go: saving it fails (IsADirectoryError, an OSError as a
+    full disk's is); the other figures and report.md are written (a full disk itself:
+    tests/integration/test_report_full_disk.py)."""
+    (run_dir / "roles.png").mkdir()
+    text = write_report(run_dir).read_text()
+    assert "![goodput_reward](goodput_reward.png)\n\n![readiness](readiness.png)\n" in text
+    assert "](roles.png)" not in text
+    assert "Left out, as they could not be written: roles.png (Is a directory)." in text
+    for name in ("goodput_reward.png", "readiness.png"):
+        assert (run_dir / name).read_bytes()[:8] == PNG_MAGIC

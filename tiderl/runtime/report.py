@@ -18,15 +18,15 @@ written (a full disk: any ``OSError``) is left out, and report.md says in one li
 a report.md that cannot be written is a :class:`ReportError` naming it, which
 `write_final_report` (the coordinator's, at the job's end) logs as one line.
 
-`read_records` reads metrics.jsonl back into records; `summarize` gives the summary numbers
-alone (the benchmarks and the CLI reuse both). `goodput_reward_figure` and `readiness_figure`
+The report is of the run folder's live lineage (:func:`.lineage.read_lineage`: a resume's
+discarded records and events are left out, and it says how many); `summarize` gives the
+summary numbers alone (the benchmarks reuse it). `goodput_reward_figure` and `readiness_figure`
 build the figures the PNGs are saved from. Plots use matplotlib's Agg backend: no display needed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections import Counter
@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.core.records import StepRecord
+from tiderl.runtime.lineage import Lineage, ReportError, Row, read_lineage
 from tiderl.runtime.log_backends import TENSORBOARD_DIR, WANDB_DIR
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 log = logging.getLogger("tiderl.report")
-
-Row = dict[str, Any]
 
 ROLE_LETTERS = {"rollout": "R", "ref": "F", "actor": "A", "idle": "I"}
 IMAGES = ("goodput_reward.png", "roles.png", "readiness.png")
@@ -54,41 +53,6 @@ STEP_COLUMNS = ("step", "time (s)", "step_mode", "roles", "RAS", "TPRM (s)", "go
 MODE_STYLE = {"decoupled": ("tab:blue", "o", 2), "vs": ("tab:green", "^", 2),
               "vso": ("tab:red", "D", 2), "batch": ("tab:purple", "P", 2),
               "colocated": ("tab:orange", "s", 3)}
-
-
-class ReportError(ValueError):
-    """A run file that cannot be read, or a report.md that cannot be written; the message is one
-    line naming the file (and line)."""
-
-
-def read_jsonl(path: Path) -> list[Row]:
-    """The JSON objects of `path`, one per non-blank line; [] when the file is missing."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows: list[Row] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReportError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise ReportError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def read_records(path: Path) -> list[StepRecord]:
-    """The step records of a metrics.jsonl; [] when the file is missing."""
-    records = []
-    for lineno, row in enumerate(read_jsonl(path), start=1):
-        try:
-            records.append(StepRecord.from_dict(row))
-        except (TypeError, ValueError) as exc:
-            raise ReportError(f"{path}: record {lineno}: {exc}") from None
-    return records
 
 
 def summarize(metrics: list[StepRecord]) -> Row:
@@ -132,11 +96,8 @@ def write_report(run_dir: Path, *, title: str | None = None, plots: bool = True)
     ``report.plots``) and `report.md` into `run_dir`. A PNG that cannot be written is left out
     (report.md says which and why); ReportError when report.md itself cannot be written."""
     run_dir = Path(run_dir)
-    # a resumed job appended the steps it trained again after its checkpoint: the last run's
-    # record of each step is the one its model descends from
-    metrics = list({m.step: m for m in read_records(run_dir / "metrics.jsonl")}.values())
-    metrics.sort(key=lambda m: m.step)
-    events = read_jsonl(run_dir / "events.jsonl")
+    lineage = read_lineage(run_dir)  # what a resume discarded is left out
+    metrics = lineage.metrics
     failed = _draw_images(metrics, run_dir) if metrics and plots else {}
     lines = [f"# {title or f'Run report: {run_dir.name}'}", ""]
     if (run_dir / "profile.yaml").exists():
@@ -144,7 +105,7 @@ def write_report(run_dir: Path, *, title: str | None = None, plots: bool = True)
     lines += _tracking_section(run_dir)
     lines += _summary_section(summarize(metrics))
     lines += _steps_section(metrics)
-    lines += _events_section(events)
+    lines += _events_section(lineage)
     if metrics:
         lines += ["## Figures", "", *_figures(plots, failed)]
     path = run_dir / REPORT_FILE
@@ -276,7 +237,8 @@ def _steps_section(metrics: list[StepRecord]) -> list[str]:
     return [*lines, ""]
 
 
-def _events_section(events: list[Row]) -> list[str]:
+def _events_section(lineage: Lineage) -> list[str]:
+    events = lineage.events
     if not events:
         return ["## Events", "", "No events recorded (events.jsonl missing or empty).", ""]
     kinds = ", ".join(f"{k}: {n}" for k, n in Counter(e["kind"] for e in events).items())
@@ -284,7 +246,16 @@ def _events_section(events: list[Row]) -> list[str]:
     lines = ["## Events", "", f"Event counts: {kinds}.", "", "Role changes:", ""]
     lines += [f"- t={_fmt(e['time_s'], 1)} s, step {e.get('step')}: rank {e.get('rank')} "
               f"{e.get('src')} -> {e.get('dst')}" for e in changes] or ["- none"]
-    return [*lines, "", *_faults_section(events)]
+    return [*lines, "", *_faults_section(events), *_discarded_section(lineage)]
+
+
+def _discarded_section(lineage: Lineage) -> list[str]:
+    """What the report leaves out of metrics.jsonl and events.jsonl: a resume discarded it."""
+    if not lineage.num_discarded_records and not lineage.num_discarded_events:
+        return []
+    return ["Left out, as a resume discarded them (what the run before it did after the "
+            "checkpoint it went on from; still in metrics.jsonl and events.jsonl): step records "
+            f"{lineage.num_discarded_records}, events {lineage.num_discarded_events}.", ""]
 
 
 def _faults_section(events: list[Row]) -> list[str]:

@@ -39,7 +39,8 @@ from tiderl.launch.job import run_local
 from tiderl.models.random_init import init_model, write_random_checkpoint
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import load_profile
-from tiderl.runtime.report import read_records, summarize
+from tiderl.runtime.lineage import read_lineage
+from tiderl.runtime.report import summarize
 from tiderl.trainer.export import export_version
 from tiderl.trainer.spawn import free_port
 
@@ -55,7 +56,7 @@ def job_round(backend: str, steps: int, root: Path, tag: str) -> dict:
     wall = time.monotonic() - start
     if job.exit_code != 0:
         raise SystemExit(f"{backend}: the job failed (see {job.run_dir}/logs)")
-    summary = summarize(read_records(job.run_dir / "metrics.jsonl"))
+    summary = summarize(read_lineage(job.run_dir).metrics)
     return {"goodput_tok_s": summary["goodput_end_tok_s"], "job_s": round(wall, 1),
             "kv_hit_rate": summary["kv_hit_rate_mean"],
             "trained_tokens": summary["trained_tokens_total"]}

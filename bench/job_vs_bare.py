@@ -57,7 +57,7 @@ from tiderl.launch.job import run_local
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import Profile, load_profile
 from tiderl.runtime.groups import Dataset
-from tiderl.runtime.report import read_records
+from tiderl.runtime.lineage import read_lineage
 from tiderl.trainer.sample import TrainSample
 
 GROUP_SIZE, MEDIAN_S = 8, 0.2
@@ -185,7 +185,7 @@ def run_job(profile: Profile, root: Path, name: str) -> dict:
     process_s = time.monotonic() - start
     if job.exit_code != 0:
         raise SystemExit(f"{name}: the job failed (see {job.run_dir}/logs)")
-    records = read_records(job.run_dir / "metrics.jsonl")
+    records = read_lineage(job.run_dir).metrics
     wall = records[-1].end_s
     samples = sum(r.trained_samples for r in records)
     loss_tokens = sum(r.trained_loss_tokens or 0 for r in records)

@@ -9,7 +9,8 @@ from pathlib import Path
 from tiderl.core.records import StepRecord
 from tiderl.launch.job import run_local
 from tiderl.profile import load_profile
-from tiderl.runtime.report import read_records, summarize
+from tiderl.runtime.lineage import read_lineage
+from tiderl.runtime.report import summarize
 
 
 @dataclass(frozen=True)
@@ -29,5 +30,5 @@ def run_job(name: str, overrides: list[str], steps: int, root: Path, note) -> Jo
     job = run_local(profile, run_root=root, job_id=name)
     if job.exit_code != 0:
         raise SystemExit(f"{name}: the job failed (see {job.run_dir}/logs)")
-    metrics = read_records(job.run_dir / "metrics.jsonl")
+    metrics = read_lineage(job.run_dir).metrics
     return JobRun(job.run_dir, metrics, summarize(metrics), round(time.monotonic() - start, 1))

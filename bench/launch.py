@@ -37,7 +37,7 @@ from tiderl.launch.job import run_local
 from tiderl.launch.remote import run_ssh
 from tiderl.launch.ssh import NodeSession
 from tiderl.profile import load_profile
-from tiderl.runtime.report import read_records
+from tiderl.runtime.lineage import read_lineage
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -68,7 +68,7 @@ def _one_job(kind: str, hosts_path: Path, run_root: Path) -> dict:
     else:
         result = run_ssh(profile, load_hosts(hosts_path), run_root=run_root, on_start=on_start)
     wall = time.monotonic() - t0
-    metrics = read_records(result.run_dir / "metrics.jsonl")
+    metrics = read_lineage(result.run_dir).metrics
     assert result.exit_code == 0 and len(metrics) == STEPS, (kind, result)
     return {"launcher": kind, "started_s": round(started["t"] - t0, 2),
             "wall_s": round(wall, 2),

@@ -26,6 +26,8 @@ from tiderl.launch.local import (
     process_state,
     stop_processes,
 )
+from tiderl.runtime.group_fates import fates_of
+from tiderl.runtime.lineage import read_lineage
 
 # A step every few seconds; a checkpoint every 2 steps; a collective a rank died in fails
 # after 20 s (then goes out again without it); the watchdog near enough to see
@@ -117,9 +119,15 @@ def started(jobs: list[Launch], run_root: Path, *overrides: str, steps: int = 6
 
 def status_of(run_root: Path, run_dir: Path) -> str:
     """``tiderl status``'s word for the job."""
-    out = subprocess.run([*tiderl_command(), "status", run_dir.name, "--run-root",
-                          str(run_root), "--json"], capture_output=True, text=True, timeout=60)
-    return json.loads(out.stdout)["state"]
+    return cli_json(run_root, "status", run_dir.name)["state"]
+
+
+def cli_json(run_root: Path, *args: str) -> dict:
+    """What ``tiderl ARGS --run-root RUN_ROOT --json`` prints."""
+    out = subprocess.run([*tiderl_command(), *args, "--run-root", str(run_root), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def steps_done(run_dir: Path) -> int:
@@ -165,35 +173,15 @@ def events(run_dir: Path, *kinds: str) -> list[dict]:
     return out
 
 
-def lineage(run_dir: Path) -> list[dict]:
-    """The events of the run the final model descends from: a resume discards what the run
-    before it did after the checkpoint it resumed from."""
-    kept: list[dict] = []
-    for event in events(run_dir):
-        if event["kind"] == "resume":
-            kept = [e for e in kept if e["time_s"] <= event["elapsed_s"]
-                    and (e["kind"] != "trained" or e["step"] < event["version"])]
-        kept.append(event)
-    return kept
-
-
 def assert_each_group_once(run_dir: Path) -> dict:
-    """No group trained twice; every group fed is trained, dropped (and counted), or left over
-    at the end (buffered or rolling out): none skipped. Returns the last stop event."""
-    kept = lineage(run_dir)
-    trained = [g for e in kept if e["kind"] == "trained" for g in e["groups"]]
-    assert len(trained) == len(set(trained)), f"a group trained twice: {sorted(trained)}"
-    dropped = {e["group"] for e in kept if e["kind"] == "dropped_group"}
-    assert not dropped & set(trained)
-    (stop,) = [e for e in kept if e["kind"] == "stop"][-1:]
-    counts = stop["groups"]
-    assert counts["trained"] == len(trained)
-    assert counts["dropped"] == len(dropped)
-    fed = {f"g{i}" for i in range(counts["fed"])}
-    assert set(trained) | dropped <= fed
-    left = counts["buffered"] + counts["rolling_out"]
-    assert len(fed - set(trained) - dropped) == left, (counts, sorted(fed - set(trained)))
-    return stop
+    """From the files' live lineage (what a resume discarded does not count): no group trained
+    twice; every group fed is trained, dropped (and counted), or left over at the end (buffered
+    or rolling out): none skipped. Returns the last stop event."""
+    lineage = read_lineage(run_dir)
+    fates = fates_of(lineage.events)
+    assert fates.counts, "no stop event"
+    assert not fates.problems(), fates.problems()
+    return [e for e in lineage.events if e["kind"] == "stop"][-1]
 
 
 def assert_nothing_left(run_dir: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,7 +28,9 @@ from tests.chaos.chaos_job import (
     steps_done,
     wait_nothing_left,
 )
+from tests.tmpfs import small_tmpfs
 from tiderl.launch.local import JobRecord, is_running, stop_processes
+from tiderl.runtime.lineage import read_lineage
 
 STEPS = 6
 
@@ -44,7 +45,8 @@ def resume_and_finish(jobs: list, run_root: Path, run_dir: Path) -> dict:
     resumed = launch(run_root, resume=run_dir.name)
     jobs.append(resumed)
     assert resumed.wait() == 0, resumed.output
-    assert steps_done(run_dir) >= STEPS
+    # each step once in the live lineage (the files also hold what the resume discarded)
+    assert [m.step for m in read_lineage(run_dir).metrics] == list(range(STEPS))
     stop = assert_each_group_once(run_dir)
     assert stop["state"] == "ok" and stop["steps"] == STEPS
     assert_nothing_left(run_dir)
@@ -344,21 +346,12 @@ def test_a_rank_killed_while_starting_fails_the_launch_naming_it(tmp_path):
 
 
 def test_a_full_disk_while_checkpointing_stops_the_job_resumable(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=25m", "tmpfs", str(mount)],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.strip()}")
-    try:
-        with chaos(mount) as jobs:
-            # a checkpoint is ~17 MB: the second one does not fit
-            job, _, run_dir = started(jobs, mount, steps=20)
-            assert job.wait() == 1
-            (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
-            assert "no disk space for checkpoint step-00000004" in line, line
-            assert "--resume" in line
-            assert checkpoint_of(run_dir, 2)  # the complete one the line names
-            assert_nothing_left(run_dir)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    with small_tmpfs(tmp_path / "small", "25m") as mount, chaos(mount) as jobs:
+        # a checkpoint is ~17 MB: the second one does not fit
+        job, _, run_dir = started(jobs, mount, steps=20)
+        assert job.wait() == 1
+        (line,) = [x for x in job.output.splitlines() if x.startswith("error:")]
+        assert "no disk space for checkpoint step-00000004" in line, line
+        assert "--resume" in line
+        assert checkpoint_of(run_dir, 2)  # the complete one the line names
+        assert_nothing_left(run_dir)

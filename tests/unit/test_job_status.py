@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.unit.test_runtime_lineage import EVENTS
+from tests.unit.test_runtime_report import _metrics
 from tiderl.launch.control import job_status
 from tiderl.launch.local import JobRecord, ProcessRecord
 
@@ -27,7 +29,8 @@ def _job(tmp_path, pids: list[int], steps_done: int = 2, stop: dict | None = Non
     run_dir.mkdir(parents=True)
     processes = [ProcessRecord(f"p{i}", "rank", pid, str(run_dir / "logs" / f"p{i}.log"), [])
                  for i, pid in enumerate(pids)]
-    (run_dir / "metrics.jsonl").write_text("".join("{}\n" for _ in range(steps_done)))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m.to_dict()) + "\n"
+                                                   for m in _metrics()[:steps_done]))
     events = [{"kind": "start"}, *([{"kind": "stop", **stop}] if stop is not None else [])]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return JobRecord("job", str(run_dir), time.time(), processes,
@@ -57,3 +60,13 @@ def test_a_running_job_is_running_or_partial(tmp_path):
                              info={}))
     assert (status.state, status.num_running, status.steps_done, status.steps_total) == (
         "partial", 1, 0, None)
+
+
+def test_a_resumed_job_counts_the_steps_and_the_stop_of_its_live_lineage(tmp_path):
+    """Stopped after step 3, resumed from the checkpoint of step 2, killed before the resumed
+    run recorded a step: 2 steps done, and crashed (the stop in the file is the run's before)."""
+    job = _job(tmp_path, [_ended_pid()], steps_done=4)
+    (tmp_path / "job" / "events.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in EVENTS[:11]))  # up to the resume event
+    status = job_status(job)
+    assert (status.state, status.steps_done) == ("crashed", 2)

@@ -9,14 +9,8 @@ import pytest
 
 from tiderl.core.records import StepRecord
 from tiderl.core.system import StepMode
-from tiderl.runtime.report import (
-    IMAGES,
-    ReportError,
-    read_jsonl,
-    read_records,
-    summarize,
-    write_report,
-)
+from tiderl.runtime.lineage import ReportError, read_jsonl, read_records
+from tiderl.runtime.report import IMAGES, summarize, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENS = [100, 120, 140, 160, 180, 200]
@@ -176,6 +170,8 @@ def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
     metrics = _metrics()
     redone = metrics[:4] + metrics[2:]  # steps 2 and 3 ran, were lost to a kill, ran again
     _write_jsonl(tmp_path / "metrics.jsonl", [m.to_dict() for m in redone])
+    # the checkpoint of version 2 was taken after step 1; the run went on to train step 2 (a
+    # trained event and a dropped group the resume discards: not counted below)
     _write_jsonl(tmp_path / "events.jsonl", [
         {"time_s": 0.0, "kind": "launch"},
         {"time_s": 9.0, "kind": "rank_dead", "rank": 0, "role": "rollout",
@@ -184,8 +180,11 @@ def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
         {"time_s": 9.6, "kind": "rank_dead", "rank": 2, "role": "actor",
          "why": "its bus connection is gone"},
         {"time_s": 9.9, "kind": "trained", "step": 1, "attempt": 1, "groups": ["g2", "g3"]},
+        {"time_s": 20.0, "kind": "checkpoint", "version": 2},
+        {"time_s": 25.0, "kind": "dropped_group", "group": "g5", "reason": "stale"},
+        {"time_s": 30.0, "kind": "trained", "step": 2, "attempt": 0, "groups": ["g4", "g6"]},
         {"time_s": 20.0, "kind": "resume", "version": 2, "elapsed_s": 20.0, "ready": ["g8"],
-         "rerun": ["g9", "g10"]},
+         "rerun": ["g9", "g10"], "metrics_lines": 4},
         {"time_s": 21.0, "kind": "message_dropped", "repeats": 4},
         {"time_s": 61.0, "kind": "stop", "reason": "done", "state": "ok"},
     ])
@@ -201,3 +200,19 @@ def test_a_resumed_run_reports_each_step_once_and_its_faults(tmp_path: Path):
             "ranks left ran it again |") in text
     assert "| groups dropped: stale | 1 |" in text
     assert "| message dropped | 5 |" in text
+    assert "Event counts: launch: 1, rank_dead: 2, dropped_group: 1, trained: 1, checkpoint: 1, " \
+        "resume: 1, message_dropped: 1, stop: 1." in text
+    assert "still in metrics.jsonl and events.jsonl): step records 2, events 2." in text
+
+
+def test_a_figure_that_cannot_be_written_is_left_out_and_the_report_says_why(run_dir: Path):
+    """A folder where roles.png should go: saving it fails (IsADirectoryError, an OSError as a
+    full disk's is); the other figures and report.md are written (a full disk itself:
+    tests/integration/test_report_full_disk.py)."""
+    (run_dir / "roles.png").mkdir()
+    text = write_report(run_dir).read_text()
+    assert "![goodput_reward](goodput_reward.png)\n\n![readiness](readiness.png)\n" in text
+    assert "](roles.png)" not in text
+    assert "Left out, as they could not be written: roles.png (Is a directory)." in text
+    for name in ("goodput_reward.png", "readiness.png"):
+        assert (run_dir / name).read_bytes()[:8] == PNG_MAGIC

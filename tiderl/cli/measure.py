@@ -65,11 +65,14 @@ def readiness(
     from tiderl.launch import measure
     from tiderl.launch.local import LaunchError
     from tiderl.launch.run_folders import job_file
-    from tiderl.runtime.report import ReportError, plot_readiness, read_records
+    from tiderl.runtime.lineage import EVENTS_FILE, METRICS_FILE, ReportError, read_lineage
+    from tiderl.runtime.report import plot_readiness
 
     state = _job("readiness", job, run_root)
     try:
-        metrics = read_records(job_file(state, "metrics.jsonl"))
+        for name in (METRICS_FILE, EVENTS_FILE):  # an SSH job's: fetched from its node
+            job_file(state, name)
+        metrics = read_lineage(Path(state.run_dir)).metrics  # a resume's discarded steps: out
     except (LaunchError, ReportError) as exc:
         raise CLIError(f"tiderl measure readiness: {exc}") from None
     if not metrics:

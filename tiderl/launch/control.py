@@ -35,6 +35,7 @@ from tiderl.launch.local import (
 )
 from tiderl.launch.run_folders import job_file, last_stop_in
 from tiderl.launch.ssh import NodeSession, job_node, open_sessions
+from tiderl.runtime.lineage import EVENTS_FILE, METRICS_FILE, ReportError, read_lineage
 
 # a launcher stops its job in order: the coordinator's grace, the others', and more
 LAUNCHER_EXIT_S = COORDINATOR_GRACE_S + 30.0
@@ -47,7 +48,7 @@ class JobStatus:
     """Where a job stands (:func:`job_status`)."""
 
     state: str  # running, partial, unreachable, or how it ended (the module docstring)
-    steps_done: int  # lines of its metrics.jsonl
+    steps_done: int  # step records of its live lineage (what a resume discarded is not)
     steps_total: int | None  # job.steps (None: job.json does not say)
     num_running: int
     num_processes: int
@@ -77,18 +78,22 @@ def job_status(job: JobRecord, strict: bool = False) -> JobStatus:
 
 
 def _steps_done(job: JobRecord, nodes: dict[str, NodeSession] | None) -> int:
-    """Steps done: the lines of the job's metrics.jsonl (fetched from an SSH job's node)."""
+    """Steps done: the step records of the job's live lineage (its metrics.jsonl and
+    events.jsonl, fetched from an SSH job's node); 0 while it has none, or a line of them
+    cannot be read."""
     try:
-        return len(job_file(job, "metrics.jsonl", nodes).read_text().splitlines())
-    except LaunchError:
+        for name in (METRICS_FILE, EVENTS_FILE):
+            job_file(job, name, nodes)
+        return len(read_lineage(Path(job.run_dir)).metrics)
+    except (LaunchError, ReportError):
         return 0
 
 
 def _ended(job: JobRecord, nodes: dict[str, NodeSession] | None) -> str:
-    """How a job that runs no more ended, from its last ``stop`` event (see ENDED); crashed
-    when it has none."""
+    """How a job that runs no more ended, from the last ``stop`` event of its live lineage
+    (see ENDED); crashed when it has none."""
     try:
-        stop = last_stop_in(job_file(job, "events.jsonl", nodes).read_text())
+        stop = last_stop_in(job_file(job, EVENTS_FILE, nodes).read_text())
     except (LaunchError, OSError):
         stop = {}
     return ENDED.get(stop.get("state", "ok" if stop.get("reason") == "done" else ""),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tiderl.launch.local import JOB_FILE, JobRecord, LaunchError
 from tiderl.profile.sections import RuntimeConfig
+from tiderl.runtime.lineage import EVENTS_FILE, live_lineage
 
 DEFAULT_RUN_ROOT = Path(RuntimeConfig().run_dir)
 
@@ -78,18 +79,21 @@ def last_stop(run_dir: Path) -> dict:
     """The job's last ``stop`` event ({} if it has none: it never got that far, or its
     coordinator was killed)."""
     try:
-        return last_stop_in((Path(run_dir) / "events.jsonl").read_text())
+        return last_stop_in((Path(run_dir) / EVENTS_FILE).read_text())
     except OSError:
         return {}
 
 
 def last_stop_in(events: str) -> dict:
-    """The last ``stop`` event of an events.jsonl's text ({} if none)."""
-    for line in reversed(events.splitlines()):
+    """The last ``stop`` event of an events.jsonl's text in its live lineage ({} if none: a
+    stop before a resume is of the run the resume discarded)."""
+    rows = []
+    for line in events.splitlines():
         try:
             event = json.loads(line)
         except ValueError:
             continue  # a line cut short by a kill
-        if event.get("kind") == "stop":
-            return event
-    return {}
+        if isinstance(event, dict):
+            rows.append(event)
+    stops = [e for e in live_lineage([], rows).events if e.get("kind") == "stop"]
+    return stops[-1] if stops else {}

@@ -45,7 +45,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     from tiderl.runtime.bus import BusServer, load_job_keys
     from tiderl.runtime.coordinator import Coordinator, CoordinatorError
     from tiderl.runtime.log_backends import LoggingBackendError, open_writers
-    from tiderl.runtime.report import write_report
+    from tiderl.runtime.report import write_final_report
     from tiderl.runtime.resume import resume_hint, resume_request
     from tiderl.runtime.run_log import RunLog
 
@@ -84,9 +84,8 @@ def _coordinator(args: argparse.Namespace) -> int:
             run_log.close()
             if exporter is not None:
                 exporter.close()
-    path = write_report(args.run_dir, title=f"TideRL run {args.run_dir.name}",
-                        plots=profile.report.plots)
-    logger.info("report: %s", path)
+    write_final_report(args.run_dir, title=f"TideRL run {args.run_dir.name}",
+                       plots=profile.report.plots)
     return code
 
 

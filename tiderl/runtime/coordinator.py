@@ -9,7 +9,8 @@
         StartStep / Dispatch / CloseStep / AbortStep: StepLink (TrainStep, MicroBatchData,
             StepClosed, AbortStep; StepDone and StepFailed back)
         Boundary: BoundaryLink (SyncWeights, resend without a dead member), the checkpoint's
-            job state
+            job state (and, after the commands with it, its `checkpoint` event: where a resume
+            from it cuts events.jsonl, runtime/lineage.py)
         RecordStep: RunLog (metrics.jsonl, /metrics, the PUB snapshot)
 
 Its parts: RankMail (sends), Liveness (heartbeats, the watchdog), GroupStore (groups in flight,
@@ -105,7 +106,8 @@ class Coordinator:
         self.log.event("resume", version=point.version, elapsed_s=round(point.elapsed_s, 3),
                        checkpoint=str(self.resume_from), roles=[r.value for r in point.roles],
                        ready=[g.group_id for g in state.ready],
-                       rerun=[s.group_id for s in point.in_flight])
+                       rerun=[s.group_id for s in point.in_flight],
+                       metrics_lines=self.log.num_prior_records)  # the cut: runtime/lineage.py
         self._apply(restore(self.controller, point, self.store.restore(state.ready), now))
 
     def schedule_round(self) -> None:
@@ -294,6 +296,10 @@ class Coordinator:
     # ---------------------------------------------------------------- commands out
 
     def _apply(self, commands: list[c.Command]) -> None:
+        """Each command to its part. A checkpoint's event comes after the whole batch: what the
+        batch does is in the checkpoint's state (the controller made it before the checkpoint
+        was taken), so its events belong before the mark a resume cuts at."""
+        checkpoint = None
         for command in commands:
             if isinstance(command, c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep):
                 self.steps.send(command, self.store.samples, self.store.rewards,
@@ -309,7 +315,7 @@ class Coordinator:
                 self.mail.server.publish(self.log.record(command.record, self.controller,
                                                          self.desk.note))
             elif isinstance(command, c.Boundary):
-                self._boundary(command)
+                checkpoint = self._boundary(command) or checkpoint
             elif isinstance(command, c.GroupDropped):
                 self._dropped(command)
             elif isinstance(command, c.PlanRefused):
@@ -321,6 +327,8 @@ class Coordinator:
                 self.is_finished = True
             elif isinstance(command, c.Abort):
                 raise CoordinatorError(command.reason)
+        if checkpoint is not None:
+            self.log.event("checkpoint", version=checkpoint[0], folder=str(checkpoint[1]))
 
     def _feed(self, command: c.FeedGroups) -> None:
         for spec in command.groups:
@@ -329,18 +337,23 @@ class Coordinator:
             self.log.event("eval_start", step=command.groups[0].step,
                            version=self.controller.state.version, groups=len(command.groups))
 
-    def _boundary(self, boundary: c.Boundary) -> None:
+    def _boundary(self, boundary: c.Boundary) -> tuple[int, Path] | None:
+        """Role changes announced, the weights' broadcast sent; the version and folder of the
+        checkpoint it starts, if it starts one."""
         root = self.log.run_dir / checkpoints.CHECKPOINTS
+        started = None
         if boundary.checkpoint:
             point = resume_point(self.controller, self.clock())
             state = checkpoints.CheckpointState(point, self.store.ready_state(point.ready))
             keep, tp = self.profile.runtime.checkpoint_keep, self.profile.trainer.tensor_parallel
-            checkpoints.start_checkpoint(root, boundary.version, keep, tp, state)
+            folder = checkpoints.start_checkpoint(root, boundary.version, keep, tp, state)
+            started = (boundary.version, folder)
         for rank, src, dst in self.link.announce(boundary):  # a death is its rank_dead event
             self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
                            step=self.controller.state.step, version=boundary.version,
                            reason=boundary.reason.value if boundary.reason else None)
         self.link.send(boundary, str(root), str(self.log.run_dir / "hf"))
+        return started
 
     def _dropped(self, command: c.GroupDropped) -> None:
         self.store.drop(command.group_id)

@@ -13,73 +13,46 @@ beside them:
                          the TensorBoard logdir and wandb runs the job wrote (logging.backends)
 
 The PNGs take a few seconds of matplotlib; ``report.plots: false`` in the profile leaves them
-out (report.md says so), as the tests of jobs that do not look at them do.
+out (report.md says so), as the tests of jobs that do not look at them do. A PNG that cannot be
+written (a full disk: any ``OSError``) is left out, and report.md says in one line which and why;
+a report.md that cannot be written is a :class:`ReportError` naming it, which
+`write_final_report` (the coordinator's, at the job's end) logs as one line.
 
-`read_records` reads metrics.jsonl back into records; `summarize` gives the summary numbers
-alone (the benchmarks and the CLI reuse both). `goodput_reward_figure` and `readiness_figure`
+The report is of the run folder's live lineage (:func:`.lineage.read_lineage`: a resume's
+discarded records and events are left out, and it says how many); `summarize` gives the
+summary numbers alone (the benchmarks reuse it). `goodput_reward_figure` and `readiness_figure`
 build the figures the PNGs are saved from. Plots use matplotlib's Agg backend: no display needed.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.core.records import StepRecord
+from tiderl.runtime.lineage import Lineage, ReportError, Row, read_lineage
 from tiderl.runtime.log_backends import TENSORBOARD_DIR, WANDB_DIR
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-Row = dict[str, Any]
+log = logging.getLogger("tiderl.report")
 
 ROLE_LETTERS = {"rollout": "R", "ref": "F", "actor": "A", "idle": "I"}
 IMAGES = ("goodput_reward.png", "roles.png", "readiness.png")
+REPORT_FILE = "report.md"
 STEP_COLUMNS = ("step", "time (s)", "step_mode", "roles", "RAS", "TPRM (s)", "goodput (tok/s)",
                 "reward", "loss", "staleness")
 # readiness plane: (colour, marker, z-order) per mode; colocated on top of the others
 MODE_STYLE = {"decoupled": ("tab:blue", "o", 2), "vs": ("tab:green", "^", 2),
               "vso": ("tab:red", "D", 2), "batch": ("tab:purple", "P", 2),
               "colocated": ("tab:orange", "s", 3)}
-
-
-class ReportError(ValueError):
-    """A run file that cannot be read; the message names the file and line."""
-
-
-def read_jsonl(path: Path) -> list[Row]:
-    """The JSON objects of `path`, one per non-blank line; [] when the file is missing."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows: list[Row] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReportError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise ReportError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def read_records(path: Path) -> list[StepRecord]:
-    """The step records of a metrics.jsonl; [] when the file is missing."""
-    records = []
-    for lineno, row in enumerate(read_jsonl(path), start=1):
-        try:
-            records.append(StepRecord.from_dict(row))
-        except (TypeError, ValueError) as exc:
-            raise ReportError(f"{path}: record {lineno}: {exc}") from None
-    return records
 
 
 def summarize(metrics: list[StepRecord]) -> Row:
@@ -120,31 +93,85 @@ def summarize(metrics: list[StepRecord]) -> Row:
 
 def write_report(run_dir: Path, *, title: str | None = None, plots: bool = True) -> Path:
     """Write the three PNGs (when there are steps and ``plots``: the profile's
-    ``report.plots``) and `report.md` into `run_dir`."""
+    ``report.plots``) and `report.md` into `run_dir`. A PNG that cannot be written is left out
+    (report.md says which and why); ReportError when report.md itself cannot be written."""
     run_dir = Path(run_dir)
-    # a resumed job appended the steps it trained again after its checkpoint: the last run's
-    # record of each step is the one its model descends from
-    metrics = list({m.step: m for m in read_records(run_dir / "metrics.jsonl")}.values())
-    metrics.sort(key=lambda m: m.step)
-    events = read_jsonl(run_dir / "events.jsonl")
-    if metrics and plots:
-        save_figure(goodput_reward_figure(metrics), run_dir / IMAGES[0])
-        _plot_roles(metrics, run_dir / IMAGES[1])
-        plot_readiness(metrics, run_dir / IMAGES[2])
+    lineage = read_lineage(run_dir)  # what a resume discarded is left out
+    metrics = lineage.metrics
+    failed = _draw_images(metrics, run_dir) if metrics and plots else {}
     lines = [f"# {title or f'Run report: {run_dir.name}'}", ""]
     if (run_dir / "profile.yaml").exists():
         lines += ["Resolved profile: [profile.yaml](profile.yaml)", ""]
     lines += _tracking_section(run_dir)
     lines += _summary_section(summarize(metrics))
     lines += _steps_section(metrics)
-    lines += _events_section(events)
+    lines += _events_section(lineage)
     if metrics:
-        lines += ["## Figures", ""]
-        lines += ([line for name in IMAGES for line in (f"![{name[:-4]}]({name})", "")] if plots
-                  else ["Not drawn (the profile's report.plots is false).", ""])
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines))
+        lines += ["## Figures", "", *_figures(plots, failed)]
+    path = run_dir / REPORT_FILE
+    try:
+        path.write_text("\n".join(lines))
+    except OSError as exc:
+        _remove(path)  # what part of it fit would read as the whole
+        raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
+
+
+def write_final_report(run_dir: Path, *, title: str, plots: bool) -> Path | None:
+    """:func:`write_report` at a job's end: its path, or None once one line naming the file
+    and the error is logged (no traceback: the job's outcome and its resume line stand)."""
+    try:
+        path = write_report(run_dir, title=title, plots=plots)
+    except (ReportError, OSError) as exc:  # OSError: a run file that cannot be read
+        log.error("no report: %s", exc)
+        return None
+    log.info("report: %s", path)
+    return path
+
+
+def _draw_images(metrics: list[StepRecord], run_dir: Path) -> dict[str, str]:
+    """Save the three PNGs into ``run_dir``; the ones that could not be written (an OSError: a
+    full disk, no permission), each with why. Such a PNG is removed: a cut-short file is no
+    figure."""
+    draw: dict[str, Callable[[], Figure]] = {
+        IMAGES[0]: lambda: goodput_reward_figure(metrics),
+        IMAGES[1]: lambda: roles_figure(metrics),
+        IMAGES[2]: lambda: readiness_figure(metrics),
+    }
+    failed = {}
+    for name, figure in draw.items():
+        try:
+            save_figure(figure(), run_dir / name)
+        except OSError as exc:
+            failed[name] = exc.strerror or str(exc)
+            _remove(run_dir / name)
+    if failed:
+        log.warning("report figures left out: %s", _left_out(failed))
+    return failed
+
+
+def _figures(plots: bool, failed: dict[str, str]) -> list[str]:
+    """The Figures section's lines: a link per PNG written, one line for those left out."""
+    if not plots:
+        return ["Not drawn (the profile's report.plots is false).", ""]
+    lines = [line for name in IMAGES if name not in failed
+             for line in (f"![{name[:-4]}]({name})", "")]
+    if failed:
+        lines += [f"Left out, as they could not be written: {_left_out(failed)}.", ""]
+    return lines
+
+
+def _left_out(failed: dict[str, str]) -> str:
+    """``a.png, b.png (No space left on device)``: the PNGs grouped by their error."""
+    by_error: dict[str, list[str]] = {}
+    for name, error in failed.items():
+        by_error.setdefault(error, []).append(name)
+    return "; ".join(f"{', '.join(names)} ({error})" for error, names in by_error.items())
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):  # it may not be there, or be a folder
+        path.unlink()
 
 
 def compact_roles(roles: list[str]) -> str:
@@ -210,7 +237,8 @@ def _steps_section(metrics: list[StepRecord]) -> list[str]:
     return [*lines, ""]
 
 
-def _events_section(events: list[Row]) -> list[str]:
+def _events_section(lineage: Lineage) -> list[str]:
+    events = lineage.events
     if not events:
         return ["## Events", "", "No events recorded (events.jsonl missing or empty).", ""]
     kinds = ", ".join(f"{k}: {n}" for k, n in Counter(e["kind"] for e in events).items())
@@ -218,7 +246,16 @@ def _events_section(events: list[Row]) -> list[str]:
     lines = ["## Events", "", f"Event counts: {kinds}.", "", "Role changes:", ""]
     lines += [f"- t={_fmt(e['time_s'], 1)} s, step {e.get('step')}: rank {e.get('rank')} "
               f"{e.get('src')} -> {e.get('dst')}" for e in changes] or ["- none"]
-    return [*lines, "", *_faults_section(events)]
+    return [*lines, "", *_faults_section(events), *_discarded_section(lineage)]
+
+
+def _discarded_section(lineage: Lineage) -> list[str]:
+    """What the report leaves out of metrics.jsonl and events.jsonl: a resume discarded it."""
+    if not lineage.num_discarded_records and not lineage.num_discarded_events:
+        return []
+    return ["Left out, as a resume discarded them (what the run before it did after the "
+            "checkpoint it went on from; still in metrics.jsonl and events.jsonl): step records "
+            f"{lineage.num_discarded_records}, events {lineage.num_discarded_events}.", ""]
 
 
 def _faults_section(events: list[Row]) -> list[str]:
@@ -280,7 +317,8 @@ def goodput_reward_figure(metrics: list[StepRecord]) -> Figure:
     return fig
 
 
-def _plot_roles(metrics: list[StepRecord], path: Path) -> None:
+def roles_figure(metrics: list[StepRecord]) -> Figure:
+    """Ranks per role vs time, stacked."""
     plt = pyplot()
     counts = [Counter(m.roles) for m in metrics]
     roles = [r for r in ROLE_LETTERS if any(c[r] for c in counts)]
@@ -292,7 +330,7 @@ def _plot_roles(metrics: list[StepRecord], path: Path) -> None:
     ax.set_ylabel("ranks")
     ax.set_title("Roles over time")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    save_figure(fig, path)
+    return fig
 
 
 def plot_readiness(metrics: list[StepRecord], path: Path) -> Path:
@@ -340,11 +378,14 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Figure, path: Path) -> None:
+    """``fig`` as a PNG at ``path``, then closed (also when the write fails)."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _num_changed(prev: list[str], cur: list[str]) -> int:

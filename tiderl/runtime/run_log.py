@@ -7,7 +7,8 @@ reads and the Prometheus exporter's values (:mod:`tiderl.runtime.prom`).
     every SNAPSHOT_S ──> Snapshot (the last record, CTB's counts and budgets, rank gauges), and
                          exporter.update_live
     events ──> events.jsonl (launch, role changes, evaluations, dropped groups, dead ranks, ...;
-               a replayed step's loss beside its recorded one)
+               a replayed step's loss beside its recorded one; the checkpoint and resume events
+               that mark what a resume discarded: runtime/lineage.py)
 
 Every number comes from the controller's :class:`StepRecord` or its queries; the run folder and
 the clock are given (the coordinator's daemon passes the job's folder and ``time.monotonic``).
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 from tiderl.core.records import StepRecord
 from tiderl.core.step_control import StepController
 from tiderl.runtime import bus as b
+from tiderl.runtime.lineage import EVENTS_FILE, METRICS_FILE, count_rows
 
 if TYPE_CHECKING:
     from tiderl.runtime.log_backends import StepWriter
@@ -63,6 +67,19 @@ def numbers(row: dict[str, object]) -> dict[str, float]:
             if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
+def drop_unfinished_line(path: Path) -> None:
+    """Cut a last line without its newline off ``path``: what a killed job (or a full disk)
+    left of a line it was writing. Appended to, it would make the next line unreadable."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as handle, mmap.mmap(handle.fileno(), 0) as data:
+        if data[-1:] == b"\n":
+            return
+        keep = data.rfind(b"\n") + 1
+        log.warning("%s: dropped an unfinished last line (%d bytes)", path, len(data) - keep)
+    os.truncate(path, keep)
+
+
 class RunLog:
     def __init__(self, run_dir: Path, clock: Callable[[], float],
                  exporter: MetricsExporter | None = None,
@@ -72,8 +89,12 @@ class RunLog:
         self.t0 = clock()
         self.rank_metrics: dict[int, b.RankMetrics] = {}
         self.last_snapshot = float("-inf")
-        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        self.events_file = open(self.run_dir / "events.jsonl", "a")  # noqa: SIM115
+        for name in (METRICS_FILE, EVENTS_FILE):
+            drop_unfinished_line(self.run_dir / name)
+        # a resumed job's resume event names it: the records before are of the run it resumed
+        self.num_prior_records = count_rows(self.run_dir / METRICS_FILE)
+        self.metrics_file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115
+        self.events_file = open(self.run_dir / EVENTS_FILE, "a")  # noqa: SIM115
         self.throttle = EventThrottle(self.event)  # events a sender could flood
 
     def elapsed(self) -> float:

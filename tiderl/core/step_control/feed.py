@@ -14,6 +14,11 @@ from tiderl.core.commands import GroupSpec
 from tiderl.core.step_control.state import GroupCount
 
 
+def training_group_id(index: int) -> str:
+    """The id of the ``index``-th training group fed (what ``trained`` events name): g0, g1, ..."""
+    return f"g{index}"
+
+
 @dataclass
 class TrainingFeed:
     group_size: int
@@ -29,7 +34,8 @@ class TrainingFeed:
         """The groups the throttle's ``limit`` (tasks; None: none fed) lets out now, counted
         as fed for step ``step``."""
         horizon = -(-limit // self.group_size) if limit is not None else 0
-        specs = tuple(GroupSpec(f"g{i}", i, False, step) for i in range(self.num_fed, horizon))
+        specs = tuple(GroupSpec(training_group_id(i), i, False, step)
+                      for i in range(self.num_fed, horizon))
         for spec in specs:
             self.out[spec.group_id] = spec
         self.num_fed += len(specs)

@@ -8,7 +8,7 @@
         FeedGroups: the groups' tasks (GroupStore)   CTB decisions: TaskRouter (admit, move, ...)
         StartStep / Dispatch / CloseStep / AbortStep: StepLink (TrainStep, MicroBatchData,
             StepClosed, AbortStep; StepDone and StepFailed back)
-        Boundary: BoundaryLink (SyncWeights, resend without a dead member), the checkpoint's
+        Boundary: BoundaryLink (SyncWeights with the source's feed address), the checkpoint's
             job state
         RecordStep: RunLog (metrics.jsonl, /metrics, the PUB snapshot)
 
@@ -176,6 +176,7 @@ class Coordinator:
             return
         self.liveness.heard(rank, msg, now)
         if isinstance(msg, b.Hello):
+            self.link.feeds[rank] = msg.feed
             log.info("rank %d up: pid %d on %s (%s, %s)", rank, msg.pid, msg.host, msg.role,
                      msg.device)
         elif isinstance(msg, b.TurnReport):
@@ -198,7 +199,7 @@ class Coordinator:
             acked = self.link.on_ack(msg, now)
             if acked is not None:
                 self._apply(ctl.boundary_acked(*acked, now))
-            self._check_boundaries(now)
+            self.link.check(now)
         elif not isinstance(msg, b.Heartbeat):
             log.warning("bus: rank %d sent a %s, which only the coordinator sends", rank,
                         type(msg).__name__)
@@ -266,21 +267,15 @@ class Coordinator:
     # ---------------------------------------------------------------- liveness
 
     def check_liveness(self) -> None:
-        """Ranks silent too long are dead; a broadcast one of them died in goes out again."""
+        """Ranks silent too long are dead (a boundary or a step goes on without them)."""
         now = self.clock()
         for rank, why in self.liveness.deaths(now, self.mail.take_unreachable(),
                                               self.controller):
             self._declare_dead(rank, why)
-        self._check_boundaries(now)
+        self.link.check(now)
         self._check_step(now)  # a dead rank's answer will not come; a failure may be explained
         self.liveness.watch(now, self.controller, self.link.window_s, self.log.event)
 
-    def _check_boundaries(self, now: float) -> None:
-        dead = self.controller.state.dead
-        for version in self.link.check(dead, now):
-            self.log.event("boundary_resent", version=version,
-                           members=[r for r in range(len(self.controller.state.roles))
-                                    if r not in dead])
 
     def _declare_dead(self, rank: int, why: str) -> None:
         if rank in self.controller.state.dead:

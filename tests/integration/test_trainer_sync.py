@@ -162,7 +162,7 @@ def test_a_source_state_that_does_not_fit_its_layout_publishes_nothing(feed: Wei
     layout = state_layout(state)
     feed.publish(1, {WEIGHTS: (layout, state)})
     lacking = {k: v for k, v in state.items() if k != "c.w"}
-    with pytest.raises(ValueError, match="the source state has nothing for c.w"):
+    with pytest.raises(ValueError, match=r"the source state has nothing for c\.w"):
         feed.publish(2, {WEIGHTS: (layout, lacking)})
     assert fetch(address(feed), 1, layout, token=TOKEN).keys() == state.keys()
 

@@ -85,6 +85,11 @@ class Coordinator:
             self.check_liveness()
             if self.log.is_snapshot_due():
                 self._publish()
+        while self.link.sent:  # the last boundary: every live rank fetches from its source
+            got = server.recv(ROUND_S)  # before the source stops (and the ranks with it)
+            if got is not None and isinstance(got[1], b.Ack | b.Heartbeat):
+                self.handle_safely(*got)
+            self.check_liveness()
         self._finish()
 
     def launch(self) -> None:

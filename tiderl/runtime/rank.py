@@ -32,7 +32,7 @@ new weights on its feed and each rank that needs them fetches them on a connecti
 (they go on elsewhere from their carry) and drops its engine; a rollout rank, new or not, fetches
 the weights for its engine; a new actor fetches the weights and the optimizer state; a new Ref
 loads the initial weights locally. A newer SyncWeights (the source died: the boundary went out
-again from another actor) or a Shutdown ends a fetch in flight. While an
+again from another actor) ends a fetch in flight. While an
 evaluation task runs on a rollout rank its engine keeps the anchored version: new weights wait
 until the evaluation tasks there are done (paper §3.2).
 """
@@ -121,7 +121,7 @@ class RankDaemon:
         self.rollout = RolloutSide(self.world, profile, self._send, env)
         self.trainer = TrainerSide(self.world, profile, self._send, ())
         self.commands: asyncio.Queue = asyncio.Queue()  # boundaries, steps, anchored admits
-        self.latest_boundary = 0  # the seq of the newest SyncWeights (or Shutdown) received
+        self.latest_boundary = 0  # the seq of the newest SyncWeights received
         self.stopping: asyncio.Event | None = None
 
     # -- start-up --------------------------------------------------------------------------------
@@ -221,8 +221,8 @@ class RankDaemon:
         elif isinstance(msg, MicroBatchData | StepClosed | AbortStep):
             self.trainer.to_stream(msg)
         elif isinstance(msg, SyncWeights | Shutdown):  # in order: a boundary, the last save
-            # a boundary sent again (its source died) or the end: a fetch in flight is left
-            self.latest_boundary = msg.seq if isinstance(msg, SyncWeights) else 2**63
+            if isinstance(msg, SyncWeights):  # sent again (its source died): leave a fetch
+                self.latest_boundary = msg.seq
             self.commands.put_nowait(msg)
         else:
             log.warning("rank %d: ignored a %s", self.rank, type(msg).__name__)

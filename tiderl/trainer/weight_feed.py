@@ -51,7 +51,7 @@ WEIGHTS, OPTIMIZER = 0, 1  # the parts a source publishes: its weights, its Adam
 PART_NAMES = {WEIGHTS: "weights", OPTIMIZER: "optimizer state"}
 FEED_BUCKET_BYTES = 16 << 20  # per bucket: what a receiver holds beyond the received tensors
 POLL_S = 0.2  # how often a blocked receiver looks at its cancel flag
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # to connect, and for a request to arrive
 
 
 class FeedError(RuntimeError):
@@ -137,11 +137,12 @@ class WeightFeed:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(self.wait_s)
+            conn.settimeout(CONNECT_TIMEOUT_S)  # the request comes at once, or never
             try:
                 magic, version, digest, part, size = REQUEST.unpack(
                     _read_exactly(conn, REQUEST.size))
                 token = _read_exactly(conn, size).decode(errors="replace") if size else ""
+                conn.settimeout(self.wait_s)  # a send may block this long (a stopped reader)
                 if magic != MAGIC or not hmac.compare_digest(token, self.token):
                     conn.sendall(_answer(1, "refused: not a weight-feed request of this job"))
                     return

@@ -80,7 +80,7 @@ class Coordinator:
             got = server.recv(ROUND_S)
             while got is not None and not self.is_finished:
                 self.handle_safely(*got)
-                got = server.recv(0)
+                got = None if self.is_finished else server.recv(0)  # an Ack stays queued
             self.schedule_round()
             self.check_liveness()
             if self.log.is_snapshot_due():

@@ -1,13 +1,15 @@
-"""Weight sync: ``sync_params`` from rank 0 to rank 1 (two processes, gloo over loopback).
+"""Weight sync: the weight feed (each receiver on its own TCP connection to the source) beside a
+gloo broadcast of the same buckets, from rank 0 to 1 and to 3 receivers, in one run.
 
     python bench/weight_sync.py [--out bench/results/weight_sync.json] [--reps 3]
 
 Payloads: the tiny and small model state dicts and a 256 MiB synthetic state (32 fp32 matrices
 of 8 MiB, each followed by a 4 KiB vector, as weights and biases/norms alternate in a model).
-Bucket sizes 4 MiB, 64 MiB and 0 (one broadcast per tensor). Each sync starts after a barrier;
-its time is the slower rank's ``SyncResult.seconds`` (packing, header, broadcasts, unpacking),
-and the figure is the median GB/s (1e9 bytes/s) of ``--reps`` repetitions after one warm-up.
-Each rank runs on one thread, as the trainer ranks do.
+Both transports cut the layout into the same buckets (``plan_buckets``, 16 MiB, the feed's). Each
+sync starts after a barrier; its time is the slowest rank's: for the feed, the source's publish
+(the copy into its buffers) then every receiver's fetch, all at once; for the broadcast, packing,
+the broadcasts and unpacking. The figure is the median GB/s (payload bytes / time) of ``--reps``
+repetitions after one warm-up. Each rank runs on one thread, as the trainer ranks do.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,11 +29,18 @@ from machine import machine_info, write_result
 
 from tiderl.models.random_init import init_model
 from tiderl.trainer.spawn import RankContext, run_ranks
-from tiderl.trainer.sync import param_layout, plan_buckets, state_layout, sync_params
+from tiderl.trainer.sync import param_layout, plan_buckets, state_layout, unpack_bucket
+from tiderl.trainer.weight_feed import (
+    FEED_BUCKET_BYTES,
+    WEIGHTS,
+    WeightFeed,
+    fetch,
+    pack_copy,
+)
 
-MIB = 1 << 20
-BUCKET_SIZES = {"4MiB": 4 * MIB, "64MiB": 64 * MIB, "per-tensor": 0}
 PAYLOADS = ("tiny", "small", "synthetic-256MiB")
+RECEIVERS = (1, 3)
+TOKEN = "bench"
 
 
 def synthetic_state() -> dict[str, torch.Tensor]:
@@ -49,38 +59,68 @@ def payload(name: str) -> dict[str, torch.Tensor]:
     return {key: tensor for key, tensor in model.state_dict().items() if key in names}
 
 
+def _broadcast(state: dict[str, torch.Tensor], layout, is_src: bool) -> None:
+    """The same buckets in one gloo broadcast each (the source packs them as the feed does)."""
+    buckets = plan_buckets(layout, FEED_BUCKET_BYTES)
+    flats = pack_copy(layout, state, FEED_BUCKET_BYTES) if is_src else [
+        torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
+    for bucket, flat in zip(buckets, flats, strict=True):
+        dist.broadcast(flat, src=0)
+        if not is_src:
+            unpack_bucket(bucket, flat)
+
+
 def _rank(ctx: RankContext, reps: int) -> list[dict]:
-    """Every rank builds the payload (the receiver only needs its layout, as from its model)."""
-    rows = []
+    """Every rank builds the payload (a receiver only needs its layout, as from its model)."""
+    is_src = ctx.rank == 0
+    feed = WeightFeed(TOKEN, host="127.0.0.1") if is_src else None
+    ports = [feed.port if feed else 0]
+    dist.broadcast_object_list(ports, src=0)
+    rows, version = [], 0
     for name in PAYLOADS:
         state = payload(name)
         layout = state_layout(state)
-        for label, bucket_bytes in BUCKET_SIZES.items():
+        for transport in ("feed", "broadcast"):
             seconds = []
             for _ in range(reps + 1):  # the first is a warm-up
+                version += 1
                 dist.barrier()
-                result = sync_params(state if ctx.rank == 0 else None, layout,
-                                     1 if ctx.rank == 0 else None, src=0,
-                                     bucket_bytes=bucket_bytes)
-                seconds.append(result.seconds)
-            rows.append({"payload": name, "bucket": label, "bucket_bytes": bucket_bytes,
-                         "num_bytes": result.num_bytes, "num_tensors": len(layout),
-                         "num_buckets": len(plan_buckets(layout, bucket_bytes)),
-                         "seconds": seconds[1:]})
+                start = time.perf_counter()
+                if transport == "broadcast":
+                    _broadcast(state, layout, is_src)
+                elif feed is not None:
+                    feed.publish(version, {WEIGHTS: (layout, state)})
+                else:
+                    fetch(f"127.0.0.1:{ports[0]}", version, layout, token=TOKEN)
+                seconds.append(time.perf_counter() - start)
+            rows.append({"payload": name, "transport": transport, "seconds": seconds[1:],
+                         "num_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+                         "num_tensors": len(layout),
+                         "num_buckets": len(plan_buckets(layout, FEED_BUCKET_BYTES))})
+    dist.barrier()  # every fetch is done before the source closes its feed
+    if feed is not None:
+        feed.close()
     return rows
 
 
 def run_bench(reps: int) -> dict:
-    per_rank = run_ranks(_rank, 2, reps, timeout_s=600)
     rows = []
-    for sender, receiver in zip(*per_rank, strict=True):
-        seconds = [max(a, b) for a, b in zip(sender["seconds"], receiver["seconds"], strict=True)]
-        gb_per_s = [sender["num_bytes"] / s / 1e9 for s in seconds]
-        rows.append({**sender, "seconds": [round(s, 5) for s in seconds],
-                     "gb_per_s": [round(g, 3) for g in gb_per_s],
-                     "median_gb_per_s": round(statistics.median(gb_per_s), 3)})
-    return {"benchmark": "weight_sync", "transport": "gloo, 2 processes on 127.0.0.1",
-            "reps": reps, "rows": rows,
+    for receivers in RECEIVERS:
+        per_rank = run_ranks(_rank, receivers + 1, reps, timeout_s=900)
+        for by_rank in zip(*per_rank, strict=True):
+            first = by_rank[0]
+            # the feed's source returns after publishing: the sync ends with the last fetch
+            seconds = [max(row["seconds"][i] for row in by_rank)
+                       for i in range(len(first["seconds"]))]
+            gb_per_s = [first["num_bytes"] / s / 1e9 for s in seconds]
+            rows.append({**first, "receivers": receivers,
+                         "seconds": [round(s, 5) for s in seconds],
+                         "gb_per_s": [round(g, 3) for g in gb_per_s],
+                         "median_gb_per_s": round(statistics.median(gb_per_s), 3)})
+    return {"benchmark": "weight_sync",
+            "transport": "weight feed (TCP, a connection per receiver) vs gloo broadcast, "
+                         "processes on 127.0.0.1",
+            "bucket_bytes": FEED_BUCKET_BYTES, "reps": reps, "rows": rows,
             "machine": machine_info() | {"torch": torch.__version__, "torch_threads": 1},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

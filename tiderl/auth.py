@@ -1,8 +1,9 @@
-"""Bearer tokens of a job's HTTP services: the engine server's admin routes and the environment
-service.
+"""Tokens of a job's services: the engine server's admin routes, the environment service (HTTP
+bearer tokens) and the ranks' weight feeds.
 
     engine server  /tiderl/*                       Authorization: Bearer <admin token>
     env service    /start /observation /end ...   Authorization: Bearer <env token>
+    weight feed    a fetch of a rank's weights     the weights token in the request
 
 :class:`ServiceGuard` is the ASGI middleware both servers put in front of their routes: it
 answers a protected route without the token 401 and a body over the size limit 413 (the JSON
@@ -31,7 +32,9 @@ from typing import Any
 
 ADMIN = "admin"  # the engine server's admin routes
 ENV = "env"  # the environment service
-TOKEN_VARS = {ADMIN: "TIDERL_ADMIN_TOKEN", ENV: "TIDERL_ENV_TOKEN"}
+WEIGHTS = "weights"  # a rank's weight feed (tiderl.trainer.weight_feed)
+TOKEN_VARS = {ADMIN: "TIDERL_ADMIN_TOKEN", ENV: "TIDERL_ENV_TOKEN",
+              WEIGHTS: "TIDERL_WEIGHTS_TOKEN"}
 JOB_KEYS_VAR = "TIDERL_JOB_KEYS"
 HTTP_SECRET = "http.secret"  # the file in the job's keys folder the tokens derive from
 
@@ -41,7 +44,8 @@ class TokenError(RuntimeError):
 
 
 def job_token(keys_dir: str | Path, purpose: str) -> str:
-    """The job's token for ``purpose`` (:data:`ADMIN` or :data:`ENV`): 64 hex characters."""
+    """The job's token for ``purpose`` (:data:`ADMIN`, :data:`ENV`, :data:`WEIGHTS`): 64 hex
+    characters."""
     path = Path(keys_dir) / HTTP_SECRET
     try:
         secret = path.read_bytes().strip()

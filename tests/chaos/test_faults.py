@@ -75,22 +75,29 @@ def test_a_rollout_rank_killed_with_another_left_the_job_goes_on(tmp_path):
         assert_nothing_left(run_dir)
 
 
-def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path):
+@pytest.mark.parametrize(("system", "opened"), [
+    ("async", None),  # whole batches: killed after step 2, its batch may hold groups or none
+    ("tiderl", "rank 1: step 2 attempt 0 opens"),  # killed once step 2 streams, its batch empty
+], ids=["async", "streaming-step-open"])
+def test_the_last_rollout_rank_killed_a_trainer_rank_takes_its_place(tmp_path, system, opened):
     """The open batch closes with what it holds and the next boundary moves a trainer rank to
-    rollout; if the batch held nothing, the job stops with its resume line instead."""
+    rollout; a streaming step open on a batch with no group is aborted and runs again after
+    that boundary (turns wait 0.5 s for their environment: step 2's batch is still empty when
+    it opens)."""
     with chaos(tmp_path) as jobs:
-        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false", "runtime.system=async")
-        job.until(lambda: steps_done(run_dir) >= 2, "step 2")
-        kill(state, "rank0")  # the one rollout rank
-        code = job.wait()
-        if code == 0:
-            (moved,) = [e for e in events(run_dir, "role_change") if e["dst"] == "rollout"]
-            assert moved["reason"] == "no_rollout"
-            assert_each_group_once(run_dir)
-            assert_nothing_left(run_dir)
+        slow = ("env.step_latency.median_s=0.5",) if opened else ()
+        job, state, run_dir = started(jobs, tmp_path, "ers.enabled=false",
+                                      f"runtime.system={system}", *slow)
+        if opened:
+            job.until(lambda: opened in rank_log(run_dir, 1), "step 2 open on rank 1")
         else:
-            assert "no rollout rank is left" in job.output and "--resume" in job.output
-            resume_and_finish(jobs, tmp_path, run_dir)
+            job.until(lambda: steps_done(run_dir) >= 2, "step 2")
+        kill(state, "rank0")  # the one rollout rank
+        assert job.wait() == 0, job.output
+        (moved,) = [e for e in events(run_dir, "role_change") if e["dst"] == "rollout"]
+        assert moved["reason"] == "no_rollout"
+        assert assert_each_group_once(run_dir)["steps"] == STEPS
+        assert_nothing_left(run_dir)
 
 
 @pytest.mark.parametrize(("role", "sig", "extra"), [

@@ -53,7 +53,8 @@ class Ranks:
 
     def hello(self) -> None:
         for rank in self.clients:
-            self.send(rank, Hello(rank=rank, pid=1, host="h", role="?", device="cpu"))
+            self.send(rank, Hello(rank=rank, pid=1, host="h", role="?", device="cpu",
+                                       feed=f"127.0.0.1:{rank}"))
 
     def send(self, rank: int, msg: Message) -> None:
         self.clients[rank].send(msg)

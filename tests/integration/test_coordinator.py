@@ -133,7 +133,10 @@ def test_a_cold_start_a_step_and_its_boundary_on_the_bus(tmp_path):
     assert moves == [(2, "actor", "rollout"), (2, "rollout", "actor")]
 
 
-def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
+def test_a_rank_that_dies_in_a_boundary_is_left_out_and_no_one_waits(tmp_path):
+    """Each rank fetches the weights on its own: the live ranks took the boundary; the dead
+    one is forgotten once its heartbeats are missed, and the boundary completes without it
+    (nothing is sent again)."""
     with coordinator(tmp_path, "runtime.system=async", "runtime.rollout_ranks=2") as (
             job, ranks, clock):
         job.launch()
@@ -143,24 +146,32 @@ def test_a_broadcast_a_rank_died_in_goes_out_again_without_it(tmp_path):
         assert step.step_mode.value == "batch" and step.max_aggregate == 0
         ranks.send(2, StepDone(rank=2, step=0, version=1, step_mode="batch", loss=0.1,
                                loss_tokens=4, grad_norm=0.5, seconds=1.0, stats={}))
-        for rank in range(3):  # rank 1 died in the broadcast: it failed for every member
-            ranks.ack(rank, 1, ok=False, error="gloo: connection closed by peer")
-        seen = {m.seq for m in of(SyncWeights, ranks.drain(0))}
-        assert ranks.drain(0) == [] and job.controller.state.step == 1
+        (boundary,) = [m for m in of(SyncWeights, ranks.drain(0)) if m.version == 1]
+        assert (boundary.src_rank, boundary.source) == (2, "127.0.0.1:2")  # rank 2's Hello
+        ranks.ack(0, 1)
+        ranks.ack(2, 1)  # rank 1 died in it
+        assert ranks.drain(0) == [] and job.controller.boundaries.pending is not None
         clock.now = 3.5  # past the heartbeat window (2 x 1 s): ranks 0 and 2 beat, rank 1 not
         for rank in (0, 2):
             ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
         job.check_liveness()
-        (again,) = [m for m in of(SyncWeights, ranks.drain(0)) if m.seq not in seen]
-        assert (again.version, again.members) == (1, [0, 2])
-        ranks.ack(0, 1)
-        ranks.ack(2, 1)
+        assert job.controller.boundaries.pending is None
         assert job.controller.state.roles[1].value == "idle"
-        assert of(AdmitTask, ranks.drain(0)) == []  # the next batch is fed once rank 0 synced
+        assert of(SyncWeights, ranks.drain(0)) == []
         job.schedule_round()
         assert of(AdmitTask, ranks.drain(0))
-    assert [e["kind"] for e in events(tmp_path, "rank_dead", "boundary_resent")] == [
-        "rank_dead", "boundary_resent"]
+    assert [e["kind"] for e in events(tmp_path, "rank_dead")] == ["rank_dead"]
+
+
+def test_a_failed_boundary_that_no_death_explains_stops_the_job_naming_the_rank(tmp_path):
+    with coordinator(tmp_path) as (job, ranks, clock):
+        job.launch()
+        ranks.ack(0, 0, ok=False, error="the weights of version 0 stalled")
+        clock.now = job.link.window_s + 0.5
+        beat(ranks)
+        with pytest.raises(CoordinatorError, match="rank 0 could not take the boundary of "
+                           "version 0, and no rank's death explains it: the weights"):
+            job.check_liveness()
 
 
 def test_messages_that_are_not_the_jobs_change_nothing(tmp_path):

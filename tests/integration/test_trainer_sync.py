@@ -1,15 +1,19 @@
-"""Weight sync between two real rank processes (gloo): bucketed broadcast of the actor's state,
-and a rank joining the actors with the source's weights and AdamW state. One spawned group runs
-every scenario (``synced``); the bucket plans are checked in this process."""
+"""Weight sync over the weight feed: a source publishes the actor's state, receivers fetch it on
+connections of their own (real sockets; the source in a real process where its death matters),
+and a rank joining the actors gets the source's weights and AdamW state. FSDP2's full state dict
+is gathered by two real rank processes (gloo)."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import socket
+import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.waiting import wait_until
 from tiderl.engine.config import EngineConfig
 from tiderl.engine.llm_engine import LLMEngine
 from tiderl.models.qwen2 import Qwen2ForCausalLM
@@ -19,19 +23,29 @@ from tiderl.trainer.config import TrainerConfig
 from tiderl.trainer.parallel import make_backend
 from tiderl.trainer.spawn import RankContext, run_ranks
 from tiderl.trainer.sync import (
-    LayoutMismatchError,
+    layout_hash,
     load_weights,
     param_layout,
     plan_buckets,
     state_layout,
-    sync_params,
 )
 from tiderl.trainer.synthetic import synthetic_samples
+from tiderl.trainer.weight_feed import (
+    MAGIC,
+    OPTIMIZER,
+    REQUEST,
+    WEIGHTS,
+    FeedCancelled,
+    FeedError,
+    WeightFeed,
+    fetch,
+)
 from tiderl.trainer.worker import ActorWorker, optimizer_layout
 
 SMALL_BUCKET = 64 << 10
 BUCKET_SIZES = (SMALL_BUCKET, 64 << 20, 0)
 VERSION = 7
+TOKEN = "t" * 64
 
 
 def perturbed(model: Qwen2ForCausalLM, seed: int) -> Qwen2ForCausalLM:
@@ -52,49 +66,183 @@ def mixed_state() -> dict[str, torch.Tensor]:
         for i, (name, shape) in enumerate(shapes.items())}
 
 
-def _sync_rank(ctx: RankContext, arg: None) -> bytes:
-    is_src = ctx.rank == 0
-    model = perturbed(init_model("tiny", seed=0 if is_src else 1), seed=ctx.rank)
+def sent(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
+    names = {name for name, _, _ in param_layout(model)}
+    return {k: v for k, v in model.state_dict().items() if k in names}
+
+
+@pytest.fixture()
+def feed():
+    feed = WeightFeed(TOKEN, host="127.0.0.1", wait_s=30.0)
+    yield feed
+    feed.close()
+
+
+def address(feed: WeightFeed) -> str:
+    return f"127.0.0.1:{feed.port}"
+
+
+@pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
+def test_a_receiver_gets_the_sources_tensors(bucket_bytes: int) -> None:
+    model = perturbed(init_model("tiny", seed=0), seed=0)
     layout = param_layout(model)
-    state = model.state_dict() if is_src else None
-    out: dict = {}
-    for bucket_bytes in BUCKET_SIZES:
-        result = sync_params(state, layout, VERSION if is_src else None, src=0,
-                             bucket_bytes=bucket_bytes)
-        out[f"state/{bucket_bytes}"] = result.state
-        out[f"version/{bucket_bytes}"] = result.version
-        out[f"bytes/{bucket_bytes}"] = result.num_bytes
-    mixed = mixed_state()
-    out["mixed"] = sync_params(mixed if is_src else None, state_layout(mixed),
-                               1 if is_src else None, src=0, bucket_bytes=SMALL_BUCKET).state
-    ids = torch.randint(0, model.config.vocab_size, (2, 12),
+    feed = WeightFeed(TOKEN, host="127.0.0.1", bucket_bytes=bucket_bytes)
+    try:
+        published = feed.publish(VERSION, {WEIGHTS: (layout, model.state_dict())})
+        got = fetch(address(feed), VERSION, layout, token=TOKEN, bucket_bytes=bucket_bytes)
+    finally:
+        feed.close()
+    expected = sent(model)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    assert published == sum(t.numel() * t.element_size() for t in expected.values())
+
+
+def test_what_is_published_is_a_copy(feed: WeightFeed) -> None:
+    """The source trains on at once: a change to its tensors after publishing is not served."""
+    state = mixed_state()
+    layout = state_layout(state)
+    before = {k: v.clone() for k, v in state.items()}
+    feed.publish(1, {WEIGHTS: (layout, state)})
+    for tensor in state.values():
+        tensor.add_(1)
+    got = fetch(address(feed), 1, layout, token=TOKEN)
+    assert all(got[k].dtype == before[k].dtype and torch.equal(got[k], before[k])
+               for k in before)
+
+
+def test_an_engine_loaded_from_the_feed_gives_the_sources_logits(feed: WeightFeed) -> None:
+    source = perturbed(init_model("tiny", seed=0), seed=0)
+    layout = param_layout(source)
+    feed.publish(VERSION, {WEIGHTS: (layout, source.state_dict())})
+    receiver = init_model("tiny", seed=1)
+    engine = LLMEngine(receiver, EngineConfig(kv_cache_tokens=256), eos_token_id=None)
+    engine.update_weights(fetch(address(feed), VERSION, layout, token=TOKEN), VERSION)
+    ids = torch.randint(0, source.config.vocab_size, (2, 12),
                         generator=torch.Generator().manual_seed(0))
-    if not is_src:  # the rollout side: the engine loads what the last sync delivered
-        engine = LLMEngine(model, EngineConfig(kv_cache_tokens=256), eos_token_id=None)
-        engine.update_weights(result.state, result.version)
-        out["engine_version"] = engine.version
     with torch.no_grad():
-        out["logits"] = model(ids)
-    out["errors"] = _mismatch_errors(ctx, model, layout)
-    out["fsdp2_full"] = make_backend("fsdp2", init_model("tiny", seed=2)).full_state_dict()
-    out["joined"] = _join(ctx)
-    return out
+        assert torch.equal(receiver(ids), source(ids))
+    assert engine.version == VERSION
 
 
-def _mismatch_errors(ctx: RankContext, model: Qwen2ForCausalLM, layout: list) -> list[str]:
-    """What each rank raises for a receiver layout that lacks an entry, then for a source state
-    that lacks one; the ranks stay in step, so later syncs still work."""
-    errors = []
-    cases = ((model.state_dict(), layout if ctx.rank == 0 else layout[1:]),
-             ({k: v for k, v in model.state_dict().items() if k != layout[0][0]}, layout))
-    for state, rank_layout in cases:
+def test_a_request_for_a_version_to_come_waits_for_it(feed: WeightFeed) -> None:
+    state = mixed_state()
+    layout = state_layout(state)
+    feed.publish(1, {WEIGHTS: (layout, state)})
+    got: dict = {}
+    worker = threading.Thread(target=lambda: got.update(
+        fetch(address(feed), 2, layout, token=TOKEN)))
+    worker.start()
+    wait_until(lambda: feed.waiting, "the request for version 2 waiting")
+    newer = {k: v + 1 for k, v in state.items()}
+    feed.publish(2, {WEIGHTS: (layout, newer)})
+    worker.join()
+    assert all(torch.equal(got[k], newer[k]) for k in state)
+
+
+@pytest.mark.parametrize(("version", "layout_of", "token", "match"), [
+    (1, lambda layout: layout, "wrong", "not a weight-feed request of this job"),
+    (0, lambda layout: layout, TOKEN, "version 0 is not served: the source serves 1"),
+    (1, lambda layout: layout[1:], TOKEN, "layout differs"),
+])
+def test_a_bad_request_gets_a_worded_refusal_and_the_feed_serves_on(
+        feed: WeightFeed, version: int, layout_of, token: str, match: str) -> None:
+    state = mixed_state()
+    layout = state_layout(state)
+    feed.publish(1, {WEIGHTS: (layout, state)})
+    with pytest.raises(FeedError, match=match):
+        fetch(address(feed), version, layout_of(layout), token=token)
+    with pytest.raises(FeedError, match="without its optimizer state"):
+        fetch(address(feed), 1, layout, OPTIMIZER, token=TOKEN)
+    assert fetch(address(feed), 1, layout, token=TOKEN).keys() == state.keys()
+
+
+def test_a_source_state_that_does_not_fit_its_layout_publishes_nothing(feed: WeightFeed) -> None:
+    state = mixed_state()
+    layout = state_layout(state)
+    feed.publish(1, {WEIGHTS: (layout, state)})
+    lacking = {k: v for k, v in state.items() if k != "c.w"}
+    with pytest.raises(ValueError, match=r"the source state has nothing for c\.w"):
+        feed.publish(2, {WEIGHTS: (layout, lacking)})
+    assert fetch(address(feed), 1, layout, token=TOKEN).keys() == state.keys()
+
+
+def test_a_stalled_receiver_holds_no_other_back(feed: WeightFeed) -> None:
+    """A receiver that asks, then reads nothing (stopped, or its host gone), keeps its own
+    connection only: the source and the other receivers go on."""
+    state = {"w": torch.randn(4096, 1024)}  # 16 MiB: more than the socket buffers hold
+    layout = state_layout(state)
+    feed.publish(1, {WEIGHTS: (layout, state)})
+    with socket.create_connection(("127.0.0.1", feed.port)) as stalled:
+        stalled.sendall(REQUEST.pack(MAGIC, 1, layout_hash(layout), WEIGHTS, len(TOKEN))
+                        + TOKEN.encode())
+        stalled.recv(1)  # the answer's first byte: the source is sending to it now
+        got = fetch(address(feed), 1, layout, token=TOKEN)
+        assert torch.equal(got["w"], state["w"])
+
+
+def test_a_fetch_is_left_when_the_rank_is_told_to(feed: WeightFeed) -> None:
+    """A newer boundary came (its source died): the fetch ends at once, not after stall_s."""
+    layout = state_layout(mixed_state())
+    told = threading.Event()
+    errors: list[Exception] = []
+
+    def run() -> None:
         try:
-            sync_params(state if ctx.rank == 0 else None, rank_layout,
-                        0 if ctx.rank == 0 else None, src=0)
-            errors.append("none")
-        except (LayoutMismatchError, ValueError) as exc:
-            errors.append(type(exc).__name__)
-    return errors
+            fetch(address(feed), 5, layout, token=TOKEN, cancel=told.is_set, stall_s=600.0)
+        except FeedError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_until(lambda: feed.waiting, "the request for version 5 waiting")
+    told.set()
+    worker.join()
+    assert len(errors) == 1 and isinstance(errors[0], FeedCancelled)
+
+
+def _serve_until_killed(out, layout_state) -> None:
+    """A source in a process of its own: its port, then "waiting" once a request waits."""
+    feed = WeightFeed(TOKEN, host="127.0.0.1", wait_s=600.0)
+    feed.publish(1, {WEIGHTS: layout_state})
+    out.put(feed.port)
+    wait_until(lambda: feed.waiting, "a request waiting", timeout_s=600.0)
+    out.put("waiting")
+    threading.Event().wait()
+
+
+def test_a_source_that_dies_ends_its_receivers_fetch_at_once() -> None:
+    """The receiver waits for version 2, which the source never publishes: it dies. The fetch
+    breaks off when the connection closes (stall_s is far away)."""
+    state = mixed_state()
+    layout = state_layout(state)
+    context = multiprocessing.get_context("spawn")
+    said = context.Queue()
+    source = context.Process(target=_serve_until_killed, args=(said, (layout, state)),
+                             daemon=True)
+    source.start()
+    try:
+        port = said.get(timeout=120)
+        assert fetch(f"127.0.0.1:{port}", 1, layout, token=TOKEN).keys() == state.keys()
+        errors: list[Exception] = []
+
+        def run() -> None:
+            try:
+                fetch(f"127.0.0.1:{port}", 2, layout, token=TOKEN, stall_s=600.0)
+            except FeedError as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert said.get(timeout=120) == "waiting"
+        source.kill()
+        worker.join()
+        assert len(errors) == 1 and "closed the connection" in str(errors[0])
+        with pytest.raises(FeedError, match="cannot fetch"):
+            fetch(f"127.0.0.1:{port}", 2, layout, token=TOKEN)
+    finally:
+        source.kill()
+        source.join()
 
 
 JOIN_CONFIG = TrainerConfig(lr=1e-2, kl_beta=0.0)
@@ -106,31 +254,35 @@ def _actor_step(actor: ActorWorker, seed: int) -> None:
     actor.optimizer_step(batch.num_loss_tokens)
 
 
-def _join(ctx: RankContext) -> dict[str, torch.Tensor]:
-    """Rank 0 is the source actor after one step; rank 1 has only its own initial model (as a
-    rank taking the actor role has), receives weights and AdamW state, builds its actor from
-    them. Both then take the same step."""
-    alone = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]  # no DDP across
-    model = init_model("tiny", seed=ctx.rank)
-    layout, moments = param_layout(model), optimizer_layout(model)
-    actor = ActorWorker(make_backend("ddp", model, alone), JOIN_CONFIG) if ctx.rank == 0 else None
-    if actor is not None:
-        _actor_step(actor, seed=1)
-    source = {k: v.clone() for k, v in actor.backend.full_state_dict().items()} if actor else None
-    weights = sync_params(source, layout, 1 if actor else None, src=0).state
-    state = sync_params(actor.optimizer_state() if actor else None, moments,
-                        1 if actor else None, src=0).state
-    if actor is None:
-        load_weights(model, weights)
-        actor = ActorWorker(make_backend("ddp", model, alone), JOIN_CONFIG)
-        actor.load_optimizer_state(state)
-    _actor_step(actor, seed=2)
-    return actor.backend.full_state_dict()
+def test_a_joining_rank_gets_the_sources_weights_and_optimizer_state(feed: WeightFeed) -> None:
+    """The source actor after one step publishes its weights and AdamW state; a rank with only
+    its own initial model (as a rank taking the actor role has) builds its actor from them.
+    Both then take the same step and stay equal."""
+    source_model = init_model("tiny", seed=0)
+    source = ActorWorker(make_backend("ddp", source_model), JOIN_CONFIG)
+    _actor_step(source, seed=1)
+    layout, moments = param_layout(source_model), optimizer_layout(source_model)
+    feed.publish(1, {WEIGHTS: (layout, source.backend.full_state_dict()),
+                     OPTIMIZER: (moments, source.optimizer_state())})
+    model = init_model("tiny", seed=1)
+    load_weights(model, fetch(address(feed), 1, layout, token=TOKEN))
+    joiner = ActorWorker(make_backend("ddp", model), JOIN_CONFIG)
+    joiner.load_optimizer_state(fetch(address(feed), 1, moments, OPTIMIZER, token=TOKEN))
+    for actor in (source, joiner):
+        _actor_step(actor, seed=2)
+    a, b = source.backend.full_state_dict(), joiner.backend.full_state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(scope="module")
-def synced() -> list[dict]:
-    return run_ranks(_sync_rank, 2, timeout_s=120)
+def _fsdp2_full(ctx: RankContext, arg: None) -> dict[str, torch.Tensor]:
+    return make_backend("fsdp2", init_model("tiny", seed=2)).full_state_dict()
+
+
+def test_fsdp2_full_state_dict_is_the_unsharded_model() -> None:
+    expected = init_model("tiny", seed=2).state_dict()
+    for full in run_ranks(_fsdp2_full, 2, timeout_s=120):
+        assert full.keys() == expected.keys()
+        assert all(torch.equal(full[name], expected[name]) for name in expected)
 
 
 def test_plan_buckets_cuts_by_size_and_dtype() -> None:
@@ -164,44 +316,3 @@ def test_param_layout_skips_tied_lm_head() -> None:
     assert names == sorted(names)
 
 
-@pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
-def test_receiver_gets_the_senders_tensors_and_version(synced: list[dict],
-                                                       bucket_bytes: int) -> None:
-    sent, received = synced[0][f"state/{bucket_bytes}"], synced[1][f"state/{bucket_bytes}"]
-    assert received.keys() == sent.keys()
-    assert all(torch.equal(received[name], sent[name]) for name in sent)
-    assert synced[1][f"version/{bucket_bytes}"] == VERSION
-    num_bytes = sum(t.numel() * t.element_size() for t in sent.values())
-    assert synced[0][f"bytes/{bucket_bytes}"] == synced[1][f"bytes/{bucket_bytes}"] == num_bytes
-
-
-def test_mixed_bf16_and_fp32_state(synced: list[dict]) -> None:
-    received = synced[1]["mixed"]
-    for name, tensor in mixed_state().items():
-        assert received[name].dtype == tensor.dtype
-        assert torch.equal(received[name], tensor)
-
-
-def test_engine_loaded_from_sync_gives_the_senders_logits(synced: list[dict]) -> None:
-    assert synced[1]["engine_version"] == VERSION
-    assert torch.equal(synced[1]["logits"], synced[0]["logits"])
-
-
-def test_mismatched_layouts_raise_on_every_rank(synced: list[dict]) -> None:
-    assert synced[0]["errors"] == ["LayoutMismatchError", "ValueError"]
-    assert synced[1]["errors"] == ["LayoutMismatchError", "LayoutMismatchError"]
-
-
-def test_fsdp2_full_state_dict_is_the_unsharded_model(synced: list[dict]) -> None:
-    expected = init_model("tiny", seed=2).state_dict()
-    for rank in (0, 1):
-        full = synced[rank]["fsdp2_full"]
-        assert full.keys() == expected.keys()
-        assert all(torch.equal(full[name], expected[name]) for name in expected)
-
-
-def test_a_joining_rank_gets_the_sources_optimizer_state_over_the_broadcast(
-        synced: list[dict]) -> None:
-    source, joiner = synced[0]["joined"], synced[1]["joined"]
-    assert source.keys() == joiner.keys()
-    assert all(torch.equal(joiner[k], source[k]) for k in source)

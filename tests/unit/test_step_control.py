@@ -8,6 +8,7 @@ import pytest
 
 from tiderl.core.commands import (
     Abort,
+    AbortStep,
     Boundary,
     CloseStep,
     Dispatch,
@@ -353,12 +354,26 @@ def test_the_last_rollout_rank_dying_closes_the_batch_and_a_trainer_rank_moves_t
     assert JoinRollout(2, BUDGET) in out and c.rollout_ranks() == [2]
 
 
-def test_the_last_rollout_rank_dying_with_an_empty_batch_stops_the_job():
-    c = make(System.STREAM, (R, A), steps=4)
+def test_the_last_rollout_rank_dying_with_an_empty_streaming_step_open_runs_it_again():
+    """Step 0 is open on a batch with no group: it is aborted; once its actors report that none
+    updated, a boundary without an update moves a trainer rank to rollout, and the step runs
+    again (attempt 1) once that boundary is taken."""
+    c = make(System.STREAM, (R, A, A), steps=4)
     c.launch(0.0)
     out = c.rank_dead(0, "missed heartbeats", 2.0)
-    assert out[-1] == Abort("no rollout rank is left (rank 0 was the last) and step 0 is open "
-                            "on a batch with no group")
+    assert out[-1] == AbortStep(0, 0)
+    assert only(out, Abort) == []
+    failed = StepOutcome(0, (RankReport(1, failed=True), RankReport(2, failed=True)))
+    out = c.step_done(failed, 2.5)
+    (boundary,) = only(out, Boundary)
+    assert (boundary.version, boundary.roles, boundary.reason) == (0, (IDLE, A, R),
+                                                                   PlanReason.NO_ROLLOUT)
+    assert only(out, RecordStep) == []
+    c.boundary_acked(1, 0, 3.0)
+    out = c.boundary_acked(2, 0, 3.0)
+    assert JoinRollout(2, BUDGET) in out
+    (again,) = only(out, StartStep)
+    assert (again.step, again.attempt, again.actor_ranks) == (0, 1, (1,))
 
 
 def test_the_last_rollout_rank_dying_before_its_batch_moves_a_trainer_rank_at_once():

@@ -12,7 +12,7 @@ simulator's heap)::
     CloseStep      the open step's batch is complete
     AbortStep      a trainer rank of the open step died: its ranks drop this attempt
     RecordStep     the step's record (metrics.jsonl, report, /metrics, top, sim results)
-    Boundary       the post-update boundary: roles, the weight broadcast of ``version``
+    Boundary       the post-update boundary: roles, the weights of ``version``
     Retire         the staleness window moved (every rollout rank has the new version)
     GroupDropped   a group left the buffer untrained (too stale, or a task produced no turn)
     PlanRefused    a plan the layout limits forbid; the roles stay as they are
@@ -177,8 +177,9 @@ class RecordStep:
 
 @dataclass(frozen=True, slots=True)
 class Boundary:
-    """Every live rank (``members``) takes ``roles`` and joins the broadcast of ``version`` from
-    ``src_rank`` (an actor that stays one); ``joiners`` (new actors) also get the optimizer state.
+    """Every live rank (``members``) takes ``roles``; the ranks that need the weights of
+    ``version`` get them from ``src_rank`` (an actor that stays one); ``joiners`` (new actors)
+    also get the optimizer state.
     Version 0 is the launch plan: roles only, no weights move. ``checkpoint``: the actors save
     one first; ``export``: the source writes the weights as an HF folder."""
 

@@ -33,7 +33,7 @@ class RuntimeConfig:
     run_dir: str = "runs"
     heartbeat_s: float = 1.0
     heartbeat_misses: int = 5
-    collective_timeout_s: float = 120.0  # a broadcast a rank died in fails after this
+    collective_timeout_s: float = 120.0  # a trainer collective or weight fetch stalls at most
     checkpoint_every: int = 5  # steps between job checkpoints (0: only at the end)
     checkpoint_keep: int = 2  # the newest complete checkpoints kept
     watchdog_s: float = 300.0  # no progress this long (at least): a watchdog event

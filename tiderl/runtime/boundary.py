@@ -1,17 +1,21 @@
 """A boundary on the bus: one ``SyncWeights`` per member, and its answers mapped back.
 
-    Boundary (from the step controller) ──SyncWeights, a seq each──> every live member
+    Boundary (from the step controller) ──SyncWeights, a seq each, the source's feed address──>
+        every live member (the source publishes the weights; each rank that needs them fetches
+        them from its feed on a connection of its own)
     Ack ok ──(rank, version)──> StepController.boundary_acked
-    Ack failed (a member died in the broadcast): wait for the heartbeats to say who ──>
-        a member is dead: the same roles and version again, to the live members, once (a
-        trainer rank's death: the controller sends the boundary again itself, with new roles)
-        every member alive past the heartbeat window: the job fails (a real error)
+    Ack failed: wait the heartbeat window for a death that explains it: the source's (its
+        receivers' fetches break off) makes the step controller send the boundary again from
+        another actor, which supersedes the attempt; with no such death the job fails, naming
+        the rank and its error
     Ack failed for another command (a training step): the job fails, but only after the
     heartbeat window, so that a rank that died in the step's collective is the one named
     (its peers' "connection closed" errors are its consequence, not the cause)
 
-The broadcast is a collective: a member that dies in it fails it for all. The step controller
-only counts acknowledgements; which answer belongs to which attempt is this link's business.
+No member waits for another: a member that dies in a boundary is left out of it when the
+heartbeats name it (the step controller forgets it), and costs no one else anything. The step
+controller only counts acknowledgements; which answer belongs to which attempt is this link's
+business.
 """
 
 from __future__ import annotations
@@ -28,21 +32,24 @@ from tiderl.runtime.errors import CoordinatorError
 
 
 @dataclass(frozen=True)
-class FailedBroadcast:
-    sync: b.SyncWeights
+class FailedBoundary:
+    rank: int
+    version: int
     deadline: float
     error: str
 
 
 class BoundaryLink:
     def __init__(self, send: Callable[[int, b.Message], None], next_seq: Callable[[], int],
-                 window_s: float) -> None:
-        self._send, self._next_seq = send, next_seq
+                 window_s: float, event: Callable[..., None] = lambda kind, **fields: None
+                 ) -> None:
+        """``event``: the run log's, for each role change a boundary makes."""
+        self._send, self._next_seq, self._event = send, next_seq, event
         self.window_s = window_s  # how long heartbeats take to name a dead member
+        self.feeds: dict[int, str] = {}  # rank -> host:port of its weight feed (its Hello)
         self.sent: dict[int, tuple[int, b.SyncWeights]] = {}  # seq -> (rank, message)
-        self.superseded: set[int] = set()  # seqs of an attempt sent again without a dead member
-        self.failed: dict[int, FailedBroadcast] = {}  # version -> the failed attempt
-        self.resent: set[int] = set()  # versions sent again already
+        self.superseded: set[int] = set()  # seqs of an attempt sent again
+        self.failed: dict[int, FailedBoundary] = {}  # version -> its first failed answer
         self.step_failures: list[tuple[float, b.Ack]] = []  # (deadline, answer)
         self.announced: tuple[Role, ...] = ()  # the roles of the last boundary announced
 
@@ -54,20 +61,23 @@ class BoundaryLink:
                 for rank, (src, dst) in enumerate(zip(before, boundary.roles, strict=True))
                 if src is not dst and Role.IDLE not in (src, dst)]
 
-    def send(self, boundary: Boundary, checkpoint_dir: str, export_dir: str) -> None:
-        """A boundary of a version already out replaces it (the step controller sent it again
-        without a dead trainer rank): the attempts before are superseded, not resent."""
+    def send(self, boundary: Boundary, step: int, checkpoint_dir: str, export_dir: str) -> None:
+        """Its role changes announced (a ``role_change`` event each), ``SyncWeights`` to every
+        member. A boundary of a version already out replaces it (the step controller sent it
+        again without a dead trainer rank): the attempts before are superseded."""
+        for rank, src, dst in self.announce(boundary):  # a death is its rank_dead event
+            self._event("role_change", rank=rank, src=src.value, dst=dst.value, step=step,
+                        version=boundary.version,
+                        reason=boundary.reason.value if boundary.reason else None)
         self._supersede(boundary.version)
         self.failed.pop(boundary.version, None)
-        self.resent.discard(boundary.version)
-        self._send_all(b.SyncWeights(
+        sync = b.SyncWeights(
             seq=0, version=boundary.version, src_rank=boundary.src_rank,
             roles=[role.value for role in boundary.roles], members=list(boundary.members),
             joiners=list(boundary.joiners),
             checkpoint=checkpoint_dir if boundary.checkpoint else "",
-            export=export_dir if boundary.export else ""))
-
-    def _send_all(self, sync: b.SyncWeights) -> None:
+            export=export_dir if boundary.export else "",
+            source=self.feeds.get(boundary.src_rank, ""))
         for rank in sync.members:
             seq = self._next_seq()
             msg = replace_struct(sync, seq=seq)
@@ -78,17 +88,16 @@ class BoundaryLink:
         """(rank, version) for a boundary taken; None for any other answer. A failed answer to
         a command that is not a boundary is the job's failure."""
         if msg.ref in self.superseded:
-            return None  # an answer to an attempt that was sent again without a dead member
+            return None  # an answer to an attempt that was sent again
         entry = self.sent.pop(msg.ref, None)
         if msg.ok:
             return (entry[0], entry[1].version) if entry is not None else None
         if entry is None:
             self.step_failures.append((now + self.window_s, msg))
             return None
-        sync = entry[1]
-        self.superseded.add(msg.ref)
-        self.failed.setdefault(sync.version, FailedBroadcast(sync, now + self.window_s,
-                                                             msg.error))
+        rank, sync = entry
+        self.failed.setdefault(sync.version, FailedBoundary(rank, sync.version,
+                                                            now + self.window_s, msg.error))
         return None
 
     def forget(self, rank: int) -> None:
@@ -96,32 +105,16 @@ class BoundaryLink:
         for seq in [s for s, (r, _) in self.sent.items() if r == rank]:
             del self.sent[seq]
 
-    def check(self, dead: set[int], now: float) -> list[int]:
-        """Resend failed broadcasts a member of which died; the versions resent."""
+    def check(self, now: float) -> None:
+        """A failure that no death explained within the heartbeat window fails the job."""
         for deadline, msg in self.step_failures:
             if now > deadline:
                 raise CoordinatorError(f"rank {msg.rank} failed: {msg.error}")
-        resent = []
-        for version, failed in list(self.failed.items()):
-            if set(failed.sync.members) & dead:
-                del self.failed[version]
-                if self._resend(failed.sync, dead):
-                    resent.append(version)
-            elif now > failed.deadline:
-                raise CoordinatorError(f"the weight broadcast of version {version} failed with "
-                                       f"every rank alive: {failed.error}")
-        return resent
-
-    def _resend(self, failed: b.SyncWeights, dead: set[int]) -> bool:
-        """Once per failed boundary: the same roles and version, the live members only (the
-        actors saved their checkpoint before the broadcast: not again)."""
-        members = [r for r in failed.members if r not in dead]
-        if failed.version in self.resent or not members:
-            return False
-        self.resent.add(failed.version)
-        self._supersede(failed.version)
-        self._send_all(replace_struct(failed, members=members, seq=0, checkpoint=""))
-        return True
+        for failed in self.failed.values():
+            if now > failed.deadline:
+                raise CoordinatorError(
+                    f"rank {failed.rank} could not take the boundary of version "
+                    f"{failed.version}, and no rank's death explains it: {failed.error}")
 
     def _supersede(self, version: int) -> None:
         """The answers still awaited for ``version`` belong to an attempt sent again."""

@@ -8,7 +8,7 @@
         FeedGroups: the groups' tasks (GroupStore)   CTB decisions: TaskRouter (admit, move, ...)
         StartStep / Dispatch / CloseStep / AbortStep: StepLink (TrainStep, MicroBatchData,
             StepClosed, AbortStep; StepDone and StepFailed back)
-        Boundary: BoundaryLink (SyncWeights, resend without a dead member), the checkpoint's
+        Boundary: BoundaryLink (SyncWeights with the source's feed address), the checkpoint's
             job state (and, after the commands with it, its `checkpoint` event: where a resume
             from it cuts events.jsonl, runtime/lineage.py)
         RecordStep: RunLog (metrics.jsonl, /metrics, the PUB snapshot)
@@ -66,7 +66,7 @@ class Coordinator:
         self.router = TaskRouter(self._send, self.mail.next_seq, self._group_of,
                                  lambda: self.controller.rollout.book.ranks,
                                  self.controller.rollout.policy.pins_tasks)
-        self.link = BoundaryLink(self._send, self.mail.next_seq, window_s)
+        self.link = BoundaryLink(self._send, self.mail.next_seq, window_s, run_log.event)
         self.steps = StepLink.of(profile, run_log.run_dir, self._send, self.mail.next_seq, window_s)
         self.desk = RebalanceDesk(server, self.log.event)
         self.is_finished = False
@@ -81,11 +81,16 @@ class Coordinator:
             got = server.recv(ROUND_S)
             while got is not None and not self.is_finished:
                 self.handle_safely(*got)
-                got = server.recv(0)
+                got = None if self.is_finished else server.recv(0)  # an Ack stays queued
             self.schedule_round()
             self.check_liveness()
             if self.log.is_snapshot_due():
                 self._publish()
+        while self.link.sent:  # the last boundary: every live rank fetches from its source
+            got = server.recv(ROUND_S)  # before the source stops (and the ranks with it)
+            if got is not None and isinstance(got[1], b.Ack | b.Heartbeat):
+                self.handle_safely(*got)
+            self.check_liveness()
         self._finish()
 
     def launch(self) -> None:
@@ -178,6 +183,7 @@ class Coordinator:
             return
         self.liveness.heard(rank, msg, now)
         if isinstance(msg, b.Hello):
+            self.link.feeds[rank] = msg.feed
             log.info("rank %d up: pid %d on %s (%s, %s)", rank, msg.pid, msg.host, msg.role,
                      msg.device)
         elif isinstance(msg, b.TurnReport):
@@ -200,7 +206,7 @@ class Coordinator:
             acked = self.link.on_ack(msg, now)
             if acked is not None:
                 self._apply(ctl.boundary_acked(*acked, now))
-            self._check_boundaries(now)
+            self.link.check(now)
         elif not isinstance(msg, b.Heartbeat):
             log.warning("bus: rank %d sent a %s, which only the coordinator sends", rank,
                         type(msg).__name__)
@@ -268,21 +274,15 @@ class Coordinator:
     # ---------------------------------------------------------------- liveness
 
     def check_liveness(self) -> None:
-        """Ranks silent too long are dead; a broadcast one of them died in goes out again."""
+        """Ranks silent too long are dead (a boundary or a step goes on without them)."""
         now = self.clock()
         for rank, why in self.liveness.deaths(now, self.mail.take_unreachable(),
                                               self.controller):
             self._declare_dead(rank, why)
-        self._check_boundaries(now)
+        self.link.check(now)
         self._check_step(now)  # a dead rank's answer will not come; a failure may be explained
         self.liveness.watch(now, self.controller, self.link.window_s, self.log.event)
 
-    def _check_boundaries(self, now: float) -> None:
-        dead = self.controller.state.dead
-        for version in self.link.check(dead, now):
-            self.log.event("boundary_resent", version=version,
-                           members=[r for r in range(len(self.controller.state.roles))
-                                    if r not in dead])
 
     def _declare_dead(self, rank: int, why: str) -> None:
         if rank in self.controller.state.dead:
@@ -296,9 +296,8 @@ class Coordinator:
     # ---------------------------------------------------------------- commands out
 
     def _apply(self, commands: list[c.Command]) -> None:
-        """Each command to its part. A checkpoint's event comes after the whole batch: what the
-        batch does is in the checkpoint's state (the controller made it before the checkpoint
-        was taken), so its events belong before the mark a resume cuts at."""
+        """Each command to its part; a checkpoint's event after the whole batch (what the batch
+        does is in the checkpoint's state: its events go before the mark a resume cuts at)."""
         checkpoint = None
         for command in commands:
             if isinstance(command, c.StartStep | c.Dispatch | c.CloseStep | c.AbortStep):
@@ -317,7 +316,7 @@ class Coordinator:
             elif isinstance(command, c.Boundary):
                 checkpoint = self._boundary(command) or checkpoint
             elif isinstance(command, c.GroupDropped):
-                self._dropped(command)
+                self.store.drop(command, self.log.event)
             elif isinstance(command, c.PlanRefused):
                 self.log.event("plan_refused", reason=command.reason,
                                reason_plan=command.plan_reason.value)
@@ -338,26 +337,13 @@ class Coordinator:
                            version=self.controller.state.version, groups=len(command.groups))
 
     def _boundary(self, boundary: c.Boundary) -> tuple[int, Path] | None:
-        """Role changes announced, the weights' broadcast sent; the version and folder of the
+        """The boundary sent (its role changes announced); the version and folder of the
         checkpoint it starts, if it starts one."""
-        root = self.log.run_dir / checkpoints.CHECKPOINTS
-        started = None
+        root, folder = self.log.run_dir / checkpoints.CHECKPOINTS, None
         if boundary.checkpoint:
             point = resume_point(self.controller, self.clock())
             state = checkpoints.CheckpointState(point, self.store.ready_state(point.ready))
-            keep, tp = self.profile.runtime.checkpoint_keep, self.profile.trainer.tensor_parallel
-            folder = checkpoints.start_checkpoint(root, boundary.version, keep, tp, state)
-            started = (boundary.version, folder)
-        for rank, src, dst in self.link.announce(boundary):  # a death is its rank_dead event
-            self.log.event("role_change", rank=rank, src=src.value, dst=dst.value,
-                           step=self.controller.state.step, version=boundary.version,
-                           reason=boundary.reason.value if boundary.reason else None)
-        self.link.send(boundary, str(root), str(self.log.run_dir / "hf"))
-        return started
-
-    def _dropped(self, command: c.GroupDropped) -> None:
-        self.store.drop(command.group_id)
-        fields = {"oldest_version": command.oldest_version, "batch": command.batch} \
-            if command.reason is c.DropReason.STALE else {}
-        self.log.event("dropped_group", group=command.group_id, reason=command.reason.value,
-                       **fields)
+            folder = checkpoints.start_checkpoint(root, boundary.version, self.profile, state)
+        self.link.send(boundary, self.controller.state.step, str(root),
+                       str(self.log.run_dir / "hf"))
+        return None if folder is None else (boundary.version, folder)

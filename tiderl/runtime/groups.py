@@ -13,9 +13,10 @@ their phase and draw from another seed range.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tiderl.core.commands import GroupSpec
+from tiderl.core.commands import DropReason, GroupDropped, GroupSpec
 from tiderl.core.grpo import group_advantages
 from tiderl.core.segments import task_of
 from tiderl.core.step_control import task_id
@@ -166,10 +167,15 @@ class GroupStore:
         tasks = {task_id(group_id, i) for i in range(self.profile.job.group_size)}
         return [seq for seq in self.samples if task_of(seq) in tasks]
 
-    def drop(self, group_id: str) -> None:
-        for seq in self.seqs_of(group_id):
+    def drop(self, command: GroupDropped, event: Callable[..., None]) -> None:
+        """A group left the buffer untrained: its samples go, and a ``dropped_group`` event
+        says why (a stale one, how stale)."""
+        for seq in self.seqs_of(command.group_id):
             self.samples.pop(seq, None)
             self.rewards.pop(seq, None)
+        fields = {"oldest_version": command.oldest_version, "batch": command.batch} \
+            if command.reason is DropReason.STALE else {}
+        event("dropped_group", group=command.group_id, reason=command.reason.value, **fields)
 
     def ready_state(self, group_ids: tuple[str, ...]) -> list[ReadyGroupState]:
         """The ready groups of a checkpoint, with their samples and rewards."""

@@ -89,8 +89,8 @@ class Liveness:
     def watchdog_s(self, ctl: StepController, broadcast_window_s: float) -> float:
         """How long the job may go without a report of work done before the watchdog speaks:
         ``runtime.watchdog_factor`` mean step times, at least ``runtime.watchdog_s``, and more
-        than a collective may block when a member died in it (the broadcast then fails after
-        ``collective_timeout_s`` and goes out again without it: that is progress to come)."""
+        than a trainer collective may block when a member stopped in it (it fails after
+        ``collective_timeout_s``, and the step runs again without it: progress to come)."""
         rt, records = self.runtime, ctl.ledger.records
         mean_step_s = records[-1].end_s / len(records) if records else 0.0
         return max(rt.watchdog_s, rt.watchdog_factor * mean_step_s,

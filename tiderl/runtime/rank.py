@@ -3,7 +3,8 @@
     bus (DEALER) ──AdmitTask / PauseTask / ResumeTask / DetachTask──> RolloutSide: agent loops
                      on the engine ──TurnReport, TaskFinished, TaskDetached──> bus
                  ──SyncWeights, TrainStep──> one command at a time: the boundary (the role
-                     switch and the weight broadcast), a step (TrainerSide's RA2P executor)
+                     switch and the weights from the source's feed), a step (TrainerSide's
+                     RA2P executor)
                  ──MicroBatchData / StepClosed / AbortStep──> the open step's stream at once
     every heartbeat_s: Heartbeat and RankMetrics (the engine's KV and prefix counters)
 
@@ -25,10 +26,13 @@ process groups of :mod:`tiderl.core.rank_sets` at start-up. Roles:
 - ``sync`` mode: every rank is a rollout rank and an actor at once (verl's hybrid engine): it
   rolls out, then trains, then loads its own new weights into its engine.
 
-At the boundary (``SyncWeights``) every rank takes its new role and joins the weight broadcast
-from the source actor: a leaving rollout rank detaches its tasks (they go on elsewhere from their
-carry) and drops its engine; a new rollout rank builds its engine from the broadcast; a new actor
-gets the weights and the optimizer state; a new Ref loads the initial weights locally. While an
+At the boundary (``SyncWeights``) every rank takes its new role; the source actor publishes the
+new weights on its feed and each rank that needs them fetches them on a connection of its own
+(tiderl.trainer.weight_feed: no rank waits on another): a leaving rollout rank detaches its tasks
+(they go on elsewhere from their carry) and drops its engine; a rollout rank, new or not, fetches
+the weights for its engine; a new actor fetches the weights and the optimizer state; a new Ref
+loads the initial weights locally. A newer SyncWeights (the source died: the boundary went out
+again from another actor) ends a fetch in flight. While an
 evaluation task runs on a rollout rank its engine keeps the anchored version: new weights wait
 until the evaluation tasks there are done (paper §3.2).
 """
@@ -117,6 +121,7 @@ class RankDaemon:
         self.rollout = RolloutSide(self.world, profile, self._send, env)
         self.trainer = TrainerSide(self.world, profile, self._send, ())
         self.commands: asyncio.Queue = asyncio.Queue()  # boundaries, steps, anchored admits
+        self.latest_boundary = 0  # the seq of the newest SyncWeights received
         self.stopping: asyncio.Event | None = None
 
     # -- start-up --------------------------------------------------------------------------------
@@ -155,7 +160,8 @@ class RankDaemon:
         self.stopping = asyncio.Event()
         device = self.world.device
         self._send(Hello(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
-                         role=self.role.value, device=str(device)))
+                         role=self.role.value, device=str(device),
+                         feed=self.world.feed_address))
         log.info("rank %d up: %s on %s, bus %s, pid %d", self.rank, self.role.value, device,
                  self.args.bus, os.getpid())
         loop = asyncio.get_running_loop()
@@ -171,6 +177,7 @@ class RankDaemon:
                 worker.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             await self.rollout.close()
+            self.world.close()
             self.link.close()
 
     def _send(self, msg: Message) -> None:
@@ -214,6 +221,8 @@ class RankDaemon:
         elif isinstance(msg, MicroBatchData | StepClosed | AbortStep):
             self.trainer.to_stream(msg)
         elif isinstance(msg, SyncWeights | Shutdown):  # in order: a boundary, the last save
+            if isinstance(msg, SyncWeights):  # sent again (its source died): leave a fetch
+                self.latest_boundary = msg.seq
             self.commands.put_nowait(msg)
         else:
             log.warning("rank %d: ignored a %s", self.rank, type(msg).__name__)
@@ -238,8 +247,8 @@ class RankDaemon:
                 self._send(Ack(rank=self.rank, ref=cmd.seq, ok=False, error=f"{exc}"[:500]))
                 if not isinstance(cmd, SyncWeights):
                     raise
-                # a broadcast a member died in: the coordinator sends it again without that
-                # rank (another group); this rank's role is unchanged until one succeeds
+                # its source died (the boundary comes again from another actor) or a real
+                # error (the job stops): this rank's role is unchanged until one succeeds
 
     async def train(self, cmd: TrainStep) -> None:
         """This rank's part of one attempt of a step (its stream opened when the TrainStep
@@ -263,12 +272,15 @@ class RankDaemon:
         # a backend that cannot wrap its module for another group (FSDP2) builds every actor of
         # a new actor set afresh: each gets the weights and the optimizer state, as a joiner does
         rebuilt = () if trainer.rewraps or new_actors == trainer.actor_set else new_actors
-        receivers = set(cmd.joiners) | set(rebuilt)
+        joiners = set(cmd.joiners) | set(rebuilt)  # they take the AdamW state too
         state = None
         if cmd.version > 0:
-            state = await asyncio.to_thread(trainer.sync_weights, cmd, bool(receivers),
-                                            self.rank in receivers)
-            await trainer.export(cmd, state)
+            fetches = new is Role.ROLLOUT or self.rank in joiners
+            state = await asyncio.to_thread(
+                trainer.boundary_weights, cmd, bool(joiners), fetches, self.rank in joiners,
+                lambda: self.latest_boundary > cmd.seq)
+            if state is not None:
+                await trainer.export(cmd, state)
         self.version = cmd.version
         if new is Role.ROLLOUT:
             if not self.rollout.is_rolling_out:

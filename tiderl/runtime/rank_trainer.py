@@ -1,20 +1,22 @@
 """A rank's trainer side: its Actor and Ref workers on the trainer backend, the RA2P executor of
-each step it trains in, and its part in a boundary's collectives (the gather of sharded weights,
-the broadcasts, the HF export, the checkpoint).
+each step it trains in, and its part in a boundary (the gather of sharded weights, publishing
+or fetching them on the weight feed, the HF export, the checkpoint).
 
     TrainStep ──open──> StreamedStep (MicroBatchData, StepClosed, AbortStep feed it while the
         step runs) ──train──> the step's executor ──> StepDone | StepFailed
-    a boundary ──sync_weights──> the weights (and, for a new actor, the AdamW state) of the
-        version, from the source actor; take_role builds, rewraps or drops the workers
+    a boundary ──boundary_weights──> the weights (and, for a new actor, the AdamW state) of the
+        version, from the source actor's feed; take_role builds, rewraps or drops the workers
 
-Every collective here runs in a worker thread (``asyncio.to_thread``), so the rank's event loop
-keeps sending heartbeats while a gather or a broadcast blocks.
+Every collective and fetch here runs in a worker thread (``asyncio.to_thread``), so the rank's
+event loop keeps sending heartbeats while a gather or a fetch blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,10 +43,12 @@ from tiderl.trainer.checkpoint import load_checkpoint, save_checkpoint, step_dir
 from tiderl.trainer.executors import ColocatedExecutor, DecoupledExecutor, StreamedStep
 from tiderl.trainer.export import write_folder
 from tiderl.trainer.parallel import backend_class, make_backend
-from tiderl.trainer.sync import load_weights, sync_params
+from tiderl.trainer.sync import load_weights
+from tiderl.trainer.weight_feed import OPTIMIZER, WEIGHTS, fetch
 from tiderl.trainer.worker import ActorWorker, RefWorker
 
 log = logging.getLogger("tiderl.rank")
+HOLD_VAR = "TIDERL_TEST_HOLD_BOUNDARY"  # "<rank>:<version>:<seconds>", see _hold
 
 
 class TrainerSide:
@@ -214,34 +218,41 @@ class TrainerSide:
                                  p2p_group=self.world.groups.get(ranks), step=cmd.step,
                                  attempt=cmd.attempt)
 
-    # -- the boundary's collectives --------------------------------------------------------------
+    # -- the boundary's weights --------------------------------------------------------------
 
-    def sync_weights(self, cmd: SyncWeights, with_optimizer: bool,
-                     takes_optimizer: bool) -> dict[str, torch.Tensor]:
-        """The boundary's collectives, in one order on every rank: the actors gather the
-        source's full weights (and AdamW state) where the backend shards them, then the source
-        broadcasts them to the members. Returns the weights of ``version``."""
+    def boundary_weights(self, cmd: SyncWeights, with_optimizer: bool, fetches: bool,
+                         takes_optimizer: bool, cancel: Callable[[], bool]
+                         ) -> dict[str, torch.Tensor] | None:
+        """The weights of ``cmd.version`` on this rank. The actors gather them (and the AdamW
+        state, ``with_optimizer``) where the backend shards them, a collective of the old
+        actors; the source publishes them on its feed and goes on. A rank that ``fetches``
+        gets them from the source's feed, on a connection of its own, and with
+        ``takes_optimizer`` the AdamW state too; every other rank gets None."""
         kit, is_src = self.world.kit, self.rank == cmd.src_rank
-        assert kit is not None
-        # every old actor joins the gather of a sharded backend (FSDP2, megatron under TP)
+        assert kit is not None and self.world.feed is not None
         gathers = self.actor is not None and self.actor.backend.gathers
-        source = optimizer = None
         if gathers or is_src:
             assert self.actor is not None
             source = self.actor.backend.full_state_dict(keep=is_src)
-            if with_optimizer:
-                optimizer = self.actor.optimizer_state(keep=is_src)
-        group = self.world.group(tuple(cmd.members))
-        device = self.world.device
-        result = sync_params(source if is_src else None, kit.weights,
-                             cmd.version if is_src else None, src=cmd.src_rank, group=group,
-                             device=device)
-        if with_optimizer:
-            moments = sync_params(optimizer if is_src else None, kit.optimizer,
-                                  cmd.version if is_src else None, src=cmd.src_rank,
-                                  group=group, device=device)
-            self.joined_optimizer = moments.state if takes_optimizer else None
-        return result.state
+            optimizer = self.actor.optimizer_state(keep=is_src) if with_optimizer else None
+            if is_src:
+                _hold(self.rank, cmd.version)
+                parts = {WEIGHTS: (kit.weights, source)}
+                if optimizer is not None:
+                    parts[OPTIMIZER] = (kit.optimizer, optimizer)
+                self.world.feed.publish(cmd.version, parts)
+                self.joined_optimizer = optimizer if takes_optimizer else None
+                return source
+        if not fetches:
+            return None
+        log.info("rank %d: fetching version %d from %s", self.rank, cmd.version, cmd.source)
+        stall_s = self.profile.runtime.collective_timeout_s
+        get = functools.partial(fetch, cmd.source, cmd.version, token=self.world.feed_token,
+                                cancel=cancel, stall_s=stall_s, device=self.world.device)
+        state = get(kit.weights, WEIGHTS)
+        if takes_optimizer:
+            self.joined_optimizer = get(kit.optimizer, OPTIMIZER)
+        return state
 
     async def export(self, cmd: SyncWeights, state: dict[str, torch.Tensor]) -> None:
         """The source writes ``hf/step-N`` when the boundary asks (before any rank trains on:
@@ -265,7 +276,7 @@ class TrainerSide:
     def resume(self, folder: Path) -> int | None:
         """A resumed job: the actor loads its part of the checkpoint (weights, AdamW state,
         RNG; the LR schedule follows the version) and returns that version. The other ranks
-        get the weights at the resumed job's first boundary, broadcast from an actor like any
+        get the weights at the resumed job's first boundary, from an actor's feed like any
         update."""
         if self.actor is None:
             return None
@@ -275,3 +286,13 @@ class TrainerSide:
         log.info("rank %d: resumed from %s (version %d%s)", self.rank, folder, meta.version,
                  "" if meta.rng_restored else ", RNG not restored: another world size")
         return meta.version
+
+
+def _hold(rank: int, version: int) -> None:
+    """The chaos tests' window: with ``TIDERL_TEST_HOLD_BOUNDARY=<rank>:<version>:<seconds>``
+    set, that rank waits before it publishes that version as its source, so the receivers are
+    inside their fetch for that long (a test kills a rank there, deterministically)."""
+    held = os.environ.get(HOLD_VAR, "").split(":")
+    if len(held) == 3 and (int(held[0]), int(held[1])) == (rank, version):
+        log.info("rank %d: holding version %d for %s s (%s)", rank, version, held[2], HOLD_VAR)
+        time.sleep(float(held[2]))

@@ -3,8 +3,10 @@
     init_rank (gloo on CPU, NCCL on GPU) ──> every trainer group of tiderl.core.rank_sets (and,
         under megatron TP, the data-parallel groups of the fixed actor set), made once at
         start-up, so no group is built at run time
+    the weight feed (tiderl.trainer.weight_feed) ──> where the other ranks fetch the weights
+        this rank publishes as a boundary's source (its address goes out in Hello)
     the profile's model ──> its config, tokenizer, turn encoder (chat template), image placer,
-        and the layouts of its weights and AdamW state that every broadcast follows
+        and the layouts of its weights and AdamW state that every weight sync follows
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tiderl.auth import WEIGHTS, resolve_token
 from tiderl.core.rank_sets import trainer_sets
 from tiderl.core.types import Role
 from tiderl.engine.scheduler import eos_set
@@ -26,6 +29,7 @@ from tiderl.models.qwen2 import Qwen2ForCausalLM
 from tiderl.profile import Profile
 from tiderl.trainer.spawn import init_rank
 from tiderl.trainer.sync import Layout, param_layout
+from tiderl.trainer.weight_feed import WeightFeed, local_address
 from tiderl.trainer.worker import optimizer_layout
 
 
@@ -55,7 +59,7 @@ def ranks_with(roles: list[Role] | tuple[Role, ...], role: Role,
 @dataclass(frozen=True)
 class ModelKit:
     """What every role knows of the job's model: its config and tokenizer, how a turn becomes
-    ids (``encoder``) and where its images go (``placer``), and the layouts a broadcast of its
+    ids (``encoder``) and where its images go (``placer``), and the layouts a weight sync of its
     weights (``weights``) and of its AdamW state (``optimizer``) follows."""
 
     config: object
@@ -76,16 +80,22 @@ class RankWorld:
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # this rank's, sorted ranks
         self.dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # megatron under TP
         self.kit: ModelKit | None = None
+        self.feed: WeightFeed | None = None
+        self.feed_address = ""  # host:port where the other ranks fetch from this one
 
     def join(self, initial_roles: list[Role], is_sync: bool) -> None:
-        """Join the world and create every trainer group. A member that dies mid-collective
-        can leave the others blocked (gloo does not always see the closed connection): bounded,
-        a broadcast fails and is sent again without it."""
+        """Join the world, open the weight feed, create every trainer group. A member that
+        dies mid-collective can leave the others blocked (gloo does not always see the closed
+        connection): bounded by ``collective_timeout_s``, the collective fails."""
         args, profile = self.args, self.profile
         ctx = init_rank(self.rank, args.world_size, args.dist_init, device=args.device,
                         threads=args.threads)
         self.device = ctx.device
-        timeout = timedelta(seconds=profile.runtime.collective_timeout_s)
+        timeout_s = profile.runtime.collective_timeout_s
+        self.feed = WeightFeed(self.feed_token, wait_s=timeout_s)
+        master = args.dist_init.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        self.feed_address = f"{local_address(master)}:{self.feed.port}"
+        timeout = timedelta(seconds=timeout_s)
         for ranks in trainer_sets(args.world_size):
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
@@ -102,6 +112,14 @@ class RankWorld:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.dp_groups[ranks] = group
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+
+    @property
+    def feed_token(self) -> str:
+        return resolve_token(WEIGHTS) or ""
 
     def initial(self, device: torch.device | None = None) -> tuple[Qwen2ForCausalLM, object]:
         """The model of version 0 (the folder's weights, or the seeded random init) and its

@@ -28,6 +28,7 @@ from pathlib import Path
 import msgspec
 
 from tiderl.core.step_control import ResumePoint
+from tiderl.profile import Profile
 from tiderl.runtime.bus import TrainSampleData
 from tiderl.runtime.errors import CoordinatorError
 from tiderl.trainer.checkpoint_meta import (
@@ -219,11 +220,11 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def start_checkpoint(root: Path, version: int, keep: int, tensor_parallel: int,
-                     state: CheckpointState) -> Path:
+def start_checkpoint(root: Path, version: int, profile: Profile, state: CheckpointState) -> Path:
     """The folder of version ``version``'s checkpoint, begun: the older ones pruned to
-    ``keep``, then ``job.json`` (the actors' meta.json completes it). CoordinatorError when it
-    would not fit: stop before the actors fill the disk mid-save."""
+    ``runtime.checkpoint_keep``, then ``job.json`` (the actors' meta.json completes it).
+    CoordinatorError when it would not fit: stop before the actors fill the disk mid-save."""
+    keep, tensor_parallel = profile.runtime.checkpoint_keep, profile.trainer.tensor_parallel
 
     folder = step_dir(root, version)
     for old in prune(root, keep, tensor_parallel, folder):

@@ -7,9 +7,11 @@
 
 A failure with every rank of the step alive is the job's failure, but only after the heartbeat
 window: a rank that died in the step's collective is then the one named (its peers' "connection
-closed" is its consequence), and with a dead rank the failures are the step controller's to
-settle (the step runs again, or was trained). The samples of a dispatched micro-batch are kept
-until the step is done, so that an attempt a rank died in can be sent again.
+closed" is its consequence), and with a dead rank, or an attempt the step controller aborted
+(the last rollout rank died while it was open on a batch with no group), the failures are the
+step controller's to settle (the step runs again, or was trained). The samples of a dispatched
+micro-batch are kept until the step is done, so that an attempt a rank died in can be sent
+again.
 
 With ``logging.batches`` the step that trained goes to its file then (:mod:`.recording`: its
 start, its micro-batches as sent, its ranks' reports). With ``runtime.train`` false
@@ -45,6 +47,7 @@ class StepLink:
         self.start: c.StartStep | None = None  # the open attempt
         self.reports: dict[int, c.RankReport] = {}
         self.failed_at: float | None = None  # the attempt's first failure, while unexplained
+        self.is_aborted = False  # the controller aborted the attempt: its failures are that
         self.errors: dict[int, str] = {}
         self.sent: dict[str, tuple[TrainSample, float]] = {}  # dispatched: sample, reward
         self.rewards: list[float] = []  # the attempt's samples', as dispatched
@@ -64,6 +67,7 @@ class StepLink:
         if isinstance(command, c.StartStep):
             self.start, self.reports, self.errors = command, {}, {}
             self.failed_at, self.rewards, self.dispatched = None, [], []
+            self.is_aborted = False
             msg: b.Message = b.TrainStep(
                 seq=self._next_seq(), step=command.step, step_mode=command.step_mode,
                 ref_ranks=list(command.ref_ranks), actor_ranks=list(command.actor_ranks),
@@ -89,6 +93,7 @@ class StepLink:
                                attempt=self.start.attempt)
         else:
             msg = b.AbortStep(seq=self._next_seq(), step=command.step, attempt=command.attempt)
+            self.is_aborted = True
         assert self.start is not None
         if not self.is_training:  # the ranks run no step: its end is known here
             if isinstance(command, c.CloseStep | c.AbortStep):
@@ -128,8 +133,8 @@ class StepLink:
         start = self.start
         if start is None:
             return None
-        lost = any(r in dead for r in start.ranks)
-        if self.failed_at is not None and not lost:
+        explained = self.is_aborted or any(r in dead for r in start.ranks)
+        if self.failed_at is not None and not explained:
             if now - self.failed_at > self.window_s:
                 rank = min(self.errors)
                 raise CoordinatorError(f"rank {rank} failed: {self.errors[rank]}")

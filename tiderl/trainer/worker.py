@@ -9,7 +9,7 @@ tokens over all ranks), clips, steps and bumps the version.
 
 A new actor rank joins with the source actor's AdamW state: ``optimizer_state`` packs it as plain
 tensors named ``{param}.exp_avg``, ``{param}.exp_avg_sq`` and ``{param}.step`` (the entries of
-:func:`optimizer_layout`, which every rank of the broadcast builds from its own model), and
+:func:`optimizer_layout`, which the source and a joining rank build from their own models), and
 ``load_optimizer_state`` installs what was received.
 
 After each optimizer step the actor hands the C allocator's free pages back to the OS
@@ -68,7 +68,7 @@ def release_free_memory() -> bool:
 
 def optimizer_layout(model: nn.Module) -> Layout:
     """What a sync of an actor's AdamW state carries, from the model's parameters alone (a rank
-    without an actor takes part in the broadcast too): both moments in float32 and the step."""
+    joining the actors has none yet): both moments in float32 and the step."""
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         for key in ADAMW_MOMENTS:

@@ -66,7 +66,7 @@ class LayoutLimits:
         """Why the job cannot go on without a rank that died, in words that follow "it"; None
         if it can. ``is_actor``: it was an actor; ``holders``: the live actors left that hold the
         whole model and optimizer state; ``live``: the ranks left, and ``actors`` their actor set
-        (the weight broadcast and the gradient reduction need a process group for each). A Ref
+        (the gradient reduction needs a process group for each). A Ref
         or rollout rank holds nothing the others lack; a DDP actor's replica is whole on each
         other actor."""
         if is_actor:

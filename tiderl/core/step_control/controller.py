@@ -204,7 +204,7 @@ class StepController:
             st.to(Phase.BOUNDARY)
             out += self._boundary(now, st.roles, PlanReason.TRAINER_LOST)
         elif death is Death.LEAVE:
-            if pending is not None:  # the broadcast it was in goes out again without it
+            if pending is not None:  # the boundary it was in completes without it
                 pending.forget(rank)
             out += self._retire_trained(now) + self._complete_boundary(now)
             out += self._check_rollout_left(rank, now)
@@ -442,8 +442,8 @@ class StepController:
         if verdict is NoRollout.MOVE_NOW:
             st.to(Phase.BOUNDARY)
             return self._boundary(now, st.roles, PlanReason.NO_ROLLOUT)
-        if verdict is NoRollout.STOP:
-            which = f" (rank {last} was the last)" if last >= 0 else ""
-            return [Abort(f"no rollout rank is left{which} and step {st.step} is open on a "
-                          "batch with no group")]
+        current = self.steps.current
+        if verdict is NoRollout.ABORT_STEP and current is not None and not current.is_aborted:
+            current.is_aborted = True  # settled as RUN_AGAIN, which then moves a rank
+            return [AbortStep(current.start.step, current.start.attempt)]
         return []

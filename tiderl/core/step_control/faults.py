@@ -13,10 +13,11 @@ step it died in ended (:func:`settle`), as data the controller applies.
                                  (from a live actor of both layouts)
     an actor, a batch awaited ──> TRAINER_LOST: a boundary without an update
     an actor otherwise ──> NOTHING more (its boundary or step comes)
-    a rollout or Ref rank ──> LEAVE: out of the layout (a broadcast it was in goes out again
+    a rollout or Ref rank ──> LEAVE: out of the layout (a boundary it was in completes
         without it); a rollout rank's tasks go back to CTB (LeaveRollout: from scratch), and
         with no rollout rank left the open batch closes with what it holds and the boundary
-        after it moves a trainer rank to rollout (NO_ROLLOUT)
+        after it moves a trainer rank to rollout (NO_ROLLOUT; a streaming step open on a batch
+        with no group is aborted and runs again after that boundary)
 
 A trainer rank's death is survivable when every actor holds the whole model and optimizer state
 (DDP): the actors left hold the version the dead one held. The step it died in is trained once:
@@ -52,7 +53,8 @@ class NoRollout(str, Enum):
     NOTHING = "nothing"  # a rollout rank is left, a boundary is in flight, or the batch is whole
     SHRINK = "shrink"  # the open batch closes with the groups it holds
     MOVE_NOW = "move_now"  # no group, no step open: a boundary moves a trainer rank now
-    STOP = "stop"  # no group, and a step is open on the batch: the job stops (resumable)
+    ABORT_STEP = "abort_step"  # no group, a step open on the batch: it is aborted, and runs
+    #                            again once a boundary moved a trainer rank (MOVE_NOW then)
 
 
 class Settlement(str, Enum):
@@ -117,12 +119,13 @@ def rollout_left(state: CycleState, buffer: ReadyBuffer, current: OpenStep | Non
     """No rollout rank is left: no group can come, so the open batch closes with the groups it
     holds (a smaller batch, as ERS's elastic one) and the boundary after its step moves a
     trainer rank to rollout. A batch with no group: with no step open, a boundary without an
-    update moves the rank now; a step open on it cannot train, and the job stops (it resumes
-    from its last checkpoint). Checked again when a step opens while a boundary is in flight,
-    and nothing to do once the step's batch is complete (the boundary after it moves a rank)."""
+    update moves the rank now; a step open on it (streaming) has nothing to train: it is
+    aborted, its ranks report that none updated, and it runs again (attempt + 1) after that
+    boundary. Checked again when a step opens while a boundary is in flight, and nothing to do
+    once the step's batch is complete (the boundary after it moves a rank)."""
     if has_rollout or system.is_sync or state.phase in (Phase.BOUNDARY, Phase.FINISHED) \
             or buffer.open_batch != state.step:
         return NoRollout.NOTHING
     if buffer.assigned_samples:
         return NoRollout.SHRINK
-    return NoRollout.MOVE_NOW if current is None else NoRollout.STOP
+    return NoRollout.MOVE_NOW if current is None else NoRollout.ABORT_STEP

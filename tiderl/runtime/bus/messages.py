@@ -55,6 +55,7 @@ class Hello(Message, kw_only=True):
     host: str
     role: str
     device: str
+    feed: str = ""  # host:port of its weight feed, where the others fetch what it publishes
 
 
 class Heartbeat(Message, kw_only=True):
@@ -248,19 +249,21 @@ class ResumeTask(Message, kw_only=True):
 
 
 class SyncWeights(Message, kw_only=True):
-    """The post-update boundary of ``version``: every rank takes ``roles[rank]`` (an ERS plan)
-    and joins the weight broadcast from ``src_rank``; ``joiners`` (new actor ranks) also receive
-    the optimizer state. Every rank gets it, in the same order: the broadcasts are collectives."""
+    """The post-update boundary of ``version``: every rank takes ``roles[rank]`` (an ERS plan);
+    ``src_rank`` publishes the weights on its feed (at ``source``, its host:port), and each rank
+    that needs them fetches them from there on its own: a rank that rolls out, and ``joiners``
+    (new actor ranks), which fetch the optimizer state too."""
 
     kind: ClassVar[int] = 0x24
     seq: int
     version: int
     src_rank: int
     roles: list[str]
-    members: list[int]  # the live ranks taking part in the broadcasts (a dead one is left out)
+    members: list[int]  # the live ranks that take this boundary (a dead one is left out)
     joiners: list[int] = []
     checkpoint: str = ""  # a folder: the actors save a checkpoint of ``version`` there first
     export: str = ""  # a folder: the source writes the weights there as hf/step-N (HF format)
+    source: str = ""  # host:port of the source's weight feed
 
 
 class TrainSampleData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -237,6 +237,7 @@ def test_a_source_that_dies_ends_its_receivers_fetch_at_once() -> None:
         assert said.get(timeout=120) == "waiting"
         source.kill()
         worker.join()
+        source.join()  # gone: its listening socket too
         assert len(errors) == 1 and "closed the connection" in str(errors[0])
         with pytest.raises(FeedError, match="cannot fetch"):
             fetch(f"127.0.0.1:{port}", 2, layout, token=TOKEN)

@@ -104,6 +104,15 @@ def test_job_commands_on_a_missing_job_or_server_exit_1_with_one_line(args, text
     assert text in line
 
 
+def test_a_run_root_that_cannot_hold_a_run_folder_is_one_line_with_exit_2(tmp_path):
+    root = tmp_path / "runs"
+    root.write_text("a file where the run root should be")
+    line = assert_one_line_error(tiderl("launch", "--run-root", str(root / "sub")), 2)
+    assert line == (f"error: tiderl launch: cannot make a run folder in {root / 'sub'}: "
+                    "Not a directory")
+    assert root.read_text() == "a file where the run root should be"
+
+
 def test_version():
     proc = tiderl("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("tiderl ")

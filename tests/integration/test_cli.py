@@ -113,6 +113,30 @@ def test_a_run_root_that_cannot_hold_a_run_folder_is_one_line_with_exit_2(tmp_pa
     assert root.read_text() == "a file where the run root should be"
 
 
+def test_a_huge_value_is_one_bounded_line_naming_its_key(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("ctb:\n  policy: " + "x" * 1_000_000 + "\n")
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--profile", str(big)), 2)
+    assert line.startswith(f"error: {big}: ctb.policy: expected one of ")
+    assert len(line) < 1000 and line.endswith("… (1,000,000 characters)")
+    path = "x" * 100_000  # an argument holds at most 128 KiB
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", f"model.path={path}"), 2)
+    assert line.startswith("error: tiderl launch: model.path xxx") and len(line) < 1000
+    assert line.endswith("… (100,000 characters): File name too long")
+    line = assert_one_line_error(tiderl("status", path, cwd=tmp_path), 1)
+    assert line.startswith("error: tiderl status: no job 'xxx") and len(line) < 1000
+
+
+def test_the_error_printer_bounds_any_line(capsys):
+    from tiderl.cli.output import Output
+    from tiderl.core.quote import LINE_LIMIT
+
+    Output.error("OSError: " + "y" * 10_000_000)
+    line = capsys.readouterr().err
+    assert line.startswith("error: OSError: yyy") and line.endswith(" characters)\n")
+    assert len(line) == len("error: ") + LINE_LIMIT + 1
+
+
 def test_version():
     proc = tiderl("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("tiderl ")

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.core.quote import short
 
 app = typer.Typer(help="Benchmarks, side by side in one run: JSON + table.", no_args_is_help=True)
 
@@ -89,7 +90,7 @@ def e2e(
     side; goodput, reward at equal trained samples, RWT, TWT, KV hit rate."""
     output = Output(json_mode)
     if workload not in E2E_WORKLOADS:
-        raise CLIError(f"tiderl bench e2e: --workload {workload!r}: expected one of "
+        raise CLIError(f"tiderl bench e2e: --workload {short(workload)}: expected one of "
                        f"{', '.join(E2E_WORKLOADS)}", EXIT_USAGE)
     out = out or Path("bench/results") / ("e2e.json" if workload == "text" else "e2e-gui.json")
     output.note(f"running bench/e2e.py --workload {workload}: {9 if workload == 'text' else 6} "

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.core.quote import short
 from tiderl.models.config import MODEL_SIZES, TOKENIZER_KINDS
 
 app = typer.Typer(help="Local model checkpoints.", no_args_is_help=True)
@@ -36,10 +37,10 @@ def init(
 
     The folder must be new or empty, unless --force."""
     if size not in MODEL_SIZES:
-        raise CLIError(f"tiderl model init: unknown --size {size!r} "
+        raise CLIError(f"tiderl model init: unknown --size {short(size)} "
                        f"(known: {', '.join(MODEL_SIZES)})", EXIT_USAGE)
     if tokenizer not in TOKENIZER_KINDS:
-        raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} "
+        raise CLIError(f"tiderl model init: unknown --tokenizer {short(tokenizer)} "
                        f"(known: {', '.join(TOKENIZER_KINDS)})", EXIT_USAGE)
     _check_out(out, force)
     from tiderl.models.random_init import (

@@ -9,6 +9,7 @@ import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.output import JsonFlag, Output
+from tiderl.core.quote import short
 
 PLACEMENTS = ("decoupled", "colocated")
 REPLY_TIMEOUT_S = 15.0  # the first answer (accepted or refused) comes within a coordinator round
@@ -67,7 +68,7 @@ def rebalance(
 
 def _check_placement(placement: str | None) -> str:
     if placement is not None and placement not in PLACEMENTS:
-        raise CLIError(f"tiderl rebalance: --placement {placement!r}: expected one of "
+        raise CLIError(f"tiderl rebalance: --placement {short(placement)}: expected one of "
                        f"{', '.join(PLACEMENTS)}", EXIT_USAGE)
     return placement or ""
 

@@ -53,7 +53,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from tiderl.auth import ADMIN, ServiceGuard, resolve_token
+from tiderl.auth import ADMIN, ServiceGuard, error_body, resolve_token
+from tiderl.core.quote import cut
 from tiderl.core.types import ImageRef
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import TIDERL_ENGINE
@@ -153,9 +154,7 @@ class EngineCollector:
 # -- app -----------------------------------------------------------------------------------------
 
 def error_response(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
-    line = " ".join(message.split())  # one line, whatever the exception said
-    return JSONResponse({"error": {"message": line, "type": kind, **extra}},
-                        status_code=status)
+    return JSONResponse(error_body(message, kind, **extra), status_code=status)
 
 
 def _png(data: str) -> bytes:
@@ -282,8 +281,10 @@ def _read_weights(path: str) -> dict:
 
     try:
         return load_state_dict(path)
-    except (ModelLoadError, OSError, RuntimeError) as exc:  # unreadable
-        raise ValueError(f"weights {path}: {exc}") from exc
+    except OSError as exc:  # unreadable, or a name the system refuses (too long)
+        raise ValueError(f"path {cut(path)}: {exc.strerror or exc}") from exc
+    except (ModelLoadError, RuntimeError) as exc:  # not a weights folder
+        raise ValueError(f"path {cut(path)}: {exc}") from exc
 
 
 def serve(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,

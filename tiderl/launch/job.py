@@ -37,6 +37,7 @@ from typing import Protocol
 import httpx
 import yaml
 
+from tiderl.core.quote import cut
 from tiderl.engine.config import VLLM_NO_IMAGES
 from tiderl.launch.local import (
     JobRecord,
@@ -165,11 +166,16 @@ def check_here(profile: Profile) -> None:
     """What a job on this machine needs and can be checked before anything starts
     (LaunchRefused naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA
     driver, the libraries of ``logging.backends`` (the coordinator imports them), and the
-    recording ``runtime.replay`` names (its steps, of this job's shape)."""
+    recording ``runtime.replay`` names (its steps, of this job's shape). A path the system
+    refuses (a name too long) is refused naming its key."""
     path = profile.model.path
-    if path and not (Path(path) / "config.json").is_file():
-        raise LaunchRefused(f"model.path {path}: no config.json there (an HF model folder; "
-                            "tiderl model init makes one)")
+    try:
+        is_model_folder = not path or (Path(path) / "config.json").is_file()
+    except OSError as exc:
+        raise LaunchRefused(f"model.path {cut(path)}: {exc.strerror}") from None
+    if not is_model_folder:
+        raise LaunchRefused(f"model.path {cut(path)}: no config.json there (an HF model "
+                            "folder; tiderl model init makes one)")
     if path:
         check_architecture(profile)
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
@@ -183,6 +189,9 @@ def check_here(profile: Profile) -> None:
             check_recording(profile)
         except RecordingError as exc:
             raise LaunchRefused(f"runtime.replay: {exc}") from None
+        except OSError as exc:
+            raise LaunchRefused(f"runtime.replay {cut(profile.runtime.replay)}: "
+                                f"{exc.strerror}") from None
 
 
 def check_architecture(profile: Profile) -> None:

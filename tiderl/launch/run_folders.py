@@ -22,6 +22,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
 
+from tiderl.core.quote import cut, short
 from tiderl.launch.local import JOB_FILE, JobRecord, LaunchError, LaunchRefused
 from tiderl.profile.sections import RuntimeConfig
 
@@ -48,11 +49,11 @@ def new_run_dir(run_root: Path, system: str, job_id: str | None = None,
         run_root.mkdir(parents=True, exist_ok=True)
         folder = _first_free_folder(run_root, system, job_id, time_ms)
     except OSError as exc:  # not writable, a file in the way, ...
-        raise LaunchRefused(f"cannot make a run folder in {run_root}: "
+        raise LaunchRefused(f"cannot make a run folder in {cut(str(run_root))}: "
                             f"{exc.strerror or exc}") from None
     if folder is None:
-        raise LaunchRefused(f"run folder {run_root / str(job_id)} exists (a job id names one "
-                            "job; choose another)")
+        raise LaunchRefused(f"run folder {cut(str(run_root / str(job_id)))} exists (a job id "
+                            "names one job; choose another)")
     return folder
 
 
@@ -86,13 +87,21 @@ def kept_if_used(run_dir: Path) -> Iterator[Path]:
 def job_dir(job: str, run_root: Path | None = None) -> Path:
     """The run folder of ``job``: a path to a run folder, or a job id under ``run_root``."""
     as_path = Path(job)
-    if (as_path / JOB_FILE).exists():
+    if _has_job_file(as_path):
         return as_path
     folder = (run_root or DEFAULT_RUN_ROOT) / job
-    if not (folder / JOB_FILE).exists():
-        raise LaunchError(f"no job {job!r} in {run_root or DEFAULT_RUN_ROOT}/ "
-                          f"(no {folder / JOB_FILE})")
+    if not _has_job_file(folder):
+        raise LaunchError(f"no job {short(job)} in {run_root or DEFAULT_RUN_ROOT}/ "
+                          f"(no {cut(str(folder / JOB_FILE))})")
     return folder
+
+
+def _has_job_file(folder: Path) -> bool:
+    """Whether ``folder`` holds a job.json; False for a name the system refuses (too long)."""
+    try:
+        return (folder / JOB_FILE).exists()
+    except OSError:
+        return False
 
 
 def resolve_job(job: str, run_root: Path | None = None) -> JobRecord:

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import count_option
 from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.quote import short
 
@@ -39,7 +40,7 @@ def ra2p(
 def ctb(
     out: Path = typer.Option(Path("bench/results/ctb.json"), "--out",
                              help="Where the JSON result is written (the PNG goes beside it)."),
-    steps: int = typer.Option(3, "--steps", min=1, help="Training steps of each job."),
+    steps: int = count_option(3, "--steps", minimum=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
     json_mode: bool = JsonFlag,
@@ -81,7 +82,7 @@ def e2e(
                                  help="text: guess and shop on the tiny Qwen2; gui: the gui "
                                       "screens on a tiny Qwen2-VL, the simulator's Table 2 "
                                       "beside it."),
-    steps: int = typer.Option(10, "--steps", min=1, help="Training steps of each job."),
+    steps: int = count_option(10, "--steps", minimum=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
     json_mode: bool = JsonFlag,

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import MAX_SEED, count_option
 from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.quote import short
 from tiderl.models.config import MODEL_SIZES, TOKENIZER_KINDS
@@ -22,7 +23,7 @@ def init(
         help="tiny, small, or tiny-vl: a Qwen2-VL (tiny's language part and a small vision "
              "tower) whose tokenizer adds <|vision_start|>, <|vision_end|> and <|image_pad|>."),
     out: Path = typer.Option(..., "--out", help="Output folder."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = count_option(0, "--seed", maximum=MAX_SEED),
     tokenizer: str = typer.Option(
         "word", "--tokenizer",
         help="word: the word list of the built-in environments (the embedded default); bpe: a "

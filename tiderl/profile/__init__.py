@@ -311,6 +311,7 @@ def _convert_union(args: tuple[Any, ...], value: Any, key: str) -> Any:
     raise ConfigError(key, " or ".join(errors))
 
 
+MAX_INT = 2**63 - 1  # msgpack's and JSON readers' int64
 _EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 
@@ -319,6 +320,9 @@ def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
         _expect(isinstance(value, bool), key, "bool", value)
     elif tp is int:
         _expect(isinstance(value, int) and not isinstance(value, bool), key, "int", value)
+        require(-MAX_INT - 1 <= value <= MAX_INT, key,
+                f"expected an int from {-MAX_INT - 1} to {MAX_INT} (what job.json and the "
+                f"bus carry), got {short(value)}")
     elif tp is float:
         if isinstance(value, str) and _EXPONENT.fullmatch(value):
             return float(value)  # YAML 1.1 reads 1e-2 (no dot) as a string

@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tiderl.core.quote import one_line
+
 ADMIN = "admin"  # the engine server's admin routes
 ENV = "env"  # the environment service
 WEIGHTS = "weights"  # a rank's weight feed (tiderl.trainer.weight_feed)
@@ -168,8 +170,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def error_body(message: str, kind: str, **extra: Any) -> dict[str, Any]:
+    """The JSON error both servers answer with: ``{"error": {"message", "type", ...}}``, the
+    message one bounded line (:func:`tiderl.core.quote.one_line`) whatever the exception said
+    or quoted."""
+    return {"error": {"message": one_line(message), "type": kind, **extra}}
+
+
 async def _send_error(send: Send, status: int, message: str, kind: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind}}).encode()
+    body = json.dumps(error_body(message, kind)).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if status == 401:

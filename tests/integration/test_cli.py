@@ -104,6 +104,74 @@ def test_job_commands_on_a_missing_job_or_server_exit_1_with_one_line(args, text
     assert text in line
 
 
+def test_a_run_root_that_cannot_hold_a_run_folder_is_one_line_with_exit_2(tmp_path):
+    root = tmp_path / "runs"
+    root.write_text("a file where the run root should be")
+    line = assert_one_line_error(tiderl("launch", "--run-root", str(root / "sub")), 2)
+    assert line == (f"error: tiderl launch: cannot make a run folder in {root / 'sub'}: "
+                    "Not a directory")
+    assert root.read_text() == "a file where the run root should be"
+
+
+def test_a_huge_value_is_one_bounded_line_naming_its_key(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("ctb:\n  policy: " + "x" * 1_000_000 + "\n")
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--profile", str(big)), 2)
+    assert line.startswith(f"error: {big}: ctb.policy: expected one of ")
+    assert len(line) < 1000 and line.endswith("… (1,000,000 characters)")
+    path = "x" * 100_000  # an argument holds at most 128 KiB
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", f"model.path={path}"), 2)
+    assert line.startswith("error: tiderl launch: model.path xxx") and len(line) < 1000
+    assert line.endswith("… (100,000 characters): File name too long")
+    line = assert_one_line_error(tiderl("status", path, cwd=tmp_path), 1)
+    assert line.startswith("error: tiderl status: no job 'xxx") and len(line) < 1000
+
+
+def test_the_error_printer_bounds_any_line(capsys):
+    from tiderl.cli.output import Output
+    from tiderl.core.quote import LINE_LIMIT
+
+    Output.error("OSError: " + "y" * 10_000_000)
+    line = capsys.readouterr().err
+    assert line.startswith("error: OSError: yyy") and line.endswith(" characters)\n")
+    assert len(line) == len("error: ") + LINE_LIMIT + 1
+
+
+HUGE = "99999999999999999999999"
+
+
+@pytest.mark.parametrize(("args", "option", "why"), [
+    (["rebalance", "j1", "--rollout", HUGE, "--trainer", "1"], "--rollout",
+     "less than or equal to 2147483647"),
+    (["rebalance", "j1", "--rollout", "1", "--trainer", "-2"], "--trainer",
+     "greater than or equal to 0"),
+    (["rebalance", "j1", "--rollout", "two", "--trainer", "1"], "--rollout", "valid integer"),
+    (["rebalance", "j1", "--rollout", "1", "--trainer", "1", "--timeout", "nan"], "--timeout",
+     "less than or equal to 31536000"),
+    (["stop", "j1", "--grace", "1e400"], "--grace", "less than or equal to 31536000"),
+    (["logs", "j1", "--rank", "-1"], "--rank", "greater than or equal to 0"),
+    (["top", "j1", "--once", "--timeout", "soon"], "--timeout", "valid number"),
+    (["env", "serve", "--max-turns", HUGE], "--max-turns", "less than or equal to 2147483647"),
+    (["env", "serve", "--port", "-80"], "--port", "greater than or equal to 1"),
+    (["model", "init", "--out", "m", "--seed", HUGE], "--seed",
+     "less than or equal to 4294967295"),
+    (["bench", "e2e", "--steps", "0"], "--steps", "greater than or equal to 1"),
+    (["measure", "kv", "--job", "j1", "--interval", "-inf"], "--interval",
+     "greater than or equal to 0"),
+])
+def test_a_number_out_of_bounds_is_one_line_naming_the_option_exit_2(args, option, why,
+                                                                     tmp_path):
+    line = assert_one_line_error(tiderl(*args, cwd=tmp_path), 2)
+    assert line.startswith(f"error: Invalid value for '{option}': ") and why in line
+    assert list(tmp_path.iterdir()) == []  # nothing made: the command never ran
+
+
+def test_a_profile_int_past_what_the_bus_carries_is_one_line_exit_2():
+    line = assert_one_line_error(tiderl("launch", "--dry-run", "--set", f"job.steps={HUGE}"), 2)
+    assert line == ("error: --set: job.steps: expected an int from -9223372036854775808 to "
+                    f"9223372036854775807 (what job.json and the bus carry), got {HUGE}")
+
+
 def test_version():
     proc = tiderl("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("tiderl ")

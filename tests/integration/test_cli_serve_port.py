@@ -39,4 +39,7 @@ def test_serve_on_a_port_out_of_range_is_a_usage_error(group):
 
 def test_env_serve_names_the_option_of_a_bad_value():
     line = assert_one_line_error(tiderl("env", "serve", "--max-turns", "0"), 2)
-    assert line == "error: tiderl env serve: --max-turns: expected a positive number, got 0"
+    assert line == ("error: Invalid value for '--max-turns': Input should be greater than or "
+                    "equal to 1 (see 'tiderl env serve --help')")
+    line = assert_one_line_error(tiderl("env", "serve", "--idle-ttl", "0"), 2)
+    assert line == "error: tiderl env serve: --idle-ttl: expected a positive number, got 0.0"

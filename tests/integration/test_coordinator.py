@@ -23,6 +23,7 @@ from tiderl.runtime.bus import (
     Heartbeat,
     Hello,
     MicroBatchData,
+    Rebalance,
     StepClosed,
     StepDone,
     StepFailed,
@@ -308,6 +309,25 @@ def test_no_message_can_break_the_loop_and_a_rank_declared_dead_is_told_to_go(tm
         assert [type(m).__name__ for m in ranks.drain(0)] == ["Shutdown"]
         (dropped,) = events(tmp_path, "message_dropped")
         assert dropped["why"] == "the rank was declared dead"
+
+
+def test_a_10_mb_field_in_a_message_makes_a_bounded_event_naming_it(tmp_path):
+    big = "x" * 10_000_000
+    with coordinator(tmp_path) as (job, ranks, _), \
+            BusClient(ranks.server.endpoint, None, b"ctl-a") as operator:
+        job.launch()
+        ranks.send(0, finished(0, big, 1.0))  # a task not in flight: dropped
+        operator.send(Rebalance(seq=1, rollout=1, trainer=2, placement=big))
+        got = ranks.server.recv(ARRIVE_S)
+        assert got is not None
+        job.handle(*got)
+    (dropped,) = events(tmp_path, "message_dropped")
+    assert dropped["why"].startswith("task 'xxx") and dropped["why"].endswith(" is not in flight")
+    assert len(dropped["why"]) < 100
+    (refused,) = events(tmp_path, "rebalance_refused")
+    assert refused["reason"].startswith("unknown RA2P placement 'xxx")
+    assert "… (10,000,000 characters)" in refused["reason"] and len(refused["reason"]) < 300
+    assert refused["request"].startswith("R1/T2 xxx") and len(refused["request"]) < 300
 
 
 def test_the_watchdog_speaks_when_nothing_moves_and_stops_the_job_later(tmp_path):

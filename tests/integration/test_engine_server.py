@@ -219,6 +219,20 @@ def test_update_weights_changes_outputs_and_resets_the_prefix_cache(server):
     assert metrics["tiderl:weight_version"] == 9
 
 
+def test_a_huge_value_is_an_error_under_the_bound_naming_the_field(server):
+    with httpx.Client(base_url=server["url"], timeout=60) as http:
+        big = "x" * 7_000_000  # under the 8 MiB body limit
+        response = http.post("/tiderl/update_weights", json={"path": big, "version": 1})
+        assert response.status_code == 400, response.text[:2000]
+        message = response.json()["error"]["message"]
+        assert len(message) < 1000 and message.startswith("path xxx"), message[:2000]
+        assert "… (7,000,000 characters)" in message
+        response = http.post("/v1/completions", json={"prompt": [1], "model": "x" * 10_000_000})
+        assert response.status_code == 413
+        assert response.json()["error"]["message"] == "request body over 8388608 bytes"
+        assert http.get("/health").status_code == 200
+
+
 def test_serve_without_a_model_folder_is_one_line_exit_2(tmp_path):
     line = assert_one_line_error(tiderl("engine", "serve", "--model", str(tmp_path / "none")), 2)
     assert line == f"error: tiderl engine serve: --model {tmp_path / 'none'}: no such folder"

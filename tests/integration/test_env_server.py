@@ -169,6 +169,24 @@ def test_server_is_alive_after_all_of_it(server):
     assert "Traceback" not in server["log"].read_text()
 
 
+ERROR_BOUND = 1000  # characters of an error body's message, whatever the request held
+
+
+def test_a_huge_value_is_an_error_under_the_bound_naming_the_field(server):
+    with httpx.Client(base_url=server["url"], timeout=30) as http:
+        big = "x" * 1_000_000  # the largest a body under the 1 MiB limit holds
+        response = http.post("/start", json={"env": big})
+        assert response.status_code == 400, response.text[:2000]
+        message = response.json()["error"]["message"]
+        assert len(message) < ERROR_BOUND, message[:2000]
+        assert message.startswith("env: unknown environment 'xxx")
+        assert "… (1,000,000 characters)" in message
+        response = http.post("/start", json={"env": "guess", "task": "x" * 10_000_000})
+        assert response.status_code == 413
+        assert response.json()["error"]["message"] == "request body over 1048576 bytes"
+        assert http.get("/health").json()["status"] == "ok"
+
+
 def test_unknown_env_on_the_command_line_is_one_line_exit_2():
     line = assert_one_line_error(tiderl("env", "serve", "--envs", "guess,nope"), 2)
     assert "nope" in line

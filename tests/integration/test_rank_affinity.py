@@ -13,6 +13,7 @@ import pytest
 from tiderl.launch.job import local_endpoints, prepare_run_dir
 from tiderl.launch.local import JobRecord, LocalExecutor
 from tiderl.launch.plan import plan_local, port_names
+from tiderl.launch.run_folders import new_run_dir
 from tiderl.profile import ProfileError, load_profile
 from tiderl.runtime.affinity import core_set, parse_slot
 from tiderl.trainer.spawn import free_port
@@ -60,7 +61,7 @@ def _cpu_list(text: str) -> set[int]:
 
 def test_a_started_rank_daemon_is_pinned_to_its_slot(tmp_path):
     profile = load_profile("local", SPREAD)
-    run_dir = tmp_path / "job"
+    run_dir = new_run_dir(tmp_path, profile.runtime.system)
     ep = local_endpoints(profile, {name: free_port() for name in port_names(profile)})
     plan = plan_local(profile, sys.executable, str(run_dir), ep)
     prepare_run_dir(profile, plan, run_dir)

@@ -173,6 +173,14 @@ def test_malformed_frames_raise_one_clear_line(frames: list[bytes], message: str
     assert "\n" not in str(info.value)
 
 
+def test_a_10_mb_kind_frame_is_one_bounded_line() -> None:
+    with pytest.raises(BusProtocolError) as info:
+        decode([b"\x7f" * 10_000_000, bytes([SCHEMA_VERSION]), b""])
+    message = str(info.value)
+    assert message.startswith("unknown message kind b'\\x7f") and len(message) < 300
+    assert message.endswith("… (10,000,000 bytes)")
+
+
 def test_nested_structs_are_not_messages() -> None:
     with pytest.raises(TypeError, match="TurnData is not a bus message"):
         encode(TurnData(context_ids=[], output_ids=[], logprobs=[], version=0))  # type: ignore[arg-type]

@@ -57,6 +57,26 @@ def test_errors_are_one_line_naming_the_key(data, message):
     assert text.startswith("hosts.yaml: ") and message in text and "\n" not in text
 
 
+BIG = "x" * 10_000_000
+
+
+@pytest.mark.parametrize(("data", "key"), [
+    ({"nodes": [{"host": "h", "port": BIG}]}, "nodes[0].port: expected a port in 1..65535"),
+    ({"nodes": [{"host": "h", "devices": BIG}]}, "nodes[0].devices: expected a count"),
+    ({"nodes": [{"host": "h", "name": BIG}], "coordinator": BIG + "y"},
+     "coordinator: no node named 'xxx"),
+    ({"nodes": [{"host": "h"}], "env": {"url": BIG}}, "env.url: expected an http(s) URL"),
+    ({"nodes": [{"host": "h"}], "ports": {"base": BIG}}, "ports.base: expected a port"),
+    ({"nodes": [{"host": "h", BIG: 1}]}, "nodes[0].xxx"),
+])
+def test_a_10_mb_value_is_an_error_under_the_bound_naming_the_key(data, key):
+    with pytest.raises(HostsError) as err:
+        parse_hosts(data, "hosts.yaml")
+    text = str(err.value)
+    assert text.startswith(f"hosts.yaml: {key}") and "\n" not in text, text[:2000]
+    assert len(text) < 1000 and "… (10,000,00" in text, text[:2000]
+
+
 def test_repeated_hosts_get_host_port_names(tmp_path):
     path = tmp_path / "hosts.yaml"
     path.write_text("nodes:\n  - {host: 127.0.0.1, port: 2201}\n"

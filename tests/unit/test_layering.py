@@ -15,8 +15,9 @@ and the layers stand in this order (:data:`LAYERS`, highest first):
     env       sim
     tiderl    auth          the package root (its version string), the HTTP tokens and
               serving       what the HTTP servers share (connection bounds, uvicorn): they
-                            import only core, and env, engine and launch use them; below env,
-                            and not core, which does no I/O (auth reads key files)
+                            import only core (auth its error-line bound), and env, engine and
+                            launch use them; below env, and not core, which does no I/O (auth
+                            reads key files)
     core
 
 A module may import its own layer's package and any lower layer; never a higher one, nor the

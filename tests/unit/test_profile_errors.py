@@ -3,7 +3,13 @@
 import pytest
 
 from tiderl.core.config import ConfigError
-from tiderl.profile import Profile, ProfileError, load_profile, resolve_profile_path
+from tiderl.profile import (
+    Profile,
+    ProfileError,
+    build_profile,
+    load_profile,
+    resolve_profile_path,
+)
 
 
 def error_of(*args) -> str:
@@ -83,3 +89,38 @@ def test_a_profile_error_is_a_config_error():
     assert issubclass(ProfileError, ConfigError)
     assert str(ProfileError("x.yaml: bad")) == "x.yaml: bad"
     assert Profile()
+
+
+BIG = "x" * 10_000_000
+BIG_SHOWN = "… (10,000,000 characters)"  # what a 10 MB value shows as: its start, its length
+ERROR_BOUND = 1000  # characters of one error line, whatever it quotes
+
+
+def bounded(message: str, *names: str) -> str:
+    """``message``, checked: one line under the bound, naming each of ``names``."""
+    assert "\n" not in message and len(message) < ERROR_BOUND, message[:2000]
+    for name in names:
+        assert name in message, message
+    return message
+
+
+@pytest.mark.parametrize(("data", "key"), [
+    ({"ctb": {"policy": BIG}}, "ctb.policy"),
+    ({"runtime": {"system": BIG}}, "runtime.system"),
+    ({"ers": {"planner": BIG}}, "ers.planner"),
+    ({"engine": {"max_num_batched_tokens": BIG}}, "engine.max_num_batched_tokens"),
+    ({"logging": {"backends": ["jsonl", BIG]}}, "logging.backends[1]"),
+    ({"ctb": {BIG: 1}}, "ctb.xxxx"),  # an unknown key of 10 MB: its start
+])
+def test_a_10_mb_value_in_a_profile_is_an_error_under_the_bound_naming_the_key(data, key):
+    with pytest.raises(ProfileError) as info:
+        build_profile(data, source="big.yaml")
+    bounded(str(info.value), f"big.yaml: {key}", BIG_SHOWN)
+
+
+def test_a_10_mb_set_value_key_or_profile_name_is_an_error_under_the_bound():
+    bounded(error_of("local", [f"ctb.policy={BIG}"]), "--set: ctb.policy: expected one of",
+            BIG_SHOWN)
+    bounded(error_of("local", [f"{BIG}=1"]), "--set xxxx", "unknown key 'xxxx", BIG_SHOWN)
+    bounded(error_of("local", [f"ctb.nope={BIG}"]), "--set ctb.nope: unknown key 'ctb.nope'")
+    bounded(error_of(BIG), "profile 'xxxx", BIG_SHOWN, "not found")

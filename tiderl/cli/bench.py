@@ -13,7 +13,9 @@ import typer
 from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import count_option
 from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.core.quote import short
 
 app = typer.Typer(help="Benchmarks, side by side in one run: JSON + table.", no_args_is_help=True)
 
@@ -38,7 +40,7 @@ def ra2p(
 def ctb(
     out: Path = typer.Option(Path("bench/results/ctb.json"), "--out",
                              help="Where the JSON result is written (the PNG goes beside it)."),
-    steps: int = typer.Option(3, "--steps", min=1, help="Training steps of each job."),
+    steps: int = count_option(3, "--steps", minimum=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
     json_mode: bool = JsonFlag,
@@ -80,7 +82,7 @@ def e2e(
                                  help="text: guess and shop on the tiny Qwen2; gui: the gui "
                                       "screens on a tiny Qwen2-VL, the simulator's Table 2 "
                                       "beside it."),
-    steps: int = typer.Option(10, "--steps", min=1, help="Training steps of each job."),
+    steps: int = count_option(10, "--steps", minimum=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
     json_mode: bool = JsonFlag,
@@ -89,7 +91,7 @@ def e2e(
     side; goodput, reward at equal trained samples, RWT, TWT, KV hit rate."""
     output = Output(json_mode)
     if workload not in E2E_WORKLOADS:
-        raise CLIError(f"tiderl bench e2e: --workload {workload!r}: expected one of "
+        raise CLIError(f"tiderl bench e2e: --workload {short(workload)}: expected one of "
                        f"{', '.join(E2E_WORKLOADS)}", EXIT_USAGE)
     out = out or Path("bench/results") / ("e2e.json" if workload == "text" else "e2e-gui.json")
     output.note(f"running bench/e2e.py --workload {workload}: {9 if workload == 'text' else 6} "

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError, check_port_free
-from tiderl.cli.options import ProfileOpt, SetOpt
+from tiderl.cli.options import ProfileOpt, SetOpt, port_option
 from tiderl.cli.output import Output
 
 app = typer.Typer(help="The embedded rollout engine.", no_args_is_help=True)
@@ -21,7 +21,7 @@ def serve(
                                       help="HF-format model folder: the same as --set "
                                            "model.path=DIR."),
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = port_option(8000),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
     admin_token: str | None = typer.Option(
         None, "--admin-token", envvar="TIDERL_ADMIN_TOKEN", show_envvar=True,

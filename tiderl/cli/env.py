@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError, check_port_free
+from tiderl.cli.options import count_option, port_option, seconds_option
 from tiderl.cli.output import Output
 from tiderl.serving.limits import ConnectionLimits
 
@@ -24,11 +25,13 @@ def serve(
                              help="Environments to serve (built-ins, gym:..., verifiers:..., "
                                   "or a dotted path)."),
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8100, "--port", min=1, max=65535),
-    max_sessions: int = typer.Option(256, "--max-sessions", help="Open sessions at most."),
-    idle_ttl: float = typer.Option(600.0, "--idle-ttl", help="Seconds before an idle session "
-                                   "expires (paused sessions never do)."),
-    max_turns: int = typer.Option(20, "--max-turns", help="Turn cap of every episode."),
+    port: int = port_option(8100),
+    max_sessions: int = count_option(256, "--max-sessions", minimum=1,
+                                     help="Open sessions at most."),
+    idle_ttl: float = seconds_option(600.0, "--idle-ttl", help="Seconds before an idle session "
+                                     "expires (paused sessions never do)."),
+    max_turns: int = count_option(20, "--max-turns", minimum=1,
+                                  help="Turn cap of every episode."),
     gym: str = typer.Option("", "--gym", help="Also serve a gymnasium env as 'gym': "
                             "ENV_ID or module:factory."),
     token: str | None = typer.Option(

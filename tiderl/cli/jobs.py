@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from tiderl.cli.errors import CLIError
+from tiderl.cli.options import count_option, seconds_option
 from tiderl.cli.output import JsonFlag, Output, table
 
 if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no SSH client
@@ -93,7 +94,7 @@ def _describe(letter: str | None) -> str:
 
 def logs(
     job: str = typer.Argument(..., help="Job id."),
-    rank: int | None = typer.Option(None, "--rank", help="Only this rank's log."),
+    rank: int | None = count_option(None, "--rank", help="Only this rank's log."),
     process: str | None = typer.Option(None, "--process",
                                        help="Only this process's log: env, coordinator, rankN."),
     follow: bool = typer.Option(False, "--follow", "-f",
@@ -146,7 +147,7 @@ def _print_lines(text: str, name: str | None) -> None:
 
 def stop(
     job: str = typer.Argument(..., help="Job id."),
-    grace: float = typer.Option(10.0, "--grace", help="Seconds between SIGTERM and SIGKILL."),
+    grace: float = seconds_option(10.0, "--grace", help="Seconds between SIGTERM and SIGKILL."),
     run_root: Path | None = RunRootOpt,
     json_mode: bool = JsonFlag,
 ) -> None:

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import seconds_option
 from tiderl.cli.output import JsonFlag, Output, table
 
 app = typer.Typer(help="Measure a running job or engine: KV cache and readiness.",
@@ -23,8 +24,8 @@ def kv(
     engine: str | None = typer.Option(None, "--engine",
                                       help="Engine base URL (TideRL, vLLM or SGLang)."),
     run_root: Path | None = RunRootOpt,
-    duration: float = typer.Option(10.0, "--duration", help="Seconds to sample for."),
-    interval: float = typer.Option(1.0, "--interval", help="Seconds between samples."),
+    duration: float = seconds_option(10.0, "--duration", help="Seconds to sample for."),
+    interval: float = seconds_option(1.0, "--interval", help="Seconds between samples."),
     out: Path | None = typer.Option(None, "--out", help="Also plot both series to this PNG."),
     json_mode: bool = JsonFlag,
 ) -> None:

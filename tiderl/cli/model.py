@@ -8,7 +8,9 @@ import typer
 from rich.console import Console
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import MAX_SEED, count_option
 from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.core.quote import short
 from tiderl.models.config import MODEL_SIZES, TOKENIZER_KINDS
 
 app = typer.Typer(help="Local model checkpoints.", no_args_is_help=True)
@@ -21,7 +23,7 @@ def init(
         help="tiny, small, or tiny-vl: a Qwen2-VL (tiny's language part and a small vision "
              "tower) whose tokenizer adds <|vision_start|>, <|vision_end|> and <|image_pad|>."),
     out: Path = typer.Option(..., "--out", help="Output folder."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = count_option(0, "--seed", maximum=MAX_SEED),
     tokenizer: str = typer.Option(
         "word", "--tokenizer",
         help="word: the word list of the built-in environments (the embedded default); bpe: a "
@@ -36,10 +38,10 @@ def init(
 
     The folder must be new or empty, unless --force."""
     if size not in MODEL_SIZES:
-        raise CLIError(f"tiderl model init: unknown --size {size!r} "
+        raise CLIError(f"tiderl model init: unknown --size {short(size)} "
                        f"(known: {', '.join(MODEL_SIZES)})", EXIT_USAGE)
     if tokenizer not in TOKENIZER_KINDS:
-        raise CLIError(f"tiderl model init: unknown --tokenizer {tokenizer!r} "
+        raise CLIError(f"tiderl model init: unknown --tokenizer {short(tokenizer)} "
                        f"(known: {', '.join(TOKENIZER_KINDS)})", EXIT_USAGE)
     _check_out(out, force)
     from tiderl.models.random_init import (

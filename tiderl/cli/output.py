@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from tiderl.core.quote import one_line
+
 JsonFlag = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
 
 
@@ -39,7 +41,9 @@ class Output:
 
     @staticmethod
     def error(message: str) -> None:
-        sys.stderr.write(f"error: {message}\n")
+        """``error: <message>``, one line of bounded length whatever the message quotes (the
+        last guard: each error path cuts its own values, :mod:`tiderl.core.quote`)."""
+        sys.stderr.write(f"error: {one_line(message)}\n")
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],

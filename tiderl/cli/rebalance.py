@@ -8,7 +8,9 @@ from pathlib import Path
 import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import count_option, seconds_option
 from tiderl.cli.output import JsonFlag, Output
+from tiderl.core.quote import short
 
 PLACEMENTS = ("decoupled", "colocated")
 REPLY_TIMEOUT_S = 15.0  # the first answer (accepted or refused) comes within a coordinator round
@@ -16,16 +18,16 @@ REPLY_TIMEOUT_S = 15.0  # the first answer (accepted or refused) comes within a 
 
 def rebalance(
     job: str = typer.Argument(..., help="Job id (or the path of its run folder)."),
-    rollout: int | None = typer.Option(None, "--rollout", help="Rollout ranks after the move."),
-    trainer: int | None = typer.Option(None, "--trainer", help="Trainer ranks after the move."),
+    rollout: int | None = count_option(None, "--rollout", help="Rollout ranks after the move."),
+    trainer: int | None = count_option(None, "--trainer", help="Trainer ranks after the move."),
     placement: str | None = typer.Option(
         None, "--placement", "--mode",
         help="RA2P's placement: decoupled or colocated (default: keep; --mode is an alias)."),
     auto: bool = typer.Option(False, "--auto",
                               help="End a held manual layout: ERS plans again."),
     run_root: Path | None = typer.Option(None, "--run-root", help="Folder of the job folders."),
-    timeout: float = typer.Option(300.0, "--timeout", min=0.1,
-                                  help="Seconds to wait for the plan to be applied."),
+    timeout: float = seconds_option(300.0, "--timeout", minimum=0.1,
+                                    help="Seconds to wait for the plan to be applied."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Return once the plan is accepted."),
     json_mode: bool = JsonFlag,
 ) -> None:
@@ -67,7 +69,7 @@ def rebalance(
 
 def _check_placement(placement: str | None) -> str:
     if placement is not None and placement not in PLACEMENTS:
-        raise CLIError(f"tiderl rebalance: --placement {placement!r}: expected one of "
+        raise CLIError(f"tiderl rebalance: --placement {short(placement)}: expected one of "
                        f"{', '.join(PLACEMENTS)}", EXIT_USAGE)
     return placement or ""
 

@@ -21,6 +21,7 @@ from rich.text import Text
 from tiderl.cli.errors import EXIT_USAGE, CLIError
 from tiderl.cli.options import SetOpt
 from tiderl.cli.output import JsonFlag, Output, table
+from tiderl.core.quote import short
 from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.sim.config import EXPERIMENTS, POLICIES
 from tiderl.sim.progress import Progress
@@ -177,7 +178,7 @@ def _experiments(experiment: str | None, profile: str | None) -> list[str]:
             raise CLIError("tiderl sim: --experiment all takes no PROFILE", EXIT_USAGE)
         return list(EXPERIMENTS[1:])
     if experiment not in EXPERIMENTS[1:]:
-        raise CLIError(f"tiderl sim: unknown experiment {experiment!r} "
+        raise CLIError(f"tiderl sim: unknown experiment {short(experiment)} "
                        f"(known: {', '.join(EXPERIMENTS[1:])}, all)", EXIT_USAGE)
     return [experiment]
 

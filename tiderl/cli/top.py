@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from tiderl.cli.errors import EXIT_USAGE, CLIError
+from tiderl.cli.options import seconds_option
 from tiderl.cli.output import JsonFlag, Output
 
 if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no ZeroMQ or SSH client
@@ -67,8 +68,8 @@ def top(
     keys: Path | None = typer.Option(None, "--keys", help="The job's bus keys folder."),
     once: bool = typer.Option(False, "--once", help="Print one frame after the first snapshot "
                                                     "and exit."),
-    timeout_s: float = typer.Option(15.0, "--timeout", help="With --once: seconds to wait for "
-                                                            "a snapshot."),
+    timeout_s: float = seconds_option(15.0, "--timeout",
+                                      help="With --once: seconds to wait for a snapshot."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Live view: ranks and roles, KV use and CTB budgets, step mode, RAS/TPRM, goodput. q quits."""

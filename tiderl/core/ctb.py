@@ -29,6 +29,7 @@ from operator import add, mul, sub
 from typing import ClassVar
 
 from tiderl.core.config import require, require_choice, require_int
+from tiderl.core.quote import short
 from tiderl.core.task_book import (
     GroupRecord,
     PriorityWeights,
@@ -75,12 +76,12 @@ class CTBConfig:
 
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
-                f"expected PriorityWeights, got {self.weights!r}")
+                f"expected PriorityWeights, got {short(self.weights)}")
         require_int(self.context_norm_tokens, "context_norm_tokens", minimum=1)
         require(
             0.0 < self.budget_fraction <= 1.0,
             "budget_fraction",
-            f"expected a number in (0, 1], got {self.budget_fraction!r}",
+            f"expected a number in (0, 1], got {short(self.budget_fraction)}",
         )
         require_int(self.default_footprint_tokens, "default_footprint_tokens", minimum=1)
         require_int(self.max_env_sessions, "max_env_sessions", minimum=0)

@@ -58,6 +58,7 @@ from tiderl.core.config import require, require_non_negative, require_positive
 from tiderl.core.ers_predict import RateWindow, planned_rollout_ranks
 from tiderl.core.ers_state import Block, Direction, ERSState, Trial
 from tiderl.core.job import BatchBounds
+from tiderl.core.quote import short
 from tiderl.core.ra2p import RA2PConfig, break_even_ras
 from tiderl.core.types import (
     Placement,
@@ -110,11 +111,11 @@ class ERSConfig:
         require_non_negative(self.cold_start_steps, "cold_start_steps")
         for name in ("max_idle_rollout", "max_idle_trainer", "max_eval_lend"):
             value = getattr(self, name)
-            require(0.0 <= value <= 1.0, name, f"expected a number in [0, 1], got {value!r}")
+            require(0.0 <= value <= 1.0, name, f"expected a number in [0, 1], got {short(value)}")
         require_non_negative(self.trial_steps, "trial_steps")
         require_non_negative(self.damp_steps, "damp_steps")
         require(self.planner in PLANNERS, "planner",
-                f"expected one of {', '.join(PLANNERS)}, got {self.planner!r}")
+                f"expected one of {', '.join(PLANNERS)}, got {short(self.planner)}")
         for name in ("predictive_max_moves", "predictive_window"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         require_non_negative(self.predictive_margin, "predictive_margin")

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from tiderl.core.config import require, require_choice, require_positive
+from tiderl.core.quote import short
 from tiderl.core.types import MicroBatch, Placement, Ra2pTimings, SeqRef
 
 PLACEMENT_CHOICES = ("auto", "decoupled", "colocated")
@@ -68,7 +69,7 @@ class RA2PConfig:
         require_positive(self.max_aggregate, "max_aggregate")
         require_positive(self.num_ref_ranks, "num_ref_ranks")
         margin = self.decoupled_margin
-        message = f"expected a number in [0, 1), got {margin!r}"
+        message = f"expected a number in [0, 1), got {short(margin)}"
         require(0.0 <= margin < 1.0, "decoupled_margin", message)
 
 
@@ -77,7 +78,7 @@ class RA2PConfig:
 
 def _require_at_least_one(value: int, name: str) -> None:
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value!r}")
+        raise ValueError(f"{name} must be >= 1, got {short(value)}")
 
 
 def cost_decoupled(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiderl.core.config import require
+from tiderl.core.quote import short
 from tiderl.core.types import ImageRef
 
 
@@ -31,8 +32,8 @@ class ImageWindow:
     def __post_init__(self) -> None:
         require(isinstance(self.limit, int) and isinstance(self.keep, int)
                 and 0 < self.keep < self.limit, "keep",
-                f"expected whole numbers 0 < keep < limit, got limit {self.limit!r}, "
-                f"keep {self.keep!r}")
+                f"expected whole numbers 0 < keep < limit, got limit {short(self.limit)}, "
+                f"keep {short(self.keep)}")
 
     def to_drop(self, live: int) -> int:
         """How many of the oldest images to drop from a context that now holds ``live`` (the

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tiderl.core.config import ConfigError
+from tiderl.core.quote import short
 
 
 class System(str, Enum):
@@ -37,7 +38,7 @@ class System(str, Enum):
             return cls(name)
         except ValueError:
             choices = ", ".join([*(s.value for s in cls), *ALIASES])
-            raise ConfigError("", f"expected one of {choices}, got {name!r}") from None
+            raise ConfigError("", f"expected one of {choices}, got {short(name)}") from None
 
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 
 from tiderl.core.config import require_non_negative
+from tiderl.core.quote import short
 from tiderl.core.types import (
     Admit,
     Decision,
@@ -262,7 +263,7 @@ class TaskBook:
     def task(self, task_id: TaskId) -> TaskRecord:
         record = self.tasks.get(task_id)
         if record is None:
-            raise KeyError(f"unknown task {task_id!r}")
+            raise KeyError(f"unknown task {short(task_id)}")
         return record
 
     def group_of(self, task: TaskRecord) -> GroupRecord:
@@ -347,10 +348,10 @@ class TaskBook:
         """Queue a group's tasks, FIFO; its first task is the probe of first-turn probing."""
         group_id, specs = new_group.group_id, new_group.tasks
         if group_id in self.groups:
-            raise ValueError(f"group {group_id!r} already exists")
+            raise ValueError(f"group {short(group_id)} already exists")
         task_ids = tuple(spec.task_id for spec in specs)
         if self.tasks.keys() & task_ids:
-            raise ValueError(f"group {group_id!r} needs tasks with new ids")
+            raise ValueError(f"group {short(group_id)} needs tasks with new ids")
         group = GroupRecord(group_id, task_ids, new_group.is_eval, task_ids[0])
         for spec in specs:
             hint = spec.footprint_hint
@@ -373,7 +374,7 @@ class TaskBook:
         admitted at."""
         task = self.task(task_id)
         if task.state is TaskState.NEW:
-            raise ValueError(f"task {task_id!r} reported a turn before it was admitted")
+            raise ValueError(f"task {short(task_id)} reported a turn before it was admitted")
         _check_tokens(footprint, "footprint")
         if task.state is TaskState.ACTIVE:
             record = self.ranks[task.rank]
@@ -399,7 +400,7 @@ class TaskBook:
     def finish_task(self, task_id: TaskId) -> None:
         task = self.task(task_id)
         if task.state is TaskState.NEW:
-            raise ValueError(f"task {task_id!r} finished before it was admitted")
+            raise ValueError(f"task {short(task_id)} finished before it was admitted")
         group = self.groups[task.group_id]
         group.num_finished += 1
         self.num_finished += 1  # a moving mean over about the last FOOTPRINT_WINDOW tasks
@@ -555,4 +556,4 @@ def _check_tokens(value: int, name: str) -> None:
 
 def _check_state(task: TaskRecord, expected: TaskState, action: str) -> None:
     if task.state is not expected:
-        raise ValueError(f"cannot {action} task {task.task_id!r}: it is {task.state.value}")
+        raise ValueError(f"cannot {action} task {short(task.task_id)}: it is {task.state.value}")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from tiderl.auth import ADMIN, bearer_headers, resolve_token
+from tiderl.core.quote import short
 from tiderl.core.types import ImageRef
 from tiderl.engine.config import SERVED_MODEL_NAME, VLLM_NO_IMAGES
 from tiderl.engine.kv_cache_manager import PinRefused
@@ -564,7 +565,7 @@ def server_client(backend: str, base_url: str, timeout: float = 600.0,
         return VLLMClient(base_url, SERVED_MODEL_NAME, timeout, flush_on_update=flush_on_update)
     if backend == "sglang":
         return SGLangClient(base_url, timeout, flush_on_update=flush_on_update)
-    raise ValueError(f"engine.backend {backend!r} has no server")
+    raise ValueError(f"engine.backend {short(backend)} has no server")
 
 
 # -- Prometheus ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from tiderl.core.config import (
     require_non_negative,
     require_positive,
 )
+from tiderl.core.quote import short
 from tiderl.serving.limits import ConnectionLimits
 
 BACKENDS = ("embedded", "http", "vllm", "sglang")
@@ -60,7 +61,7 @@ class EngineConfig:
         require_choice(self.backend, BACKENDS, "backend")
         require(not self.urls or self.backend in SERVER_BACKENDS, "urls",
                 f"server URLs need a server backend ({', '.join(SERVER_BACKENDS)}), "
-                f"not {self.backend!r}")
+                f"not {short(self.backend)}")
         require(0.0 < self.gpu_memory_utilization < 1.0, "gpu_memory_utilization",
                 f"expected a fraction in (0, 1), got {self.gpu_memory_utilization}")
         require_choice(self.kv_on_update, KV_ON_UPDATE, "kv_on_update")
@@ -69,7 +70,7 @@ class EngineConfig:
                 f"expected at least 2, got {self.keep_versions}")
         require_non_negative(self.host_kv_gib, "host_kv_gib")
         require(not self.host_kv_gib or self.backend == "vllm", "host_kv_gib",
-                f"KV offload to host is set for vllm servers only, not {self.backend!r} "
+                f"KV offload to host is set for vllm servers only, not {short(self.backend)} "
                 "(SGLang's hierarchical cache: engine.server_args)")
         for name in ("kv_cache_tokens", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_new_tokens"):

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiderl.core.quote import short
 from tiderl.core.types import ImageRef
 from tiderl.engine import block_pool
 from tiderl.engine.block_pool import ROOT_CACHE_ID, ROOT_HASH, BlockPool, KVCacheBlock
@@ -214,13 +215,13 @@ class KVCacheManager:
             return len(self._pins[task_id])
         num_blocks = self.pool.num_blocks
         if len(self._pins) >= num_blocks:
-            raise PinRefused(f"pin {task_id!r}: {len(self._pins)} tasks are pinned already, "
+            raise PinRefused(f"pin {short(task_id)}: {len(self._pins)} tasks are pinned already, "
                              f"one per KV block")
         blocks = self._lookup_task_context(task_id)
         num_left = num_blocks - len(self.pinned_block_ids() | {b.block_id for b in blocks})
         if num_left < reserve_blocks:
             bs = self.block_size
-            raise PinRefused(f"pin {task_id!r}: its {len(blocks) * bs} tokens would leave "
+            raise PinRefused(f"pin {short(task_id)}: its {len(blocks) * bs} tokens would leave "
                              f"{num_left * bs} of {num_blocks * bs} KV tokens out of pins, "
                              f"fewer than a request needs ({reserve_blocks * bs})")
         self._pins[task_id] = blocks

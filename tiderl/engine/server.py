@@ -55,7 +55,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from tiderl.auth import ServiceGuard
+from tiderl.auth import ServiceGuard, error_body
+from tiderl.core.quote import cut
 from tiderl.core.types import ImageRef
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import TIDERL_ENGINE
@@ -162,9 +163,8 @@ class EngineCollector:
 
 def error_response(status: int, message: str, kind: str,
                    headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    line = " ".join(message.split())  # one line, whatever the exception said
-    return JSONResponse({"error": {"message": line, "type": kind, **extra}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind, **extra), status_code=status,
+                        headers=headers)
 
 
 def _png(data: str) -> bytes:
@@ -295,8 +295,10 @@ def _read_weights(path: str) -> dict:
 
     try:
         return load_state_dict(path)
-    except (ModelLoadError, OSError, RuntimeError) as exc:  # unreadable
-        raise ValueError(f"weights {path}: {exc}") from exc
+    except OSError as exc:  # unreadable, or a name the system refuses (too long)
+        raise ValueError(f"path {cut(path)}: {exc.strerror or exc}") from exc
+    except (ModelLoadError, RuntimeError) as exc:  # not a weights folder
+        raise ValueError(f"path {cut(path)}: {exc}") from exc
 
 
 def _completion_response(out: Any, body: CompletionRequest, model_name: str,

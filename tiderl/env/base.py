@@ -35,6 +35,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
+from tiderl.core.quote import short
 from tiderl.env.protocol import Message, messages_text
 
 Observation: TypeAlias = str | list[Message]
@@ -85,7 +86,7 @@ class Environment(ABC):
 
     def __init__(self, max_turns: int = 20):
         if max_turns < 1:
-            raise ValueError(f"max_turns: expected a positive integer, got {max_turns!r}")
+            raise ValueError(f"max_turns: expected a positive integer, got {short(max_turns)}")
         self.max_turns = max_turns
 
     @abstractmethod

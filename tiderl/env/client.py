@@ -43,6 +43,7 @@ import msgspec
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from tiderl.auth import ENV, bearer_headers, resolve_token
+from tiderl.core.quote import short
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
     Message,
@@ -69,7 +70,7 @@ class EnvClientError(Exception):
 
     def __init__(self, call: str, session: str | None, status: int | None, message: str,
                  retry_after_s: float | None = None):
-        where = f"{call} on session {session!r}" if session else call
+        where = f"{call} on session {short(session)}" if session else call
         super().__init__(f"{where} failed ({status or 'no answer'}): {message}")
         self.call = call
         self.session = session

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+from tiderl.core.quote import short
 from tiderl.core.segments import ImageWindow
 from tiderl.serving.limits import ConnectionLimits
 
@@ -25,7 +26,7 @@ class LatencyConfig:
         require_non_negative(self.median_s, "median_s")
         require_non_negative(self.sigma, "sigma")
         if self.kind != "none":
-            require(self.median_s > 0, "median_s", f"expected > 0 for kind {self.kind!r}")
+            require(self.median_s > 0, "median_s", f"expected > 0 for kind {short(self.kind)}")
 
 
 def _is_env_name(name: str) -> bool:
@@ -61,7 +62,7 @@ class EnvConfig:
                 require(_is_env_name(name), f"envs[{i}]",
                         f"expected a built-in environment ({', '.join(BUILTIN_ENVS)}), "
                         "gym:ENV_ID, verifiers:ENV_ID or a dotted path to an Environment "
-                        f"subclass (module:Class), got {name!r}")
+                        f"subclass (module:Class), got {short(name)}")
         for section in ("tasks", "options"):
             for name in getattr(self, section):
                 require(name in self.envs, f"{section}.{name}",

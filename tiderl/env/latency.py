@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 
+from tiderl.core.quote import short
 from tiderl.env.config import LatencyConfig
 
 
@@ -34,4 +35,4 @@ class LatencyModel:
             return self.config.median_s
         if kind == "lognormal":
             return self.config.median_s * math.exp(self.config.sigma * self.rng.gauss(0.0, 1.0))
-        raise ValueError(f"kind: unknown latency kind {kind!r}")
+        raise ValueError(f"kind: unknown latency kind {short(kind)}")

@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tiderl.core.quote import short
 from tiderl.env.images import ImageError, decode_png_data_url, png_data_url
 
 MAX_ACTION_CHARS = 4096
@@ -129,7 +130,7 @@ class Message(msgspec.Struct, omit_defaults=True):
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {self.role!r}")
+            raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {short(self.role)}")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls: only an assistant message has them, not {self.role}")
         if self.role != "tool" and (self.tool_call_id is not None or self.name is not None):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tiderl.core.quote import short
 from tiderl.env.base import Environment, UnknownEnvironment
 
 ENV_NAMES: tuple[str, ...] = ("guess", "shop", "household", "calc", "gui")
@@ -35,15 +36,15 @@ def _load_object(path: str) -> Any:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise UnknownEnvironment(f"unknown environment {path!r}")
+        raise UnknownEnvironment(f"unknown environment {short(path)}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UnknownEnvironment(f"unknown environment {path!r}: {exc}") from exc
+        raise UnknownEnvironment(f"unknown environment {short(path)}: {exc}") from exc
     try:
         return getattr(module, attr)
     except AttributeError as exc:
-        raise UnknownEnvironment(f"unknown environment {path!r}: no {attr!r} in "
+        raise UnknownEnvironment(f"unknown environment {short(path)}: no {short(attr)} in "
                                  f"{module_name}") from exc
 
 
@@ -65,12 +66,12 @@ def make_env(name: str, *, max_turns: int = 20, options: dict[str, Any] | None =
     path = _BUILTIN_PATHS.get(name)
     if path is None and "." not in name and ":" not in name:
         raise UnknownEnvironment(
-            f"unknown environment {name!r}; expected one of {', '.join(ENV_NAMES)}, "
+            f"unknown environment {short(name)}; expected one of {', '.join(ENV_NAMES)}, "
             "gym:ENV_ID, gym:module:factory, verifiers:ENV_ID, verifiers:module:factory or a "
             "dotted path to an Environment subclass")
     cls = _load_object(path or name)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise UnknownEnvironment(f"{name!r} is not a subclass of tiderl.env.base.Environment")
+        raise UnknownEnvironment(f"{short(name)} is not a subclass of tiderl.env.base.Environment")
     try:
         return cls(max_turns=max_turns, **(options or {}))
     except TypeError as exc:  # an option the environment does not have

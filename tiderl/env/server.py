@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from tiderl.auth import ENV, ServiceGuard, resolve_token
+from tiderl.auth import ENV, ServiceGuard, error_body, resolve_token
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
     ObservationRequest,
@@ -89,9 +89,7 @@ class EnvMetrics:
 
 def error_response(status: int, message: str, kind: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    line = " ".join(message.split())  # one line, whatever the exception said
-    return JSONResponse({"error": {"message": line, "type": kind}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
 
 
 def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,

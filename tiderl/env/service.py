@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tiderl.core.quote import short
 from tiderl.env.base import (
     Environment,
     UnknownEnvironment,
@@ -72,7 +73,7 @@ class EnvService:
     def resolve(self, name: str) -> str:
         """The registry name for a requested env; unknown names are a 400."""
         if name not in self.env_names:
-            raise ProtocolError(f"env: unknown environment {name!r}; this server has "
+            raise ProtocolError(f"env: unknown environment {short(name)}; this server has "
                                 f"{', '.join(self.env_names)}", "unknown_env", 400)
         return f"gym:{self.gym}" if name == "gym" else name
 
@@ -139,9 +140,9 @@ class EnvService:
     def _steppable(self, session_id: str):
         session = self.table.get(session_id, self.clock())
         if session.state is SessionState.PAUSED:
-            raise SessionConflict(f"session {session_id!r} is paused; /resume it first")
+            raise SessionConflict(f"session {short(session_id)} is paused; /resume it first")
         if session.is_done:
-            raise SessionConflict(f"session {session_id!r}: the episode is done; /end it")
+            raise SessionConflict(f"session {short(session_id)}: the episode is done; /end it")
         return session
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
+from tiderl.core.quote import short
+
 T = TypeVar("T")
 
 
@@ -48,7 +50,7 @@ class UnknownSession(KeyError):
         self.reason = reason
 
     def __str__(self) -> str:
-        return f"session {self.session!r}: {self.reason}"
+        return f"session {short(self.session)}: {self.reason}"
 
 
 @dataclass

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from tiderl.core.quote import short
 from tiderl.env.base import Environment, StepResult
 from tiderl.env.protocol import Message, ToolCall, ToolFunction
 
@@ -87,7 +88,7 @@ def _tool_output(call: ToolCall, functions: dict[str, Callable[..., Any]]) -> st
         return ('error: malformed tool call: expected <tool_call>{"name": "...", '
                 '"arguments": {...}}</tool_call> with valid JSON')
     if name not in functions:
-        return f"error: unknown tool {name!r}; the tools are {', '.join(sorted(functions))}"
+        return f"error: unknown tool {short(name)}; the tools are {', '.join(sorted(functions))}"
     try:
         arguments = json.loads(call.function.arguments or "{}")
     except (ValueError, RecursionError):

@@ -59,6 +59,7 @@ from typing import Any
 
 import msgspec
 
+from tiderl.core.quote import short
 from tiderl.env.base import Environment, StepResult, UnknownEnvironment
 from tiderl.env.images import PNG_DATA_URL_PREFIX, ImageError, png_data_url
 from tiderl.env.protocol import ContentPart, Message
@@ -274,7 +275,7 @@ def _row_choice(task: str | None) -> tuple[str, int | None]:
         return split, None
     if len(rest) == 1 and rest[0].isdigit():
         return split, int(rest[0])
-    raise ValueError(f"task: expected empty, N, 'eval' or 'eval N', got {task!r}")
+    raise ValueError(f"task: expected empty, N, 'eval' or 'eval N', got {short(task)}")
 
 
 def _params(method: Any) -> set[str]:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiderl.core.quote import short
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
     JobRecord,
@@ -217,7 +218,7 @@ def select(job: JobRecord, rank: int | None = None,
                                                            and r.name == process)]
     if not chosen:
         names = ", ".join(r.name for r in job.processes) or "none"
-        what = f"rank {rank}" if rank is not None else f"process {process!r}"
+        what = f"rank {rank}" if rank is not None else f"process {short(process)}"
         raise LaunchError(f"job {job.job_id} has no {what} (processes: {names})")
     return chosen
 

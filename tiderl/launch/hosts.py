@@ -36,6 +36,8 @@ from typing import Any
 
 import yaml
 
+from tiderl.core.quote import cut, one_line, short
+
 PORT_NAMES = ("bus", "pub", "metrics", "env", "dist")
 NODE_KEYS = ("name", "host", "port", "address", "user", "key_file", "devices", "python",
              "workdir", "env")
@@ -104,7 +106,7 @@ def load_hosts(path: str | Path) -> Hosts:
 
 def parse_hosts(data: Any, source: str = "hosts.yaml") -> Hosts:
     def fail(key: str, why: str) -> HostsError:
-        return HostsError(f"{source}: {key}: {why}")
+        return HostsError(f"{source}: {cut(key)}: {one_line(why)}")
 
     if not isinstance(data, dict):
         raise HostsError(f"{source}: expected a mapping with 'nodes'")
@@ -127,10 +129,10 @@ def parse_hosts(data: Any, source: str = "hosts.yaml") -> Hosts:
     names = [n.name for n in nodes]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise fail(f"nodes[{i}].name", f"{name!r} names two nodes")
+            raise fail(f"nodes[{i}].name", f"{short(name)} names two nodes")
     coordinator = data.get("coordinator", names[0])
     if coordinator not in names:
-        raise fail("coordinator", f"no node named {coordinator!r} (nodes: {', '.join(names)})")
+        raise fail("coordinator", f"no node named {short(coordinator)} (nodes: {_listed(names)})")
     env = data.get("env") or {}
     if not isinstance(env, dict):
         raise fail("env", "expected a mapping with 'node' or 'url'")
@@ -139,10 +141,10 @@ def parse_hosts(data: Any, source: str = "hosts.yaml") -> Hosts:
         raise fail("env", "give 'node' (start one) or 'url' (use a running one), not both")
     env_url = env.get("url")
     if env_url is not None and not (isinstance(env_url, str) and env_url.startswith("http")):
-        raise fail("env.url", f"expected an http(s) URL, got {env_url!r}")
+        raise fail("env.url", f"expected an http(s) URL, got {short(env_url)}")
     env_node = env.get("node")
     if env_node is not None and env_node not in names:
-        raise fail("env.node", f"no node named {env_node!r} (nodes: {', '.join(names)})")
+        raise fail("env.node", f"no node named {short(env_node)} (nodes: {_listed(names)})")
     ports = data.get("ports") or {}
     if not isinstance(ports, dict):
         raise fail("ports", "expected a mapping with 'base'")
@@ -150,7 +152,7 @@ def parse_hosts(data: Any, source: str = "hosts.yaml") -> Hosts:
     base = ports.get("base")
     if base is not None and not (_is_int(base) and 1024 <= base <= 65535 - len(PORT_NAMES)):
         raise fail("ports.base", f"expected a port in 1024..{65535 - len(PORT_NAMES)}, "
-                                 f"got {base!r}")
+                                 f"got {short(base)}")
     return Hosts(tuple(nodes), coordinator, env_node, env_url.rstrip("/") if env_url else None,
                  base, source)
 
@@ -161,7 +163,7 @@ def _node(raw: dict, key: str, hosts_seen: list, fail) -> Node:
         raise fail(f"{key}.host", "expected a host name or address")
     port = raw.get("port", 22)
     if not (_is_int(port) and 1 <= port <= 65535):
-        raise fail(f"{key}.port", f"expected a port in 1..65535, got {port!r}")
+        raise fail(f"{key}.port", f"expected a port in 1..65535, got {short(port)}")
     default_name = f"{host}:{port}" if hosts_seen.count(host) > 1 else host
     name = raw.get("name", default_name)
     devices = raw.get("devices", 1)
@@ -172,12 +174,12 @@ def _node(raw: dict, key: str, hosts_seen: list, fail) -> Node:
         indices = tuple(devices)
     else:
         raise fail(f"{key}.devices", f"expected a count >= 1 or a list of distinct device "
-                                     f"indices, got {devices!r}")
+                                     f"indices, got {short(devices)}")
     strings = {}
     for name_key in ("name", "address", "user", "key_file", "python", "workdir"):
         value = raw.get(name_key)
         if value is not None and (not isinstance(value, str) or not value):
-            raise fail(f"{key}.{name_key}", f"expected a non-empty string, got {value!r}")
+            raise fail(f"{key}.{name_key}", f"expected a non-empty string, got {short(value)}")
         strings[name_key] = value
     env = raw.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and k.isidentifier()
@@ -193,6 +195,10 @@ def _no_unknown(data: dict, known: tuple[str, ...], prefix: str, fail) -> None:
     for key in data:
         if key not in known:
             raise fail(f"{prefix}{key}", f"unknown key (expected one of: {', '.join(known)})")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(cut(name) for name in names)
 
 
 def _is_int(value: Any) -> bool:

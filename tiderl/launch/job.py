@@ -31,13 +31,13 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
 import httpx
 import yaml
 
+from tiderl.core.quote import cut
 from tiderl.engine.config import VLLM_NO_IMAGES
 from tiderl.launch.local import (
     JobRecord,
@@ -55,7 +55,7 @@ from tiderl.launch.plan import (
     port_names,
 )
 from tiderl.launch.resume import prepare_resume
-from tiderl.launch.run_folders import last_stop
+from tiderl.launch.run_folders import kept_if_used, last_stop, new_run_dir
 from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, model_type
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
@@ -109,21 +109,17 @@ def job_info(profile: Profile, ep: Endpoints, **extra) -> dict:
             **extra}
 
 
-def new_job_id(profile: Profile) -> str:
-    return f"{datetime.now():%Y%m%d-%H%M%S}-{profile.runtime.system}"
-
-
 def prepare_run_dir(profile: Profile, plan: LaunchPlan, run_dir: Path,
                     resume: bool = False) -> None:
-    """The files every daemon reads: the resolved profile, the initial roles, the bus keys. A
-    resumed job's folder is there already: its roles are those of its newest complete
-    checkpoint (:func:`tiderl.launch.resume.prepare_resume`), its keys new (no process of the
-    old run may speak to the new one); metrics, events and logs are appended to."""
+    """The files every daemon reads, into ``run_dir`` (a new job's is made by
+    :func:`tiderl.launch.run_folders.new_run_dir`): the resolved profile, the initial roles,
+    the bus keys. A resumed job's roles are those of its newest complete checkpoint
+    (:func:`tiderl.launch.resume.prepare_resume`), its keys new (no process of the old run may
+    speak to the new one); metrics, events and logs are appended to."""
     if resume:
         roles = prepare_resume(profile, run_dir)
         shutil.rmtree(run_dir / "keys", ignore_errors=True)
     else:
-        run_dir.mkdir(parents=True, exist_ok=False)
         roles = [p.role for p in plan.ranks]
     (run_dir / RUN_PROFILE).write_text(yaml.safe_dump(profile_to_dict(profile),
                                                       sort_keys=False))
@@ -170,11 +166,16 @@ def check_here(profile: Profile) -> None:
     """What a job on this machine needs and can be checked before anything starts
     (LaunchRefused naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA
     driver, the libraries of ``logging.backends`` (the coordinator imports them), and the
-    recording ``runtime.replay`` names (its steps, of this job's shape)."""
+    recording ``runtime.replay`` names (its steps, of this job's shape). A path the system
+    refuses (a name too long) is refused naming its key."""
     path = profile.model.path
-    if path and not (Path(path) / "config.json").is_file():
-        raise LaunchRefused(f"model.path {path}: no config.json there (an HF model folder; "
-                            "tiderl model init makes one)")
+    try:
+        is_model_folder = not path or (Path(path) / "config.json").is_file()
+    except OSError as exc:
+        raise LaunchRefused(f"model.path {cut(path)}: {exc.strerror}") from None
+    if not is_model_folder:
+        raise LaunchRefused(f"model.path {cut(path)}: no config.json there (an HF model "
+                            "folder; tiderl model init makes one)")
     if path:
         check_architecture(profile)
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
@@ -188,6 +189,9 @@ def check_here(profile: Profile) -> None:
             check_recording(profile)
         except RecordingError as exc:
             raise LaunchRefused(f"runtime.replay: {exc}") from None
+        except OSError as exc:
+            raise LaunchRefused(f"runtime.replay {cut(profile.runtime.replay)}: "
+                                f"{exc.strerror}") from None
 
 
 def check_architecture(profile: Profile) -> None:
@@ -240,19 +244,19 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     """Run the job on this machine (:func:`run_job`): check what it needs here, pick its ports,
     plan it. ``launcher_pid`` (the CLI's own) lets ``tiderl stop`` stop the job through its
     launcher. ``resume``: the run folder of a job to go on with
-    (:mod:`tiderl.launch.resume`)."""
+    (:mod:`tiderl.launch.resume`); else a new one is made in ``run_root``, named ``job_id``
+    or a new id."""
     check_here(profile)
-    if resume is not None:
-        run_dir, job_id = resume, resume.name
-    else:
-        job_id = job_id or new_job_id(profile)
-        run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
-    names = port_names(profile)
-    plan = local_plan(profile, run_dir, dict(zip(names, listen_ports(len(names)), strict=True)))
-    job = JobRecord(job_id, str(run_dir), time.time(),
-                    info=job_info(profile, plan.endpoints, launcher_pid=launcher_pid))
-    return run_job(profile, plan, LocalExecutor(job), resume=resume is not None,
-                   on_snapshot=on_snapshot, on_start=on_start)
+    run_dir = resume or new_run_dir(run_root or Path(profile.runtime.run_dir),
+                                    profile.runtime.system, job_id)
+    with kept_if_used(run_dir):  # a resumed job's folder is never empty: it stays
+        names = port_names(profile)
+        plan = local_plan(profile, run_dir,
+                          dict(zip(names, listen_ports(len(names)), strict=True)))
+        job = JobRecord(run_dir.name, str(run_dir), time.time(),
+                        info=job_info(profile, plan.endpoints, launcher_pid=launcher_pid))
+        return run_job(profile, plan, LocalExecutor(job), resume=resume is not None,
+                       on_snapshot=on_snapshot, on_start=on_start)
 
 
 def local_plan(profile: Profile, run_dir: Path, ports: Mapping[str, int | str]) -> LaunchPlan:

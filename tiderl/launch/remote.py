@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from tiderl.launch.hosts import Hosts
-from tiderl.launch.job import JobResult, job_info, new_job_id, run_job
+from tiderl.launch.job import JobResult, job_info, run_job
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
     JobRecord,
@@ -50,7 +50,7 @@ from tiderl.launch.plan import (
     plan_nodes,
     rank_nodes,
 )
-from tiderl.launch.run_folders import last_stop_in
+from tiderl.launch.run_folders import kept_if_used, last_stop_in, new_run_dir
 from tiderl.launch.ssh import NodeError, NodeSession, open_sessions
 from tiderl.profile import Profile
 from tiderl.runtime.bus import Snapshot
@@ -175,21 +175,24 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             on_start: Callable[[JobRecord], None] | None = None,
             launcher_pid: int | None = None) -> JobResult:
     """As :func:`tiderl.launch.job.run_local`, on the nodes of ``hosts``: open and check a
-    session to each node the job uses, pick the ports, plan the job, :func:`run_job` it."""
-    job_id = job_id or new_job_id(profile)
+    session to each node the job uses (before anything is made), make the local run folder (in
+    ``run_root``, named ``job_id`` or a new id), pick the ports, plan the job,
+    :func:`run_job` it."""
     sessions = open_sessions([hosts.node(name) for name in job_nodes(hosts, profile)])
     try:
         hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
         for name, session in sessions.items():
             session.node = hosts.node(name)
-        plan = plan_nodes(hosts, profile, job_id, _ports(hosts, profile, sessions))
-        run_dir = (run_root or Path(profile.runtime.run_dir)) / job_id
-        nodes = {name: _node_info(hosts, name) for name in plan.hosts}
-        job = JobRecord(job_id, str(run_dir), time.time(), info=job_info(
-            profile, plan.endpoints, launcher_pid=launcher_pid, nodes=nodes,
-            coordinator_node=hosts.coordinator))
-        return run_job(node_profile(profile, hosts), plan, SSHExecutor(job, sessions),
-                       on_snapshot=on_snapshot, on_start=on_start)
+        run_dir = new_run_dir(run_root or Path(profile.runtime.run_dir),
+                              profile.runtime.system, job_id)
+        with kept_if_used(run_dir):
+            plan = plan_nodes(hosts, profile, run_dir.name, _ports(hosts, profile, sessions))
+            nodes = {name: _node_info(hosts, name) for name in plan.hosts}
+            job = JobRecord(run_dir.name, str(run_dir), time.time(), info=job_info(
+                profile, plan.endpoints, launcher_pid=launcher_pid, nodes=nodes,
+                coordinator_node=hosts.coordinator))
+            return run_job(node_profile(profile, hosts), plan, SSHExecutor(job, sessions),
+                           on_snapshot=on_snapshot, on_start=on_start)
     finally:
         for session in sessions.values():
             session.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tiderl.core.quote import short
 from tiderl.core.types import Role
 from tiderl.launch.local import JobRecord, LaunchError, LaunchRefused, is_running
 from tiderl.launch.plan import RUN_PROFILE
@@ -72,8 +73,8 @@ def resumed_profile(run_dir: Path, overrides: list[str]) -> Profile:
     for section, key in SHAPE_KEYS:
         was, now = getattr(getattr(own, section), key), getattr(getattr(new, section), key)
         if was != now:
-            raise ResumeError(f"{section}.{key} is {was!r} in the job, --set makes it {now!r}: "
-                              "a resumed job keeps its shape")
+            raise ResumeError(f"{section}.{key} is {short(was)} in the job, --set makes it "
+                              f"{short(now)}: a resumed job keeps its shape")
     return new
 
 

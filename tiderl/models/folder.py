@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from tiderl.core.quote import short
 from tiderl.models.qwen2 import DTYPES, Qwen2Config, Qwen2ForCausalLM
 from tiderl.models.qwen2_vl import Qwen2VLForCausalLM
 
@@ -65,7 +66,7 @@ def _ids(value: object) -> tuple[int, ...]:
         return ()
     ids = (value,) if isinstance(value, int) else tuple(value)  # type: ignore[arg-type]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"eos_token_id: expected token ids, got {value!r}")
+        raise ValueError(f"eos_token_id: expected token ids, got {short(value)}")
     return ids
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tiderl.core.quote import short
 from tiderl.models.config import TOKENIZER_KINDS
 from tiderl.models.folder import (
     CONFIG_FILE,
@@ -65,7 +66,7 @@ def size_config(size: str, vocab_size: int | None = None,
                              vision_end_token_id=end, vision=TINY_VISION)
     if size not in SIZES:
         known = ", ".join((*SIZES, *VISION_SIZES))
-        raise ValueError(f"unknown model size {size!r} (known: {known})")
+        raise ValueError(f"unknown model size {short(size)} (known: {known})")
     hidden, layers, heads, kv_heads = SIZES[size]
     return Qwen2Config(
         vocab_size=vocab_size or len(VOCAB), hidden_size=hidden, intermediate_size=4 * hidden,
@@ -110,7 +111,8 @@ def write_random_checkpoint(size: str, out: str | Path, seed: int = 0,
     extras): they would be read with this one."""
     folder = Path(out)
     if tokenizer not in TOKENIZER_KINDS:
-        raise ValueError(f"unknown tokenizer {tokenizer!r} (known: {', '.join(TOKENIZER_KINDS)})")
+        raise ValueError(f"unknown tokenizer {short(tokenizer)} "
+                         f"(known: {', '.join(TOKENIZER_KINDS)})")
     _remove_model_files(folder)
     vision = is_vision_size(size)
     if tokenizer == "word":

@@ -29,6 +29,7 @@ from tiderl.core.config import ConfigError, require
 from tiderl.core.ctb import CTBConfig
 from tiderl.core.ers import ERSConfig
 from tiderl.core.job import JobShape
+from tiderl.core.quote import cut, short
 from tiderl.core.ra2p import RA2PConfig
 from tiderl.core.system import System
 from tiderl.engine.config import EngineConfig
@@ -107,19 +108,29 @@ def resolve_profile_path(name: str) -> Path:
     """A profile by path, or by name (``local``, ``sim/fig8``) in ./profiles/ or the source
     checkout's profiles/."""
     path = Path(name)
-    if path.is_file():
+    if _path_is(path, Path.is_file):
         return path
     if path.suffix in (".yaml", ".yml"):
-        raise ProfileError(f"{name}: no such profile file")
+        raise ProfileError(f"{cut(name)}: no such profile file")
     candidates = list(dict.fromkeys(  # an absolute name is the same path under either folder
         [Path("profiles") / f"{name}.yaml", _REPO_PROFILES / f"{name}.yaml"]))
     for candidate in candidates:
-        if candidate.is_file():
+        if _path_is(candidate, Path.is_file):
             return candidate
-    if path.is_dir():
-        raise ProfileError(f"{name}: a folder, not a profile file (give a YAML file or a "
+    if _path_is(path, Path.is_dir):
+        raise ProfileError(f"{cut(name)}: a folder, not a profile file (give a YAML file or a "
                            "profile name)")
-    raise ProfileError(f"profile {name!r} not found (looked for {', '.join(map(str, candidates))})")
+    raise ProfileError(f"profile {short(name)} not found "
+                       f"(looked for {', '.join(cut(str(c)) for c in candidates)})")
+
+
+def _path_is(path: Path, kind: typing.Callable[[Path], bool]) -> bool:
+    """``kind(path)`` (``Path.is_file``, ``Path.is_dir``); False for a name the system refuses
+    (too long for a file name)."""
+    try:
+        return kind(path)
+    except OSError:
+        return False
 
 
 def load_profile(name: str = DEFAULT_PROFILE, overrides: typing.Sequence[str] = ()) -> Profile:
@@ -212,7 +223,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     """Set ``a.b.c=value`` into ``data``; the value is parsed as YAML unless the key is a string."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
-        raise ProfileError(f"--set {item}: expected key=value, e.g. ctb.budget_fraction=0.8")
+        raise ProfileError(f"--set {cut(item)}: expected key=value, e.g. ctb.budget_fraction=0.8")
     old, key = key, new_key(key)
     parts = key.split(".")
     tp: Any = Profile
@@ -223,7 +234,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
             where = ".".join(parts[: depth + 1])
             listed = (f"known: {', '.join(known)}" if known is not None
                       else f"{'.'.join(parts[:depth])} is a value, not a section")
-            raise ProfileError(f"--set {key}: unknown key {where!r} ({listed})")
+            raise ProfileError(f"--set {cut(key)}: unknown key {short(where)} ({listed})")
         tp = known[part]
         if depth < len(parts) - 1:
             child = node.get(part)
@@ -236,7 +247,7 @@ def _parse_scalar(raw: str, key: str) -> Any:
     try:
         return yaml.safe_load(raw) if raw else ""
     except yaml.YAMLError:
-        raise ProfileError(f"--set {key}: cannot parse value {raw!r}") from None
+        raise ProfileError(f"--set {key}: cannot parse value {short(raw)}") from None
 
 
 # --------------------------------------------------------------------------- typed conversion
@@ -253,7 +264,7 @@ def _build(cls: type, data: Any, key: str) -> Any:
     known = _fields(cls)
     for name in data:
         if name not in known:
-            raise ConfigError(_join(key, str(name)),
+            raise ConfigError(_join(key, cut(str(name))),
                               f"unknown key (known: {', '.join(known)})")
     kwargs = {name: _convert(known[name], value, _join(key, name)) for name, value in data.items()}
     try:
@@ -275,15 +286,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         _expect(isinstance(value, dict), key, "mapping", value)
-        return {_convert(key_tp, k, key): _convert(val_tp, v, _join(key, str(k)))
+        return {_convert(key_tp, k, key): _convert(val_tp, v, _join(key, cut(str(k))))
                 for k, v in value.items()}
     if origin is typing.Literal:
         choices = typing.get_args(tp)
-        require(value in choices, key, f"expected one of {choices}, got {value!r}")
+        require(value in choices, key, f"expected one of {choices}, got {short(value)}")
         return value
     if isinstance(tp, type) and issubclass(tp, Enum):
         choices = tuple(m.value for m in tp)
-        require(value in choices, key, f"expected one of {choices}, got {value!r}")
+        require(value in choices, key, f"expected one of {choices}, got {short(value)}")
         return tp(value)
     return _convert_scalar(tp, value, key)
 
@@ -300,6 +311,7 @@ def _convert_union(args: tuple[Any, ...], value: Any, key: str) -> Any:
     raise ConfigError(key, " or ".join(errors))
 
 
+MAX_INT = 2**63 - 1  # msgpack's and JSON readers' int64
 _EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 
@@ -308,6 +320,9 @@ def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
         _expect(isinstance(value, bool), key, "bool", value)
     elif tp is int:
         _expect(isinstance(value, int) and not isinstance(value, bool), key, "int", value)
+        require(-MAX_INT - 1 <= value <= MAX_INT, key,
+                f"expected an int from {-MAX_INT - 1} to {MAX_INT} (what job.json and the "
+                f"bus carry), got {short(value)}")
     elif tp is float:
         if isinstance(value, str) and _EXPONENT.fullmatch(value):
             return float(value)  # YAML 1.1 reads 1e-2 (no dot) as a string
@@ -330,7 +345,7 @@ def _expect(ok: bool, key: str, expected: str, value: Any) -> None:
 
 def _describe(value: Any) -> str:
     if isinstance(value, (str, int, float, bool)) or value is None:
-        return repr(value)
+        return short(value)
     return _type_name(value)
 
 

@@ -18,6 +18,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from tiderl.core.quote import short
+
 NONE, SPREAD = "none", "spread"
 
 
@@ -39,7 +41,7 @@ def parse_slot(text: str) -> tuple[int, int]:
     try:
         slot, num = (int(part) for part in text.split("/"))
     except ValueError:
-        raise ValueError(f"--cpu-slot expects I/N, got {text!r}") from None
+        raise ValueError(f"--cpu-slot expects I/N, got {short(text)}") from None
     core_set(range(num), slot, num)  # checks the range
     return slot, num
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tiderl.core import commands as c
+from tiderl.core.quote import cut, short
 from tiderl.core.step_control import restore, resume_point
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVER_UP_TIMEOUT_S
@@ -162,7 +163,7 @@ class Coordinator:
             log.exception("handling a %s from %r failed", type(msg).__name__, identity)
             self.log.throttle.event("handler_error",
                                     f"{type(msg).__name__}/{type(exc).__name__}",
-                                    message=type(msg).__name__, error=f"{exc}"[:300])
+                                    message=type(msg).__name__, error=cut(str(exc), 300))
 
     def handle(self, identity: bytes, msg: b.Message) -> None:
         now, ctl = self.clock(), self.controller
@@ -215,13 +216,13 @@ class Coordinator:
         """An event for a message that counts for nothing (one a minute per ``key``)."""
         kind = type(msg).__name__
         self.log.throttle.event("message_dropped", key or f"{kind}/{sender}", message=kind,
-                                sender=sender[:80], why=why)
+                                sender=cut(sender, 80), why=cut(why))
 
     def _on_finished(self, msg: b.TaskFinished, now: float) -> None:
         if not self.store.is_in_flight(msg.group_id, msg.task_id) or \
                 not self.controller.rollout.task_finished(msg.task_id, now):
             # not a task in flight here: one moved off a rank declared dead, or a bogus one
-            self._dropped_message(msg, f"rank {msg.rank}", f"task {msg.task_id[:40]!r} is not "
+            self._dropped_message(msg, f"rank {msg.rank}", f"task {short(msg.task_id, 40)} is not "
                                   "in flight", key=f"TaskFinished/{msg.rank}")
             return
         self.router.on_finished(msg.task_id)

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 from tiderl.core.commands import Command, ManualReply, ManualRequest
+from tiderl.core.quote import cut, short
 from tiderl.core.step_control import StepController
 from tiderl.core.step_control.manual import WITHDRAWN
 from tiderl.core.types import Placement
@@ -39,7 +40,7 @@ class RebalanceDesk:
         if msg.auto:
             return controller.release_manual(key, now)
         if msg.placement not in ("", *(m.value for m in Placement)):
-            reason = f"unknown RA2P placement {msg.placement!r} (decoupled or colocated)"
+            reason = f"unknown RA2P placement {short(msg.placement)} (decoupled or colocated)"
             self.event("rebalance_refused", reason=reason, request=_describe(msg),
                        step=controller.state.step)
             self._reply(key, "refused", reason=reason, step=controller.state.step)
@@ -86,4 +87,4 @@ class RebalanceDesk:
 
 
 def _describe(msg: b.Rebalance) -> str:
-    return f"R{msg.rollout}/T{msg.trainer}" + (f" {msg.placement}" if msg.placement else "")
+    return f"R{msg.rollout}/T{msg.trainer}" + (f" {cut(msg.placement)}" if msg.placement else "")

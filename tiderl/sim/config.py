@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+from tiderl.core.quote import short
 from tiderl.core.system import SYSTEM_CHOICES, System
 
 POLICIES = tuple(s.value for s in System)  # the systems compared; SYSTEM_CHOICES adds aliases
@@ -42,9 +43,9 @@ class SimConfig:
             require_non_negative(getattr(self, name), name)
         require_positive(self.stream_tokens_per_rank, "stream_tokens_per_rank")
         require(self.async_over_provision >= 1.0, "async_over_provision",
-                f"expected a number >= 1, got {self.async_over_provision!r}")
+                f"expected a number >= 1, got {short(self.async_over_provision)}")
         require(0.0 < self.rollout_ratio < 1.0, "rollout_ratio",
-                f"expected a number in (0, 1), got {self.rollout_ratio!r}")
+                f"expected a number in (0, 1), got {short(self.rollout_ratio)}")
         for i, name in enumerate(self.policies):
             require_choice(name, SYSTEM_CHOICES, f"policies[{i}]")
         # the paper's framework names are accepted and mean the system they stand for

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from tiderl.core.quote import short
 from tiderl.core.system import StepMode, System, SystemSpec
 from tiderl.sim.cluster import SimResult, simulate, simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.progress import Progress, run_all
@@ -247,5 +248,5 @@ EXPERIMENTS: dict[str, Callable[[SimScenario, Progress | None], ExperimentResult
 def run_experiment(name: str, scenario: SimScenario,
                    progress: Progress | None = None) -> ExperimentResult:
     if name not in EXPERIMENTS:
-        raise KeyError(f"unknown experiment {name!r} (known: {', '.join(EXPERIMENTS)})")
+        raise KeyError(f"unknown experiment {short(name)} (known: {', '.join(EXPERIMENTS)})")
     return EXPERIMENTS[name](scenario, progress)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tiderl.core.config import require, require_fraction, require_non_negative, require_positive
+from tiderl.core.quote import short
 from tiderl.core.types import Role
 
 GIB = 1024**3
@@ -210,7 +211,7 @@ class CostKnobs:
     def __post_init__(self) -> None:
         for key in ("mfu_train", "mfu_fwd", "kv_mem_util"):
             value = getattr(self, key)
-            require(0.0 < value <= 1.0, key, f"expected a number in (0, 1], got {value!r}")
+            require(0.0 < value <= 1.0, key, f"expected a number in (0, 1], got {short(value)}")
         require_fraction(self.recompute, "recompute")
         for key in ("swap_fixed_s", "sync_fixed_s", "sync_rpc_s", "kv_reinit_s"):
             require_non_negative(getattr(self, key), key)

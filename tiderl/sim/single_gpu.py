@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from tiderl.core.quote import short
 from tiderl.core.step_control import RolloutControl, effective_ctb
 from tiderl.core.system import StepMode
 from tiderl.sim.costcache import CachedCostModel
@@ -75,7 +76,7 @@ def simulate_trainer_step(scenario: SimScenario, mode: str | StepMode, ready_tim
     rank; at most ``ra2p.tokens_per_rank`` tokens each, more sequences if needed)."""
     if mode not in TRAINER_MODES:
         names = ", ".join(m.value for m in TRAINER_MODES)
-        raise ValueError(f"mode must be one of {names}, got {mode!r}")
+        raise ValueError(f"mode must be one of {names}, got {short(mode)}")
     mode = StepMode(mode)
     num_ref = scenario.ra2p.num_ref_ranks if mode is StepMode.DECOUPLED else 0
     if num_ref >= num_gpus:

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from tiderl.core.config import ConfigError, require, require_int, require_positive
+from tiderl.core.quote import short
 from tiderl.core.segments import ImageWindow
 from tiderl.core.step_control import task_id
 
@@ -74,12 +75,12 @@ class WorkloadSpec:
             require_positive(getattr(self, key), key)
         for key in ("tokens", "env_step_s", "env_reset_s"):
             require(min(getattr(self, key)) > 0, key, f"expected positive numbers, got "
-                    f"{getattr(self, key)!r}")
+                    f"{short(getattr(self, key))}")
         require_int(self.max_turns, "max_turns", 1)
         require(self.prompt_tokens < self.context_cap // 2, "context_cap",
-                f"expected more than twice prompt_tokens, got {self.context_cap!r}")
+                f"expected more than twice prompt_tokens, got {short(self.context_cap)}")
         require(all(1.0 <= r < self.max_turns for r in self.rounds), "rounds",
-                f"expected means in [1, max_turns), got {self.rounds!r}")
+                f"expected means in [1, max_turns), got {short(self.rounds)}")
         require(0.0 <= self.group_share < 1.0, "group_share", "expected a number in [0, 1)")
 
     @property
@@ -151,7 +152,7 @@ def workload_envs(workload: str) -> tuple[str, ...]:
     for env in envs:
         if env not in WORKLOADS:
             raise ConfigError("workload", f"expected one of {', '.join([*WORKLOADS, *PHASED])} "
-                              f"or a '+'-joined mix, got {workload!r}")
+                              f"or a '+'-joined mix, got {short(workload)}")
     return envs
 
 

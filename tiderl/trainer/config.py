@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from tiderl.core.config import require, require_choice, require_non_negative, require_positive
+from tiderl.core.quote import short
 
 BACKENDS = ("ddp", "fsdp2", "megatron")
 LR_SCHEDULES = ("constant", "cosine")
@@ -43,9 +44,9 @@ class TrainerConfig:
                 f"expected 1 with backend {self.backend} (tensor parallelism is the megatron "
                 f"backend's), got {self.tensor_parallel}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
-                f"expected a number in [0, 1], got {self.min_lr_ratio!r}")
+                f"expected a number in [0, 1], got {short(self.min_lr_ratio)}")
         require(0 < self.clip_eps < 1, "clip_eps",
-                f"expected a number in (0, 1), got {self.clip_eps!r}")
+                f"expected a number in (0, 1), got {short(self.clip_eps)}")
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based: the policy version it starts

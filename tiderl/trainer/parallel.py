@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiderl.core.quote import short
 from tiderl.models.image_batch import PixelCache, batch_images
 from tiderl.models.image_rows import BatchImages, RowImages
 from tiderl.models.qwen2 import Qwen2ForCausalLM, packed_token_logprobs
@@ -271,7 +272,8 @@ def backend_class(name: str) -> type:
         return MegatronBackend
     classes = {"ddp": DDPBackend, "fsdp2": FSDP2Backend}
     if name not in classes:
-        raise ValueError(f"unknown trainer backend {name!r}; expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown trainer backend {short(name)}; "
+                         f"expected one of {', '.join(BACKENDS)}")
     return classes[name]
 
 

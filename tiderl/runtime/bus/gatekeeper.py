@@ -27,6 +27,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
+from tiderl.core.quote import short
 from tiderl.runtime.bus.keys import OPERATOR, ServerKeys, rank_of
 from tiderl.runtime.bus.messages import OPERATOR_MESSAGES, RANK_MESSAGES, Message
 
@@ -57,7 +58,7 @@ def refusal(owner: str, identity: bytes, msg: Message) -> Refusal | None:
             return Refusal("forbidden", f"the operator key sends {_OPERATOR_KINDS} only")
         return None
     if rank is None:
-        return Refusal("forged", f"no key of this job is named {owner!r}")
+        return Refusal("forged", f"no key of this job is named {short(owner)}")
     if identity != owner.encode():
         return Refusal("forged", f"it came with {owner}'s key")
     if type(msg) not in RANK_MESSAGES:

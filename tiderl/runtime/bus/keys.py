@@ -34,6 +34,8 @@ from typing import Literal, overload
 
 import zmq
 
+from tiderl.core.quote import short
+
 log = logging.getLogger(__name__)
 
 SERVER_PUBLIC, SERVER_SECRET = "server.public", "server.secret"
@@ -54,7 +56,7 @@ def peer_name(peer: int | str) -> str:
         return f"rank-{peer}"
     if peer == OPERATOR:
         return OPERATOR
-    raise BusKeyError(f"bus keys: no peer {peer!r} (a rank number >= 0 or {OPERATOR!r})")
+    raise BusKeyError(f"bus keys: no peer {short(peer)} (a rank number >= 0 or {short(OPERATOR)})")
 
 
 def rank_of(name: str) -> int | None:

@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import msgspec
 
+from tiderl.core.quote import short
 from tiderl.core.system import StepMode
 
 SCHEMA_VERSION = 2  # 2: steps have attempts (StepFailed, AbortStep)
@@ -410,7 +411,7 @@ def decode(frames: list[bytes]) -> Message:
         raise BusProtocolError(f"expected 3 frames [kind, version, payload], got {len(frames)}")
     kind_frame, version_frame, payload = frames
     if len(kind_frame) != 1 or kind_frame[0] not in _BY_KIND:
-        raise BusProtocolError(f"unknown message kind {bytes(kind_frame)!r}")
+        raise BusProtocolError(f"unknown message kind {short(bytes(kind_frame))}")
     kind = kind_frame[0]
     name = f"{_BY_KIND[kind].__name__} (kind {kind:#04x})"
     if version_frame != _VERSION_FRAME:

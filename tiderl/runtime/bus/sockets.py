@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from tiderl.core.quote import cut
 from tiderl.runtime.bus.gatekeeper import (
     PUB_DOMAIN,
     ROUTER_DOMAIN,
@@ -209,7 +210,7 @@ class BusServer:
         except BusProtocolError as exc:
             self.drops.malformed += 1
             self._throttle.warn(f"{owner or identity!r}: malformed",
-                                f"bus: dropped a message from {identity!r}: {exc}")
+                                f"bus: dropped a message from {identity!r}: {cut(str(exc))}")
             return None
         why = None if owner is None else refusal(owner, identity, msg)
         if why is None:

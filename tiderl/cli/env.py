@@ -37,14 +37,14 @@ def serve(
     token: str | None = typer.Option(
         None, "--token", envvar="TIDERL_ENV_TOKEN", show_envvar=True,
         help="Bearer token every route but /health and /metrics requires (default: none)."),
-    header_timeout: float = typer.Option(
-        BOUNDS.header_timeout_s, "--header-timeout", metavar="SECONDS",
+    header_timeout: float = seconds_option(
+        BOUNDS.header_timeout_s, "--header-timeout",
         help="A request's headers must arrive within this, else 408 and the connection closed."),
-    body_timeout: float = typer.Option(
-        BOUNDS.body_timeout_s, "--body-timeout", metavar="SECONDS",
+    body_timeout: float = seconds_option(
+        BOUNDS.body_timeout_s, "--body-timeout",
         help="Its body within this of the headers, else 408 and the connection closed."),
-    max_client_connections: int = typer.Option(
-        BOUNDS.max_per_client, "--max-client-connections", metavar="N",
+    max_client_connections: int = count_option(
+        BOUNDS.max_per_client, "--max-client-connections", minimum=1,
         help="Connections one client address may hold open; a request on one more gets 503."),
 ) -> None:
     """Serve /start /observation /end /pause /resume, /health and /metrics over HTTP."""

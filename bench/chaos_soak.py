@@ -41,6 +41,7 @@ from machine import machine_info, write_result
 from tests.chaos.chaos_job import Launch, chaos, launch, steps_done
 from tiderl.launch.local import JobRecord, LaunchError
 from tiderl.runtime.group_fates import Fate, group_fates
+from tiderl.runtime.lineage import read_lineage
 
 MAX_RESUMES = 3
 DOCUMENTED_STOPS = (
@@ -132,7 +133,8 @@ def soak_one(seed: int, steps: int, every_s: float, root: Path) -> dict:
         fates = group_fates(run_dir)
         finished = job.proc.returncode == 0
     return {"seed": seed, "finished": finished, "seconds": round(time.monotonic() - started, 1),
-            "steps": steps_done(run_dir), "resumes": resumes, "kills": kills, "stops": stops,
+            "steps": len(read_lineage(run_dir).metrics), "resumes": resumes, "kills": kills,
+            "stops": stops,
             "groups": {fate.value: len(fates.of(fate)) for fate in Fate},
             "problems": fates.problems()}
 

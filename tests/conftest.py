@@ -4,6 +4,12 @@ CUDA, Megatron); on a machine without one they are reported as skipped, never si
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+
+# a property test asserts a property, never a time: hypothesis' default 200 ms deadline per
+# example failed test_grpo on a machine loaded to 15 (316 ms for its first example)
+settings.register_profile("tiderl", deadline=None)
+settings.load_profile("tiderl")
 
 
 def pytest_configure(config: pytest.Config) -> None:

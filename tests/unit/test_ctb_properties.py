@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from datetime import timedelta
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +15,7 @@ from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 ENVS = ("shop", "alf", "guess")
 # 100 books per property (about half a second each here); an example is a few milliseconds, so
 # 5 s only catches a pathological one, never a loaded machine
-PROPERTY = settings(max_examples=100, deadline=timedelta(seconds=5))
+PROPERTY = settings(max_examples=100)
 
 
 @st.composite

@@ -10,9 +10,10 @@ Each seed launches a real job (``tiderl launch``) of the chaos tests' profile
 factor in [0.5, 1.5] (the seed's), it kills one live rank whose role is rollout or actor (the
 last step's layout in metrics.jsonl), with SIGKILL. A job that goes on is left to; a job that
 stops must stop where docs/runtime.md ("Faults and resume") says it does (the last actor that
-held the model, no rank left to roll out, or no process group for the ranks left): it is then
-resumed with ``tiderl launch --resume`` as its last line says, at most ``MAX_RESUMES`` times,
-with the kills going on. Any other stop is an unexplained one.
+held the model, no rank left to roll out, no process group for the ranks left, or a process
+that died before the job was up): it is then resumed with ``tiderl launch --resume`` as its
+last line says, at most ``MAX_RESUMES`` times; the kills go on once the resumed job is up. Any
+other stop is an unexplained one.
 
 Per seed: each kill (seconds into the run, rank, role, the step count then, and the seconds to
 the next trained step), each stop and its reason, the group fates of the run folder's live
@@ -48,6 +49,7 @@ DOCUMENTED_STOPS = (
     "was the last actor that held the model",
     "no rollout rank is left and no trainer rank can move",
     "which have no process group",
+    "exited with code",  # a process died before the job was up: the launch failed, try again
 )
 PROFILE = ("runtime.num_ranks=4", "runtime.rollout_ranks=2")
 
@@ -80,6 +82,14 @@ def live_pids(run_dir: Path) -> dict[int, int]:
     return out
 
 
+def up_again(run_dir: Path, resumes: int) -> bool:
+    """The resumed job is up: its coordinator wrote its ``resume`` event (every rank said
+    Hello), so a kill now is a fault of a running job, not of its start."""
+    events = run_dir / "events.jsonl"
+    text = events.read_text() if events.exists() else ""
+    return text.count('"kind": "resume"') >= resumes
+
+
 def stop_line(job: Launch) -> str:
     lines = [x for x in job.output.splitlines() if x.startswith("error:")]
     return lines[-1] if lines else ""
@@ -110,12 +120,12 @@ def soak_one(seed: int, steps: int, every_s: float, root: Path) -> dict:
                 documented = any(reason in line for reason in DOCUMENTED_STOPS)
                 stops.append({"at_s": round(now - started, 1), "reason": line,
                               "documented": documented})
-                if not documented or resumes == MAX_RESUMES or "--resume" not in line:
+                if not documented or resumes == MAX_RESUMES:
                     break
                 resumes += 1
                 job = launch(run_root, resume=run_dir.name)
                 jobs.append(job)
-                job.state()
+                job.until(lambda n=resumes: up_again(run_dir, n), "the resumed job up")
                 next_kill = time.monotonic() + every_s * rng.uniform(0.5, 1.5)
                 continue
             if now >= next_kill:

@@ -268,7 +268,7 @@ class RankDaemon:
         if self.role is Role.ROLLOUT and new is not Role.ROLLOUT and self.rollout.is_rolling_out:
             await self.rollout.leave()  # (not again when a failed boundary is sent again)
         if cmd.checkpoint and self.role is Role.ACTOR:
-            await asyncio.to_thread(trainer.save_checkpoint, cmd)
+            await trainer.save_checkpoint(cmd)
         # a backend that cannot wrap its module for another group (FSDP2) builds every actor of
         # a new actor set afresh: each gets the weights and the optimizer state, as a joiner does
         rebuilt = () if trainer.rewraps or new_actors == trainer.actor_set else new_actors

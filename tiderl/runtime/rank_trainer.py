@@ -267,11 +267,19 @@ class TrainerSide:
                                 self.profile.model.path)
         log.info("rank %d: exported version %d to %s", self.rank, cmd.version, folder)
 
-    def save_checkpoint(self, cmd: SyncWeights) -> None:
+    async def save_checkpoint(self, cmd: SyncWeights) -> None:
+        """The live actors save the checkpoint together, a collective over their group: an
+        actor that died since the last step leaves the boundary's members, and the others
+        (DDP: each holds the whole state) first wrap their model for the group without it."""
         assert self.actor is not None
+        live = tuple(r for r in self.actor_set if r in cmd.members)
+        if live != self.actor_set and self.rewraps:
+            self.actor_set = live
+            await asyncio.to_thread(self.rewrap_actor)
         backend = self.actor.backend  # megatron under TP: a sub-folder per TP index
-        save_checkpoint(Path(cmd.checkpoint) / backend.checkpoint_part, backend,
-                        self.actor.optimizer, cmd.version, {"step": cmd.version})
+        await asyncio.to_thread(save_checkpoint, Path(cmd.checkpoint) / backend.checkpoint_part,
+                                backend, self.actor.optimizer, cmd.version,
+                                {"step": cmd.version})
 
     def resume(self, folder: Path) -> int | None:
         """A resumed job: the actor loads its part of the checkpoint (weights, AdamW state,

@@ -51,7 +51,8 @@ def _steps(vocab: int) -> list[StreamedStep]:
     return steps
 
 
-async def _play(daemon: RankDaemon) -> None:
+async def _play(daemon: RankDaemon, feeds: list[str]) -> None:
+    """``feeds``: every rank's weight-feed address (a job's ranks announce theirs in Hello)."""
     assert daemon.world.kit is not None
     steps = _steps(daemon.world.kit.config.vocab_size)
     members = list(range(WORLD))
@@ -63,7 +64,7 @@ async def _play(daemon: RankDaemon) -> None:
             src = min(old_actors & new_actors)
             await daemon._boundary(SyncWeights(
                 seq=step, version=step, src_rank=src, roles=[r.value for r in new_roles],
-                members=members, joiners=sorted(new_actors - old_actors)))
+                members=members, joiners=sorted(new_actors - old_actors), source=feeds[src]))
             roles = new_roles
         daemon.trainer.streams[(step, 0)] = steps[step]
         await daemon.train(TrainStep(seq=10 + step, step=step, step_mode=StepMode.COLOCATED,
@@ -92,7 +93,10 @@ def _daemon_run(ctx: RankContext, backend: str, port: int, run_dir: str) -> dict
     daemon.setup(START)
     sent: list = []
     daemon.link.send = sent.append  # what the rank would put on the bus
-    asyncio.run(_play(daemon))
+    feeds: list = [None] * WORLD
+    dist.all_gather_object(feeds, daemon.world.feed_address)
+    asyncio.run(_play(daemon, feeds))
+    daemon.world.close()
     done = [m for m in sent if isinstance(m, StepDone)]
     actor = daemon.trainer.actor
     weights = actor.backend.full_state_dict() if actor is not None else {}

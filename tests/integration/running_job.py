@@ -43,17 +43,24 @@ def running_job(run_root: Path, *overrides: str, steps: int = 200, wait_steps: i
         _wait_steps(Path(state.run_dir), wait_steps, proc, timeout_s)
         yield JobRecord.load(state.run_dir), proc
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_job(proc, state)
         log.close()
-        if state is not None:
-            with contextlib.suppress(LaunchError):
-                stop_processes(JobRecord.load(state.run_dir).processes, grace_s=2.0)
+
+
+def stop_job(proc: subprocess.Popen, state: JobRecord | None, grace_s: float = 60.0) -> None:
+    """SIGTERM to the launcher ``proc`` (it stops the job in order; SIGKILL to its group after
+    ``grace_s``), then anything left of the job (``state``: None when it never started) by
+    PID."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if state is not None:
+        with contextlib.suppress(LaunchError):
+            stop_processes(JobRecord.load(state.run_dir).processes, grace_s=2.0)
 
 
 def _wait_started(run_root: Path, proc: subprocess.Popen, timeout_s: float) -> JobRecord:

@@ -12,6 +12,15 @@ inductor's weight freezing uses), which runs 2-2.5x as fast as ``F.linear`` for 
 decode rows and prefill chunks alike (docs/engine.md). Elsewhere (another device, or bf16 on a
 CPU without AVX-512) it is ``F.linear`` on the stacked weight.
 
+oneDNN caches the primitive it builds for a GEMM (0.3-0.6 MiB each, measured) by the input's
+shape, in two caches of 1,024 entries each (ideep's per thread, oneDNN's per process), and an
+engine step's row count is its token count, anything from 1 to ``max_num_batched_tokens``: a
+rollout rank grew from 176 to 971 MiB in 6 minutes as steps of new sizes filled them
+(bench/memory_soak.py), and a GEMM of a new size took ~1 ms more to build its primitive (the
+tiny model's q/k/v at ~700 rows: 1.9 against 0.8 ms). So a GEMM runs on its rows padded to
+:func:`gemm_rows` (multiples of 8 to 128, then 8 sizes a power of two): at most 48 sizes up to
+2,048 rows, each built once, for at most 1/8 more rows.
+
 The copies cost the weights' memory once more; the parameters stay as they are (weight sync and
 the trainer read them). The copies follow the parameters: :meth:`refresh` checks every weight's
 storage and version counter and rebuilds all copies when any was written in place
@@ -26,6 +35,18 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+ROW_GRANULE = 8  # GEMM row counts are multiples of it
+SIZES_PER_OCTAVE = 8  # above 16 granules: row counts between one power of two and the next
+
+
+def gemm_rows(rows: int) -> int:
+    """The row count a oneDNN GEMM of ``rows`` rows runs at: the next multiple of 8 up to 128,
+    then of 1/8 of the next power of two (144, 160, ... 256, 288, ...), so that oneDNN builds
+    and caches one primitive per size, not per step size, for at most 1/8 more rows."""
+    octave_end = 1 << (rows - 1).bit_length()  # rows lies in (octave_end / 2, octave_end]
+    step = max(ROW_GRANULE, octave_end // 2 // SIZES_PER_OCTAVE)
+    return -(-rows // step) * step
 
 
 @functools.cache
@@ -60,7 +81,10 @@ class PackedLinears:
         weight, bias = self.packed[first]
         if not self.enabled:
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        rows, padded = len(x), gemm_rows(len(x))
+        if padded > rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
 
     def refresh(self) -> None:
         """Rebuild every copy if any weight changed since the last call (call once a step)."""

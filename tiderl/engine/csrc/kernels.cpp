@@ -352,9 +352,11 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q,
 }
 
 // The projections of decode_layers: oneDNN's linear on weights it reordered once
-// (PackedLinears, tiderl/engine/packed_linear.py), or at::linear on plain ones.
+// (PackedLinears, tiderl/engine/packed_linear.py), on x's rows padded with zeros to gemm_rows
+// (packed_linear.gemm_rows: oneDNN builds and caches a primitive per input shape), or
+// at::linear on plain ones.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, bool onednn) {
+                   const std::optional<at::Tensor>& bias, bool onednn, int64_t gemm_rows) {
   if (!onednn) return at::linear(x, weight, bias);
   static const auto linear =
       c10::Dispatcher::singleton()
@@ -362,8 +364,12 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             c10::string_view, c10::List<std::optional<at::Scalar>>,
                             std::optional<c10::string_view>)>();
-  return linear.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(),
-                     std::nullopt);
+  const int64_t rows = x.size(0);
+  const at::Tensor input = gemm_rows > rows ? at::constant_pad_nd(x, {0, 0, 0, gemm_rows - rows})
+                                            : x;
+  return linear
+      .call(input, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt)
+      .narrow(0, 0, rows);
 }
 
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& residual,
@@ -372,13 +378,14 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& residual,
                          const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t heads, int64_t kv_heads,
-                         double eps, bool onednn) {
+                         double eps, bool onednn, int64_t gemm_rows) {
   // A decode step's decoder layers in one call (one token per sequence): per layer the four
   // projections and the four kernels above, as ModelRunner._forward runs them from Python.
   // weights, biases: 4 a layer (q/k/v stacked, o, gate/up stacked, down); norms: 2 a layer
   // (post-attention, then the next layer's input norm or the final one). hidden: [B, hidden],
   // already through the first layer's input norm; residual: [B, hidden], updated in place.
-  // Returns the hidden states after the final norm.
+  // gemm_rows: the row count each oneDNN projection runs at (B padded). Returns the hidden
+  // states after the final norm.
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers &&
                   static_cast<int64_t>(biases.size()) == 4 * layers &&
@@ -389,18 +396,19 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& residual,
   at::Tensor x = hidden;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor cache = kv_cache.select(0, l);
-    const at::Tensor qkv = project(x, weights[4 * l], biases.get(4 * l), onednn);
+    const at::Tensor qkv = project(x, weights[4 * l], biases.get(4 * l), onednn, gemm_rows);
     rotary_write_kv(qkv, positions, cos, sin, cache, slot_mapping, heads, kv_heads);
     const at::Tensor q = qkv.narrow(1, 0, heads * dim).view({seqs, heads, dim});
     const at::Tensor attended = at::empty({seqs, heads, dim}, qkv.options());
     paged_decode_attention(attended, q, cache, block_tables, context_lens, scale);
     x = project(attended.view({seqs, heads * dim}), weights[4 * l + 1], biases.get(4 * l + 1),
-                onednn);
+                onednn, gemm_rows);
     add_rms_norm(x, residual, norms[2 * l], eps);
-    const at::Tensor gate_up = project(x, weights[4 * l + 2], biases.get(4 * l + 2), onednn);
+    const at::Tensor gate_up =
+        project(x, weights[4 * l + 2], biases.get(4 * l + 2), onednn, gemm_rows);
     const at::Tensor act = at::empty({seqs, gate_up.size(1) / 2}, gate_up.options());
     silu_and_mul(act, gate_up);
-    x = project(act, weights[4 * l + 3], biases.get(4 * l + 3), onednn);
+    x = project(act, weights[4 * l + 3], biases.get(4 * l + 3), onednn, gemm_rows);
     add_rms_norm(x, residual, norms[2 * l + 1], eps);
   }
   return x;
@@ -421,7 +429,7 @@ TORCH_LIBRARY(tiderl, m) {
       "decode_layers(Tensor hidden, Tensor(a!) residual, Tensor[] weights, Tensor?[] biases, "
       "Tensor[] norms, Tensor(b!) kv_cache, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, int kv_heads, "
-      "float eps, bool onednn) -> Tensor");
+      "float eps, bool onednn, int gemm_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tiderl, CPU, m) {

@@ -65,6 +65,15 @@ def kill_inside(job: Launch, state, run_dir: Path, victim: int, source: int, wha
           "after that" + ("" if victim == source else " and the source's held weights"))
 
 
+def went_on(job: Launch, run_dir: Path, victim: int, role: str) -> None:
+    """The job finished its 6 steps with one death, ``victim``'s, and each group once."""
+    assert job.wait() == 0, job.output
+    (dead,) = events(run_dir, "rank_dead")
+    assert (dead["rank"], dead["role"]) == (victim, role)
+    assert assert_each_group_once(run_dir)["steps"] == 6
+    assert_nothing_left(run_dir)
+
+
 def assert_no_boundary_failed(job: Launch, run_dir: Path, survivors: list[int]) -> None:
     assert "could not take the boundary" not in job.output
     for rank in survivors:
@@ -79,12 +88,8 @@ def test_a_rollout_rank_killed_inside_its_fetch_the_others_go_on(tmp_path, monke
         job.until(lambda: fetching(run_dir, 0) and fetching(run_dir, 1),
                   "ranks 0 and 1 inside their fetch")
         kill_inside(job, state, run_dir, 0, 2, "one of two rollout ranks")
-        assert job.wait() == 0, job.output
-        (dead,) = events(run_dir, "rank_dead")
-        assert (dead["rank"], dead["role"]) == (0, "rollout")
+        went_on(job, run_dir, 0, "rollout")
         assert_no_boundary_failed(job, run_dir, [1, 2, 3])
-        assert assert_each_group_once(run_dir)["steps"] == 6
-        assert_nothing_left(run_dir)
 
 
 def test_the_last_rollout_rank_killed_inside_its_fetch_a_trainer_rank_takes_its_place(
@@ -95,12 +100,10 @@ def test_the_last_rollout_rank_killed_inside_its_fetch_a_trainer_rank_takes_its_
                                       "ers.enabled=false")
         job.until(lambda: fetching(run_dir, 0), "rank 0 inside its fetch")
         kill_inside(job, state, run_dir, 0, 1, "the last rollout rank")
-        assert job.wait() == 0, job.output
+        went_on(job, run_dir, 0, "rollout")
         (moved,) = [e for e in events(run_dir, "role_change") if e["dst"] == "rollout"]
         assert moved["reason"] == "no_rollout"
         assert_no_boundary_failed(job, run_dir, [1, 2])
-        assert assert_each_group_once(run_dir)["steps"] == 6
-        assert_nothing_left(run_dir)
 
 
 def test_the_source_actor_killed_while_its_receivers_wait_another_actor_sends(
@@ -113,9 +116,5 @@ def test_the_source_actor_killed_while_its_receivers_wait_another_actor_sends(
         job.until(lambda: fetching(run_dir, 0) and holding(run_dir, 1),
                   "rank 1 holding the boundary, rank 0 inside its fetch")
         kill_inside(job, state, run_dir, 1, 1, "the source actor")
-        assert job.wait() == 0, job.output
-        (dead,) = events(run_dir, "rank_dead")
-        assert (dead["rank"], dead["role"]) == (1, "actor")
+        went_on(job, run_dir, 1, "actor")
         assert "broke off" in rank_log(run_dir, 0)  # its first fetch, from the dead source
-        assert assert_each_group_once(run_dir)["steps"] == 6
-        assert_nothing_left(run_dir)

@@ -164,6 +164,22 @@ def test_a_rank_that_dies_in_a_boundary_is_left_out_and_no_one_waits(tmp_path):
     assert [e["kind"] for e in events(tmp_path, "rank_dead")] == ["rank_dead"]
 
 
+def test_a_failed_boundary_of_a_rank_that_then_dies_is_explained_by_its_death(tmp_path):
+    """A rollout rank whose engine server died fails its boundary, and goes with its server."""
+    with coordinator(tmp_path) as (job, ranks, clock):
+        job.launch()
+        ranks.ack(0, 0, ok=False, error="the engine server is gone")
+        clock.now = job.link.window_s + 0.5
+        for rank in (1, 2):  # rank 0 misses its heartbeats
+            ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
+        job.check_liveness()
+        clock.now += job.link.window_s + 0.5
+        for rank in (1, 2):
+            ranks.send(rank, Heartbeat(rank=rank, sent_at=0.0))
+        job.check_liveness()  # no CoordinatorError: its failure was its death's
+        assert job.controller.state.roles[0].value == "idle"
+
+
 def test_a_failed_boundary_that_no_death_explains_stops_the_job_naming_the_rank(tmp_path):
     with coordinator(tmp_path) as (job, ranks, clock):
         job.launch()

@@ -4,10 +4,10 @@
         every live member (the source publishes the weights; each rank that needs them fetches
         them from its feed on a connection of its own)
     Ack ok ──(rank, version)──> StepController.boundary_acked
-    Ack failed: wait the heartbeat window for a death that explains it: the source's (its
-        receivers' fetches break off) makes the step controller send the boundary again from
-        another actor, which supersedes the attempt; with no such death the job fails, naming
-        the rank and its error
+    Ack failed: wait the heartbeat window for a death that explains it: the rank's own (its
+        engine server died with it), or the source's (its receivers' fetches break off: the
+        step controller sends the boundary again from another actor, which supersedes the
+        attempt); with no such death the job fails, naming the rank and its error
     Ack failed for another command (a training step): the job fails, but only after the
     heartbeat window, so that a rank that died in the step's collective is the one named
     (its peers' "connection closed" errors are its consequence, not the cause)
@@ -49,7 +49,7 @@ class BoundaryLink:
         self.feeds: dict[int, str] = {}  # rank -> host:port of its weight feed (its Hello)
         self.sent: dict[int, tuple[int, b.SyncWeights]] = {}  # seq -> (rank, message)
         self.superseded: set[int] = set()  # seqs of an attempt sent again
-        self.failed: dict[int, FailedBoundary] = {}  # version -> its first failed answer
+        self.failed: dict[tuple[int, int], FailedBoundary] = {}  # (version, rank) -> failure
         self.step_failures: list[tuple[float, b.Ack]] = []  # (deadline, answer)
         self.announced: tuple[Role, ...] = ()  # the roles of the last boundary announced
 
@@ -70,7 +70,7 @@ class BoundaryLink:
                         version=boundary.version,
                         reason=boundary.reason.value if boundary.reason else None)
         self._supersede(boundary.version)
-        self.failed.pop(boundary.version, None)
+        self.failed = {key: f for key, f in self.failed.items() if key[0] != boundary.version}
         sync = b.SyncWeights(
             seq=0, version=boundary.version, src_rank=boundary.src_rank,
             roles=[role.value for role in boundary.roles], members=list(boundary.members),
@@ -96,14 +96,16 @@ class BoundaryLink:
             self.step_failures.append((now + self.window_s, msg))
             return None
         rank, sync = entry
-        self.failed.setdefault(sync.version, FailedBoundary(rank, sync.version,
-                                                            now + self.window_s, msg.error))
+        self.failed[(sync.version, rank)] = FailedBoundary(rank, sync.version,
+                                                           now + self.window_s, msg.error)
         return None
 
     def forget(self, rank: int) -> None:
-        """``rank`` died: its answers will not come."""
+        """``rank`` died: its answers will not come, and its death explains its own failure
+        (an engine server that died with it)."""
         for seq in [s for s, (r, _) in self.sent.items() if r == rank]:
             del self.sent[seq]
+        self.failed = {key: f for key, f in self.failed.items() if key[1] != rank}
 
     def check(self, now: float) -> None:
         """A failure that no death explained within the heartbeat window fails the job."""

@@ -34,8 +34,9 @@ from tiderl.trainer.weight_feed import (
     FEED_BUCKET_BYTES,
     WEIGHTS,
     WeightFeed,
+    check_state,
     fetch,
-    pack_copy,
+    fill_bucket,
 )
 
 PAYLOADS = ("tiny", "small", "synthetic-256MiB")
@@ -59,10 +60,20 @@ def payload(name: str) -> dict[str, torch.Tensor]:
     return {key: tensor for key, tensor in model.state_dict().items() if key in names}
 
 
+def pack_copy(layout, state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``state`` as the layout's buckets in new buffers, as the feed's source copies them."""
+    check_state(layout, state)
+    flats = []
+    for bucket in plan_buckets(layout, FEED_BUCKET_BYTES):
+        flats.append(torch.empty(bucket.numel, dtype=bucket.dtype))
+        fill_bucket(bucket, state, flats[-1])
+    return flats
+
+
 def _broadcast(state: dict[str, torch.Tensor], layout, is_src: bool) -> None:
     """The same buckets in one gloo broadcast each (the source packs them as the feed does)."""
     buckets = plan_buckets(layout, FEED_BUCKET_BYTES)
-    flats = pack_copy(layout, state, FEED_BUCKET_BYTES) if is_src else [
+    flats = pack_copy(layout, state) if is_src else [
         torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
     for bucket, flat in zip(buckets, flats, strict=True):
         dist.broadcast(flat, src=0)

@@ -259,18 +259,6 @@ class _Reader:
             got, last = got + n, time.monotonic()
 
 
-def pack_copy(layout: Layout, state: dict[str, torch.Tensor], bucket_bytes: int
-              ) -> list[torch.Tensor]:
-    """``state`` as the layout's buckets, in new contiguous CPU buffers."""
-    check_state(layout, state)
-    flats = []
-    for bucket in plan_buckets(layout, bucket_bytes):
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
-        fill_bucket(bucket, state, flat)
-        flats.append(flat)
-    return flats
-
-
 def check_state(layout: Layout, state: dict[str, torch.Tensor]) -> None:
     """ValueError, in words, when ``state`` lacks an entry of ``layout`` or has another shape."""
     for name, shape, _ in layout:

@@ -71,14 +71,24 @@ async def _play(daemon: RankDaemon, feeds: list[str]) -> None:
                                       ref_ranks=[], actor_ranks=actors, max_aggregate=2))
 
 
-def _rank(ctx: RankContext, runs: list[tuple[str, int, str]]) -> dict[str, dict]:
-    """Each (backend, port, run dir) in turn: a daemon that joins its own world, as in a job,
+def agreed_port() -> int:
+    """A free port every rank of the live world agrees on, for the next world's store. Picked
+    while this world's connections hold their ports: a port picked before a world opens can be
+    handed to one of its gloo connections before the next store binds it."""
+    port = [free_port() if dist.get_rank() == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    return port[0]
+
+
+def _rank(ctx: RankContext, runs: list[tuple[str, str]]) -> dict[str, dict]:
+    """Each (backend, run dir) in turn: a daemon that joins its own world, as in a job,
     plays the plan and leaves its world before the next one joins."""
-    dist.destroy_process_group()
     out = {}
-    for backend, port, run_dir in runs:
-        out[backend] = _daemon_run(ctx, backend, port, run_dir)
+    for backend, run_dir in runs:
+        port = agreed_port()
         dist.destroy_process_group()
+        out[backend] = _daemon_run(ctx, backend, port, run_dir)
+    dist.destroy_process_group()
     return out
 
 
@@ -110,7 +120,7 @@ def _daemon_run(ctx: RankContext, backend: str, port: int, run_dir: str) -> dict
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     """Both backends in one spawned group (a world each, one after the other)."""
     backends = ("ddp", "fsdp2")
-    runs = [(backend, free_port(), str(tmp_path_factory.mktemp(backend))) for backend in backends]
+    runs = [(backend, str(tmp_path_factory.mktemp(backend))) for backend in backends]
     ranks = run_ranks(_rank, WORLD, runs, timeout_s=300)
     return {backend: [rank[backend] for rank in ranks] for backend in backends}
 

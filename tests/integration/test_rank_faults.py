@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration.test_rank_backends import _steps
+from tests.integration.test_rank_backends import _steps, agreed_port
 from tiderl.core.system import StepMode
 from tiderl.core.types import Role
 from tiderl.profile import load_profile
 from tiderl.runtime.bus import StepDone, StepFailed, SyncWeights, TrainStep
 from tiderl.runtime.rank import RankArgs, RankDaemon
-from tiderl.trainer.spawn import RankContext, free_port, run_ranks
+from tiderl.trainer.spawn import RankContext, run_ranks
 
 A, IDLE = Role.ACTOR, Role.IDLE
 
@@ -47,8 +47,9 @@ async def _play(daemon: RankDaemon, variant: str) -> None:
         await train(daemon, steps, 1, [0], attempt=1 if variant == "died" else 0)
 
 
-def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
-    variant, port, run_dir = arg
+def _rank(ctx: RankContext, arg: tuple[str, str]) -> dict:
+    variant, run_dir = arg
+    port = agreed_port()
     dist.destroy_process_group()  # the daemon joins its own world, as in a job
     profile = load_profile("local", ["trainer.lr=1e-3", "trainer.kl_beta=0",
                                      "runtime.num_ranks=2", "runtime.rollout_ranks=1",
@@ -71,8 +72,8 @@ def _rank(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    return {variant: run_ranks(_rank, 2, (variant, free_port(),
-                                          str(tmp_path_factory.mktemp(variant))), timeout_s=300)
+    return {variant: run_ranks(_rank, 2, (variant, str(tmp_path_factory.mktemp(variant))),
+                                timeout_s=300)
             for variant in ("died", "clean")}
 
 

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from tiderl.launch.control import alive
 from tiderl.launch.hosts import Hosts
 from tiderl.launch.job import JobResult, job_info, run_job
 from tiderl.launch.local import (
@@ -161,11 +162,20 @@ class SSHExecutor:
 def stop_on_nodes(job: JobRecord, sessions: dict[str, NodeSession],
                   grace_s: float) -> dict[str, str]:
     """As :func:`tiderl.launch.local.stop_processes`, on the nodes: the coordinator first, then
-    every node's others (each node's last started first), on all those nodes at once."""
+    every node's others (each node's last started first), on all those nodes at once. A
+    coordinator that has ended (a job that finished, or that its launcher stopped) has nothing
+    left to record: it goes with the others, and its node's stop is one command, not two."""
     first, rest = split_coordinator(job.processes)
+    if first and not any(alive(_state_on_node(r, sessions)) for r in first):
+        return _stop_each_node(job.processes, sessions, grace_s)
     outcome = _stop_each_node(first, sessions, max(grace_s, COORDINATOR_GRACE_S))
     outcome.update(_stop_each_node(rest, sessions, grace_s))
     return outcome
+
+
+def _state_on_node(record: ProcessRecord, sessions: dict[str, NodeSession]) -> str | None:
+    """The process's state letter, read over SFTP (no command on the node)."""
+    return sessions[record.host].states([record.pid])[record.pid]
 
 
 def _stop_each_node(records: Sequence[ProcessRecord], sessions: dict[str, NodeSession],

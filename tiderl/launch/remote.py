@@ -30,13 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from tiderl.launch.control import alive
 from tiderl.launch.hosts import Hosts
 from tiderl.launch.job import JobResult, job_info, run_job
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
     JobRecord,
     ProcessRecord,
+    alive,
     records_by_host,
     split_coordinator,
 )
@@ -120,7 +120,7 @@ class SSHExecutor:
             for host, records in records_by_host(self.job.processes).items():
                 states = self.sessions[host].states([r.pid for r in records])
                 for record in records:
-                    if record.pid not in self._ended and states[record.pid] in (None, "Z", "X"):
+                    if record.pid not in self._ended and not alive(states[record.pid]):
                         self._ended[record.pid] = self._exit_code(record)
         return [(r, self._ended[r.pid]) for r in self.job.processes if r.pid in self._ended]
 

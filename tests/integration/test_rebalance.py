@@ -114,7 +114,7 @@ def test_a_manual_plan_in_mode_tiderl_is_applied_held_and_handed_back(tmp_path):
         assert launcher.poll() is None
     # the job is gone: nobody answers, in one line
     line = one_line_error(tiderl("rebalance", state.job_id, "--rollout", "2", "--trainer", "1",
-                                 "--timeout", "1", *args))
+                                 "--timeout", "0.1", *args))
     assert "no answer from the coordinator of job" in line
 
 

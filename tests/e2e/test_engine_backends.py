@@ -39,7 +39,7 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     cold start wakes rank 2's server at launch (weights from disk) and puts it back to sleep
     after step 0; every new version reaches the rollout servers as an HF folder; CTB's pins
     reach rank 0's server (its pin counter, read while the job runs)."""
-    profile = load_profile("local", [*SMALL, "job.steps=3"])
+    profile = load_profile("local", [*SMALL, "job.steps=3", "job.batch_groups=1"])
     pins: list[float] = []
     outsiders: set[int] = set()  # what the job's servers answer a request without its token
 

@@ -20,7 +20,7 @@ from tiderl.profile import load_profile
 
 JOB = [
     "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=4",
-    "job.batch_min_groups=1", "job.batch_groups=2", "env.envs=[calc]", "env.tasks={}",
+    "job.batch_min_groups=1", "job.batch_groups=1", "env.envs=[calc]", "env.tasks={}",
     "env.options={}", "env.max_turns=3",
     "engine.max_new_tokens=24", "engine.kv_cache_tokens=4096", "runtime.heartbeat_s=0.5",
     "job.steps=2", "logging.rollouts=true", "report.plots=false",

@@ -39,20 +39,25 @@ def test_a_job_on_http_engine_servers_trains_with_weights_by_disk(tmp_path):
     cold start wakes rank 2's server at launch (weights from disk) and puts it back to sleep
     after step 0; every new version reaches the rollout servers as an HF folder; CTB's pins
     reach rank 0's server (its pin counter, read while the job runs)."""
-    profile = load_profile("local", [*SMALL, "job.steps=3"])
+    profile = load_profile("local", [*SMALL, "job.steps=3", "job.batch_groups=1"])
     pins: list[float] = []
     outsiders: set[int] = set()  # what the job's servers answer a request without its token
+
+    # one client for every snapshot: each new one loads the CA bundle (40 ms of CPU, 3 times a
+    # snapshot, taken from the job's processes)
+    http = httpx.Client(timeout=5)
 
     def read_pins(snap) -> None:  # rank 0's server, while the job runs
         ports = JobRecord.load(next(tmp_path.glob("*/job.json")).parent).info["ports"]
         with contextlib.suppress(httpx.HTTPError):
-            page = httpx.get(f"http://127.0.0.1:{ports['engine0']}/metrics", timeout=5).text
+            page = http.get(f"http://127.0.0.1:{ports['engine0']}/metrics").text
             pins.append(parse_prometheus(page)["tiderl:pins"])
             for url in (f"http://127.0.0.1:{ports['engine0']}/tiderl/flush",
                         f"http://127.0.0.1:{ports['env']}/start"):
-                outsiders.add(httpx.post(url, json={"env": "guess"}, timeout=5).status_code)
+                outsiders.add(http.post(url, json={"env": "guess"}).status_code)
 
-    result = run_local(profile, run_root=tmp_path, on_snapshot=read_pins)
+    with http:
+        result = run_local(profile, run_root=tmp_path, on_snapshot=read_pins)
     assert result.exit_code == 0 and result.report is not None
     assert pins and max(pins) > 0  # CTB's pins went to the server's admin route, with the token
     assert outsiders == {401}  # the job's engine and environment servers need the job's tokens

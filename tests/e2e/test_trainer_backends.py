@@ -10,23 +10,28 @@ import pytest
 import torch
 
 from tests.integration.running_job import running_job
-from tests.integration.test_rebalance import kinds, read, rebalance_applied
+from tests.integration.test_rebalance import kinds, read, rebalance_applied, tiderl_here
 from tiderl.models.loading import load_model
 
-STEPS = 24  # a step takes about a second: both moves are applied by step 5 or so (by step
-#              12 on a machine loaded to 13, where each `tiderl rebalance` takes seconds to start)
+# `tiderl rebalance` runs in this process: a new interpreter took seconds to start on a loaded
+# machine while the job went on, and 24 steps were needed for both moves to land before the end.
+# The first plan goes after step 0, the second once the first is applied: they land at versions
+# 2 and 3 (3 and 4 on a machine loaded to 11, where a step takes about a second)
+STEPS = 10
+EXPORT_EVERY = 4  # HF folders at 4 and 8, on the cadence, and at 10, the end, off it
 
 
 def test_an_fsdp2_job_trains_through_rebalance_moves_and_exports_hf_folders(tmp_path):
     runs = tmp_path / "runs"
-    with running_job(runs, "trainer.backend=fsdp2", "trainer.export_every=4",
+    with running_job(runs, "trainer.backend=fsdp2", f"trainer.export_every={EXPORT_EVERY}",
                      "ra2p.placement=colocated", "trainer.lr_schedule=cosine",
                      "trainer.warmup_steps=2", steps=STEPS, wait_steps=1,
                      timeout_s=240) as (state, launcher):
         args = ("--run-root", str(runs))
-        out = rebalance_applied(state.job_id, "2", "1", args)  # an actor leaves for rollout
-        back = rebalance_applied(state.job_id, "1", "2", args)  # and comes back: a joiner
-        assert back["version"] > out["version"]
+        # an actor leaves for rollout, and comes back: a joiner
+        out = rebalance_applied(state.job_id, "2", "1", args, run=tiderl_here)
+        back = rebalance_applied(state.job_id, "1", "2", args, run=tiderl_here)
+        assert out["version"] < back["version"] < STEPS, (out, back)  # a step after each
         assert launcher.wait(240) == 0, (runs / "launcher.log").read_text()[-2000:]
     run_dir = Path(state.run_dir)
     records = read(run_dir, "metrics.jsonl")
@@ -40,12 +45,13 @@ def test_an_fsdp2_job_trains_through_rebalance_moves_and_exports_hf_folders(tmp_
     assert all(r["trained_loss_tokens"] > 0 for r in records)
 
     exports = sorted(p.name for p in (run_dir / "hf").iterdir() if not p.name.startswith("."))
-    assert exports == [f"step-{v:08d}" for v in range(4, STEPS + 1, 4)]  # STEPS: one of them
+    versions = sorted({*range(EXPORT_EVERY, STEPS + 1, EXPORT_EVERY), STEPS})
+    assert exports == [f"step-{v:08d}" for v in versions]
     final = run_dir / "hf" / f"step-{STEPS:08d}"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in
                                                                        final.iterdir()}
     ours = load_model(final)  # what `tiderl engine serve --model` loads
-    first = load_model(run_dir / "hf" / "step-00000004")
+    first = load_model(run_dir / "hf" / f"step-{EXPORT_EVERY:08d}")
     assert not torch.equal(ours.lm_head.weight, first.lm_head.weight)  # training went on
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)

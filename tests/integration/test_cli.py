@@ -104,6 +104,24 @@ def test_job_commands_on_a_missing_job_or_server_exit_1_with_one_line(args, text
     assert text in line
 
 
+def test_logs_follow_of_an_ended_job_prints_every_line_and_ends(tmp_path):
+    """-f on a job whose processes have all ended: one read of the whole log (its last line
+    too, which its process left without a newline), then exit 0."""
+    from tiderl.launch.local import JobRecord, ProcessRecord
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    run_dir = tmp_path / "runs" / "j1"
+    (run_dir / "logs").mkdir(parents=True)
+    log = run_dir / "logs" / "rank0.log"
+    log.write_text("rank 0 up\nrank 0: last words")
+    JobRecord("j1", str(run_dir), 0.0, [ProcessRecord("rank0", "rank", int(ended.stdout),
+                                                     str(log), [], rank=0)]).save()
+    proc = tiderl("logs", "j1", "-f", "--run-root", str(tmp_path / "runs"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["rank 0 up", "rank 0: last words"]
+
+
 def test_a_run_root_that_cannot_hold_a_run_folder_is_one_line_with_exit_2(tmp_path):
     root = tmp_path / "runs"
     root.write_text("a file where the run root should be")

@@ -71,7 +71,7 @@ class Terminal:
 
 def test_the_first_job_at_80_columns_shows_its_step_counter_and_status_the_whole_id(tmp_path):
     run_root = tmp_path / "runs"
-    command = shlex.join([*tiderl_command(), *small_job_args(run_root, steps=3)])
+    command = shlex.join([*tiderl_command(), *small_job_args(run_root, steps=2)])
     term = Terminal(command)
     try:
         lines = term.wait_exit(timeout_s=300)
@@ -81,7 +81,7 @@ def test_the_first_job_at_80_columns_shows_its_step_counter_and_status_the_whole
     progress = [line for line in lines if STEP_LINE.match(line)]
     assert progress, "\n".join(lines)  # the line the launcher left: its last redraw
     assert all(len(line) <= WIDTH for line in progress), progress
-    assert STEP_LINE.match(progress[-1]).groups() == ("3", "3"), progress
+    assert STEP_LINE.match(progress[-1]).groups() == ("2", "2"), progress
 
     job = next(path.name for path in run_root.iterdir())
     term = Terminal(shlex.join([*tiderl_command(), "status", "--run-root", str(run_root)]))

@@ -126,7 +126,7 @@ def test_sglang_client_updates_from_disk_releases_and_resumes_memory(models):
 
 SMALL = [
     "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=4",
-    "job.batch_min_groups=1", "job.batch_groups=2", "env.max_turns=4", "engine.max_new_tokens=8",
+    "job.batch_min_groups=1", "job.batch_groups=1", "env.max_turns=4", "engine.max_new_tokens=8",
     "engine.kv_cache_tokens=2048", "env.step_latency.median_s=0.02", "runtime.heartbeat_s=0.5",
     "job.steps=2", "report.plots=false",
 ]

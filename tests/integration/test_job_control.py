@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -149,6 +150,9 @@ def test_top_and_logs_follow_the_job_through_a_frozen_coordinator_until_stop_end
     job_id, root = state.job_id, ("--run-root", str(run_root))
     coordinator = next(p.pid for p in state.processes if p.kind == "coordinator")
     pane = Pane(tmux, shlex.join([*tiderl_command(), "top", job_id, *root]))
+    # -f follows until the job ends; it starts beside top (each a new `tiderl` process)
+    follow = subprocess.Popen([*tiderl_command(), "logs", job_id, "--rank", "0", "-f", *root],
+                              stdout=subprocess.PIPE, text=True)
     try:
         first = pane.wait_for(lambda t: CONNECTED.search(t) and STEP.search(t)
                               and re.search(r"^ +\d +rollout ", t, re.M)
@@ -166,9 +170,7 @@ def test_top_and_logs_follow_the_job_through_a_frozen_coordinator_until_stop_end
         back = pane.wait_for(lambda t: CONNECTED.search(t), "connected again", timeout_s=30)
         assert "disconnected" not in back and "job ended" not in back
 
-        # -f follows until the job ends: once it prints, stop the job from the side
-        follow = subprocess.Popen([*tiderl_command(), "logs", job_id, "--rank", "0", "-f",
-                                   *root], stdout=subprocess.PIPE, text=True)
+        # once -f has printed, stop the job from the side: -f ends with it
         first_line = follow.stdout.readline()  # "" only if it ended without a line
         stopped = {}
         stopper = threading.Thread(target=lambda: stopped.update(proc=tiderl(
@@ -192,9 +194,16 @@ def test_top_and_logs_follow_the_job_through_a_frozen_coordinator_until_stop_end
         assert "Traceback" not in done
     finally:
         pane.kill()
-    ended = json.loads(tiderl("status", job_id, *root, "--json").stdout)
+        if follow.poll() is None:
+            follow.kill()
+        follow.wait()
+    with ThreadPoolExecutor(3) as pool:  # three `tiderl` processes: at once
+        status, status_nope, stop_nope = pool.map(lambda args: tiderl(*args), [
+            ("status", job_id, *root, "--json"), ("status", "nope", *root),
+            ("stop", "nope", *root)])
+    ended = json.loads(status.stdout)
     coordinator_log = Path(state.run_dir, "logs", "coordinator.log").read_text()
     assert ended["state"] == "stopped", coordinator_log[-3000:]  # by `tiderl stop`
     assert "report: " in coordinator_log  # written before the rest of the job was stopped
-    assert_one_line_error(tiderl("status", "nope", *root), 1)
-    assert_one_line_error(tiderl("stop", "nope", *root), 1)
+    assert_one_line_error(status_nope, 1)
+    assert_one_line_error(stop_nope, 1)

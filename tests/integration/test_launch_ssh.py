@@ -131,8 +131,10 @@ def test_status_logs_and_stop_act_on_a_running_ssh_job(nodes, tmp_path):
         job = _wait_for_step(run_root, tmp_path / "a", launcher, step=1)
         root = ("--run-root", str(run_root))
         state = JobRecord.load(run_root / job)
-        _reads_work_on_it(job, root, state)
-        _rebalance_works_on_it(job, root)
+        with ThreadPoolExecutor(1) as side:  # the rebalance waits for a boundary: the reads
+            rebalancing = side.submit(_rebalance_works_on_it, job, root)  # run meanwhile
+            _reads_work_on_it(job, root, state)
+            rebalancing.result()
         stop = tiderl("stop", job, *root, "--json")
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout)["launcher_stopped"] is True

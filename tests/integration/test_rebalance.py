@@ -3,19 +3,33 @@ next boundary and held; impossible plans are refused in one line and the job goe
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.integration.bus_ranks import ARRIVE_S, sent_so_far
 from tests.integration.running_job import running_job
 from tests.integration.serving import tiderl_command
+from tiderl.cli.main import main as tiderl_main
 
 
 def tiderl(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run([*tiderl_command(), *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def tiderl_here(*args: str) -> subprocess.CompletedProcess:
+    """``tiderl *args`` run by the CLI's ``main`` in this process (imported with this module,
+    before any job starts), its stdout and stderr caught: the same command without a new
+    interpreter, whose start takes seconds on a loaded machine while a job's steps go on."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = tiderl_main(list(args))
+    return subprocess.CompletedProcess(["tiderl", *args], code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
@@ -49,9 +63,11 @@ def kinds(run_dir: Path, *wanted: str) -> list[dict]:
     return [e for e in read(run_dir, "events.jsonl") if e["kind"] in wanted]
 
 
-def rebalance_applied(job: str, rollout: str, trainer: str, args: tuple[str, ...]) -> dict:
-    """Run ``tiderl rebalance`` until applied; its rebalance_applied event."""
-    proc = tiderl("rebalance", job, "--rollout", rollout, "--trainer", trainer, *args)
+def rebalance_applied(job: str, rollout: str, trainer: str, args: tuple[str, ...],
+                      run: Callable[..., subprocess.CompletedProcess] = tiderl) -> dict:
+    """Run ``tiderl rebalance`` (by ``run``: a process of its own, or :func:`tiderl_here`) until
+    applied; its rebalance_applied event."""
+    proc = run("rebalance", job, "--rollout", rollout, "--trainer", trainer, *args)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("accepted: applies at the next boundary (after step ")
     assert "applied at version" in proc.stdout and "held until" in proc.stdout
@@ -114,7 +130,7 @@ def test_a_manual_plan_in_mode_tiderl_is_applied_held_and_handed_back(tmp_path):
         assert launcher.poll() is None
     # the job is gone: nobody answers, in one line
     line = one_line_error(tiderl("rebalance", state.job_id, "--rollout", "2", "--trainer", "1",
-                                 "--timeout", "1", *args))
+                                 "--timeout", "0.1", *args))
     assert "no answer from the coordinator of job" in line
 
 

@@ -21,8 +21,7 @@ if TYPE_CHECKING:  # imported where used: `tiderl --help` loads no SSH client
     from tiderl.launch.local import JobRecord
 
 RunRootOpt = typer.Option(None, "--run-root", help="Folder of run folders (default: runs/).")
-FOLLOW_POLL_S = 0.5
-ENDED_CHECK_S = 2.0
+FOLLOW_POLL_S = 0.5  # logs -f: new lines, and whether the job has ended (/proc, or SFTP reads)
 
 
 def status(
@@ -113,23 +112,20 @@ def logs(
         prefix = len(records) > 1
         offsets = dict.fromkeys((r.name for r in records), 0)
         with sessions(job_record) as nodes:
-            checked = time.monotonic()
             while True:
+                # whether it has ended, read before its logs: what it wrote before is in them
+                ended = not follow or not is_job_alive(job_record, nodes)
                 for record in records:
                     fallback = Path(job_record.run_dir) / "logs" / Path(record.log).name
                     data = read_log(record, nodes, offsets[record.name], fallback)
                     if data:
                         text = data.decode(errors="replace")
-                        if follow and not text.endswith("\n"):  # print whole lines only
+                        if not ended and not text.endswith("\n"):  # print whole lines only
                             text = text[:text.rfind("\n") + 1]
                         offsets[record.name] += len(text.encode())
                         _print_lines(text, record.name if prefix else None)
-                if not follow:
+                if ended:
                     return
-                if time.monotonic() - checked >= ENDED_CHECK_S:
-                    checked = time.monotonic()
-                    if not is_job_alive(job_record, nodes):
-                        return
                 time.sleep(FOLLOW_POLL_S)
     except LaunchError as exc:
         raise CLIError(f"tiderl logs: {exc}") from None

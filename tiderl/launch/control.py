@@ -29,6 +29,7 @@ from tiderl.launch.local import (
     JobRecord,
     LaunchError,
     ProcessRecord,
+    alive,
     is_running,
     process_state,
     records_by_host,
@@ -128,10 +129,6 @@ def process_states(job: JobRecord, nodes: dict[str, NodeSession]) -> dict[str, s
         found = nodes[host].states([r.pid for r in records])
         states.update({r.name: found[r.pid] for r in records})
     return states
-
-
-def alive(letter: str | None) -> bool:
-    return letter is not None and letter not in ("Z", "X")
 
 
 def is_job_alive(job: JobRecord, nodes: dict[str, NodeSession] | None = None) -> bool | None:

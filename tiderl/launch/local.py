@@ -111,9 +111,14 @@ def stat_state(stat: str) -> str:
     return stat.rsplit(")", 1)[1].split()[0]  # the name field may hold spaces and parentheses
 
 
+def alive(letter: str | None) -> bool:
+    """Whether a process in this state letter runs (None: there is no such process; a zombie
+    has ended, it is only not reaped yet)."""
+    return letter is not None and letter not in ("Z", "X")
+
+
 def is_running(pid: int) -> bool:
-    state = process_state(pid)
-    return state is not None and state not in ("Z", "X")
+    return alive(process_state(pid))
 
 
 class LocalExecutor:

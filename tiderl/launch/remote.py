@@ -26,6 +26,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
     JobRecord,
     ProcessRecord,
+    alive,
     records_by_host,
     split_coordinator,
 )
@@ -118,7 +120,7 @@ class SSHExecutor:
             for host, records in records_by_host(self.job.processes).items():
                 states = self.sessions[host].states([r.pid for r in records])
                 for record in records:
-                    if record.pid not in self._ended and states[record.pid] in (None, "Z", "X"):
+                    if record.pid not in self._ended and not alive(states[record.pid]):
                         self._ended[record.pid] = self._exit_code(record)
         return [(r, self._ended[r.pid]) for r in self.job.processes if r.pid in self._ended]
 
@@ -160,13 +162,39 @@ class SSHExecutor:
 def stop_on_nodes(job: JobRecord, sessions: dict[str, NodeSession],
                   grace_s: float) -> dict[str, str]:
     """As :func:`tiderl.launch.local.stop_processes`, on the nodes: the coordinator first, then
-    every node's others (each node's last started first)."""
+    every node's others (each node's last started first), on all those nodes at once. A
+    coordinator that has ended (a job that finished, or that its launcher stopped) has nothing
+    left to record: it goes with the others, and its node's stop is one command, not two."""
     first, rest = split_coordinator(job.processes)
+    if first and not any(alive(_state_on_node(r, sessions)) for r in first):
+        return _stop_each_node(job.processes, sessions, grace_s)
+    outcome = _stop_each_node(first, sessions, max(grace_s, COORDINATOR_GRACE_S))
+    outcome.update(_stop_each_node(rest, sessions, grace_s))
+    return outcome
+
+
+def _state_on_node(record: ProcessRecord, sessions: dict[str, NodeSession]) -> str | None:
+    """The process's state letter, read over SFTP (no command on the node)."""
+    return sessions[record.host].states([record.pid])[record.pid]
+
+
+def _stop_each_node(records: Sequence[ProcessRecord], sessions: dict[str, NodeSession],
+                    grace_s: float) -> dict[str, str]:
+    """Stop ``records`` on their nodes, a thread per node: each node's stop is a command that
+    starts the login shell there and may wait out the grace period, so nodes stopped one after
+    the other would add those up. The first node error is raised once every node is done."""
+    by_host = records_by_host(records)
+
+    def stop(host: str) -> dict[str, str]:
+        on_host = by_host[host]
+        ended = sessions[host].stop([r.pid for r in reversed(on_host)], grace_s)
+        return {r.name: ended[r.pid] for r in on_host}
+
+    with ThreadPoolExecutor(max(1, len(by_host))) as pool:
+        results = [pool.submit(stop, host) for host in by_host]
     outcome: dict[str, str] = {}
-    for records, grace in ((first, max(grace_s, COORDINATOR_GRACE_S)), (rest, grace_s)):
-        for host, on_host in records_by_host(records).items():
-            ended = sessions[host].stop([r.pid for r in reversed(on_host)], grace)
-            outcome.update({r.name: ended[r.pid] for r in on_host})
+    for result in results:
+        outcome.update(result.result())
     return outcome
 
 

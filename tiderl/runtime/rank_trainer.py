@@ -8,7 +8,9 @@ or fetching them on the weight feed, the HF export, the checkpoint).
         version, from the source actor's feed; take_role builds, rewraps or drops the workers
 
 Every collective and fetch here runs in a worker thread (``asyncio.to_thread``), so the rank's
-event loop keeps sending heartbeats while a gather or a fetch blocks.
+event loop keeps sending heartbeats while a gather or a fetch blocks. A step whose task is
+cancelled (the rank stops: SIGTERM) aborts its stream, so that its thread, waiting there for
+micro-batches, ends with it: the interpreter's exit joins it.
 """
 
 from __future__ import annotations
@@ -166,6 +168,9 @@ class TrainerSide:
             before = self.actor.version if self.actor is not None else None
             try:
                 result = await asyncio.to_thread(executor.run_step, stream, stream, time.time())
+            except asyncio.CancelledError:  # the rank stops: its thread must not wait on
+                stream.abort()  # micro-batches that never come (the exit joins that thread)
+                raise
             except Exception as exc:  # the coordinator settles it with the step's other ranks
                 self._step_failed(cmd, before, exc)
                 return version

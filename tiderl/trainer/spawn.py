@@ -6,7 +6,8 @@ process of its own, so nothing is shared but the sockets: multiprocessing's ``fo
 forks it from a server process that has only imported ``PRELOAD`` (torch, and what DDP imports
 on first use), once for all the groups this process runs. A ``spawn``-ed interpreter imported
 all of it again for every rank: about 5 s of CPU each (2 of them DDP's first wrap, which
-imports torch._dynamo through torch.distributed._functional_collectives).
+imports torch._dynamo: named in ``PRELOAD`` itself, since torch 2.13's
+torch.distributed._functional_collectives no longer imports it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.multiprocessing as mp
 T = TypeVar("T")
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed._functional_collectives",
-           "tiderl.trainer.parallel", "tiderl.trainer.spawn")
+           "torch._dynamo", "tiderl.trainer.parallel", "tiderl.trainer.spawn")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class TransformersEngine:
         self.version = 0
         self.is_asleep = False
         self.sampler = Sampler(seed=0)
+        self.saved_buffers: dict[str, torch.Tensor] = {}  # while asleep
         self.lock = threading.Lock()
         self.running = 0
         self.prompt_tokens = 0
@@ -165,16 +166,22 @@ class TransformersEngine:
 
     def sleep(self) -> None:
         """Free the weights (vLLM's sleep level 2): they live on the meta device until
-        ``wake_up`` loads every one of them again."""
+        ``wake_up`` loads every one of them again. The buffers no checkpoint holds (the
+        rotary frequencies) are kept aside and put back, as vLLM does: a wake would leave them
+        uninitialised memory, and the logits NaN at random."""
         with self.lock:
             if self.running:
                 raise ValueError("sleep: requests in flight")
+            self.saved_buffers = {name: buffer.clone()
+                                  for name, buffer in self.model.named_buffers()}
             self.model.to("meta")
             self.is_asleep = True
 
     def wake_up(self, state: dict[str, torch.Tensor], version: int) -> None:
         with self.lock:
             self.model.to_empty(device="cpu")
+            for name, buffer in self.model.named_buffers():
+                buffer.copy_(self.saved_buffers[name])
             missing, unknown = self.model.load_state_dict(state, strict=False)
             self.model.tie_weights()
             tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()

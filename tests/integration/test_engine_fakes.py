@@ -191,3 +191,20 @@ def test_a_job_trains_another_architecture_rolling_out_on_vllm(tmp_path):
     assert after.keys() == fakes[0].engine.model.state_dict().keys()
     for name, tensor in fakes[0].engine.model.state_dict().items():
         assert torch.equal(tensor, after[name]), name  # the server serves the trained weights
+
+
+def test_the_transformers_engine_serves_the_same_tokens_after_a_sleep_and_wake(tmp_path):
+    """Its sleep frees every weight (the meta device) and its wake loads them again; the
+    buffers no checkpoint holds (Llama's rotary frequencies) come back as they were."""
+    folder = write_tiny_llama(tmp_path / "llama")
+    engine = TransformersEngine(folder, kv_cache_tokens=2048)
+    buffers = {name: b.clone() for name, b in engine.model.named_buffers()}
+    assert buffers  # the rotary frequencies
+    before = asyncio.run(engine.generate("a", PROMPT, GREEDY))
+    engine.sleep()
+    assert engine.model.model.embed_tokens.weight.is_meta
+    engine.wake_up(load_state_dict(folder), 1)
+    after = asyncio.run(engine.generate("b", PROMPT, GREEDY))
+    for name, buffer in engine.model.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    assert after.output_ids == before.output_ids and after.logprobs == before.logprobs

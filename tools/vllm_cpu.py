@@ -16,8 +16,17 @@ What the CPU build needs here (the facts behind each stage):
   (``TIDERL_ONEDNN_SRC``, by default ``../shared/vendor/onednn-v3.13.tar.gz`` beside the repo).
 - vLLM asks for g++ >= 12.3 for its AVX-512 BF16/VNNI flags; Debian 12 has 12.2, which builds
   and runs them, so the check is lowered to 12.2.
+- g++ 12.2 stops with an internal compiler error on 0.34's sparse-MLA decode kernel
+  (``csrc/cpu/sgl-kernels/flash_mla.cpp``: a local ``constexpr`` array bound used inside a lambda
+  of a template); made ``static constexpr``, it compiles to the same code.
 - vLLM is installed without its dependency resolution (its wheel asks for ``torch==2.14.0+cpu``
   and a triton-cpu wheel from GitHub); its runtime requirements are installed beside it.
+- On x86, vLLM 0.34 refuses to start without triton-cpu, whose only wheels are on GitHub. vLLM
+  has a runner without Triton (the standalone CPU model runner, torch and its own C++ ops), which
+  it builds and picks on the other CPUs only: its ops (``block_table.cpp``, ``input_batch.cpp``
+  and their bindings) are built into the x86 modules too, and the installed platform check
+  picks that runner wherever Triton has no CPU backend. The API server, the scheduler, the KV
+  cache manager and the routes are vLLM's own either way.
 """
 
 from __future__ import annotations
@@ -27,7 +36,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +43,7 @@ import tarfile
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 VLLM_VERSION = "0.34.0"
@@ -50,6 +59,60 @@ REPO = Path(__file__).resolve().parents[1]
 
 class StageError(Exception):
     """A stage failed: the message is the one line the user sees."""
+
+
+@dataclass(frozen=True)
+class TextPatch:
+    """One replacement in a file, applied once: a file that has ``new`` already is left as it
+    is, one that has neither is a one-line failure (the upstream text changed)."""
+
+    what: str
+    old: str
+    new: str
+
+    def __post_init__(self) -> None:
+        assert self.new not in self.old, "a patched text must not be in the one it replaces"
+
+    def apply(self, path: Path) -> None:
+        text = path.read_text()
+        if self.new in text:
+            return
+        if self.old not in text:
+            raise StageError(f"patch: {path.name} has no {self.what} (its text changed)")
+        path.write_text(text.replace(self.old, self.new))
+
+
+_GXX = "CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.{}"
+_MLA = "constexpr int64_t kBLOCK_H_MAX = 16;"
+_UTILS = '"csrc/cpu/utils.cpp"\n        "csrc/cpu/spec_decode_utils.cpp"'
+SOURCE_PATCHES = [
+    ("cmake/cpu_extension.cmake", TextPatch("g++ 12.3 check to lower", _GXX.format(3),
+                                            _GXX.format(2))),
+    ("csrc/cpu/sgl-kernels/flash_mla.cpp", TextPatch("kBLOCK_H_MAX to make static",
+                                                     f"\n  {_MLA}", f"\n  static {_MLA}")),
+    # the standalone runner's ops, which vLLM builds for the CPUs other than x86 only
+    ("cmake/cpu_extension.cmake", TextPatch(
+        "x86 source list to add the runner's ops to", _UTILS,
+        _UTILS.replace("\n", '\n        "csrc/cpu/block_table.cpp"\n'
+                       '        "csrc/cpu/input_batch.cpp"\n', 1))),
+    ("csrc/cpu/torch_bindings.cpp", TextPatch(
+        "first include", "#include <torch/all.h>\n",
+        "#define VLLM_STANDALONE_CPU_MRV2  // tiderl: the runner's ops on x86 too\n"
+        "#include <torch/all.h>\n")),
+]
+_X86_NEEDS_TRITON = "cls.get_cpu_architecture() == CpuArchEnum.X86 and not HAS_TRITON"
+_STANDALONE = "return not HAS_TRITON and cls.get_cpu_architecture() != CpuArchEnum.X86"
+INSTALLED_PATCHES = [  # in the installed package: x86 without triton-cpu takes that runner
+    ("vllm/platforms/cpu.py", TextPatch("x86 Triton check", f"if {_X86_NEEDS_TRITON}:",
+                                        f"if False and {_X86_NEEDS_TRITON}:")),
+    ("vllm/platforms/cpu.py", TextPatch("standalone runner choice", _STANDALONE,
+                                        "return not HAS_TRITON  # tiderl: on x86 too")),
+]
+TORCH_CUDA_STUB = TextPatch(
+    "include of public/cuda.cmake", 'include("${CMAKE_CURRENT_LIST_DIR}/public/cuda.cmake")',
+    "# tiderl: no CUDA on this machine; the CPU extension links none of it\n"
+    "  if(NOT TARGET torch::cudart)\n    add_library(torch::cudart INTERFACE IMPORTED)\n"
+    "  endif()")
 
 
 def cache_root() -> Path:
@@ -138,27 +201,10 @@ class Build:
         (self.onednn.parent / top.pop()).rename(self.onednn)
 
     def patch(self) -> None:
-        """The compiler check lowered to the g++ that is here, and torch's CUDA CMake part
-        replaced by an empty target (see the module's docstring)."""
-        cmake = self.src / "cmake" / "cpu_extension.cmake"
-        text = cmake.read_text()
-        check = "CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.{}"
-        if check.format(3) in text:
-            cmake.write_text(text.replace(check.format(3), check.format(2)))
-        elif check.format(2) not in text:
-            raise StageError(f"patch: {cmake.name} has no g++ 12.3 check to lower (vLLM changed)")
-        config = torch_cmake_config(self.python)
-        text = config.read_text()
-        include = re.search(r'^\s*include\("\$\{CMAKE_CURRENT_LIST_DIR\}/public/cuda\.cmake"\)',
-                            text, flags=re.MULTILINE)
-        if include is None:
-            if "tiderl: no CUDA" in text:
-                return
-            raise StageError(f"patch: {config} does not include public/cuda.cmake (torch changed)")
-        config.write_text(text[:include.start()] + "\n  # tiderl: no CUDA on this machine; the CPU "
-                          "extension links none of it\n  if(NOT TARGET torch::cudart)\n"
-                          "    add_library(torch::cudart INTERFACE IMPORTED)\n  endif()"
-                          + text[include.end():])
+        """The source and the cache's torch as this machine builds them (``PATCHES``)."""
+        for relative, change in SOURCE_PATCHES:
+            change.apply(self.src / relative)
+        TORCH_CUDA_STUB.apply(torch_cmake_config(self.python))
 
     def build(self) -> None:
         """The wheel, its three extension modules (AMX/AVX-512 BF16, AVX-512, AVX2)."""
@@ -177,9 +223,12 @@ class Build:
     def install(self) -> None:
         """The wheel without its dependency pins, then vLLM's runtime requirements."""
         wheel = next(self.wheels.glob("vllm-*.whl"))
-        self.pip("install", "--no-deps", "--force-reinstall", str(wheel))
+        self.pip("install", "install", "--no-deps", "--force-reinstall", str(wheel))
+        site = next(self.venv.glob("lib/python3*/site-packages"))
+        for relative, change in INSTALLED_PATCHES:
+            change.apply(site / relative)
         extra = RUNTIME_EXTRA if platform.machine() in ("x86_64", "AMD64") else RUNTIME_EXTRA[:1]
-        self.pip("install", "-r", str(self.src / "requirements" / "common.txt"), *extra)
+        self.pip("install", "install", "-r", str(self.src / "requirements" / "common.txt"), *extra)
 
     def check(self) -> None:
         """vLLM imports, with the extension module this CPU picks, and its CLI answers."""

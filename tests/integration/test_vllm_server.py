@@ -74,9 +74,10 @@ def test_the_metric_names_ctb_reads_are_on_the_page(server):
     url, _, _ = server
     page = httpx.get(f"{url}/metrics", timeout=30).text
     names = VLLM_NAMINGS[0]
-    for field in ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc",
-                  "num_requests_running", "num_requests_waiting"):
-        assert f"{getattr(names, field)}{{" in page, field
+    for gauge in (names.usage, names.running, names.waiting):
+        assert f"\n{gauge}{{" in page, gauge
+    for counter in (names.queries, names.hits, names.preemptions):
+        assert f"\n{counter}_total{{" in page, counter
     assert "vllm:cache_config_info{" in page
 
 

@@ -241,9 +241,11 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
     assert sglang.ranks[0].argv[-2:] == ("--engine-url", "http://127.0.0.1:6000")
 
 
-def test_a_vllm_server_on_the_cpu_gets_the_kv_pool_exactly_and_no_sleep_mode():
-    """vLLM's CPU backend: its pool is engine.kv_cache_tokens in engine.block_size blocks (it
-    would reserve a share of all memory otherwise), and --enable-sleep-mode stops its start."""
+def test_a_vllm_server_on_the_cpu_gets_the_kv_pool_exactly_and_no_sleep_mode(tmp_path):
+    """vLLM's CPU backend: its pool is engine.kv_cache_tokens in blocks of engine.block_size
+    rounded up to a multiple of 32 (it would reserve a share of all memory otherwise), its
+    context what the pool holds less vLLM's null block (it refuses to start otherwise), or the
+    model's where that is shorter, and --enable-sleep-mode stops its start."""
     profile = load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1",
                                      "model.path=/models/qwen", "engine.backend=vllm",
                                      "engine.kv_cache_tokens=4000", "engine.block_size=16",
@@ -254,7 +256,16 @@ def test_a_vllm_server_on_the_cpu_gets_the_kv_pool_exactly_and_no_sleep_mode():
     argv = engine0.argv
     assert "--enable-sleep-mode" not in argv and "--gpu-memory-utilization" not in argv
     at = argv.index("--num-gpu-blocks-override")
-    assert argv[at + 1] == "250" and argv[argv.index("--block-size") + 1] == "16"
+    # its attention takes blocks of a multiple of 32 tokens: 4,000 tokens are 125 of them
+    assert argv[at + 1] == "125" and argv[argv.index("--block-size") + 1] == "32"
     assert "--kv-cache-memory-bytes" in argv
+    assert argv[argv.index("--max-model-len") + 1] == str(124 * 32)  # no config.json here
     assert engine0.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                            "OMP_NUM_THREADS": "1"}
+    (tmp_path / "config.json").write_text('{"model_type": "llama", '
+                                          '"max_position_embeddings": 512}')
+    short = load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1",
+                                   f"model.path={tmp_path}", "engine.backend=vllm"])
+    argv = next(p for p in plan_nodes(_hosts(), short, "j1", ports).processes
+                if p.name == "engine0").argv
+    assert argv[argv.index("--max-model-len") + 1] == "512"

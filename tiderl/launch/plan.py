@@ -39,10 +39,12 @@ from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, Node
+from tiderl.models.config import context_length
 from tiderl.profile import Profile
 from tiderl.runtime.affinity import SPREAD
 
 LOCAL_HOST = "localhost"
+CPU_BLOCK_MULTIPLE = 32  # vLLM 0.34's CPU attention takes blocks of a multiple of 32 tokens
 RUN_PROFILE = "profile.yaml"  # the resolved profile in a run folder, which every daemon reads
 
 
@@ -178,17 +180,22 @@ def _vllm_command(profile: Profile, python: str, common: tuple[str, ...], index:
                   device: str, visible: str | None) -> tuple[tuple[str, ...], dict[str, str]]:
     """``vllm serve`` beside ``engine.server_python`` (else beside the node's python). On a
     GPU it sizes its KV cache in ``gpu_memory_utilization`` and sleeps (``--enable-sleep-mode``);
-    on the CPU (vLLM's CPU backend) its pool is ``engine.kv_cache_tokens`` exactly, in blocks of
-    ``engine.block_size``, and it has no sleep mode (the flag stops its start there; its
-    ``/sleep`` answers and frees nothing)."""
+    on the CPU (vLLM's CPU backend) its pool is ``engine.kv_cache_tokens`` rounded up to whole
+    blocks of ``engine.block_size`` rounded up to a multiple of 32, and it has no sleep mode
+    (the flag stops its start there; its ``/sleep`` answers and frees nothing)."""
     e, m = profile.engine, profile.model
     vllm = posixpath.join(posixpath.dirname(e.server_python or python), "vllm")
     on_cpu = device == "cpu"
     # on the CPU, without an explicit size, it reserves a share of all memory; the pool itself
-    # is the override, whatever that size
-    memory = (("--block-size", str(e.block_size), "--num-gpu-blocks-override",
-               str(-(-e.kv_cache_tokens // e.block_size)), "--kv-cache-memory-bytes",
-               str(2**30)) if on_cpu else
+    # is the override, whatever that size. One block of it is vLLM's null block, and it refuses
+    # to start unless one sequence of the model's length fits in the rest
+    block = -(-e.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+    blocks = -(-e.kv_cache_tokens // block)
+    longest = (blocks - 1) * block
+    context = context_length(m.path)
+    memory = (("--block-size", str(block), "--num-gpu-blocks-override", str(blocks),
+               "--kv-cache-memory-bytes", str(2**30), "--max-model-len",
+               str(min(longest, context) if context else longest)) if on_cpu else
               ("--enable-sleep-mode", "--gpu-memory-utilization", str(e.gpu_memory_utilization)))
     argv = (vllm, "serve", m.path, *common, "--seed", str(m.seed),
             "--max-num-seqs", str(e.max_num_seqs),

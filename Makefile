@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test chaos
+.PHONY: run test chaos vllm-cpu test-vllm
 
 run: $(VENV)/.installed
 	$(VENV)/bin/tiderl launch
@@ -15,6 +15,14 @@ test: $(VENV)/.installed-dev
 
 chaos: $(VENV)/.installed-dev
 	$(PY) -m pytest -m chaos tests/chaos
+
+# vLLM's CPU backend, built once into ~/.cache/tiderl (TIDERL_VLLM_CPU): the tests that need a
+# real vLLM server run where it exists (tools/vllm_cpu.py; half an hour on 2 cores, ~8 GB).
+vllm-cpu:
+	$(PYTHON) tools/vllm_cpu.py
+
+test-vllm: $(VENV)/.installed-dev
+	$(PY) -m pytest -m vllm tests
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

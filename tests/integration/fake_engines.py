@@ -1,7 +1,14 @@
-"""Fakes at a true external edge: a vLLM and an SGLang server, which need a GPU to run.
+"""Fakes at a true external edge: a vLLM and an SGLang server as they run on a GPU.
 
-``FakeVLLMServer`` and ``FakeSGLangServer`` answer the routes TideRL's clients call with the
-request and response shapes of vllm 0.33.0 and sglang 0.5.23 as their source defines them
+``FakeVLLMServer`` stands in for what only vLLM on a GPU does: a sleep that discards the
+weights and the KV (level 2; a wake then needs the reload), and the runs of ``make test``,
+which has no vLLM build. Every route it answers is also checked against a real vLLM 0.34.0 on
+the CPU (``make vllm-cpu``; tests/integration/test_vllm_server.py, tests/e2e/test_vllm_jobs.py),
+which wins where they differ. ``FakeSGLangServer`` stands in for SGLang everywhere: it has no CPU
+backend. Neither fakes NCCL weight transfer or CUDA memory figures.
+
+They answer the routes TideRL's clients call with the request and response shapes of vllm 0.33.0
+(the same in 0.34.0 for every route the client calls) and sglang 0.5.23 as their source defines them
 (``vllm/entrypoints/openai/completion/protocol.py``, ``serve/dev/*``, ``rl/online/api_router.py``;
 ``sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py``), and check what they are
 sent as strictly as those servers do where it matters (vLLM's served model name, SGLang's closed
@@ -259,7 +266,8 @@ class FakeServer:
 
 
 class FakeVLLMServer(FakeServer):
-    """vLLM 0.33's OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``)."""
+    """vLLM 0.34's OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``) on a GPU, where
+    ``/sleep?level=2`` frees the weights (on the CPU it frees nothing)."""
 
     def error_body(self, message: str) -> dict:
         return {"error": {"message": message}}

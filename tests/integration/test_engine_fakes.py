@@ -1,5 +1,5 @@
 """The vLLM and SGLang clients against FakeVLLMServer / FakeSGLangServer (real HTTP servers on
-loopback with those engines' 0.33.0 / 0.5.23 routes; a GPU-only edge), and real jobs that roll
+loopback with those engines' 0.34.0 / 0.5.23 routes; what they do on a GPU), and real jobs that roll
 out on them through ``engine.urls``: on a Qwen2 folder, and on a Llama folder that only those
 engines (here: transformers behind the vLLM fake) and the trainer's HFCausalLM run."""
 

@@ -22,7 +22,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCAL = ("tiderl", "tests", "bench")  # the repository's own packages
+LOCAL = ("tiderl", "tests", "bench", "tools")  # the repository's own packages
 LATE = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Try, ast.If)  # import not run, or guarded
 
 

@@ -210,8 +210,8 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
         "/opt/venv/bin/vllm", "serve", "/models/qwen", "--host", "127.0.0.1", "--port", "6001",
         "--served-model-name", "tiderl", "--dtype", "float32", "--seed", "0",
         "--max-num-seqs", "48", "--max-num-batched-tokens", "2048", "--enable-prefix-caching",
-        "--enable-prompt-tokens-details", "--enable-sleep-mode", "--scheduling-policy",
-        "priority", "--gpu-memory-utilization", "0.5")
+        "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
+        "--enable-sleep-mode", "--gpu-memory-utilization", "0.5")
     assert engine1.env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
     offload = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=vllm",
                                                           "engine.host_kv_gib=16"]), "j1", ports)
@@ -222,6 +222,10 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
     # rank 1's cuda:1 is physical GPU 5: its server must be there too
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in masked.processes if p.kind == "engine"] == [
         "4", "5"]
+    elsewhere = plan_nodes(_hosts(), load_profile("local", [
+        *base, "engine.backend=vllm", "engine.server_python=/opt/vllm-env/bin/python"]), "j1",
+        ports)
+    assert elsewhere.processes[1].argv[0] == "/opt/vllm-env/bin/vllm"
     sglang = plan_nodes(_hosts(), load_profile("local", [*base, "engine.backend=sglang",
                                                          "engine.enable_prefix_caching=false"]),
                         "j1", ports)
@@ -235,3 +239,33 @@ def test_vllm_and_sglang_servers_get_their_engines_command_lines():
         "--disable-radix-cache", "--mem-fraction-static", "0.5", "--base-gpu-id", "0")
     assert engine0.env == {}  # --base-gpu-id counts the devices it inherits, as the rank
     assert sglang.ranks[0].argv[-2:] == ("--engine-url", "http://127.0.0.1:6000")
+
+
+def test_a_vllm_server_on_the_cpu_gets_the_kv_pool_exactly_and_no_sleep_mode(tmp_path):
+    """vLLM's CPU backend: its pool is engine.kv_cache_tokens in blocks of engine.block_size
+    rounded up to a multiple of 32 (it would reserve a share of all memory otherwise), its
+    context what the pool holds less vLLM's null block (it refuses to start otherwise), or the
+    model's where that is shorter, and --enable-sleep-mode stops its start."""
+    profile = load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1",
+                                     "model.path=/models/qwen", "engine.backend=vllm",
+                                     "engine.kv_cache_tokens=4000", "engine.block_size=16",
+                                     "runtime.threads_per_rank=1"])
+    ports = {**PORTS, "engine0": 6000, "engine1": 6001}
+    engine0 = next(p for p in plan_nodes(_hosts(), profile, "j1", ports).processes
+                   if p.name == "engine0")
+    argv = engine0.argv
+    assert "--enable-sleep-mode" not in argv and "--gpu-memory-utilization" not in argv
+    at = argv.index("--num-gpu-blocks-override")
+    # its attention takes blocks of a multiple of 32 tokens: 4,000 tokens are 125 of them
+    assert argv[at + 1] == "125" and argv[argv.index("--block-size") + 1] == "32"
+    assert "--kv-cache-memory-bytes" in argv
+    assert argv[argv.index("--max-model-len") + 1] == str(124 * 32)  # no config.json here
+    assert engine0.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                           "OMP_NUM_THREADS": "1"}
+    (tmp_path / "config.json").write_text('{"model_type": "llama", '
+                                          '"max_position_embeddings": 512}')
+    short = load_profile("local", ["runtime.num_ranks=2", "runtime.rollout_ranks=1",
+                                   f"model.path={tmp_path}", "engine.backend=vllm"])
+    argv = next(p for p in plan_nodes(_hosts(), short, "j1", ports).processes
+                if p.name == "engine0").argv
+    assert argv[argv.index("--max-model-len") + 1] == "512"

@@ -357,7 +357,8 @@ class TideRLHTTPClient(_HTTPClient):
 # -- vLLM ----------------------------------------------------------------------------------------
 
 class VLLMClient(_HTTPClient):
-    """vLLM's OpenAI server (0.33). Everything but generation and metrics needs
+    """vLLM's OpenAI server (0.34; every route checked against a real 0.34.0 server on the CPU,
+    tests/integration/test_vllm_server.py). Everything but generation and metrics needs
     ``VLLM_SERVER_DEV_MODE=1``: weights are reloaded from a folder by ``/collective_rpc``
     ``reload_weights``, then tagged by ``/update_weight_version`` (completions report it);
     ``flush_on_update`` also resets the prefix cache (the reload keeps it). Sleep is level 2

@@ -33,6 +33,8 @@ class EngineConfig:
     urls: list[str] = field(default_factory=list)  # running servers, one per rank; empty: the
     # launcher starts one per rank (a rank not rolling out keeps its server asleep)
     server_args: list[str] = field(default_factory=list)  # added to each server's command line
+    server_python: str = ""  # vllm / sglang: the Python whose environment has the server (empty:
+    # the node's, the job's own; `make vllm-cpu` builds vLLM's CPU backend into another)
     gpu_memory_utilization: float = 0.5  # vllm / sglang: the GPU share a server takes (it
     # sizes its own KV cache in it; the rank beside it trains on the rest)
     host_kv_gib: float = 0.0  # vllm: host memory for KV blocks it evicts (0: none), where a

@@ -39,10 +39,12 @@ from tiderl.core.system import SystemSpec
 from tiderl.core.types import Role
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.launch.hosts import PORT_NAMES, Hosts, HostsError, Node
+from tiderl.models.config import context_length
 from tiderl.profile import Profile
 from tiderl.runtime.affinity import SPREAD
 
 LOCAL_HOST = "localhost"
+CPU_BLOCK_MULTIPLE = 32  # vLLM 0.34's CPU attention takes blocks of a multiple of 32 tokens
 RUN_PROFILE = "profile.yaml"  # the resolved profile in a run folder, which every daemon reads
 
 
@@ -158,24 +160,11 @@ def engine_command(profile: Profile, python: str, run_dir: str, port: int | str,
     index = device.removeprefix("cuda:")
     common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",
               SERVED_MODEL_NAME, "--dtype", m.dtype)
-    if e.backend == "vllm":  # vllm 0.33: vllm/engine/arg_utils.py, entrypoints/cli/serve.py
-        vllm = posixpath.join(posixpath.dirname(python), "vllm")  # beside the node's python
-        argv = (vllm, "serve", m.path, *common, "--seed", str(m.seed),
-                "--max-num-seqs", str(e.max_num_seqs),
-                "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-                "--enable-prefix-caching" if e.enable_prefix_caching
-                else "--no-enable-prefix-caching",
-                "--enable-prompt-tokens-details", "--enable-sleep-mode",
-                "--scheduling-policy", "priority",
-                "--gpu-memory-utilization", str(e.gpu_memory_utilization),
-                *(("--kv-offloading-size", str(e.host_kv_gib)) if e.host_kv_gib else ()),
-                *e.server_args)
-        mask = visible.split(",") if visible else []
-        physical = mask[int(index)] if index.isdigit() and int(index) < len(mask) else index
-        return argv, {"CUDA_VISIBLE_DEVICES": physical,  # vLLM takes the device from it
-                      "VLLM_SERVER_DEV_MODE": "1"}  # sleep, reload, reset routes
+    if e.backend == "vllm":  # vllm 0.34: vllm/engine/arg_utils.py, entrypoints/cli/serve.py
+        return _vllm_command(profile, python, common, index, device, visible)
     if e.backend == "sglang":  # sglang 0.5.23: srt/arg_groups/fields/*.py
-        argv = (python, "-m", "sglang.launch_server", "--model-path", m.path, *common,
+        argv = (e.server_python or python, "-m", "sglang.launch_server", "--model-path", m.path,
+                *common,
                 "--random-seed", str(m.seed), "--max-running-requests", str(e.max_num_seqs),
                 "--enable-metrics", "--enable-memory-saver",
                 "--enable-priority-scheduling", "--schedule-low-priority-values-first",
@@ -185,6 +174,43 @@ def engine_command(profile: Profile, python: str, run_dir: str, port: int | str,
                 "--base-gpu-id", index, *e.server_args)  # of the inherited visible devices
         return argv, {}
     raise ValueError(f"engine.backend {e.backend!r}: no server command line")
+
+
+def _vllm_command(profile: Profile, python: str, common: tuple[str, ...], index: str,
+                  device: str, visible: str | None) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``vllm serve`` beside ``engine.server_python`` (else beside the node's python). On a
+    GPU it sizes its KV cache in ``gpu_memory_utilization`` and sleeps (``--enable-sleep-mode``);
+    on the CPU (vLLM's CPU backend) its pool is ``engine.kv_cache_tokens`` rounded up to whole
+    blocks of ``engine.block_size`` rounded up to a multiple of 32, and it has no sleep mode
+    (the flag stops its start there; its ``/sleep`` answers and frees nothing)."""
+    e, m = profile.engine, profile.model
+    vllm = posixpath.join(posixpath.dirname(e.server_python or python), "vllm")
+    on_cpu = device == "cpu"
+    # on the CPU, without an explicit size, it reserves a share of all memory; the pool itself
+    # is the override, whatever that size. One block of it is vLLM's null block, and it refuses
+    # to start unless one sequence of the model's length fits in the rest
+    block = -(-e.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+    blocks = -(-e.kv_cache_tokens // block)
+    longest = (blocks - 1) * block
+    context = context_length(m.path)
+    memory = (("--block-size", str(block), "--num-gpu-blocks-override", str(blocks),
+               "--kv-cache-memory-bytes", str(2**30), "--max-model-len",
+               str(min(longest, context) if context else longest)) if on_cpu else
+              ("--enable-sleep-mode", "--gpu-memory-utilization", str(e.gpu_memory_utilization)))
+    argv = (vllm, "serve", m.path, *common, "--seed", str(m.seed),
+            "--max-num-seqs", str(e.max_num_seqs),
+            "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--scheduling-policy", "priority", *memory,
+            *(("--kv-offloading-size", str(e.host_kv_gib)) if e.host_kv_gib else ()),
+            *e.server_args)
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # sleep, reload, reset routes
+    if on_cpu:  # its threads unbound: the ranks and servers of a node share its cores
+        return argv, env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                            "OMP_NUM_THREADS": str(profile.runtime.threads_per_rank)}
+    mask = visible.split(",") if visible else []
+    physical = mask[int(index)] if index.isdigit() and int(index) < len(mask) else index
+    return argv, env | {"CUDA_VISIBLE_DEVICES": physical}  # vLLM takes the device from it
 
 
 def daemon_command(spec: ProcessSpec, python: str, run_dir: str,

@@ -49,3 +49,17 @@ def model_type(path: str | Path) -> str:
         raise ValueError(f"{file}: not found") from None
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{file}: {exc}") from None
+
+
+def context_length(path: str | Path) -> int | None:
+    """The HF folder's context length (``max_position_embeddings``, a VL model's in its
+    ``text_config``); None when its ``config.json`` cannot be read or names none (a folder on
+    another node)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+        value = config.get("max_position_embeddings",
+                           (config.get("text_config") or {}).get("max_position_embeddings"))
+        return int(value) if value else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+

@@ -72,7 +72,9 @@ class Profile:
             require(bool(self.model.path), "model.path",
                     f"engine.backend {engine.backend} serves an HF folder: set model.path "
                     "(tiderl model init makes one)")
-            require(bool(engine.urls) or self.runtime.device == "cuda", "runtime.device",
+            # vLLM has a CPU backend (`make vllm-cpu` builds it); SGLang's servers need GPUs
+            require(engine.backend == "vllm" or bool(engine.urls)
+                    or self.runtime.device == "cuda", "runtime.device",
                     f"engine.backend {engine.backend} starts its servers on GPUs: set "
                     "runtime.device=cuda (or attach running servers with engine.urls)")
         require(self.trainer.backend != "megatron" or self.runtime.device == "cuda",

@@ -10,16 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from tools.vllm_cpu import SOURCE_PATCHES, TORCH_CUDA_STUB, StageError
+from tools.vllm_cpu import SOURCE_PATCHES, TORCH_CUDA_STUB, StageError, TextPatch
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "vllm_cpu.py"
+
+
+def patch_of(what: str) -> TextPatch:
+    (patch,) = [p for _, p in SOURCE_PATCHES if p.what.startswith(what)]
+    return patch
 
 
 def test_a_patch_applies_once_and_a_changed_text_is_one_line(tmp_path):
     cmake = tmp_path / "cpu_extension.cmake"
     check = "if (CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.3)\n  set(AVX512_BF16 ON)\n"
     cmake.write_text(check)
-    lower = dict(SOURCE_PATCHES)["cmake/cpu_extension.cmake"]
+    lower = patch_of("g++ 12.3 check")
     lower.apply(cmake)
     assert cmake.read_text() == check.replace("12.3", "12.2")
     lower.apply(cmake)  # a second run leaves it as it is
@@ -34,7 +39,7 @@ def test_the_mla_constant_is_made_static_where_it_is_local(tmp_path):
     source = tmp_path / "flash_mla.cpp"
     body = "  using Vec = int;\n  constexpr int64_t kBLOCK_H_MAX = 16;\n  auto f = [&] {};\n"
     source.write_text(body * 2)
-    dict(SOURCE_PATCHES)["csrc/cpu/sgl-kernels/flash_mla.cpp"].apply(source)
+    patch_of("kBLOCK_H_MAX").apply(source)
     assert source.read_text() == body.replace("  constexpr", "  static constexpr") * 2
 
 
@@ -64,3 +69,16 @@ def test_stages_marked_done_are_skipped_and_a_failure_is_one_line_naming_its_sta
                            text=True, env={**os.environ, "TIDERL_VLLM_CPU": str(tmp_path)},
                            timeout=60)
     assert where.stdout.strip() == str(tmp_path)
+
+
+def test_the_runners_ops_join_both_x86_source_lists(tmp_path):
+    cmake = tmp_path / "cpu_extension.cmake"
+    lists = ('set(VLLM_EXT_SRC_{}\n        "csrc/cpu/utils.cpp"\n'
+             '        "csrc/cpu/spec_decode_utils.cpp")\n')
+    cmake.write_text(lists.format("AVX512") + lists.format("AVX2"))
+    patch_of("x86 source list").apply(cmake)
+    text = cmake.read_text()
+    assert text.count('"csrc/cpu/block_table.cpp"') == 2
+    assert text.count('"csrc/cpu/input_batch.cpp"') == 2
+    patch_of("x86 source list").apply(cmake)
+    assert cmake.read_text() == text

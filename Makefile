@@ -17,7 +17,7 @@ chaos: $(VENV)/.installed-dev
 	$(PY) -m pytest -m chaos tests/chaos
 
 # vLLM's CPU backend, built once into ~/.cache/tiderl (TIDERL_VLLM_CPU): the tests that need a
-# real vLLM server run where it exists (tools/vllm_cpu.py; half an hour on 2 cores, ~8 GB).
+# real vLLM server run where it exists (tools/vllm_cpu.py; a long C++ build on 2 cores, ~9 GB).
 vllm-cpu:
 	$(PYTHON) tools/vllm_cpu.py
 

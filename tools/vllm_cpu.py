@@ -201,7 +201,8 @@ class Build:
         (self.onednn.parent / top.pop()).rename(self.onednn)
 
     def patch(self) -> None:
-        """The source and the cache's torch as this machine builds them (``PATCHES``)."""
+        """The source and the cache's torch as this machine builds them (``SOURCE_PATCHES``,
+        ``TORCH_CUDA_STUB``)."""
         for relative, change in SOURCE_PATCHES:
             change.apply(self.src / relative)
         TORCH_CUDA_STUB.apply(torch_cmake_config(self.python))

@@ -135,6 +135,12 @@ def steps_done(run_dir: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
+def roles_now(run_dir: Path) -> list[str]:
+    """The layout of the last step (ERS moves ranks between steps)."""
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return json.loads(rows[-1])["roles"]
+
+
 def rank_log(run_dir: Path, rank: int) -> str:
     log = run_dir / "logs" / f"rank{rank}.log"
     return log.read_text(errors="replace") if log.exists() else ""

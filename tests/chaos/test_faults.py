@@ -23,6 +23,7 @@ from tests.chaos.chaos_job import (
     kill_job,
     launch,
     rank_log,
+    roles_now,
     started,
     status_of,
     steps_done,
@@ -33,12 +34,6 @@ from tiderl.launch.local import JobRecord, is_running, stop_processes
 from tiderl.runtime.lineage import read_lineage
 
 STEPS = 6
-
-
-def roles_now(run_dir: Path) -> list[str]:
-    """The layout of the last step (ERS moves ranks between steps)."""
-    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return json.loads(rows[-1])["roles"]
 
 
 def resume_and_finish(jobs: list, run_root: Path, run_dir: Path) -> dict:

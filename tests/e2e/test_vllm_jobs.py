@@ -23,6 +23,7 @@ from tests.chaos.chaos_job import (
     events,
     kill,
     rank_log,
+    roles_now,
     started,
     steps_done,
 )
@@ -37,7 +38,7 @@ STEPS = 10
 # three vLLM servers start side by side on 2 cores beside the ranks: minutes before step 0
 START_S = 900.0
 STEP_S = 300.0
-# not a multiple of the block size (16): the servers' pool is rounded up to 2,048 tokens, and
+# not a multiple of the block size (32 on the CPU): the servers' pool is rounded up to 2,048, and
 # CTB's budget follows what a server reports, not the profile
 KV_TOKENS = 2040
 SERVED_KV = 2048
@@ -61,10 +62,6 @@ def coordinator_gauges(url: str, name: str) -> dict[int, float]:
     text = httpx.get(url, timeout=30).text
     return {int(s.labels["rank"]): s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name == name}
-
-
-def roles_now(run_dir: Path) -> list[str]:
-    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["roles"]
 
 
 def test_a_job_on_vllm_servers_trains_through_moves_and_a_killed_server(model, tmp_path):

@@ -1,4 +1,4 @@
-"""`make vllm-cpu` (tools/vllm_cpu.py) without its hour of building: its text patches, its stage
+"""`make vllm-cpu` (tools/vllm_cpu.py) without its build: its text patches, its stage
 marks, and its one-line failure naming the stage, run as a process on the system Python."""
 
 from __future__ import annotations

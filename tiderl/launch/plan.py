@@ -186,16 +186,7 @@ def _vllm_command(profile: Profile, python: str, common: tuple[str, ...], index:
     e, m = profile.engine, profile.model
     vllm = posixpath.join(posixpath.dirname(e.server_python or python), "vllm")
     on_cpu = device == "cpu"
-    # on the CPU, without an explicit size, it reserves a share of all memory; the pool itself
-    # is the override, whatever that size. One block of it is vLLM's null block, and it refuses
-    # to start unless one sequence of the model's length fits in the rest
-    block = -(-e.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
-    blocks = -(-e.kv_cache_tokens // block)
-    longest = (blocks - 1) * block
-    context = context_length(m.path)
-    memory = (("--block-size", str(block), "--num-gpu-blocks-override", str(blocks),
-               "--kv-cache-memory-bytes", str(2**30), "--max-model-len",
-               str(min(longest, context) if context else longest)) if on_cpu else
+    memory = (_vllm_cpu_pool(profile) if on_cpu else
               ("--enable-sleep-mode", "--gpu-memory-utilization", str(e.gpu_memory_utilization)))
     argv = (vllm, "serve", m.path, *common, "--seed", str(m.seed),
             "--max-num-seqs", str(e.max_num_seqs),
@@ -211,6 +202,21 @@ def _vllm_command(profile: Profile, python: str, common: tuple[str, ...], index:
     mask = visible.split(",") if visible else []
     physical = mask[int(index)] if index.isdigit() and int(index) < len(mask) else index
     return argv, env | {"CUDA_VISIBLE_DEVICES": physical}  # vLLM takes the device from it
+
+
+def _vllm_cpu_pool(profile: Profile) -> tuple[str, ...]:
+    """A CPU server's KV flags. Without an explicit size it reserves a share of all memory; the
+    pool itself is the block override, whatever that size. One block of it is vLLM's null
+    block, and it refuses to start unless one sequence of the model's context fits in the
+    rest."""
+    e = profile.engine
+    block = -(-e.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+    blocks = -(-e.kv_cache_tokens // block)
+    longest = (blocks - 1) * block
+    context = context_length(profile.model.path)
+    return ("--block-size", str(block), "--num-gpu-blocks-override", str(blocks),
+            "--kv-cache-memory-bytes", str(2**30), "--max-model-len",
+            str(min(longest, context) if context else longest))
 
 
 def daemon_command(spec: ProcessSpec, python: str, run_dir: str,

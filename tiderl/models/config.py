@@ -62,4 +62,3 @@ def context_length(path: str | Path) -> int | None:
         return int(value) if value else None
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-

@@ -12,6 +12,7 @@ from tests.integration.serving import env_serving, run_env_scenario
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.env.client import EnvClientError, HTTPEnvClient, Message, end_sessions_of
 from tiderl.env.guess import GuessEnv
+from tiderl.env.protocol import MAX_ACTION_CHARS
 
 MAX_SESSIONS = 8
 
@@ -113,7 +114,8 @@ BAD = [
     ("/start", b'{"env": "guess", "extra": 1}', 422, "unknown field `extra`"),
     ("/observation", b'{"session": "s1"}', 422, "missing required field `action`"),
     ("/observation", b'{"session": "zz", "action": "guess 1"}', 404, "session 'zz': unknown"),
-    ("/observation", json.dumps({"session": "s1", "action": "x" * 5000}).encode(), 422,
+    ("/observation", json.dumps({"session": "s1",
+                                 "action": "x" * (MAX_ACTION_CHARS + 1)}).encode(), 422,
      "longer than the limit"),
     ("/start", b'{"env": "guess", "seed": 1e400}', 422, "Number out of range"),
     ("/start", b'{"env": "guess", "seed": 100000000000000000000}', 422, "$.seed"),

@@ -46,6 +46,7 @@ from tiderl.auth import ENV, bearer_headers, resolve_token
 from tiderl.core.quote import short
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
+    Completion,
     Message,
     ObservationRequest,
     ObservationResponse,
@@ -82,10 +83,18 @@ class EnvClient(ABC):
     """Start, step, pause, resume and end environment sessions."""
 
     @abstractmethod
-    async def start(self, env: str, task: str | None = None, seed: int = 0) -> StartResponse: ...
+    async def start(self, env: str, task: str | None = None, seed: int = 0, *,
+                    task_id: str = "", group_id: str = "", wait_s: float | None = None
+                    ) -> StartResponse:
+        """``task_id``, ``group_id``: the job's names (an agent's endpoint is named by its
+        task); ``wait_s``: how long this call may take (an agent's start waits for its first
+        model request), instead of the client's bounds."""
 
     @abstractmethod
-    async def step(self, session: str, action: str) -> ObservationResponse: ...
+    async def step(self, session: str, action: str, completion: Completion | None = None, *,
+                   wait_s: float | None = None) -> ObservationResponse:
+        """``completion``: the model's answer as sampled (an agent session's); ``wait_s`` as
+        for ``start`` (an agent's step waits for its next request)."""
 
     @abstractmethod
     async def end(self, session: str) -> SessionResponse: ...
@@ -142,13 +151,18 @@ class HTTPEnvClient(EnvClient):
         self.max_backoff_s = max_backoff_s
         self.deadline_s = deadline_s
 
-    async def start(self, env: str, task: str | None = None, seed: int = 0) -> StartResponse:
-        return await self._post("/start", StartRequest(env, task, seed, self.owner), StartResponse,
-                                session=None, idempotent=True)
+    async def start(self, env: str, task: str | None = None, seed: int = 0, *,
+                    task_id: str = "", group_id: str = "", wait_s: float | None = None
+                    ) -> StartResponse:
+        return await self._post("/start", StartRequest(env, task, seed, self.owner, task_id,
+                                                       group_id), StartResponse,
+                                session=None, idempotent=True, wait_s=wait_s)
 
-    async def step(self, session: str, action: str) -> ObservationResponse:
-        return await self._post("/observation", ObservationRequest(session, action),
-                                ObservationResponse, session=session, idempotent=False)
+    async def step(self, session: str, action: str, completion: Completion | None = None, *,
+                   wait_s: float | None = None) -> ObservationResponse:
+        return await self._post("/observation", ObservationRequest(session, action, completion),
+                                ObservationResponse, session=session, idempotent=False,
+                                wait_s=wait_s)
 
     async def end(self, session: str) -> SessionResponse:
         return await self._session_call("/end", session)
@@ -171,9 +185,9 @@ class HTTPEnvClient(EnvClient):
                                 idempotent=True)
 
     async def _post(self, call: str, body: msgspec.Struct, kind: type[R], *,
-                    session: str | None, idempotent: bool) -> R:
+                    session: str | None, idempotent: bool, wait_s: float | None = None) -> R:
         response = await self._send(call, msgspec.json.encode(body), session,
-                                    idempotent=idempotent)
+                                    idempotent=idempotent, wait_s=wait_s)
         try:
             return msgspec.json.decode(response.content, type=kind)
         except msgspec.MsgspecError as exc:
@@ -181,34 +195,38 @@ class HTTPEnvClient(EnvClient):
                                  f"unexpected answer: {exc}") from exc
 
     async def _send(self, call: str, content: bytes | None, session: str | None, *,
-                    idempotent: bool) -> httpx.Response:
+                    idempotent: bool, wait_s: float | None = None) -> httpx.Response:
         """One call: attempts until an answer, a failure that is not retried, the last attempt
         or the deadline. ``idempotent`` False: only attempts that never reached the server are
-        sent again."""
+        sent again. ``wait_s``: the attempt's timeout and the call's deadline both."""
+        deadline = self.deadline_s if wait_s is None else wait_s
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.retries + 1),
             wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
             retry=retry_if_exception_type(_Retryable), reraise=True)
         try:
-            async with asyncio.timeout(self.deadline_s):
+            async with asyncio.timeout(deadline):
                 async for attempt in retrying:
                     with attempt:
-                        response = await self._attempt(call, content, session, idempotent)
+                        response = await self._attempt(call, content, session, idempotent,
+                                                       wait_s)
         except _Retryable as exc:
             raise exc.error from exc.__cause__
         except TimeoutError:
             raise EnvClientError(call, session, None, f"no answer within the call's deadline "
-                                 f"({self.deadline_s:g} s)") from None
+                                 f"({deadline:g} s)") from None
         return response
 
     async def _attempt(self, call: str, content: bytes | None, session: str | None,
-                       idempotent: bool) -> httpx.Response:
+                       idempotent: bool, wait_s: float | None = None) -> httpx.Response:
+        timeout = httpx.USE_CLIENT_DEFAULT if wait_s is None else wait_s
         try:
             if content is None:
                 response = await self.http.get(call)
             else:
                 response = await self.http.post(
-                    call, content=content, headers={"content-type": "application/json"})
+                    call, content=content, headers={"content-type": "application/json"},
+                    timeout=timeout)
         except httpx.TransportError as exc:
             error = EnvClientError(call, session, None, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, NOT_SENT) or idempotent:
@@ -238,12 +256,16 @@ class InProcessEnvClient(EnvClient):
                  **service_kwargs: Any):
         self.service = service or EnvService(config or EnvConfig(), **service_kwargs)
 
-    async def start(self, env: str, task: str | None = None, seed: int = 0) -> StartResponse:
-        return await self._call("/start", None, self.service.start(StartRequest(env, task, seed)))
+    async def start(self, env: str, task: str | None = None, seed: int = 0, *,
+                    task_id: str = "", group_id: str = "", wait_s: float | None = None
+                    ) -> StartResponse:
+        return await self._call("/start", None, self.service.start(
+            StartRequest(env, task, seed, task_id=task_id, group_id=group_id)))
 
-    async def step(self, session: str, action: str) -> ObservationResponse:
-        return await self._call("/observation", session,
-                                self.service.step(ObservationRequest(session, action)))
+    async def step(self, session: str, action: str, completion: Completion | None = None, *,
+                   wait_s: float | None = None) -> ObservationResponse:
+        return await self._call("/observation", session, self.service.step(
+            ObservationRequest(session, action, completion)))
 
     async def end(self, session: str) -> SessionResponse:
         return await self._call("/end", session, _ready(self.service.end, session))

@@ -39,7 +39,7 @@ import msgspec
 from tiderl.core.quote import short
 from tiderl.env.images import ImageError, decode_png_data_url, png_data_url
 
-MAX_ACTION_CHARS = 4096
+MAX_ACTION_CHARS = 65536  # an agent's turn may be long; the body limit is 1 MiB
 MAX_TASK_CHARS = 4096
 MAX_SESSION_CHARS = 128
 Seed = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]  # what a JSON peer can send
@@ -48,14 +48,21 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]  # what a JSO
 Owner = Annotated[str, msgspec.Meta(max_length=64)]
 
 
+TaskName = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[A-Za-z0-9._:#-]*$")]
+
+
 class StartRequest(msgspec.Struct, forbid_unknown_fields=True):
     """``owner``: who holds the session (a job's rank: ``rank-3``), so that the job can end
-    every session of a rank that died (``/end_owner``) instead of leaving them to expire."""
+    every session of a rank that died (``/end_owner``) instead of leaving them to expire.
+    ``task_id``, ``group_id``: the job's names of the task (an agent's endpoint is named by
+    its task)."""
 
     env: str
     task: str | None = None
     seed: Seed = 0
     owner: Owner = ""
+    task_id: TaskName = ""
+    group_id: TaskName = ""
 
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -173,26 +180,57 @@ def messages_text(messages: list[Message]) -> str:
 
 
 class StartResponse(msgspec.Struct):
+    """An agent session's (``agent``) opening is its agent's first model request: its messages
+    and tools, or its token ids (``prompt_ids``), and the sampling it asks for (``sampling``:
+    ``max_tokens``, ``stop``, ``seed``)."""
+
     session: str
     observation: str
     info: dict[str, Any] = msgspec.field(default_factory=dict)
     messages: list[Message] = msgspec.field(default_factory=list)
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    agent: bool = False
+    prompt_ids: list[int] | None = None
+    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Completion(msgspec.Struct, forbid_unknown_fields=True):
+    """The model's answer to an agent's request, as the rank sampled it (sent with
+    ``/observation`` on an agent session; the action is its text). ``error``: the rank could
+    not serve the request (a prompt over the context length): the agent is answered 400 with
+    it, and the task goes on. ``stop``: the stop string that ended the text, if one did."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    finish_reason: str = "stop"  # "stop" | "length"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    version: int = 0
+    stop: str = ""
+    error: str = ""
 
 
 class ObservationRequest(msgspec.Struct, forbid_unknown_fields=True):
     session: str
     action: str
+    completion: Completion | None = None
 
 
 class ObservationResponse(msgspec.Struct):
-    """``messages``: what follows the model's action (tool results and/or user text)."""
+    """``messages``: what follows the model's action (tool results and/or user text). On an
+    agent session, the agent's next request: the messages (or ``prompt_ids``) new since the
+    answer, or, ``restart``, the whole request, which the rank renders from scratch (with
+    ``tools``) as a new training segment; ``sampling`` as in :class:`StartResponse`."""
 
     observation: str
     reward: float
     done: bool
     info: dict[str, Any] = msgspec.field(default_factory=dict)
     messages: list[Message] = msgspec.field(default_factory=list)
+    restart: bool = False
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    prompt_ids: list[int] | None = None
+    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class SessionRequest(msgspec.Struct, forbid_unknown_fields=True):

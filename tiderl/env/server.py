@@ -45,6 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from tiderl.auth import ENV, ServiceGuard, error_body, resolve_token
+from tiderl.env.agent_api import AgentModel, add_agent_routes, is_agent_path
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
     ObservationRequest,
@@ -93,10 +94,15 @@ def error_response(status: int, message: str, kind: str,
 
 
 def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
-              gym: str | None = None, token: str | None = None) -> FastAPI:
+              gym: str | None = None, token: str | None = None, agent_url: str = "",
+              model: AgentModel | None = None) -> FastAPI:
     """The routes over one :class:`EnvService`; ``clock`` drives idle expiry (tests inject one);
-    ``token`` None: open to every client."""
+    ``token`` None: open to every client. ``agent_url``: this server's address as its agents
+    reach it (``http://127.0.0.1:PORT``), where ``config.agents`` are served (the routes of
+    :mod:`tiderl.env.agent_api`, with ``model`` as they describe it; a per-task key guards them,
+    not the token)."""
     service = EnvService(config, clock=clock, gym=gym)
+    service.agent_url = agent_url.rstrip("/")
     metrics = EnvMetrics(service)
 
     @asynccontextmanager
@@ -110,7 +116,8 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
     app = FastAPI(title="TideRL environments", lifespan=lifespan, redirect_slashes=False)
     app.state.service = service
     app.add_middleware(ServiceGuard, token=token,
-                       is_protected=lambda path: path not in OPEN_ROUTES,
+                       is_protected=lambda path: path not in OPEN_ROUTES
+                       and not is_agent_path(path),
                        max_body_bytes=MAX_BODY_BYTES, loopback_without_token=False)
 
     @app.exception_handler(HTTPException)
@@ -164,6 +171,9 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
             return service.end_owner(decode(await request.body(), OwnerRequest))
         return await answer("/end_owner", call)
 
+    if config.agents:
+        add_agent_routes(app, service, model or AgentModel())
+
     @app.get("/health")
     async def health() -> dict:
         return service.health()
@@ -185,13 +195,17 @@ SERVER_KEEPALIVE_S = 75
 
 
 def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
-          gym: str | None = None, token: str | None = None) -> None:
+          gym: str | None = None, token: str | None = None,
+          model: AgentModel | None = None) -> None:
     """Run the app with uvicorn until interrupted (blocks), with ``config.connections``'s
     bounds (:mod:`tiderl.serving.uvicorn_server`); the token is ``token``, else
-    ``TIDERL_ENV_TOKEN``, else the job's (``TIDERL_JOB_KEYS``), else none."""
+    ``TIDERL_ENV_TOKEN``, else the job's (``TIDERL_JOB_KEYS``), else none. Agents, which run on
+    this host, reach it on the loopback unless it binds one address only."""
     from tiderl.serving.uvicorn_server import run
 
-    app = build_app(config, gym=gym, token=resolve_token(ENV, token))
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    app = build_app(config, gym=gym, token=resolve_token(ENV, token),
+                    agent_url=f"http://{reach}:{port}", model=model)
     # Keep idle connections longer than clients do (``KEEPALIVE_EXPIRY_S``): a server closing a
     # kept-alive connection as a client reuses it fails a non-idempotent /observation.
     run(app, host, port, config.connections, access_log=False,

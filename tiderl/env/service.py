@@ -4,6 +4,14 @@
     /observation ──> EnvService.step ──sleep(step latency)──> env.step ──> ObservationResponse
     /end /pause /resume ──> SessionTable
 
+An agent (``env.agents``, :mod:`tiderl.env.agents`) is a session whose environment is its
+:class:`AgentRun`: /start launches the agent and answers with its first model request;
+/observation hands the model's answer (the request's ``completion``) to the agent and answers with
+its next request, or ``done`` and its reward once it ends. Its endpoint routes
+(:mod:`tiderl.env.agent_api`) find the run by task id or key (:attr:`EnvService.agents`). A session
+that goes, however (ended, expired, evicted, its rank dead), stops its agent. An agent that fails
+is answered 422 ``agent_failed`` with the reason, the session then done.
+
 Every answer carries both forms of an observation (:func:`tiderl.env.base.observation_messages`
 and ``observation_text``), whichever form the environment returned, and ``/start`` the
 environment's tool schemas. An observation whose image breaks the limits of
@@ -22,10 +30,20 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from tiderl.core.quote import short
+from tiderl.env.agents import (
+    AgentFailed,
+    AgentRun,
+    AgentTask,
+    TaskClosed,
+    Turn,
+    launcher,
+    new_key,
+)
 from tiderl.env.base import (
     Environment,
     UnknownEnvironment,
@@ -45,9 +63,12 @@ from tiderl.env.protocol import (
     SessionResponse,
     StartRequest,
     StartResponse,
+    messages_text,
 )
 from tiderl.env.registry import make_env
 from tiderl.env.sessions import SessionLimit, SessionState, SessionTable, UnknownSession
+
+ENDED_AGENTS_KEPT = 8192  # ended tasks a late request is told about (409), not 404
 
 
 class SessionConflict(Exception):
@@ -60,11 +81,27 @@ class EnvService:
         self.config = config
         self.clock = clock
         self.gym = gym
-        self.table: SessionTable[Environment] = SessionTable(config.max_sessions,
-                                                             config.idle_ttl_s)
+        self.table: SessionTable[Environment | AgentRun] = SessionTable(
+            config.max_sessions, config.idle_ttl_s, on_drop=self._dropped)
+        self.agents: dict[str, AgentRun] = {}  # by task id, while its session is open
+        self.agent_keys: dict[str, AgentRun] = {}  # by key
+        self.agent_url = ""  # where agents reach this service (set by the server)
+        self.ended_agents: OrderedDict[str, None] = OrderedDict()  # task ids and keys, recent
+        self.num_agent_tasks = 0
         self.start_latency = LatencyModel(config.start_latency, random.Random(seed))
         self.step_latency = LatencyModel(config.step_latency, random.Random(seed + 1))
         self.num_steps = 0
+
+    def _dropped(self, env: Environment | AgentRun) -> None:
+        if isinstance(env, AgentRun):
+            env.close()
+            if self.agents.get(env.task.task_id) is env:
+                del self.agents[env.task.task_id]
+            self.agent_keys.pop(env.task.api_key, None)
+            for name in (env.task.task_id, env.task.api_key):
+                self.ended_agents[name] = None
+            while len(self.ended_agents) > ENDED_AGENTS_KEPT:
+                self.ended_agents.popitem(last=False)
 
     @property
     def env_names(self) -> list[str]:
@@ -78,6 +115,8 @@ class EnvService:
         return f"gym:{self.gym}" if name == "gym" else name
 
     async def start(self, req: StartRequest) -> StartResponse:
+        if req.env in self.config.agents:
+            return await self._start_agent(req)
         registry_name = self.resolve(req.env)
         self.table.check_room(self.clock())  # refuse before doing any work
         await _sleep(self.start_latency.sample())
@@ -96,8 +135,69 @@ class EnvService:
         return StartResponse(session.id, observation_text(observation), info, messages,
                              list(env.tools))
 
+    async def _start_agent(self, req: StartRequest) -> StartResponse:
+        if not self.agent_url:
+            raise ProtocolError(f"env: {short(req.env)} is an agent, served only by the "
+                                "environment service over HTTP", "unknown_env", 400)
+        self.table.check_room(self.clock())
+        self.num_agent_tasks += 1
+        task_id = req.task_id or f"agent-{self.num_agent_tasks}"
+        if task_id in self.agents:  # a start sent again: the earlier one is dropped
+            self._end_agent(self.agents[task_id])
+        key = new_key()
+        base = f"{self.agent_url}/tasks/{task_id}"
+        task = AgentTask(task_id, req.group_id, req.env, req.task, req.seed, f"{base}/v1", key,
+                         base)
+        config = self.config.agents[req.env]
+        run = AgentRun(config, task, deadline_s=self.config.agent_timeout_s)
+        session = self.table.create(req.env, run, self.clock(), owner=req.owner)
+        self.agents[task_id], self.agent_keys[key] = run, run
+        in_step = self.table.begin_step(session.id, self.clock())
+        try:
+            turn = await run.start(launcher(config))
+        except AgentFailed as exc:
+            self._end_agent(run)
+            raise ProtocolError(f"{req.env}: {exc}", "agent_failed", 422) from None
+        finally:
+            self.table.end_step(in_step, self.clock())
+        return StartResponse(session.id, messages_text(turn.messages), {"task_id": task_id},
+                             turn.messages, turn.tools, agent=True, prompt_ids=turn.prompt_ids,
+                             sampling=turn.sampling)
+
+    def _end_agent(self, run: AgentRun) -> None:
+        for session in list(self.table.sessions.values()):
+            if session.env is run:
+                self.table.end(session.id, self.clock())
+        run.close()
+
+    async def _step_agent(self, req: ObservationRequest, session) -> ObservationResponse:
+        run: AgentRun = session.env
+        if req.completion is None:
+            raise ProtocolError("completion: an agent session's /observation carries the "
+                                "model's completion")
+        in_step = self.table.begin_step(req.session, self.clock())
+        try:
+            out = await run.step(req.action, req.completion)
+        except (AgentFailed, TaskClosed) as exc:
+            session.is_done = True
+            run.close()
+            raise ProtocolError(f"{session.env_name}: {exc}", "agent_failed", 422) from None
+        finally:
+            self.table.end_step(in_step, self.clock())
+        session.num_steps += 1
+        self.num_steps += 1
+        if not isinstance(out, Turn):
+            session.is_done = True
+            return ObservationResponse("", out, True, {"agent_segments":
+                                                       run.conversation.num_segments})
+        return ObservationResponse(messages_text(out.messages), 0.0, False, {}, out.messages,
+                                   restart=out.restart, tools=out.tools,
+                                   prompt_ids=out.prompt_ids, sampling=out.sampling)
+
     async def step(self, req: ObservationRequest) -> ObservationResponse:
-        self._steppable(req.session)
+        session = self._steppable(req.session)
+        if isinstance(session.env, AgentRun):
+            return await self._step_agent(req, session)
         in_step = self.table.begin_step(req.session, self.clock())
         try:
             await _sleep(self.step_latency.sample())

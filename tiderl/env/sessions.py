@@ -15,6 +15,7 @@ Invariant: ``len(sessions) <= max_sessions``, and no session is returned once it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
@@ -81,6 +82,7 @@ class SessionTable(Generic[T]):
     idle_ttl_s: float
     sessions: dict[str, Session[T]] = field(default_factory=dict)
     counters: SessionCounters = field(default_factory=SessionCounters)
+    on_drop: Callable[[T], None] | None = None  # told of every session that goes, however
     _next_id: int = 0
 
     def create(self, env_name: str, env: T, now: float, owner: str = "") -> Session[T]:
@@ -92,6 +94,7 @@ class SessionTable(Generic[T]):
             assert victim is not None  # check_room found one
             del self.sessions[victim.id]
             self.counters.num_evicted += 1
+            self._dropped(victim)
         self._next_id += 1
         session = Session(f"s{self._next_id}", env_name, env, now, owner=owner)
         self.sessions[session.id] = session
@@ -183,8 +186,13 @@ class SessionTable(Generic[T]):
         return sum(s.state is SessionState.PAUSED for s in self.sessions.values())
 
     def _drop(self, session_id: str, *, expired: bool) -> None:
-        del self.sessions[session_id]
+        session = self.sessions.pop(session_id)
         if expired:
             self.counters.num_expired += 1
         else:
             self.counters.num_ended += 1
+        self._dropped(session)
+
+    def _dropped(self, session: Session[T]) -> None:
+        if self.on_drop is not None:
+            self.on_drop(session.env)

@@ -67,6 +67,24 @@ def _parse_call(body: str, call_id: str) -> ToolCall:
     return ToolCall(call_id, ToolFunction(name, arguments))
 
 
+def answer_message(text: str, id_prefix: str = "call_") -> Message:
+    """The model's raw text as an API answer: each well-formed call a ``tool_calls`` entry (ids
+    ``{id_prefix}0``, ...), the text around them the content; a malformed call stays in the
+    content as the text the model wrote, never an error."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    at = 0
+    for match in _CALL.finditer(text):
+        call = _parse_call(match.group(1).strip(), f"{id_prefix}{len(calls)}")
+        if call.function.name:
+            kept.append(text[at:match.start()])
+            at = match.end()
+            calls.append(call)
+    kept.append(text[at:])
+    content = "".join(kept).strip() if calls else text
+    return Message(role="assistant", content=content, tool_calls=calls or None)
+
+
 def assistant_message(text: str) -> Message:
     """The model's raw text as an assistant message: the text around the tool calls as
     content, the calls as ``tool_calls`` (None without any)."""

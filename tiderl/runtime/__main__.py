@@ -34,10 +34,14 @@ ROLES_FILE = "roles.json"
 
 
 def _env(args: argparse.Namespace) -> int:
+    from tiderl.env.agent_api import agent_model
     from tiderl.env.server import serve
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
-    serve(profile.env, args.host, args.port)
+    model = profile.model
+    described = agent_model(model.path, model.size, profile.engine.kv_cache_tokens,
+                            model.chat_template) if profile.env.agents else None
+    serve(profile.env, args.host, args.port, model=described)
     return 0
 
 
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.daemon if args.daemon != "rank" else f"rank{args.rank}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per environment request
+    for noisy in ("httpx", "httpx2"):  # a line per request (httpx2: the openai SDK's)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     exit_on_sigterm()  # run finally blocks, then exit
     # Ctrl-C as the launcher passes it on (even if this process started with SIGINT ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)

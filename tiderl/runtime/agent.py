@@ -25,6 +25,14 @@ A task can also leave the rank (ERS moved the rank to the trainer): ``detach`` s
 next turn boundary and ``run`` raises :class:`TaskDetachedError` with a :class:`TaskCarry` (the open
 environment session, the turns so far, the next context), from which another rank's loop goes on.
 
+An agent task (a profile's ``env.agents``, :mod:`tiderl.env.agents`) is played the same way: its
+session's opening and observations are its agent's model requests, and each step sends the
+model's answer (``Completion``: the ids as sampled, their logprobs, why it ended). A request may
+ask for fewer tokens, stop strings or token ids, or a seed (``sampling``, honoured for that turn;
+temperature and top_p stay the job's); one that does not extend the conversation comes as a
+``restart``, rendered whole as a new training segment; one whose prompt leaves no room in the
+context is answered with an error (the agent gets a 400) and the task goes on.
+
 A pin the engine refuses (:class:`PinRefused`: too little KV left beside the other pins) leaves
 the task unpinned for that turn; it goes on. A pin is taken while the environment plays the
 turn's action (it waits for the engine's step in flight; the environment need not). When a task
@@ -36,11 +44,13 @@ task.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -50,7 +60,7 @@ from tiderl.core.types import ImageRef, Trajectory, Turn
 from tiderl.engine.clients import EngineClient, PinRefused
 from tiderl.engine.request import SamplingParams
 from tiderl.env.client import EnvClient
-from tiderl.env.protocol import Message, ObservationResponse
+from tiderl.env.protocol import Completion, Message, ObservationResponse
 from tiderl.models.chat import TurnEncoder
 from tiderl.models.image_turns import ImagePlacer, PlacedTurn
 
@@ -96,6 +106,7 @@ class TaskCarry:
     next_images: list[ImageRef] = field(default_factory=list)
     next_restart: bool = False
     image_data: dict[str, bytes] = field(default_factory=dict)
+    next_sampling: dict[str, Any] = field(default_factory=dict)  # an agent's next request's
 
 
 class EngineUnreachableError(Exception):
@@ -125,10 +136,15 @@ class AgentLoop:
                  version: Callable[[], int] = lambda: 0,
                  on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False,
                  record: bool = False, placer: ImagePlacer | None = None,
-                 image_window: ImageWindow | None = None):
+                 image_window: ImageWindow | None = None, agents: Collection[str] = (),
+                 agent_wait_s: float = 600.0):
         """``placer``: the model reads images (else an observation's images stay out of its
         context: their text marker is all it sees); ``image_window``: the screenshot sliding
-        window applied to the context before each turn (:mod:`tiderl.core.segments`)."""
+        window applied to the context before each turn (:mod:`tiderl.core.segments`);
+        ``agents``: the envs that are agents (``env.agents``), whose start and steps may take
+        up to ``agent_wait_s`` (their agent thinks and runs its tools meanwhile)."""
+        self.agents = frozenset(agents)
+        self.agent_wait_s = agent_wait_s
         self.engine, self.env, self.encoder = engine, env, encoder
         self.placer = placer
         self.image_window = image_window
@@ -188,16 +204,17 @@ class AgentLoop:
         except PinRefused as exc:
             log.info("task %s goes on unpinned: %s", task_id, exc)
 
-    async def _step_pinned(self, task_id: str, session: str,
-                           output_ids: list[int]) -> ObservationResponse:
+    async def _step_pinned(self, task_id: str, session: str, text: str,
+                           completion: Completion | None, wait_s: float | None
+                           ) -> ObservationResponse:
         """The environment step of a turn, the task's KV pinned meanwhile (when it pins): the
         pin waits for the engine's step in flight, the environment does not wait for the pin.
         The pin is done before this returns, whatever the step did."""
         if not self.pin:
-            return await self.env.step(session, self.encoder.decode(output_ids))
+            return await self.env.step(session, text, completion, wait_s=wait_s)
         pinning = asyncio.ensure_future(self._pin(task_id))
         try:
-            step = await self.env.step(session, self.encoder.decode(output_ids))
+            step = await self.env.step(session, text, completion, wait_s=wait_s)
         except BaseException:
             await asyncio.gather(pinning, return_exceptions=True)  # forget() comes after it
             raise
@@ -228,13 +245,19 @@ class AgentLoop:
     async def run(self, task: AgentTask, carry: TaskCarry | None = None) -> Trajectory:
         """Play the task to its end (done, the turn cap or the context cap; the last two score
         0) and return its trajectory with the reward; from ``carry`` when it moved here."""
+        is_agent = task.env in self.agents
+        wait = self.agent_wait_s if is_agent else None
         if carry is None:
-            start = await self.env.start(task.env, task.task, task.seed)
+            start = await self.env.start(task.env, task.task, task.seed, task_id=task.task_id,
+                                         group_id=task.group_id, wait_s=wait)
             messages = _plain(start.messages)
-            placed = self._encode(start.messages, start.observation, lambda text:
-                                  self.encoder.opening(text, messages, start.tools))
+            if start.prompt_ids is not None:  # a token-in agent renders its own prompt
+                placed = PlacedTurn(list(start.prompt_ids))
+            else:
+                placed = self._encode(start.messages, start.observation, lambda text:
+                                      self.encoder.opening(text, messages, start.tools))
             carry = TaskCarry(start.session, [], placed.ids, placed.images,
-                              image_data=placed.data)
+                              image_data=placed.data, next_sampling=dict(start.sampling))
             self._note(task.task_id, messages=messages, tools=start.tools)
         else:
             await self.env.resume(carry.session)
@@ -243,7 +266,7 @@ class AgentLoop:
                                 image_data=dict(carry.image_data))
         context, live = open_context(trajectory.turns)
         new_context, new_images = list(carry.next_context), list(carry.next_images)
-        restart = carry.next_restart
+        restart, asked = carry.next_restart, carry.next_sampling
         ended, engine_gone = True, False
         try:
             while len(trajectory.turns) < self.max_turns:
@@ -254,35 +277,61 @@ class AgentLoop:
                     await self.env.pause(session)
                     raise TaskDetachedError(task.task_id, TaskCarry(
                         session, trajectory.turns, new_context, new_images, restart,
-                        trajectory.image_data))
+                        trajectory.image_data, asked))
                 prompt = context + new_context
                 images = live + [image.shifted(len(context)) for image in new_images]
                 drop = self.image_window.to_drop(len(images)) if self.image_window else 0
                 if drop:  # a new training segment, from the pruned context
                     prompt, images = drop_images(prompt, images, drop)
                     new_context, new_images, restart = prompt, images, True
-                if len(prompt) + self.sampling.max_tokens > self.max_context_tokens:
+                sampling = self._turn_sampling(asked, len(prompt), is_agent)
+                if sampling is None and not is_agent:
                     break
-                out = await _reach(self.engine.generate(
-                    task.task_id, prompt, self.sampling, RESUMED_PRIORITY if resumed else 0,
-                    images=[(image, trajectory.image_data[image.key]) for image in images]))
-                version = out.version if out.version is not None else self.version()
-                trajectory.turns.append(Turn(new_context, out.output_ids, out.logprobs, version,
-                                             tuple(new_images), restart))
-                self._note(task.task_id, turn=len(trajectory.turns) - 1,
-                           prompt_tokens=out.num_prompt_tokens, output_ids=out.output_ids)
-                context, live, restart = prompt + out.output_ids, images, False
-                self._report(task.task_id, len(context), len(out.output_ids), version,
-                             False, False)
-                step = await self._step_pinned(task.task_id, session, out.output_ids)
-                self._report(task.task_id, len(context), len(out.output_ids), version,
-                             step.done, not step.done)
+                if sampling is None:  # the agent is told; its task goes on
+                    step = await self.env.step(session, "", Completion(error=(
+                        f"the prompt is {len(prompt)} tokens, which leaves no room in the "
+                        f"context length ({self.max_context_tokens} tokens)")), wait_s=wait)
+                else:
+                    out = await _reach(self.engine.generate(
+                        task.task_id, prompt, sampling, RESUMED_PRIORITY if resumed else 0,
+                        images=[(image, trajectory.image_data[image.key]) for image in images]))
+                    version = out.version if out.version is not None else self.version()
+                    output_ids, logprobs = out.output_ids, out.logprobs
+                    text, stop = self.encoder.decode(output_ids), ""
+                    if asked.get("stop"):
+                        output_ids, logprobs, text, stop = cut_at_stop(
+                            self.encoder.decode, output_ids, logprobs, asked["stop"])
+                    trajectory.turns.append(Turn(new_context, output_ids, logprobs, version,
+                                                 tuple(new_images), restart))
+                    self._note(task.task_id, turn=len(trajectory.turns) - 1,
+                               prompt_tokens=out.num_prompt_tokens, output_ids=output_ids)
+                    context, live, restart = prompt + output_ids, images, False
+                    self._report(task.task_id, len(context), len(output_ids), version,
+                                 False, False)
+                    completion = Completion(
+                        output_ids, logprobs, "length" if not stop and "length" in
+                        out.finish_reason.lower() else "stop", out.num_prompt_tokens,
+                        out.num_cached_tokens, version, stop) if is_agent else None
+                    step = await self._step_pinned(task.task_id, session, text, completion,
+                                                   wait)
+                    self._report(task.task_id, len(context), len(output_ids), version,
+                                 step.done, not step.done)
                 if step.done:
                     trajectory.reward = step.reward
                     break
                 messages = _plain(step.messages)
-                placed = self._encode(step.messages, step.observation, functools.partial(
-                    self.encoder.following, messages=messages, output_ids=out.output_ids))
+                asked = dict(step.sampling)
+                if step.restart:  # the agent's request does not extend the context: a new
+                    context, live, restart = [], [], True  # training segment, rendered whole
+                    placed = PlacedTurn(list(step.prompt_ids)) if step.prompt_ids is not None \
+                        else self._encode(step.messages, step.observation, functools.partial(
+                            self.encoder.opening, messages=messages, tools=step.tools))
+                elif step.prompt_ids is not None:
+                    placed = PlacedTurn(list(step.prompt_ids))
+                else:
+                    last = trajectory.turns[-1].output_ids if trajectory.turns else []
+                    placed = self._encode(step.messages, step.observation, functools.partial(
+                        self.encoder.following, messages=messages, output_ids=last))
                 new_context, new_images = placed.ids, placed.images
                 trajectory.image_data.update(placed.data)
                 self._note(task.task_id, messages=messages)
@@ -299,6 +348,24 @@ class AgentLoop:
             else:  # it goes on elsewhere: its record there starts at its next turn
                 self.transcripts.pop(task.task_id, None)
         return trajectory
+
+    def _turn_sampling(self, asked: dict[str, Any], prompt_tokens: int,
+                       is_agent: bool) -> SamplingParams | None:
+        """The job's sampling with what an agent's request asks for this turn (fewer tokens,
+        stop token ids, a seed); None when the prompt leaves too little room in the context
+        (a native task: no room for the job's ``max_tokens``; an agent's: no room at all)."""
+        room = self.max_context_tokens - prompt_tokens
+        base = self.sampling
+        max_tokens = min(base.max_tokens, asked.get("max_tokens") or base.max_tokens)
+        if max_tokens > room:
+            if not is_agent or room <= 0:
+                return None
+            max_tokens = room
+        if not asked and max_tokens == base.max_tokens:
+            return base
+        return dataclasses.replace(
+            base, max_tokens=max_tokens, seed=asked.get("seed", base.seed),
+            stop_token_ids=tuple(asked.get("stop_token_ids", base.stop_token_ids)))
 
     def _encode(self, messages: list[Message], text: str,
                 encode: Callable[[str], list[int]]) -> PlacedTurn:
@@ -324,6 +391,37 @@ def open_context(turns: list[Turn]) -> tuple[list[int], list[ImageRef]]:
     return ids, images
 
 
+def cut_at_stop(decode: Callable[[list[int]], str], output_ids: list[int],
+                logprobs: list[float], stops: Sequence[str]
+                ) -> tuple[list[int], list[float], str, str]:
+    """The output up to the first of ``stops`` in its text, as vLLM stops: the ids through the
+    token that completes the stop string (exactly as sampled), their logprobs, the text before
+    the stop string, and the stop string ("" if none occurs: everything as it is)."""
+    text = decode(output_ids)
+    found = [(text.find(stop), stop) for stop in stops if stop in text]
+    if not found:
+        return output_ids, logprobs, text, ""
+    at, stop = min(found)
+    lo, hi = 1, len(output_ids)  # the fewest ids whose text holds the stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(output_ids[:mid])) >= at + len(stop):
+            hi = mid
+        else:
+            lo = mid + 1
+    return output_ids[:lo], logprobs[:lo], text[:at], stop
+
+
 def _plain(messages: list[Message]) -> list[dict]:
-    """Messages as the dicts a chat template reads."""
-    return msgspec.to_builtins(messages)
+    """Messages as the dicts a chat template reads (a tool call's JSON arguments as an object,
+    as templates expect them)."""
+    plain = msgspec.to_builtins(messages)
+    for message in plain:
+        for call in message.get("tool_calls") or ():
+            try:
+                arguments = json.loads(call["function"]["arguments"])
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(arguments, dict):
+                call["function"]["arguments"] = arguments
+    return plain

@@ -57,6 +57,7 @@ from tiderl.runtime.trajectory_wire import turn_data
 log = logging.getLogger("tiderl.rank")
 
 EXIT_ENGINE_LOST = 4
+AGENT_WAIT_SLACK_S = 30.0  # an agent's call outlasts its deadline by this: the service ends it
 ENGINE_STALL_FACTOR = 2  # a server silent this many heartbeat windows has stalled (SIGSTOP)
 
 
@@ -113,7 +114,9 @@ class RolloutSide:
                                max_context_tokens=min(engine_cfg.kv_cache_tokens,
                                                       kit.config.max_position_embeddings),
                                version=lambda: engine.version, on_turn=self._on_turn,
-                               placer=kit.placer, image_window=env_cfg.image_window)
+                               placer=kit.placer, image_window=env_cfg.image_window,
+                               agents=env_cfg.agents,
+                               agent_wait_s=env_cfg.agent_timeout_s + AGENT_WAIT_SLACK_S)
 
     async def join(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Join rollout serving ``version`` (``state``: its weights, None for the initial

@@ -36,11 +36,12 @@ def carry_data(carry: TaskCarry) -> CarryData:
     """A task leaving this rank (its carry) as the bus takes it."""
     return CarryData(session=carry.session, turns=[turn_data(t) for t in carry.turns],
                      next_context=carry.next_context, next_images=image_data(carry.next_images),
-                     next_restart=carry.next_restart, image_data=carry.image_data)
+                     next_restart=carry.next_restart, image_data=carry.image_data,
+                     next_sampling=carry.next_sampling)
 
 
 def carry_of(data: CarryData) -> TaskCarry:
     """A task coming to this rank from another, as its agent loop takes it."""
     return TaskCarry(data.session, [turn_of(t) for t in data.turns], data.next_context,
                      list(images_of(data.next_images)), data.next_restart,
-                     dict(data.image_data))
+                     dict(data.image_data), dict(data.next_sampling))

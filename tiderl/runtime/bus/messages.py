@@ -124,6 +124,8 @@ class CarryData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     next_images: list[ImageRefData] = []  # offsets into next_context
     next_restart: bool = False
     image_data: dict[str, bytes] = {}
+    # an agent's next request asks for this sampling (max_tokens, stop, stop_token_ids, seed)
+    next_sampling: dict[str, int | list[str | int]] = {}
 
 
 class TaskDetached(Message, kw_only=True):

@@ -1,0 +1,71 @@
+"""Agents the endpoint tests run in a real environment service (their module is put on its
+PYTHONPATH): each does one thing an agent may do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+
+
+async def hold(task, client) -> None:
+    """Write where the task is served (its id, key and base URL) to the file the task text
+    names, then wait: the test itself is the agent."""
+    Path(task.prompt).write_text(json.dumps({"task_id": task.task_id, "key": task.api_key,
+                                             "base_url": task.base_url}))
+    await asyncio.sleep(3600)
+
+
+async def raises(task, client) -> None:
+    raise RuntimeError("the agent's own bug")
+
+
+async def silent(task, client) -> float:
+    return 1.0
+
+
+async def sleeps(task, client) -> None:
+    await asyncio.sleep(3600)
+
+
+async def streams(task, client) -> float:
+    """Two turns over streamed chat completions (with usage), the second extending the first."""
+    messages = [{"role": "user", "content": "first"}]
+    texts, usage = [], None
+    for _ in range(2):
+        stream = await client.chat.completions.create(
+            model="m", messages=messages, stream=True, stream_options={"include_usage": True})
+        text = ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                usage = chunk.usage
+        texts.append(text)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    return 1.0 if texts == ["one", "two"] and usage and usage.completion_tokens == 2 else 0.0
+
+
+async def trims(task, client) -> float:
+    """A second request that drops the first turn (a summarised history)."""
+    first = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "long history"}])
+    await client.chat.completions.create(model="m", messages=[
+        {"role": "user", "content": f"summary: {first.choices[0].message.content}"}])
+    return 0.5
+
+
+async def tokens_in(task, client) -> float:
+    """Token-in turns as verifiers' client sends them: /inference/v1/generate, X-Session-ID."""
+    base = task.base_url.rsplit("/tasks/", 1)[0]
+    headers = {"Authorization": f"Bearer {task.api_key}", "X-Session-ID": task.task_id}
+    ids: list[int] = [5, 6, 7]
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        for _ in range(2):
+            answer = (await http.post("/inference/v1/generate", headers=headers, json={
+                "model": "m", "token_ids": ids,
+                "sampling_params": {"max_tokens": 4, "logprobs": 1}})).json()
+            ids = ids + answer["choices"][0]["token_ids"] + [9]
+    return 1.0

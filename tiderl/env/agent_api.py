@@ -1,0 +1,731 @@
+"""The model endpoint agents call: OpenAI chat completions, Anthropic messages, vLLM's token-in
+generate, served per task by the environment service (:mod:`tiderl.env.agents`).
+
+    POST /v1/chat/completions            OpenAI (tools, tool_calls, stream with usage)
+    POST /v1/messages                    Anthropic (system, content blocks, tool_use, stream)
+    POST /v1/messages/count_tokens       the prompt's tokens under the model's chat template
+    GET  /v1/models                      the model, with its context length (max_model_len)
+    POST /inference/v1/generate          vLLM's token-in schema (token_ids, sampling_params)
+    POST /tasks/{task_id}/reward         {"reward": r}: the task's reward, if the agent gives it
+    POST /tasks/{task_id}/finish         the agent is done: the task ends with its reward
+
+Each route is also served under ``/tasks/{task_id}`` (``/tasks/{task_id}/v1/chat/completions``:
+the base URL an agent is given). A request names its task by that path, or by its key alone
+(``Authorization: Bearer KEY`` or ``x-api-key: KEY``), or by ``X-Session-ID: TASK_ID`` with the
+key; the key is always required, and a key that is not the task's is 401. An SDK's retry of a
+request (``x-stainless-retry-count`` > 0, the same body) is answered with the first attempt's
+answer, never generated twice.
+
+The model's answer is whole when it comes back from the rank, so a stream sends it in one piece
+of each kind (OpenAI: role, content, each tool call, finish, usage; Anthropic: message_start,
+one block per text and tool_use, message_delta, message_stop), the events the SDKs parse.
+
+Sampling: the rank samples with the job's temperature and top_p (the policy being trained, whose
+behaviour logprobs the trainer corrects by), whatever a request asks; it honours ``max_tokens``
+(capped by the job's ``engine.max_new_tokens``), ``stop`` strings and token ids, and ``seed``.
+
+Errors are one line in the dialect's shape: OpenAI ``{"error": {"message", "type", "param",
+"code"}}``, Anthropic ``{"type": "error", "error": {"type", "message"}}``; 400 malformed JSON, an
+unsupported parameter (named), ``n`` > 1, a prompt over the context length (the limit named);
+401 no key or a wrong one; 404 an unknown task; 409 a finished or dropped task; 429 a task with
+too many requests waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tiderl.core.quote import short
+from tiderl.env.agents import (
+    AgentRun,
+    Answer,
+    ModelRequest,
+    RequestRefused,
+    TaskClosed,
+    TooManyRequests,
+    body_digest,
+)
+from tiderl.env.images import ImageError
+from tiderl.env.protocol import (
+    ImagePart,
+    ImageURL,
+    Message,
+    TextPart,
+    ToolCall,
+    ToolFunction,
+)
+from tiderl.env.service import EnvService
+
+RETRY_HEADER = "x-stainless-retry-count"
+SESSION_HEADER = "x-session-id"
+AGENT_PREFIXES = ("/v1/", "/tasks/", "/inference/")
+
+
+def is_agent_path(path: str) -> bool:
+    return path.startswith(AGENT_PREFIXES)
+
+
+@dataclass
+class AgentModel:
+    """What the endpoint tells agents about the model: its name, its context length, and how
+    to count a conversation's tokens (None: count_tokens is not served)."""
+
+    name: str = "tiderl"
+    context_tokens: int = 4096
+    count: Callable[[list[dict], list[dict]], int] | None = None
+
+
+class TokenCounter:
+    """A conversation's prompt tokens under the model's chat template (or its plain text),
+    the tokenizer loaded on the first count."""
+
+    def __init__(self, path: str, use_template: bool = True) -> None:
+        self.path, self.use_template = path, use_template
+        self.encoder: Any = None
+
+    def __call__(self, messages: list[dict], tools: list[dict]) -> int:
+        if self.encoder is None:
+            from tiderl.models.chat import turn_encoder
+            from tiderl.models.folder import load_tokenizer
+            from tiderl.models.tokenizer import word_tokenizer
+
+            tokenizer = load_tokenizer(self.path) if self.path else word_tokenizer()
+            self.encoder = turn_encoder(self.path or None, tokenizer, (), self.use_template)
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+        return len(self.encoder.opening(text, messages, tools))
+
+
+def agent_model(path: str, size: str, kv_cache_tokens: int, use_template: bool = True
+                ) -> AgentModel:
+    """How the endpoint describes a job's model: the folder's name (or the seeded size), its
+    context length (the rank's bound: the KV cache, and the folder's own limit)."""
+    from tiderl.models.config import context_length
+
+    limit = (context_length(path) if path else None) or kv_cache_tokens
+    return AgentModel(Path(path).name if path else size, min(limit, kv_cache_tokens),
+                      TokenCounter(path, use_template))
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def _unsupported(name: str, value: Any = None) -> ApiError:
+    shown = "" if value is None else f" {short(value)}"
+    return ApiError(400, f"unsupported parameter: {name}{shown}", param=name)
+
+
+# ---------------------------------------------------------------------------- requests: OpenAI
+
+CHAT_PARAMS = {"model", "messages", "tools", "tool_choice", "max_tokens",
+               "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n", "stream",
+               "stream_options", "user", "metadata", "parallel_tool_calls", "logprobs",
+               "top_logprobs", "store", "frequency_penalty", "presence_penalty"}
+
+
+def parse_chat(body: dict[str, Any]) -> tuple[list[Message], list[dict], dict[str, Any]]:
+    """An OpenAI chat completions body: its messages, tools and per-turn sampling."""
+    _known(body, CHAT_PARAMS)
+    if body.get("n", 1) != 1:
+        raise ApiError(400, f"n: only n=1 is served (one sample per request), got "
+                       f"{short(body.get('n'))}", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise _unsupported(name, body[name])
+    if body.get("top_logprobs"):
+        raise _unsupported("top_logprobs", body["top_logprobs"])
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", choice)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages: expected a non-empty list", param="messages")
+    messages = [_openai_message(m, i) for i, m in enumerate(raw)]
+    tools = [] if choice == "none" else _list(body.get("tools"), "tools")
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("type", "function") == "function"
+                and isinstance(tool.get("function"), dict)
+                and isinstance(tool["function"].get("name"), str)):
+            raise ApiError(400, f"tools[{i}]: expected {{\"type\": \"function\", "
+                           "\"function\": {\"name\", ...}}", param="tools")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return messages, tools, _sampling(limit, body.get("stop"), body.get("seed"))
+
+
+def _openai_message(raw: Any, i: int) -> Message:
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"messages[{i}]: expected an object", param="messages")
+    role = raw.get("role")
+    if role == "developer":
+        role = "system"
+    content = raw.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        content = [_openai_part(part, i) for part in content]
+    elif not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content: expected a string or a list of parts",
+                       param="messages")
+    calls = None
+    if raw.get("tool_calls"):
+        calls = []
+        for call in _list(raw["tool_calls"], f"messages[{i}].tool_calls"):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ApiError(400, f"messages[{i}].tool_calls: expected {{\"id\", "
+                               "\"function\": {\"name\", \"arguments\"}}", param="messages")
+            arguments = function.get("arguments", "")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            calls.append(ToolCall(str(call.get("id", "")), ToolFunction(function["name"],
+                                                                         arguments)))
+    tool = role == "tool"
+    try:
+        return Message(role=role, content=content, tool_calls=calls,
+                       tool_call_id=raw.get("tool_call_id") if tool else None,
+                       name=raw.get("name") if tool else None)
+    except (ValueError, TypeError, ImageError) as exc:
+        raise ApiError(400, f"messages[{i}]: {exc}", param="messages") from None
+
+
+def _openai_part(part: Any, i: int) -> TextPart | ImagePart:
+    kind = part.get("type") if isinstance(part, dict) else None
+    try:
+        if kind == "text" and isinstance(part.get("text"), str):
+            return TextPart(part["text"])
+        if kind == "image_url" and isinstance(part.get("image_url"), dict):
+            return ImagePart(ImageURL(str(part["image_url"].get("url", ""))))
+    except ImageError as exc:
+        raise ApiError(400, f"messages[{i}]: {exc}", param="messages") from None
+    raise ApiError(400, f"messages[{i}].content: unsupported part {short(kind)} (text and "
+                   "PNG image_url parts are served)", param="messages")
+
+
+# ------------------------------------------------------------------------- requests: Anthropic
+
+MESSAGES_PARAMS = {"model", "messages", "system", "max_tokens", "tools", "tool_choice",
+                   "stop_sequences", "temperature", "top_p", "top_k", "metadata", "stream",
+                   "thinking", "service_tier"}
+
+
+def parse_messages(body: dict[str, Any], *, counting: bool = False
+                   ) -> tuple[list[Message], list[dict], dict[str, Any]]:
+    """An Anthropic Messages body as OpenAI-style messages and tools (``system`` first, each
+    ``tool_result`` block a tool message, ``tool_use`` blocks tool calls)."""
+    _known(body, MESSAGES_PARAMS)
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
+        raise _unsupported("thinking", thinking.get("type"))
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if kind not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", kind)
+    if not counting and not isinstance(body.get("max_tokens"), int):
+        raise ApiError(400, "max_tokens: required, a whole number", param="max_tokens")
+    messages: list[Message] = []
+    system = body.get("system")
+    if system:
+        text = system if isinstance(system, str) else "\n".join(
+            _block_text(block, "system") for block in _list(system, "system"))
+        messages.append(Message(role="system", content=text))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages: expected a non-empty list", param="messages")
+    for i, message in enumerate(raw):
+        messages += _anthropic_message(message, i)
+    tools = [] if kind == "none" else [_anthropic_tool(t, i) for i, t in
+                                       enumerate(_list(body.get("tools"), "tools"))]
+    return messages, tools, _sampling(body.get("max_tokens"), body.get("stop_sequences"), None)
+
+
+def _anthropic_message(raw: Any, i: int) -> list[Message]:
+    role = raw.get("role") if isinstance(raw, dict) else None
+    if role not in ("user", "assistant"):
+        raise ApiError(400, f"messages[{i}].role: expected user or assistant, got "
+                       f"{short(role)}", param="messages")
+    content = raw.get("content", "")
+    if isinstance(content, str):
+        return [Message(role=role, content=content)]
+    out: list[Message] = []
+    parts: list[TextPart | ImagePart] = []
+    calls: list[ToolCall] = []
+    for block in _list(content, f"messages[{i}].content"):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append(TextPart(_block_text(block, f"messages[{i}]")))
+        elif kind == "image" and role == "user":
+            parts.append(_anthropic_image(block, i))
+        elif kind == "tool_use" and role == "assistant":
+            arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
+            calls.append(ToolCall(str(block.get("id", "")), ToolFunction(
+                str(block.get("name", "")), arguments)))
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            text = result if isinstance(result, str) else "\n".join(
+                _block_text(b, f"messages[{i}]") for b in _list(result, f"messages[{i}]"))
+            out.append(Message(role="tool", content=text,
+                               tool_call_id=str(block.get("tool_use_id", ""))))
+        else:
+            raise ApiError(400, f"messages[{i}].content: unsupported block {short(kind)} for "
+                           f"{role}", param="messages")
+    if parts or calls or not out:
+        text_only = all(isinstance(p, TextPart) for p in parts)
+        body: str | list = "\n".join(p.text for p in parts) if text_only else parts
+        out.append(Message(role=role, content=body, tool_calls=calls or None))
+    return out
+
+
+def _anthropic_image(block: dict, i: int) -> ImagePart:
+    source = block.get("source") or {}
+    if source.get("type") != "base64" or source.get("media_type") != "image/png":
+        raise ApiError(400, f"messages[{i}]: only base64 PNG images are served",
+                       param="messages")
+    try:
+        return ImagePart(ImageURL(f"data:image/png;base64,{source.get('data', '')}"))
+    except ImageError as exc:
+        raise ApiError(400, f"messages[{i}]: {exc}", param="messages") from None
+
+
+def _anthropic_tool(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise ApiError(400, f"tools[{i}]: expected {{\"name\", \"input_schema\", ...}}",
+                       param="tools")
+    function = {"name": tool["name"], "description": tool.get("description", ""),
+                "parameters": tool.get("input_schema", {"type": "object"})}
+    return {"type": "function", "function": function}
+
+
+def _block_text(block: Any, where: str) -> str:
+    if not (isinstance(block, dict) and block.get("type") == "text"
+            and isinstance(block.get("text"), str)):
+        raise ApiError(400, f"{where}: expected text blocks", param="messages")
+    return block["text"]
+
+
+# ------------------------------------------------------------------------- requests: token-in
+
+GENERATE_PARAMS = {"model", "token_ids", "sampling_params", "request_id", "cache_salt",
+                   "priority", "stream", "output_mode", "return_token_ids"}
+TOKEN_SAMPLING_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                         "stop_token_ids", "logprobs", "n", "detokenize", "skip_special_tokens",
+                         "include_stop_str_in_output", "repetition_penalty", "min_tokens",
+                         "ignore_eos", "spaces_between_special_tokens"}
+
+
+def parse_generate(body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """vLLM's ``/inference/v1/generate`` body: the prompt's ids and per-turn sampling."""
+    _known(body, GENERATE_PARAMS)
+    if body.get("stream"):
+        raise _unsupported("stream", True)
+    if body.get("output_mode", "tokens") != "tokens":
+        raise _unsupported("output_mode", body["output_mode"])
+    ids = body.get("token_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool)
+                                                  and t >= 0 for t in ids)):
+        raise ApiError(400, "token_ids: expected a non-empty list of token ids",
+                       param="token_ids")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "sampling_params: expected an object", param="sampling_params")
+    _known(params, TOKEN_SAMPLING_PARAMS, "sampling_params.")
+    if params.get("n", 1) != 1:
+        raise ApiError(400, "sampling_params.n: only n=1 is served", param="sampling_params")
+    for name, neutral in (("repetition_penalty", 1), ("min_tokens", 0), ("ignore_eos", False),
+                          ("include_stop_str_in_output", False)):
+        if params.get(name, neutral) not in (neutral, None):
+            raise _unsupported(f"sampling_params.{name}", params[name])
+    sampling = _sampling(params.get("max_tokens"), params.get("stop"), params.get("seed"))
+    stop_ids = params.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+        raise ApiError(400, "sampling_params.stop_token_ids: expected a list of token ids",
+                       param="sampling_params")
+    if stop_ids:
+        sampling["stop_token_ids"] = stop_ids
+    return ids, sampling
+
+
+# ---------------------------------------------------------------------------- shared parsing
+
+
+def _known(body: dict[str, Any], known: set[str], prefix: str = "") -> None:
+    for name in body:
+        if name not in known:
+            raise _unsupported(f"{prefix}{name}")
+
+
+def _list(value: Any, name: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError(400, f"{name}: expected a list", param=name)
+    return value
+
+
+def _sampling(max_tokens: Any, stop: Any, seed: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ApiError(400, f"max_tokens: expected a positive whole number, got "
+                           f"{short(max_tokens)}", param="max_tokens")
+        out["max_tokens"] = max_tokens
+    if stop:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+            raise ApiError(400, "stop: expected a string or a list of strings", param="stop")
+        out["stop"] = stops
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ApiError(400, f"seed: expected a whole number, got {short(seed)}",
+                           param="seed")
+        out["seed"] = seed
+    return out
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+def _usage(answer: Answer) -> dict[str, Any]:
+    c = answer.completion
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+            "total_tokens": c.prompt_tokens + len(c.token_ids),
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+def _finish(answer: Answer) -> str:
+    if answer.message.tool_calls:
+        return "tool_calls"
+    return "length" if answer.completion.finish_reason == "length" else "stop"
+
+
+def _tool_calls(answer: Answer) -> list[dict[str, Any]]:
+    return [{"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            for call in answer.message.tool_calls or ()]
+
+
+def _logprobs(answer: Answer) -> dict[str, Any]:
+    c = answer.completion
+    return {"content": [{"token": f"token_id:{t}", "logprob": p, "bytes": None,
+                         "top_logprobs": []} for t, p in zip(c.token_ids, c.logprobs, strict=True)]}
+
+
+def chat_answer(answer: Answer, model: str, logprobs: bool) -> dict[str, Any]:
+    content = answer.message.text()
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": content if content or not answer.message.tool_calls
+                               else None}
+    if answer.message.tool_calls:
+        message["tool_calls"] = _tool_calls(answer)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish(answer),
+                         "logprobs": _logprobs(answer) if logprobs else None}],
+            "usage": _usage(answer)}
+
+
+def chat_stream(answer: Answer, model: str, include_usage: bool) -> list[str]:
+    """The SSE events of a streamed chat completion, whole."""
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        out = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                    "logprobs": None}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if text := answer.message.text():
+        chunks.append(chunk({"content": text}))
+    for i, call in enumerate(_tool_calls(answer)):
+        chunks.append(chunk({"tool_calls": [{"index": i, **call}]}))
+    chunks.append(chunk({}, _finish(answer)))
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": _usage(answer)})
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def _stop_reason(answer: Answer) -> tuple[str, str | None]:
+    if answer.message.tool_calls:
+        return "tool_use", None
+    if answer.completion.stop:
+        return "stop_sequence", answer.completion.stop
+    return ("max_tokens" if answer.completion.finish_reason == "length" else "end_turn"), None
+
+
+def _blocks(answer: Answer) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if text := answer.message.text():
+        blocks.append({"type": "text", "text": text})
+    for call in answer.message.tool_calls or ():
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):  # Anthropic's input is an object
+            arguments = {"arguments": call.function.arguments}
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.function.name,
+                       "input": arguments})
+    return blocks
+
+
+def messages_answer(answer: Answer, model: str) -> dict[str, Any]:
+    reason, sequence = _stop_reason(answer)
+    c = answer.completion
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+            "model": model, "content": _blocks(answer), "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": {"input_tokens": c.prompt_tokens, "output_tokens": len(c.token_ids),
+                      "cache_read_input_tokens": c.cached_tokens}}
+
+
+def messages_stream(answer: Answer, model: str) -> list[str]:
+    whole = messages_answer(answer, model)
+    start = {**whole, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**whole["usage"], "output_tokens": 0}}
+    events: list[tuple[str, dict]] = [("message_start", {"type": "message_start",
+                                                         "message": start})]
+    for index, block in enumerate(whole["content"]):
+        if block["type"] == "text":
+            events += [("content_block_start", {"type": "content_block_start", "index": index,
+                                                "content_block": {"type": "text", "text": ""}}),
+                       ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "text_delta",
+                                                          "text": block["text"]}})]
+        else:
+            events += [("content_block_start", {"type": "content_block_start", "index": index,
+                                                "content_block": {**block, "input": {}}}),
+                       ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "input_json_delta",
+                                                          "partial_json":
+                                                          json.dumps(block["input"])}})]
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+    events += [("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": whole["stop_reason"],
+                                            "stop_sequence": whole["stop_sequence"]},
+                                  "usage": {"output_tokens": whole["usage"]["output_tokens"]}}),
+               ("message_stop", {"type": "message_stop"})]
+    return [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events]
+
+
+def generate_answer(answer: Answer, model: str) -> dict[str, Any]:
+    c = answer.completion
+    logprobs = [{"token_id": t, "logprob": p, "top_logprobs": []}
+                for t, p in zip(c.token_ids, c.logprobs, strict=True)]
+    return {"request_id": uuid.uuid4().hex, "model": model, "created": int(time.time()),
+            "output_mode": "tokens",
+            "choices": [{"index": 0, "finish_reason": c.finish_reason,
+                         "stop_reason": c.stop or None, "token_ids": c.token_ids,
+                         "logprobs": {"content": logprobs},
+                         "weight_versions": [{"version": str(c.version), "start": 0,
+                                              "end": len(c.token_ids)}]}],
+            "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+                      "total_tokens": c.prompt_tokens + len(c.token_ids)}}
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def openai_error(exc: ApiError) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(exc), "type": exc.kind, "param": exc.param,
+                                   "code": None}}, status_code=exc.status)
+
+
+def anthropic_error(exc: ApiError) -> JSONResponse:
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             409: "invalid_request_error", 429: "rate_limit_error"}
+    return JSONResponse({"type": "error", "error": {"type": kinds.get(exc.status, "api_error"),
+                                                    "message": str(exc)}},
+                        status_code=exc.status)
+
+
+class AgentRoutes:
+    """The routes over one service's agent runs."""
+
+    def __init__(self, service: EnvService, model: AgentModel) -> None:
+        self.service, self.model = service, model
+
+    def find(self, request: Request, task_id: str | None) -> AgentRun:
+        """The run a request is for: by path, ``X-Session-ID`` or key; the key must be its."""
+        key = request.headers.get("x-api-key") or ""
+        auth = request.headers.get("authorization", "")
+        if not key and auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        if not key:
+            raise ApiError(401, "no key: send the task's key as Authorization: Bearer KEY or "
+                           "x-api-key", "authentication_error")
+        task_id = task_id or request.headers.get(SESSION_HEADER)
+        service = self.service
+        run = service.agents.get(task_id) if task_id else service.agent_keys.get(key)
+        if run is None:
+            if task_id and task_id in service.ended_agents:
+                raise ApiError(409, f"task {short(task_id)} has ended", "task_ended")
+            if not task_id and key in service.ended_agents:
+                raise ApiError(409, "the task of this key has ended", "task_ended")
+            if task_id:
+                raise ApiError(404, f"unknown task {short(task_id)}", "not_found_error")
+            raise ApiError(401, "the key is not a task's key", "authentication_error")
+        if not secrets.compare_digest(key, run.task.api_key):
+            raise ApiError(401, f"the key is not task {short(run.task.task_id)}'s",
+                           "authentication_error")
+        return run
+
+    async def ask(self, request: Request, task_id: str | None,
+                  parse: Callable[[dict[str, Any]], ModelRequest]) -> tuple[Answer, dict]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "malformed JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "expected a JSON object")
+        run = self.find(request, task_id)
+        model_request = parse(body)
+        model_request.digest = body_digest(raw)
+        retry = request.headers.get(RETRY_HEADER, "0") not in ("", "0")
+        try:
+            return await run.ask(model_request, retry), body
+        except TaskClosed as exc:
+            raise ApiError(409, str(exc), "task_ended") from None
+        except TooManyRequests as exc:
+            raise ApiError(429, str(exc), "rate_limit_error") from None
+        except RequestRefused as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+
+
+def _chat_request(body: dict[str, Any]) -> ModelRequest:
+    messages, tools, sampling = parse_chat(body)
+    return ModelRequest(messages, tools, None, sampling, "")
+
+
+def _messages_request(body: dict[str, Any]) -> ModelRequest:
+    messages, tools, sampling = parse_messages(body)
+    return ModelRequest(messages, tools, None, sampling, "")
+
+
+def _generate_request(body: dict[str, Any]) -> ModelRequest:
+    ids, sampling = parse_generate(body)
+    return ModelRequest(None, [], ids, sampling, "")
+
+
+def _sse(events: list[str]) -> StreamingResponse:
+    async def gen() -> AsyncIterator[str]:
+        for event in events:
+            yield event
+    return StreamingResponse(gen(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
+
+
+def add_agent_routes(app: FastAPI, service: EnvService, model: AgentModel) -> None:
+    """The endpoint's routes, at the root and under ``/tasks/{task_id}``."""
+    routes = AgentRoutes(service, model)
+
+    def both(path: str, handler: Callable, methods: list[str]) -> None:
+        app.add_api_route(path, handler, methods=methods)
+        app.add_api_route("/tasks/{task_id}" + path, handler, methods=methods)
+
+    async def chat(request: Request, task_id: str | None = None) -> Response:
+        try:
+            answer, body = await routes.ask(request, task_id, _chat_request)
+        except ApiError as exc:
+            return openai_error(exc)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return _sse(chat_stream(answer, model.name, bool(options.get("include_usage"))))
+        return JSONResponse(chat_answer(answer, model.name, bool(body.get("logprobs"))))
+
+    async def messages(request: Request, task_id: str | None = None) -> Response:
+        try:
+            answer, body = await routes.ask(request, task_id, _messages_request)
+        except ApiError as exc:
+            return anthropic_error(exc)
+        if body.get("stream"):
+            return _sse(messages_stream(answer, model.name))
+        return JSONResponse(messages_answer(answer, model.name))
+
+    async def count_tokens(request: Request, task_id: str | None = None) -> Response:
+        try:
+            routes.find(request, task_id)
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, RecursionError):
+                raise ApiError(400, "malformed JSON") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "expected a JSON object")
+            body.pop("max_tokens", None)
+            found, tools, _ = parse_messages(body, counting=True)
+            if model.count is None:
+                raise ApiError(400, "count_tokens: this job's model has no tokenizer here")
+            plain = [msgspec.to_builtins(m) for m in found]
+            counted = await asyncio.to_thread(model.count, plain, tools)
+            return JSONResponse({"input_tokens": counted})
+        except ApiError as exc:
+            return anthropic_error(exc)
+
+    async def models(request: Request, task_id: str | None = None) -> Response:
+        try:
+            routes.find(request, task_id)
+        except ApiError as exc:
+            return openai_error(exc)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model.name, "object": "model", "created": 0, "owned_by": "tiderl",
+             "max_model_len": model.context_tokens}]})
+
+    async def generate(request: Request, task_id: str | None = None) -> Response:
+        try:
+            answer, _ = await routes.ask(request, task_id, _generate_request)
+        except ApiError as exc:
+            return openai_error(exc)
+        return JSONResponse(generate_answer(answer, model.name))
+
+    both("/v1/chat/completions", chat, ["POST"])
+    both("/v1/messages", messages, ["POST"])
+    both("/v1/messages/count_tokens", count_tokens, ["POST"])
+    both("/v1/models", models, ["GET"])
+    both("/inference/v1/generate", generate, ["POST"])
+
+    @app.post("/tasks/{task_id}/reward")
+    async def reward(request: Request, task_id: str) -> Response:
+        try:
+            run = routes.find(request, task_id)
+            try:
+                value = json.loads(await request.body()).get("reward")
+            except (ValueError, AttributeError, RecursionError):
+                raise ApiError(400, "expected {\"reward\": NUMBER}") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or value != value or value in (float("inf"), float("-inf")):
+                raise ApiError(400, f"reward: expected a finite number, got {short(value)}",
+                               param="reward")
+            run.set_reward(float(value))
+        except TaskClosed as exc:
+            return openai_error(ApiError(409, str(exc), "task_ended"))
+        except ApiError as exc:
+            return openai_error(exc)
+        return JSONResponse({"task_id": task_id, "reward": float(value)})
+
+    @app.post("/tasks/{task_id}/finish")
+    async def finish(request: Request, task_id: str) -> Response:
+        try:
+            run = routes.find(request, task_id)
+            run.finish()
+        except TaskClosed as exc:
+            return openai_error(ApiError(409, str(exc), "task_ended"))
+        except ApiError as exc:
+            return openai_error(exc)
+        return JSONResponse({"task_id": task_id, "finished": True})

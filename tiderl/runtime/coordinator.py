@@ -196,6 +196,8 @@ class Coordinator:
             self._on_finished(msg, now)
         elif isinstance(msg, b.TaskDetached):
             if ctl.rollout.is_known(msg.task_id):
+                log.info("task %s left rank %d after %d turns: it goes on on another rank",
+                         msg.task_id, rank, len(msg.carry.turns))
                 self.router.on_detached(msg)
         elif isinstance(msg, b.StepDone | b.StepFailed):
             self._on_step_report(msg, now)

@@ -357,3 +357,31 @@ def test_a_full_disk_while_checkpointing_stops_the_job_resumable(tmp_path):
         assert "--resume" in line
         assert checkpoint_of(run_dir, 2)  # the complete one the line names
         assert_nothing_left(run_dir)
+
+
+def test_a_rollout_rank_killed_while_agents_are_mid_task_the_job_goes_on(tmp_path):
+    """Agent tasks (the OpenAI-SDK calc agent, 0.3 s of tool time a turn) on two rollout ranks;
+    one is killed once both roll out: its sessions are ended (their agents stopped, their
+    requests answered 409), its tasks start again on the other rank, and every group is trained
+    once, dropped and counted, or left over."""
+    from tiderl.models.random_init import write_random_checkpoint
+
+    model = tmp_path / "model"
+    write_random_checkpoint("tiny", model, tokenizer="bpe")
+    agent = ["env.envs=[calc-openai]", "env.tasks={}", "env.options={}",
+             'env.agents={calc-openai: {entry: "tiderl.examples.calc_openai:run"}}',
+             "env.step_latency.kind=fixed", "env.step_latency.median_s=0.3",
+             "engine.max_new_tokens=16", f"model.path={model}"]
+    with chaos(tmp_path / "runs") as jobs:
+        job, state, run_dir = started(jobs, tmp_path / "runs", "runtime.num_ranks=4",
+                                      "runtime.rollout_ranks=2", "ers.enabled=false", *agent)
+        job.until(lambda: steps_done(run_dir) >= 1, "step 1")
+        kill(state, "rank0")
+        assert job.wait() == 0, job.output
+        (dead,) = events(run_dir, "rank_dead")
+        assert dead["rank"] == 0 and dead["role"] == "rollout"
+        (ended,) = events(run_dir, "env_sessions_ended")
+        assert ended["rank"] == 0 and ended["ended"] is not None
+        assert assert_each_group_once(run_dir)["steps"] == STEPS
+        assert "Traceback" not in (run_dir / "logs" / "env.log").read_text()
+        assert_nothing_left(run_dir)

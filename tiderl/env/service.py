@@ -6,8 +6,9 @@
 
 An agent (``env.agents``, :mod:`tiderl.env.agents`) is a session whose environment is its
 :class:`AgentRun`: /start launches the agent and answers with its first model request;
-/observation hands the model's answer (the request's ``completion``) to the agent and answers with
-its next request, or ``done`` and its reward once it ends. Its endpoint routes
+/observation hands the model's answer (the request's ``completion``) to the agent (after the step
+latency model's delay, as a native step: simulated tool time) and answers with its next request,
+or ``done`` and its reward once it ends. Its endpoint routes
 (:mod:`tiderl.env.agent_api`) find the run by task id or key (:attr:`EnvService.agents`). A session
 that goes, however (ended, expired, evicted, its rank dead), stops its agent. An agent that fails
 is answered 422 ``agent_failed`` with the reason, the session then done.
@@ -177,6 +178,7 @@ class EnvService:
                                 "model's completion")
         in_step = self.table.begin_step(req.session, self.clock())
         try:
+            await _sleep(self.step_latency.sample())  # simulated tool time, as for native steps
             out = await run.step(req.action, req.completion)
         except (AgentFailed, TaskClosed) as exc:
             session.is_done = True

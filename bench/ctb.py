@@ -54,24 +54,7 @@ def run_bench(steps: int, root: Path, note) -> dict:
     results: dict[str, dict] = {}
     for name, overrides in POLICIES.items():
         job = run_job(name, [*WORKLOAD, *overrides], steps, root, note)
-        metrics, summary = job.metrics, job.summary
-        lookups = [m.kv_hit_rate for m in metrics if m.kv_hit_rate is not None]
-        results[name] = {
-            "kv_hit_rate": summary["kv_hit_rate_mean"],
-            "kv_hit_rate_per_step": lookups,
-            # per second the rollout rank could generate: the job's wall time less its waits
-            # for the trainer (RWT: the staleness bound holds it back)
-            "gen_tok_s": round(summary["generated_tokens_total"]
-                               / (summary["wall_time_s"] - summary["rwt_total_s"]), 1),
-            "gen_tok_s_wall": round(summary["generated_tokens_total"] / summary["wall_time_s"],
-                                    1),
-            "rwt_s": round(summary["rwt_total_s"], 2),
-            "generated_tokens": summary["generated_tokens_total"],
-            "step_s_mean": round(sum(m.step_s for m in metrics) / len(metrics), 3),
-            "wall_s": summary["wall_time_s"], "job_s": job.job_s,
-            "trained_samples": sum(m.trained_samples for m in metrics),
-            "rollout_saturated_s": round(sum(m.rollout_saturated_s or 0 for m in metrics), 2),
-        }
+        results[name] = policy_figures(job)
         note(f"{name}: hit rate {results[name]['kv_hit_rate']}, "
              f"{results[name]['gen_tok_s']} gen tok/s, step {results[name]['step_s_mean']} s")
     ctb, base = results["ctb"], results["f-max"]
@@ -89,6 +72,27 @@ def run_bench(steps: int, root: Path, note) -> dict:
             "beats_half": (ratios["hit_rate_ratio_vs_half"] or 0) >= 1
             and (ratios["throughput_ratio_vs_half"] or 0) >= 1,
             "steps": steps, "workload": WORKLOAD, "machine": machine_info()}
+
+
+def policy_figures(job) -> dict:
+    """A policy's figures from its job: hit rate, generation throughput, step time."""
+    metrics, summary = job.metrics, job.summary
+    lookups = [m.kv_hit_rate for m in metrics if m.kv_hit_rate is not None]
+    return {
+        "kv_hit_rate": summary["kv_hit_rate_mean"],
+        "kv_hit_rate_per_step": lookups,
+        # per second the rollout rank could generate: the job's wall time less its waits for
+        # the trainer (RWT: the staleness bound holds it back)
+        "gen_tok_s": round(summary["generated_tokens_total"]
+                           / (summary["wall_time_s"] - summary["rwt_total_s"]), 1),
+        "gen_tok_s_wall": round(summary["generated_tokens_total"] / summary["wall_time_s"], 1),
+        "rwt_s": round(summary["rwt_total_s"], 2),
+        "generated_tokens": summary["generated_tokens_total"],
+        "step_s_mean": round(sum(m.step_s for m in metrics) / len(metrics), 3),
+        "wall_s": summary["wall_time_s"], "job_s": job.job_s,
+        "trained_samples": sum(m.trained_samples for m in metrics),
+        "rollout_saturated_s": round(sum(m.rollout_saturated_s or 0 for m in metrics), 2),
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -68,11 +68,12 @@ def test_a_job_trains_the_openai_sdk_calc_agent_through_a_rebalance_move(model, 
 
 
 def test_a_job_trains_a_command_line_agent_a_process_per_task(model, tmp_path):
+    """On `tiderl engine serve` servers, one per rank, as the launcher starts them."""
     runs = tmp_path / "runs"
     command = f'{{command: "{sys.executable} -m tiderl.examples.calc_cli"}}'
     with chaos(runs) as jobs:
         job, _, run_dir = started(jobs, runs, *agent_job("calc-cli", command),
-                                  f"model.path={model}", steps=2)
+                                  f"model.path={model}", "engine.backend=http", steps=2)
         assert job.wait(START_S) == 0, job.output
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1]

@@ -115,3 +115,29 @@ def test_a_job_on_vllm_servers_trains_through_moves_and_a_killed_server(model, t
     assert len(versions) >= 3 and versions <= set(range(STEPS))
     assert_each_group_once(run_dir)
     assert_nothing_left(run_dir)
+
+
+def test_a_job_trains_the_openai_sdk_calc_agent_on_vllm_servers(tmp_path):
+    """The agent endpoint (docs/agents.md) on real vLLM: every turn of the OpenAI-SDK calc agent
+    is a completion on the rollout rank's server, its later turns extend the context (vLLM's
+    prefix cache hits them), and the job trains its steps."""
+    folder = tmp_path / "model"
+    write_random_checkpoint("tiny", folder, tokenizer="bpe")
+    runs = tmp_path / "runs"
+    agent = ["env.envs=[calc-openai]", "env.tasks={}", "env.options={}",
+             'env.agents={calc-openai: {entry: "tiderl.examples.calc_openai:run"}}',
+             "engine.max_new_tokens=24"]
+    with chaos(runs) as jobs:
+        job, _, run_dir = started(jobs, runs, *JOB, *agent, f"model.path={folder}", steps=3)
+        assert job.wait(START_S) == 0, job.output
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["trained_samples"] > 0 for r in records)
+    assert any(r["kv_hit_rate"] for r in records)
+    played = [json.loads(line) for path in (run_dir / "rollouts").glob("rank-*.jsonl")
+              for line in path.read_text().splitlines() if line.strip()]
+    assert {e["env"] for e in played} == {"calc-openai"}
+    assert any(len(e["turns"]) >= 2 for e in played)
+    assert not any(turn["restart"] for e in played for turn in e["turns"])
+    assert_each_group_once(run_dir)
+    assert_nothing_left(run_dir)

@@ -132,17 +132,24 @@ SMALL = [
 ]
 
 
+# the SGLang job plays agent tasks (the OpenAI-SDK calc agent, docs/agents.md) on its servers
+AGENT_TASKS = ["env.envs=[calc-openai]", "env.tasks={}", "env.options={}",
+               'env.agents={calc-openai: {entry: "tiderl.examples.calc_openai:run"}}']
+
+
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_a_job_rolls_out_on_attached_servers_of_each_backend(tmp_path, models, backend):
     """2 steps of system tiderl on one rollout and two actor ranks, each attached to its own
     fake server: the cold start wakes rank 2's (from the model folder) and puts it back to
-    sleep (ERS may move it again later), every version reaches rank 0's server by disk."""
+    sleep (ERS may move it again later), every version reaches rank 0's server by disk. On
+    SGLang the tasks are an agent's."""
     fakes = [(FakeVLLMServer if backend == "vllm" else FakeSGLangServer)(models / "m0")
              for _ in range(3)]
+    tasks = AGENT_TASKS if backend == "sglang" else []
     with running(fakes[0]) as u0, running(fakes[1]) as u1, running(fakes[2]) as u2:
         profile = load_profile("local", [*SMALL, f"engine.backend={backend}",
                                          f"engine.urls=[{u0}, {u1}, {u2}]",
-                                         f"model.path={models / 'm0'}"])
+                                         f"model.path={models / 'm0'}", *tasks])
         result = run_local(profile, run_root=tmp_path)
     assert result.exit_code == 0
     metrics = [json.loads(line) for line in

@@ -69,3 +69,39 @@ async def tokens_in(task, client) -> float:
                 "sampling_params": {"max_tokens": 4, "logprobs": 1}})).json()
             ids = ids + answer["choices"][0]["token_ids"] + [9]
     return 1.0
+
+
+async def renders(task, client) -> float:
+    """Token-in turns as verifiers v1's TrainClient makes them: the prompt rendered by a
+    ``renderers`` renderer (the model folder's chat template, the Hermes-style ``qwen3`` tool
+    parser), sent by ``renderers.client.generate`` with a trace id of its own in
+    ``X-Session-ID``; the next turn bridged from the exact prompt and completion ids
+    (``bridge_to_next_turn``), or rendered whole where the renderer cannot bridge (the default
+    renderer of a template it does not know never does)."""
+    from renderers import create_renderer
+    from renderers.client import generate
+    from renderers.configs import DefaultRendererConfig
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(task.prompt, local_files_only=True)
+    renderer = create_renderer(tokenizer, DefaultRendererConfig(tool_parser="qwen3"))
+    tools = [{"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    headers = {"X-Session-ID": "trace-of-its-own"}
+    first = await generate(client=client, renderer=renderer, messages=messages, tools=tools,
+                           model="m", sampling_params={"max_tokens": 16},
+                           extra_headers=headers)
+    (call,) = first["tool_calls"]
+    result = [{"role": "tool", "tool_call_id": "c0", "content": "5"}]
+    messages += [{"role": "assistant", "content": first["content"] or "", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": call.name,
+                                                      "arguments": call.arguments}}]}, *result]
+    bridged = renderer.bridge_to_next_turn(first["prompt_ids"], first["completion_ids"], result,
+                                           tools=tools) \
+        or renderer.render(messages, tools=tools, add_generation_prompt=True)
+    second = await generate(client=client, renderer=renderer, messages=messages, tools=tools,
+                            model="m", prompt_ids=bridged.token_ids,
+                            sampling_params={"max_tokens": 16}, extra_headers=headers)
+    return 1.0 if call.name == "calculator" and "5" in (second["content"] or "") else 0.0

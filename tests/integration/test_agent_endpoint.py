@@ -22,6 +22,8 @@ import yaml
 from tests.integration.serving import free_port, process_exit, stop_process, wait_healthy
 from tiderl.env.client import EnvClientError, HTTPEnvClient
 from tiderl.env.protocol import Completion
+from tiderl.models.bpe import IM_END, train_bpe, write_tokenizer_files
+from tiderl.models.folder import load_tokenizer
 from tiderl.profile import build_profile, profile_to_dict
 
 HERE = Path(__file__).parent
@@ -33,6 +35,7 @@ AGENTS = {
     "streams": {"entry": "agents_for_tests:streams"},
     "trims": {"entry": "agents_for_tests:trims"},
     "tokens-in": {"entry": "agents_for_tests:tokens_in"},
+    "renders": {"entry": "agents_for_tests:renders"},
     "hold": {"entry": "agents_for_tests:hold"},
     "raises": {"entry": "agents_for_tests:raises"},
     "silent": {"entry": "agents_for_tests:silent"},
@@ -138,6 +141,39 @@ def test_token_in_requests_extend_by_ids_and_answer_in_vllm_s_schema(service):
     assert start.prompt_ids == [5, 6, 7] and start.sampling == {"max_tokens": 4}
     assert not second.restart and second.prompt_ids == [9]  # prompt + output ids + the new one
     assert end.done and end.reward == 1.0
+
+
+@pytest.fixture(scope="module")
+def bpe_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bpe")
+    write_tokenizer_files(train_bpe(), folder)
+    return folder
+
+
+def test_verifiers_token_in_client_code_drives_a_task_turn_by_turn(service, bpe_folder):
+    """``renderers.client.generate``, the call verifiers v1's TrainClient makes, with its own
+    trace id in X-Session-ID. Its second turn, re-rendered whole (the default renderer does not
+    bridge), does not start with the sampled ids (the template writes the call its own way): a
+    new segment, rendered as the client sent it."""
+    tokenizer = load_tokenizer(bpe_folder)
+    call = {"name": "calculator", "arguments": {"expression": "2 + 3"}}
+    calling = tokenizer.encode(f"<tool_call>\n{json.dumps(call)}\n</tool_call>{IM_END}").ids
+    answering = tokenizer.encode(f"5{IM_END}").ids
+
+    async def scenario(client):
+        start = await client.start("renders", str(bpe_folder), wait_s=WAIT_S)
+        second = await client.step(start.session, "", done(calling, len(start.prompt_ids)),
+                                   wait_s=WAIT_S)
+        end = await client.step(start.session, "", done(answering), wait_s=WAIT_S)
+        return start, second, end
+    start, second, end = play(service, scenario)
+    assert tokenizer.decode(start.prompt_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n")
+    assert second.restart
+    text = tokenizer.decode(second.prompt_ids, skip_special_tokens=False)
+    assert text.startswith(tokenizer.decode(start.prompt_ids, skip_special_tokens=False))
+    assert "<tool_response>\n5\n</tool_response>" in text
+    assert end.done and end.reward == 1.0  # it parsed our ids into the call and the answer
 
 
 @contextlib.asynccontextmanager

@@ -11,10 +11,10 @@ generate, served per task by the environment service (:mod:`tiderl.env.agents`).
 
 Each route is also served under ``/tasks/{task_id}`` (``/tasks/{task_id}/v1/chat/completions``:
 the base URL an agent is given). A request names its task by that path, or by its key alone
-(``Authorization: Bearer KEY`` or ``x-api-key: KEY``), or by ``X-Session-ID: TASK_ID`` with the
-key; the key is always required, and a key that is not the task's is 401. An SDK's retry of a
-request (``x-stainless-retry-count`` > 0, the same body) is answered with the first attempt's
-answer, never generated twice.
+(``Authorization: Bearer KEY`` or ``x-api-key: KEY``; ``X-Session-ID: TASK_ID`` names it where
+the key does not); the key is always required, and a key that is not the task's is 401. An
+SDK's retry of a request (``x-stainless-retry-count`` > 0, the same body) is answered with the
+first attempt's answer, never generated twice.
 
 The model's answer is whole when it comes back from the rank, so a stream sends it in one piece
 of each kind (OpenAI: role, content, each tool call, finish, usage; Anthropic: message_start,
@@ -526,7 +526,8 @@ def messages_stream(answer: Answer, model: str) -> list[str]:
 
 def generate_answer(answer: Answer, model: str) -> dict[str, Any]:
     c = answer.completion
-    logprobs = [{"token_id": t, "logprob": p, "top_logprobs": []}
+    # vLLM 0.34's field (token_id) and the string form renderers' client checks (token)
+    logprobs = [{"token_id": t, "token": f"token_id:{t}", "logprob": p, "top_logprobs": []}
                 for t, p in zip(c.token_ids, c.logprobs, strict=True)]
     return {"request_id": uuid.uuid4().hex, "model": model, "created": int(time.time()),
             "output_mode": "tokens",
@@ -570,9 +571,13 @@ class AgentRoutes:
         if not key:
             raise ApiError(401, "no key: send the task's key as Authorization: Bearer KEY or "
                            "x-api-key", "authentication_error")
-        task_id = task_id or request.headers.get(SESSION_HEADER)
         service = self.service
+        # the key names its task; X-Session-ID (a router's hint, verifiers sends its own trace
+        # id there) only names one when the key does not
         run = service.agents.get(task_id) if task_id else service.agent_keys.get(key)
+        task_id = task_id or (None if run else request.headers.get(SESSION_HEADER))
+        if run is None and task_id:
+            run = service.agents.get(task_id)
         if run is None:
             if task_id and task_id in service.ended_agents:
                 raise ApiError(409, f"task {short(task_id)} has ended", "task_ended")

@@ -10,8 +10,6 @@ In a profile::
 
 from __future__ import annotations
 
-import anthropic
-
 from tiderl.examples.calc_common import MAX_TURNS, SYSTEM, TOOLS, problem, run_calculator, score
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
@@ -20,6 +18,8 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
 
 async def run(task, _client) -> float:
     """An Anthropic client on the task's endpoint (the OpenAI one it is given goes unused)."""
+    import anthropic  # the agents extra
+
     question, answer = problem(task.prompt, task.seed)
     messages: list[dict] = [{"role": "user", "content": question}]
     async with anthropic.AsyncAnthropic(base_url=task.anthropic_base_url,

@@ -645,24 +645,30 @@ def add_agent_routes(app: FastAPI, service: EnvService, model: AgentModel) -> No
         app.add_api_route(path, handler, methods=methods)
         app.add_api_route("/tasks/{task_id}" + path, handler, methods=methods)
 
-    async def chat(request: Request, task_id: str | None = None) -> Response:
-        try:
-            answer, body = await routes.ask(request, task_id, _chat_request)
-        except ApiError as exc:
-            return openai_error(exc)
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            return _sse(chat_stream(answer, model.name, bool(options.get("include_usage"))))
-        return JSONResponse(chat_answer(answer, model.name, bool(body.get("logprobs"))))
+    def dialect(parse: Callable[[dict[str, Any]], ModelRequest],
+                error: Callable[[ApiError], JSONResponse],
+                whole: Callable[[Answer, dict], dict],
+                stream: Callable[[Answer, dict], list[str]]) -> Callable:
+        """A model route: the request parsed, its answer awaited, then sent whole or as SSE."""
+        async def route(request: Request, task_id: str | None = None) -> Response:
+            try:
+                answer, body = await routes.ask(request, task_id, parse)
+            except ApiError as exc:
+                return error(exc)
+            if body.get("stream"):
+                return _sse(stream(answer, body))
+            return JSONResponse(whole(answer, body))
+        return route
 
-    async def messages(request: Request, task_id: str | None = None) -> Response:
-        try:
-            answer, body = await routes.ask(request, task_id, _messages_request)
-        except ApiError as exc:
-            return anthropic_error(exc)
-        if body.get("stream"):
-            return _sse(messages_stream(answer, model.name))
-        return JSONResponse(messages_answer(answer, model.name))
+    chat = dialect(_chat_request, openai_error,
+                   lambda a, body: chat_answer(a, model.name, bool(body.get("logprobs"))),
+                   lambda a, body: chat_stream(a, model.name, bool(
+                       (body.get("stream_options") or {}).get("include_usage"))))
+    messages = dialect(_messages_request, anthropic_error,
+                       lambda a, _: messages_answer(a, model.name),
+                       lambda a, _: messages_stream(a, model.name))
+    generate = dialect(_generate_request, openai_error,  # parse_generate refuses stream
+                       lambda a, _: generate_answer(a, model.name), lambda a, _: [])
 
     async def count_tokens(request: Request, task_id: str | None = None) -> Response:
         try:
@@ -691,13 +697,6 @@ def add_agent_routes(app: FastAPI, service: EnvService, model: AgentModel) -> No
         return JSONResponse({"object": "list", "data": [
             {"id": model.name, "object": "model", "created": 0, "owned_by": "tiderl",
              "max_model_len": model.context_tokens}]})
-
-    async def generate(request: Request, task_id: str | None = None) -> Response:
-        try:
-            answer, _ = await routes.ask(request, task_id, _generate_request)
-        except ApiError as exc:
-            return openai_error(exc)
-        return JSONResponse(generate_answer(answer, model.name))
 
     both("/v1/chat/completions", chat, ["POST"])
     both("/v1/messages", messages, ["POST"])

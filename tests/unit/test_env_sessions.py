@@ -195,3 +195,15 @@ def test_an_environment_subclass_is_served_by_its_dotted_path():
     with pytest.raises(ConfigError) as info:
         EnvConfig(envs=["nope"])
     assert info.value.key == "envs[0]" and "module:Class" in info.value.message
+
+
+def test_a_session_in_a_step_longer_than_the_ttl_does_not_expire():
+    """An agent's step lasts while its agent thinks and runs its tools: past the TTL it stays,
+    and is idle (and may expire) from the step's end."""
+    table: SessionTable[str] = SessionTable(max_sessions=4, idle_ttl_s=10.0)
+    session = table.create("agent", "run", now=0.0)
+    in_step = table.begin_step(session.id, now=1.0)
+    assert table.expire(now=100.0) == [] and table.get(session.id, now=100.0) is session
+    table.end_step(in_step, now=100.0)
+    assert table.expire(now=105.0) == []
+    assert table.expire(now=111.0) == [session.id]

@@ -48,7 +48,8 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]  # what a JSO
 Owner = Annotated[str, msgspec.Meta(max_length=64)]
 
 
-TaskName = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[A-Za-z0-9._:#-]*$")]
+# a job's task and group ids: an agent's endpoint path holds its task's
+TaskName = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
 
 
 class StartRequest(msgspec.Struct, forbid_unknown_fields=True):

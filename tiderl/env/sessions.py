@@ -10,7 +10,8 @@ ones before paused ones; never one with a step in flight, see ``begin_step``) an
 (:class:`SessionLimit`) only when every session is in a step, which ends within a step's time.
 
 Invariant: ``len(sessions) <= max_sessions``, and no session is returned once it has been idle
-(not paused) for longer than ``idle_ttl_s``. Every method takes ``now``; nothing reads a clock.
+(not paused, not in a step) for longer than ``idle_ttl_s``. Every method takes ``now``; nothing
+reads a clock.
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ class SessionTable(Generic[T]):
         return gone
 
     def is_expired(self, session: Session[T], now: float) -> bool:
-        return (session.state is SessionState.ACTIVE
+        """Idle past the TTL: active, and not in a step (an agent's step lasts as long as its
+        agent thinks and runs its tools, which may pass the TTL)."""
+        return (session.state is SessionState.ACTIVE and session.num_in_step == 0
                 and now - session.last_active > self.idle_ttl_s)
 
     def _eviction_candidate(self) -> Session[T] | None:

@@ -105,3 +105,22 @@ async def renders(task, client) -> float:
                             model="m", prompt_ids=bridged.token_ids,
                             sampling_params={"max_tokens": 16}, extra_headers=headers)
     return 1.0 if call.name == "calculator" and "5" in (second["content"] or "") else 0.0
+
+
+async def anthropic_streams(task, client) -> float:
+    """The Anthropic SDK's token count, then a streamed message (its event stream assembled by
+    the SDK into text and a final message with usage)."""
+    import anthropic
+
+    messages = [{"role": "user", "content": "first"}]
+    async with anthropic.AsyncAnthropic(base_url=task.anthropic_base_url,
+                                        api_key=task.api_key) as anthropic_client:
+        counted = await anthropic_client.messages.count_tokens(model="m", messages=messages)
+        text = ""
+        async with anthropic_client.messages.stream(model="m", max_tokens=8,
+                                                    messages=messages) as stream:
+            async for piece in stream.text_stream:
+                text += piece
+            final = await stream.get_final_message()
+    return 1.0 if (text == "one" and final.stop_reason == "end_turn"
+                   and final.usage.output_tokens == 2 and counted.input_tokens > 0) else 0.0

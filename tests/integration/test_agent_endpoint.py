@@ -33,6 +33,7 @@ AGENTS = {
     "calc-anthropic": {"entry": "tiderl.examples.calc_anthropic:run"},
     "calc-cli": {"command": f"{sys.executable} -m tiderl.examples.calc_cli"},
     "streams": {"entry": "agents_for_tests:streams"},
+    "anthropic-streams": {"entry": "agents_for_tests:anthropic_streams"},
     "trims": {"entry": "agents_for_tests:trims"},
     "tokens-in": {"entry": "agents_for_tests:tokens_in"},
     "renders": {"entry": "agents_for_tests:renders"},
@@ -118,6 +119,14 @@ def test_a_streamed_conversation_is_answered_in_sse_chunks_with_usage(service):
     second, end = play(service, scenario)
     assert not second.restart and [m.text() for m in second.messages] == ["more"]
     assert end.done and end.reward == 1.0  # the agent checked the texts and the usage chunk
+
+
+def test_an_anthropic_stream_is_the_sdk_s_events_and_count_tokens_answers(service):
+    async def scenario(client):
+        start = await client.start("anthropic-streams", wait_s=WAIT_S)
+        return await client.step(start.session, "one", done([1, 2]), wait_s=WAIT_S)
+    end = play(service, scenario)
+    assert end.done and end.reward == 1.0  # the agent checked the text, the usage, the count
 
 
 def test_a_history_that_does_not_extend_the_last_request_is_a_new_segment(service):

@@ -59,11 +59,11 @@ def run_bench(steps: int, root: Path, note) -> dict:
              f"{results[name]['gen_tok_s']} gen tok/s, step {results[name]['step_s_mean']} s")
     ctb, base = results["ctb"], results["f-max"]
     ratios = {
-        "hit_rate_ratio": _ratio(ctb["kv_hit_rate"], base["kv_hit_rate"]),
-        "throughput_ratio": _ratio(ctb["gen_tok_s"], base["gen_tok_s"]),
+        "hit_rate_ratio": ratio_of(ctb["kv_hit_rate"], base["kv_hit_rate"]),
+        "throughput_ratio": ratio_of(ctb["gen_tok_s"], base["gen_tok_s"]),
         "step_time_reduction": round(1 - ctb["step_s_mean"] / base["step_s_mean"], 3),
-        "hit_rate_ratio_vs_half": _ratio(ctb["kv_hit_rate"], results["f-half"]["kv_hit_rate"]),
-        "throughput_ratio_vs_half": _ratio(ctb["gen_tok_s"], results["f-half"]["gen_tok_s"]),
+        "hit_rate_ratio_vs_half": ratio_of(ctb["kv_hit_rate"], results["f-half"]["kv_hit_rate"]),
+        "throughput_ratio_vs_half": ratio_of(ctb["gen_tok_s"], results["f-half"]["gen_tok_s"]),
     }
     return {"policies": results, "ratios": ratios, "paper": PAPER,
             "meets_target": (ratios["hit_rate_ratio"] or 0) >= PAPER["hit_rate_ratio"]
@@ -95,7 +95,7 @@ def policy_figures(job) -> dict:
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio_of(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 

@@ -213,9 +213,13 @@ class AgentRun:
     """One task's agent: its process or coroutine, its queue of model requests, the request
     the rank is answering, its conversation and its reward."""
 
-    def __init__(self, config: AgentConfig, task: AgentTask, *, deadline_s: float) -> None:
+    def __init__(self, config: AgentConfig, task: AgentTask, *, deadline_s: float,
+                 local_app: Any = None) -> None:
+        """``local_app``: the service's ASGI app, which an entry agent's client calls
+        in-process."""
         self.config, self.task = config, task
         self.deadline_s = deadline_s
+        self.local_app = local_app
         self.num_answers = 0
         self.requests: asyncio.Queue[ModelRequest] = asyncio.Queue()
         self.current: ModelRequest | None = None  # sent to the rank, not answered yet
@@ -377,12 +381,17 @@ def load_entry(entry: str) -> Callable[..., Awaitable[Any]]:
 
 
 async def run_entry(run: AgentRun) -> float | None:
-    """An entry agent: ``await function(task, openai.AsyncOpenAI(...))`` in this process."""
+    """An entry agent: ``await function(task, openai.AsyncOpenAI(...))`` in this process. Its
+    client calls the service's app in-process (``run.local_app``, an ASGI transport: no socket,
+    no TLS context to build per task) where the service has one, else over HTTP."""
     function = load_entry(run.config.entry)
-    import openai  # the agents extra
+    import httpx
+    import openai
 
+    transport = httpx.ASGITransport(app=run.local_app) if run.local_app is not None else None
+    http = httpx.AsyncClient(transport=transport, timeout=run.deadline_s)
     async with openai.AsyncOpenAI(base_url=run.task.base_url, api_key=run.task.api_key,
-                                  timeout=run.deadline_s, max_retries=2) as client:
+                                  max_retries=2, http_client=http) as client:
         reward = await function(run.task, client)
     if reward is not None and not isinstance(reward, (int, float)):
         raise AgentFailed(f"the agent returned {type(reward).__name__}, expected a reward "
@@ -431,6 +440,40 @@ def last_line_reward(stdout: str) -> float | None:
 def _kill(process: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+
+
+def prewarm(configs: list[AgentConfig]) -> None:
+    """Load what the first task's agent would otherwise load in its first turn: each entry's
+    module, and the OpenAI SDK's request and response paths (one chat completion with a tool,
+    answered in-process by a canned reply)."""
+    entries = [config.entry for config in configs if config.entry]
+    for entry in entries:
+        load_entry(entry)
+    if entries:
+        asyncio.run(_one_sdk_call())
+
+
+async def _one_sdk_call() -> None:
+    import httpx
+    import openai
+
+    canned = {"id": "warm", "object": "chat.completion", "created": 0, "model": "m",
+              "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                           "message": {"role": "assistant", "content": "ok"}}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    tool = {"type": "function", "function": {"name": "f", "description": "",
+                                             "parameters": {"type": "object"}}}
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(
+        200, json=canned)))
+    async with openai.AsyncOpenAI(base_url="http://warm/v1", api_key="k", http_client=http,
+                                  max_retries=0) as client:
+        await client.chat.completions.create(
+            model="m", tools=[tool], messages=[
+                {"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f",
+                                                                 "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "r"}])
 
 
 def launcher(config: AgentConfig) -> Callable[[AgentRun], Awaitable[float | None]]:

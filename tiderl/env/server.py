@@ -115,6 +115,7 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
 
     app = FastAPI(title="TideRL environments", lifespan=lifespan, redirect_slashes=False)
     app.state.service = service
+    service.app = app
     app.add_middleware(ServiceGuard, token=token,
                        is_protected=lambda path: path not in OPEN_ROUTES
                        and not is_agent_path(path),
@@ -204,6 +205,10 @@ def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
     from tiderl.serving.uvicorn_server import run
 
     reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if config.agents:  # before /health answers: the launcher's wait covers it
+        from tiderl.env.agents import prewarm
+
+        prewarm(list(config.agents.values()))
     app = build_app(config, gym=gym, token=resolve_token(ENV, token),
                     agent_url=f"http://{reach}:{port}", model=model)
     # Keep idle connections longer than clients do (``KEEPALIVE_EXPIRY_S``): a server closing a

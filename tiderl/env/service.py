@@ -87,6 +87,7 @@ class EnvService:
         self.agents: dict[str, AgentRun] = {}  # by task id, while its session is open
         self.agent_keys: dict[str, AgentRun] = {}  # by key
         self.agent_url = ""  # where agents reach this service (set by the server)
+        self.app: Any = None  # its ASGI app, which entry agents call in-process
         self.ended_agents: OrderedDict[str, None] = OrderedDict()  # task ids and keys, recent
         self.num_agent_tasks = 0
         self.start_latency = LatencyModel(config.start_latency, random.Random(seed))
@@ -150,7 +151,7 @@ class EnvService:
         task = AgentTask(task_id, req.group_id, req.env, req.task, req.seed, f"{base}/v1", key,
                          base)
         config = self.config.agents[req.env]
-        run = AgentRun(config, task, deadline_s=self.config.agent_timeout_s)
+        run = AgentRun(config, task, deadline_s=self.config.agent_timeout_s, local_app=self.app)
         session = self.table.create(req.env, run, self.clock(), owner=req.owner)
         self.agents[task_id], self.agent_keys[key] = run, run
         in_step = self.table.begin_step(session.id, self.clock())

@@ -10,7 +10,15 @@ In a profile::
 
 from __future__ import annotations
 
-from tiderl.examples.calc_common import MAX_TURNS, SYSTEM, TOOLS, problem, run_calculator, score
+from tiderl.examples.calc_common import (
+    MAX_TURNS,
+    NUDGE,
+    SYSTEM,
+    TOOLS,
+    problem,
+    run_calculator,
+    score,
+)
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
@@ -36,8 +44,7 @@ async def run(task, _client) -> float:
                 result = score(text, answer)
                 if result is not None:
                     return result
-                messages.append({"role": "user", "content": "Give the final value as "
-                                                            "<answer>NUMBER</answer>."})
+                messages.append({"role": "user", "content": NUDGE})
                 continue
             messages.append({"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": call.id,

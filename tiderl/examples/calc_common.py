@@ -10,6 +10,8 @@ from tiderl.env.calc import CALCULATOR_SCHEMA, CalcEnv, calculator, read_number
 SYSTEM = CalcEnv.system_prompt
 TOOLS = [CALCULATOR_SCHEMA]
 MAX_TURNS = 4  # model calls per task
+# what the built-in calc environment answers a turn with neither a call nor an answer
+NUDGE = "No tool call and no <answer>...</answer> found: call a tool or give the final answer."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 

@@ -11,8 +11,8 @@ and the layers stand in this order (:data:`LAYERS`, highest first):
     runtime
     profile                 the module tiderl/profile.py
     engine    trainer
-    models
-    env       sim
+    models    examples      (examples: agents written against the API, above the env they use)
+    env       sim       examples    (examples: agents written against the API, env's users)
     tiderl    auth          the package root (its version string), the HTTP tokens and
               serving       what the HTTP servers share (connection bounds, uvicorn): they
                             import only core (auth its error-line bound), and env, engine and
@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (  # lowest first
     ("core",),
     ("tiderl", "auth", "serving"),
     ("env", "sim"),
-    ("models",),
+    ("models", "examples"),
     ("engine", "trainer"),
     ("profile",),
     ("runtime",),

@@ -40,7 +40,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -85,37 +84,6 @@ class AgentModel:
     name: str = "tiderl"
     context_tokens: int = 4096
     count: Callable[[list[dict], list[dict]], int] | None = None
-
-
-class TokenCounter:
-    """A conversation's prompt tokens under the model's chat template (or its plain text),
-    the tokenizer loaded on the first count."""
-
-    def __init__(self, path: str, use_template: bool = True) -> None:
-        self.path, self.use_template = path, use_template
-        self.encoder: Any = None
-
-    def __call__(self, messages: list[dict], tools: list[dict]) -> int:
-        if self.encoder is None:
-            from tiderl.models.chat import turn_encoder
-            from tiderl.models.folder import load_tokenizer
-            from tiderl.models.tokenizer import word_tokenizer
-
-            tokenizer = load_tokenizer(self.path) if self.path else word_tokenizer()
-            self.encoder = turn_encoder(self.path or None, tokenizer, (), self.use_template)
-        text = "\n".join(str(m.get("content", "")) for m in messages)
-        return len(self.encoder.opening(text, messages, tools))
-
-
-def agent_model(path: str, size: str, kv_cache_tokens: int, use_template: bool = True
-                ) -> AgentModel:
-    """How the endpoint describes a job's model: the folder's name (or the seeded size), its
-    context length (the rank's bound: the KV cache, and the folder's own limit)."""
-    from tiderl.models.config import context_length
-
-    limit = (context_length(path) if path else None) or kv_cache_tokens
-    return AgentModel(Path(path).name if path else size, min(limit, kv_cache_tokens),
-                      TokenCounter(path, use_template))
 
 
 class ApiError(Exception):

@@ -23,9 +23,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    from tiderl.env.agent_api import AgentModel
 
 Message = dict[str, Any]  # OpenAI-style: role, content, tool_calls, tool_call_id, name
 _SENTINEL = "\u2063END-OF-ASSISTANT\u2063"  # content no template or model writes
@@ -135,3 +138,35 @@ def turn_encoder(folder: str | Path | None, tokenizer: Tokenizer, eos_ids: Seque
 
     return ChatEncoder(AutoTokenizer.from_pretrained(str(folder), local_files_only=True),
                        eos_ids)
+
+
+class TokenCounter:
+    """A conversation's prompt tokens under the model's chat template (or its plain text),
+    the tokenizer loaded on the first count."""
+
+    def __init__(self, path: str, use_template: bool = True) -> None:
+        self.path, self.use_template = path, use_template
+        self.encoder: Any = None
+
+    def __call__(self, messages: list[dict], tools: list[dict]) -> int:
+        if self.encoder is None:
+            from tiderl.models.folder import load_tokenizer
+            from tiderl.models.tokenizer import word_tokenizer
+
+            tokenizer = load_tokenizer(self.path) if self.path else word_tokenizer()
+            self.encoder = turn_encoder(self.path or None, tokenizer, (), self.use_template)
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+        return len(self.encoder.opening(text, messages, tools))
+
+
+def agent_model(path: str, size: str, kv_cache_tokens: int, use_template: bool = True
+                ) -> AgentModel:
+    """How the agent endpoint (:mod:`tiderl.env.agent_api`) describes a job's model: the
+    folder's name (or the seeded size), its context length (the rank's bound: the KV cache,
+    and the folder's own limit), its prompts' token counts."""
+    from tiderl.env.agent_api import AgentModel
+    from tiderl.models.config import context_length
+
+    limit = (context_length(path) if path else None) or kv_cache_tokens
+    return AgentModel(Path(path).name if path else size, min(limit, kv_cache_tokens),
+                      TokenCounter(path, use_template))

@@ -34,8 +34,8 @@ ROLES_FILE = "roles.json"
 
 
 def _env(args: argparse.Namespace) -> int:
-    from tiderl.env.agent_api import agent_model
     from tiderl.env.server import serve
+    from tiderl.models.chat import agent_model
 
     profile = load_profile(str(args.run_dir / PROFILE_FILE))
     model = profile.model

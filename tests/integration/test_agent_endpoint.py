@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,8 +47,10 @@ AGENTS = {
 
 
 @contextlib.contextmanager
-def agent_service(root: Path, agents: dict, timeout_s: float = 600.0) -> Iterator[str]:
-    """The job's environment daemon serving ``agents`` (agent_timeout_s ``timeout_s``)."""
+def agent_service(root: Path, agents: dict, timeout_s: float = 600.0,
+                  ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The job's environment daemon serving ``agents`` (agent_timeout_s ``timeout_s``); yields
+    its URL and process, stopped at the end (SIGTERM, SIGKILL after a grace period)."""
     root.mkdir(parents=True, exist_ok=True)
     profile = build_profile({"env": {"envs": list(agents), "agents": agents,
                                      "agent_timeout_s": timeout_s}})
@@ -61,14 +64,14 @@ def agent_service(root: Path, agents: dict, timeout_s: float = 600.0) -> Iterato
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, process_exit(proc, log))
-            yield url
+            yield url, proc
         finally:
             stop_process(proc)
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[str]:
-    with agent_service(tmp_path_factory.mktemp("agents"), AGENTS) as url:
+    with agent_service(tmp_path_factory.mktemp("agents"), AGENTS) as (url, _):
         yield url
 
 
@@ -288,7 +291,8 @@ def test_an_agent_that_fails_fails_its_task_with_the_reason(service, agent, reas
 
 
 def test_an_agent_past_its_deadline_is_stopped_and_its_task_fails(tmp_path):
-    with agent_service(tmp_path / "svc", {"sleeps": AGENTS["sleeps"]}, timeout_s=1.0) as url:
+    with agent_service(tmp_path / "svc", {"sleeps": AGENTS["sleeps"]},
+                       timeout_s=1.0) as (url, _):
         async def scenario(client):
             with pytest.raises(EnvClientError) as failed:
                 await client.start("sleeps", wait_s=WAIT_S)
@@ -296,3 +300,16 @@ def test_an_agent_past_its_deadline_is_stopped_and_its_task_fails(tmp_path):
         error, health = play(url, scenario)
     assert error.status == 422 and "passed its deadline (1 s" in str(error)
     assert health["sessions"] == 0  # its session went with it
+
+
+def test_the_service_stops_on_sigterm_while_an_agent_and_the_rank_wait(tmp_path):
+    """A /start waiting for its agent's first request (the agent works on), the rank's
+    connection gone: SIGTERM ends the service (its waiting requests are ended, not awaited),
+    without the SIGKILL that follows a grace period."""
+    with agent_service(tmp_path / "svc", {"hold": AGENTS["hold"]}) as (url, proc):
+        async def scenario(client):
+            async with held_task(client, tmp_path, "waits"):
+                pass  # the rank gives up its /start; the agent holds on
+        play(url, scenario)
+        stop_process(proc)
+    assert proc.returncode != -signal.SIGKILL

@@ -193,6 +193,7 @@ async def _sweep(service: EnvService, every_s: float) -> None:
 
 
 SERVER_KEEPALIVE_S = 75
+AGENT_SHUTDOWN_S = 2.0
 
 
 def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
@@ -213,5 +214,8 @@ def serve(config: EnvConfig, host: str = "127.0.0.1", port: int = 8100,
                     agent_url=f"http://{reach}:{port}", model=model)
     # Keep idle connections longer than clients do (``KEEPALIVE_EXPIRY_S``): a server closing a
     # kept-alive connection as a client reuses it fails a non-idempotent /observation.
+    # An agent's request may wait for the rank, and a /start or /observation for its agent, with
+    # no end in sight at a shutdown: past AGENT_SHUTDOWN_S they are ended, not waited for.
+    bound = {"timeout_graceful_shutdown": AGENT_SHUTDOWN_S} if config.agents else {}
     run(app, host, port, config.connections, access_log=False,
-        timeout_keep_alive=SERVER_KEEPALIVE_S)
+        timeout_keep_alive=SERVER_KEEPALIVE_S, **bound)

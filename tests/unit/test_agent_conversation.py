@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiderl.env.agent_api import parse_chat
+from tiderl.env.agent_wire import parse_chat
 from tiderl.env.agents import Conversation, ModelRequest
 from tiderl.env.protocol import Completion
 from tiderl.env.tools import answer_message

@@ -71,6 +71,27 @@ async def tokens_in(task, client) -> float:
     return 1.0
 
 
+async def names_a_session(task, client) -> float:
+    """Names a session id (refused: one too short to stand for a key), then makes a token-in
+    turn at the root with it and a key that is no task's, as verifiers' TrainClient shared by
+    many tasks does; 1.0 when all of that went as it should."""
+    from tiderl.env.agents import name_session
+
+    try:
+        name_session("short")
+        return 0.0
+    except ValueError:
+        pass
+    session = f"trace-{task.task_id}-{task.api_key}"
+    name_session(session)
+    base = task.base_url.rsplit("/tasks/", 1)[0]
+    body = {"model": "m", "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        answer = await http.post("/inference/v1/generate", json=body, headers={
+            "Authorization": "Bearer EMPTY", "X-Session-ID": session})
+    return 1.0 if answer.json()["choices"][0]["token_ids"] == [1, 2] else 0.0
+
+
 async def renders(task, client) -> float:
     """Token-in turns as verifiers v1's TrainClient makes them: the prompt rendered by a
     ``renderers`` renderer (the model folder's chat template, the Hermes-style ``qwen3`` tool

@@ -37,6 +37,7 @@ AGENTS = {
     "anthropic-streams": {"entry": "agents_for_tests:anthropic_streams"},
     "trims": {"entry": "agents_for_tests:trims"},
     "tokens-in": {"entry": "agents_for_tests:tokens_in"},
+    "names-a-session": {"entry": "agents_for_tests:names_a_session"},
     "renders": {"entry": "agents_for_tests:renders"},
     "hold": {"entry": "agents_for_tests:hold"},
     "raises": {"entry": "agents_for_tests:raises"},
@@ -160,6 +161,15 @@ def bpe_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("bpe")
     write_tokenizer_files(train_bpe(), folder)
     return folder
+
+
+def test_a_session_id_the_task_named_routes_requests_at_the_root_without_its_key(service):
+    async def scenario(client):
+        start = await client.start("names-a-session", wait_s=WAIT_S)
+        return start, await client.step(start.session, "", done([1, 2], 2), wait_s=WAIT_S)
+    start, end = play(service, scenario)
+    assert start.prompt_ids == [5, 6]
+    assert end.done and end.reward == 1.0
 
 
 def test_verifiers_token_in_client_code_drives_a_task_turn_by_turn(service, bpe_folder):

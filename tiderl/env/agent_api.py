@@ -12,7 +12,9 @@ generate, served per task by the environment service (:mod:`tiderl.env.agents`).
 Each route is also served under ``/tasks/{task_id}`` (``/tasks/{task_id}/v1/chat/completions``:
 the base URL an agent is given). A request names its task by that path, or by its key alone
 (``Authorization: Bearer KEY`` or ``x-api-key: KEY``; ``X-Session-ID: TASK_ID`` names it where
-the key does not); the key is always required, and a key that is not the task's is 401. An
+the key does not); the key is always required, and a key that is not the task's is 401 — except
+at the root with an ``X-Session-ID`` its task named (:func:`tiderl.env.agents.name_session`),
+which stands for the key. An
 SDK's retry of a request (``x-stainless-retry-count`` > 0, the same body) is answered with the
 first attempt's answer, never generated twice.
 
@@ -84,6 +86,7 @@ class AgentModel:
     name: str = "tiderl"
     context_tokens: int = 4096
     count: Callable[[list[dict], list[dict]], int] | None = None
+    path: str = ""  # the model folder, "" for a seeded model
 
 
 # ---------------------------------------------------------------------------- routes
@@ -109,7 +112,12 @@ class AgentRoutes:
         self.service, self.model = service, model
 
     def find(self, request: Request, task_id: str | None) -> AgentRun:
-        """The run a request is for: by path, ``X-Session-ID`` or key; the key must be its."""
+        """The run a request is for: by path, ``X-Session-ID`` or key; the key must be its (a
+        session id its task named stands for the key)."""
+        service = self.service
+        session = request.headers.get(SESSION_HEADER)
+        if not task_id and session and (named := service.agent_sessions.get(session)):
+            return named
         key = request.headers.get("x-api-key") or ""
         auth = request.headers.get("authorization", "")
         if not key and auth.lower().startswith("bearer "):
@@ -117,7 +125,6 @@ class AgentRoutes:
         if not key:
             raise ApiError(401, "no key: send the task's key as Authorization: Bearer KEY or "
                            "x-api-key", "authentication_error")
-        service = self.service
         # the key names its task; X-Session-ID (a router's hint, verifiers sends its own trace
         # id there) only names one when the key does not
         run = service.agents.get(task_id) if task_id else service.agent_keys.get(key)

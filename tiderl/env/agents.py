@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import importlib
 import inspect
@@ -65,6 +66,8 @@ from tiderl.env.tools import answer_message
 
 log = logging.getLogger("tiderl.agents")
 
+MAX_SESSIONS = 16  # session ids one task may name (name_session)
+MIN_SESSION_CHARS = 16  # a session id stands for the task's key: it must not be guessable
 MAX_QUEUED_REQUESTS = 16  # model requests of one task waiting for their turn; more: 429
 RECENT_ANSWERS = 8  # answers kept per task for SDK retries of the same request
 STOP_GRACE_S = 2.0  # a command agent that ends (or is ended) gets this long before SIGKILL
@@ -83,6 +86,9 @@ class AgentTask:
     base_url: str  # the task's OpenAI base URL: .../tasks/{task_id}/v1
     api_key: str  # the task's key (Authorization: Bearer, or x-api-key)
     anthropic_base_url: str  # the same endpoint, as the Anthropic SDK wants it (no /v1)
+    model: str = ""  # the job's model folder (a client that renders its own tokens loads its
+    # tokenizer and chat template from it); "" for a seeded model
+    options: dict = field(default_factory=dict)  # the agent's env.options (its arguments)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -214,10 +220,12 @@ class AgentRun:
     the rank is answering, its conversation and its reward."""
 
     def __init__(self, config: AgentConfig, task: AgentTask, *, deadline_s: float,
-                 local_app: Any = None) -> None:
+                 local_app: Any = None, sessions: dict[str, AgentRun] | None = None) -> None:
         """``local_app``: the service's ASGI app, which an entry agent's client calls
-        in-process."""
+        in-process; ``sessions``: the service's runs by the session ids they named."""
         self.config, self.task = config, task
+        self.sessions = sessions if sessions is not None else {}
+        self.session_ids: list[str] = []
         self.deadline_s = deadline_s
         self.local_app = local_app
         self.num_answers = 0
@@ -250,6 +258,23 @@ class AgentRun:
             self.recent.popitem(last=False)
         self.requests.put_nowait(request)
         return await asyncio.shield(request.answer)
+
+    def name_session(self, session_id: str) -> None:
+        """Requests at the root whose ``X-Session-ID`` is ``session_id`` are this task's, with
+        or without its key."""
+        if self.closed:
+            raise TaskClosed(f"task {short(self.task.task_id)} has ended")
+        if not isinstance(session_id, str) or len(session_id) < MIN_SESSION_CHARS:
+            raise ValueError(f"a session id stands for the task's key: expected a string of "
+                             f"{MIN_SESSION_CHARS} characters or more")
+        if self.sessions.get(session_id, self) is not self:
+            raise ValueError(f"session id {short(session_id)} is another task's")
+        if session_id not in self.session_ids:
+            if len(self.session_ids) >= MAX_SESSIONS:
+                raise ValueError(f"task {short(self.task.task_id)} has named {MAX_SESSIONS} "
+                                 "session ids already")
+            self.session_ids.append(session_id)
+            self.sessions[session_id] = self
 
     def set_reward(self, reward: float) -> None:
         if self.closed:
@@ -335,6 +360,9 @@ class AgentRun:
 
     def _shut(self) -> None:
         self.closed = True
+        for session_id in self.session_ids:
+            if self.sessions.get(session_id) is self:
+                del self.sessions[session_id]
         if self._deadline is not None:
             self._deadline.cancel()
         closed = TaskClosed(f"task {short(self.task.task_id)} has ended")
@@ -380,11 +408,28 @@ def load_entry(entry: str) -> Callable[..., Awaitable[Any]]:
     return function
 
 
+_entry_run: contextvars.ContextVar[AgentRun | None] = contextvars.ContextVar(
+    "tiderl_entry_run", default=None)
+
+
+def name_session(session_id: str) -> None:
+    """From an entry agent (its task, or one it started): requests at the endpoint's root whose
+    ``X-Session-ID`` is ``session_id`` are this task's, with or without its key. For a client
+    shared by many tasks that names each task's requests by a session id of its own (verifiers'
+    TrainClient sends its trace id). The id stands for the task's key: it must be unguessable
+    (16 characters or more). Forgotten when the task ends."""
+    run = _entry_run.get()
+    if run is None:
+        raise RuntimeError("name_session is called by an entry agent, in its own task")
+    run.name_session(session_id)
+
+
 async def run_entry(run: AgentRun) -> float | None:
     """An entry agent: ``await function(task, openai.AsyncOpenAI(...))`` in this process. Its
     client calls the service's app in-process (``run.local_app``, an ASGI transport: no socket,
     no TLS context to build per task) where the service has one, else over HTTP."""
     function = load_entry(run.config.entry)
+    _entry_run.set(run)  # this coroutine runs in a task of its own (AgentRun.start)
     import httpx
     import openai
 

@@ -103,6 +103,7 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
     not the token)."""
     service = EnvService(config, clock=clock, gym=gym)
     service.agent_url = agent_url.rstrip("/")
+    service.model_path = model.path if model is not None else ""
     metrics = EnvMetrics(service)
 
     @asynccontextmanager

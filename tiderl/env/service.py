@@ -86,7 +86,9 @@ class EnvService:
             config.max_sessions, config.idle_ttl_s, on_drop=self._dropped)
         self.agents: dict[str, AgentRun] = {}  # by task id, while its session is open
         self.agent_keys: dict[str, AgentRun] = {}  # by key
+        self.agent_sessions: dict[str, AgentRun] = {}  # by the session ids they named
         self.agent_url = ""  # where agents reach this service (set by the server)
+        self.model_path = ""  # the job's model folder, told to agents (set by the server)
         self.app: Any = None  # its ASGI app, which entry agents call in-process
         self.ended_agents: OrderedDict[str, None] = OrderedDict()  # task ids and keys, recent
         self.num_agent_tasks = 0
@@ -149,9 +151,10 @@ class EnvService:
         key = new_key()
         base = f"{self.agent_url}/tasks/{task_id}"
         task = AgentTask(task_id, req.group_id, req.env, req.task, req.seed, f"{base}/v1", key,
-                         base)
+                         base, self.model_path, dict(self.config.options.get(req.env, {})))
         config = self.config.agents[req.env]
-        run = AgentRun(config, task, deadline_s=self.config.agent_timeout_s, local_app=self.app)
+        run = AgentRun(config, task, deadline_s=self.config.agent_timeout_s, local_app=self.app,
+                       sessions=self.agent_sessions)
         session = self.table.create(req.env, run, self.clock(), owner=req.owner)
         self.agents[task_id], self.agent_keys[key] = run, run
         in_step = self.table.begin_step(session.id, self.clock())

@@ -169,4 +169,4 @@ def agent_model(path: str, size: str, kv_cache_tokens: int, use_template: bool =
 
     limit = (context_length(path) if path else None) or kv_cache_tokens
     return AgentModel(Path(path).name if path else size, min(limit, kv_cache_tokens),
-                      TokenCounter(path, use_template))
+                      TokenCounter(path, use_template), str(Path(path).resolve()) if path else "")

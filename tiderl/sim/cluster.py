@@ -67,7 +67,7 @@ def scenario_step_config(system: SystemSpec, scenario: SimScenario,
                    cost: CostModel) -> StepControlConfig:
     """The step cycle of ``system`` on the scenario: the trainer keeps enough GPUs to hold its
     sharded state (``CostModel.min_train_gpus``), request-level engines their concurrency."""
-    sampler = _sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
+    sampler = stream_sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
                        scenario.env_step)
     substrate = Substrate(kv_tokens=cost.kv_capacity_tokens(),
                           max_new_tokens=sampler.max_new_tokens(),
@@ -98,7 +98,7 @@ class Cluster:
         self.system, self.scenario = system, scenario
         self.loop = EventLoop()
         self.cost = CachedCostModel(MODELS[scenario.sim.model], GPUS[scenario.sim.gpu])
-        self.sampler = _sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
+        self.sampler = stream_sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
                                 scenario.env_step)
         n = scenario.sim.gpus
         num_rollout = min(scenario.num_rollout_gpus(), max(1, n - min_trainer(scenario,
@@ -143,7 +143,7 @@ class Cluster:
                                                     spec.step, is_eval=True))
         else:
             sim, job = self.scenario.sim, self.scenario.job
-            plans = _training_group(sim.workload, sim.seed, job.steps, spec.index,
+            plans = training_group(sim.workload, sim.seed, job.steps, spec.index,
                                     job.group_size, spec.index // job.batch_groups,
                                     self.scenario.env_step)
         self._plans[spec.group_id] = plans
@@ -270,16 +270,16 @@ class Cluster:
 
 
 @lru_cache(maxsize=8)
-def _sampler(workload: str, seed: int, total_steps: int,
+def stream_sampler(workload: str, seed: int, total_steps: int,
              env_step: tuple[float, float] = (0.0, 0.0)) -> WorkloadSampler:
     return WorkloadSampler(workload, seed, total_steps, env_step)
 
 
 @lru_cache(maxsize=1 << 16)
-def _training_group(workload: str, seed: int, total_steps: int, index: int, size: int,
+def training_group(workload: str, seed: int, total_steps: int, index: int, size: int,
                     batch: int, env_step: tuple[float, float]) -> tuple[TaskPlan, ...]:
     """Training group ``index`` of a task stream. A memo of a pure function (plans are frozen
     and a function of their arguments), so that the systems compared on one scenario draw the
     stream once: sampling is ~10% of a run."""
-    sampler = _sampler(workload, seed, total_steps, env_step)
+    sampler = stream_sampler(workload, seed, total_steps, env_step)
     return tuple(sampler.sample_group(f"g{index}", size, batch))

@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any
 
 from tiderl.core.system import SystemSpec
+from tiderl.sim.bound import scenario_bound
 from tiderl.sim.cluster import simulate
 from tiderl.sim.experiments import FIG8_RATIOS, ExperimentResult, run_experiment
 from tiderl.sim.progress import Progress, run_all
@@ -19,7 +20,8 @@ COMPARE_PAPER = {**FIG8_RATIOS, "note": "Fig. 8, Qwen2.5-7B on 32 H100s, WebShop
 
 def compare_policies(scenario: SimScenario, policies: list[str],
                      progress: Progress | None = None) -> ExperimentResult:
-    """Each policy on the same scenario and task stream; goodput ratios against tiderl."""
+    """Each policy on the same scenario and task stream; goodput ratios against tiderl, and
+    each system's fraction of the scenario's goodput bound (:mod:`tiderl.sim.bound`)."""
     specs = [SystemSpec.named(name) for name in policies]
     results = run_all({spec.label: partial(simulate, spec, scenario) for spec in specs}, progress)
     headline: dict[str, Any] = {
@@ -29,7 +31,12 @@ def compare_policies(scenario: SimScenario, policies: list[str],
         for name, res in results.items():
             if name != "tiderl" and res.goodput_tok_s:
                 headline[f"tiderl_over_{name}"] = round(base / res.goodput_tok_s, 3)
-    rows = [{"run": name, "goodput_tok_s": round(r.goodput_tok_s, 1), "wall_s": round(r.wall_s, 1),
+    bound = scenario_bound(scenario)
+    headline["bound_tok_s"] = round(bound.tok_s, 1)
+    headline["bound_limit"] = bound.limit
+    headline["of_bound"] = {k: round(v.goodput_tok_s / bound.tok_s, 3) for k, v in results.items()}
+    rows = [{"run": name, "goodput_tok_s": round(r.goodput_tok_s, 1),
+             "of_bound": round(r.goodput_tok_s / bound.tok_s, 3), "wall_s": round(r.wall_s, 1),
              "trained_tokens": r.trained_tokens, "discarded_tokens": r.discarded_tokens,
              "kv_hit_rate": round(r.kv_hit_rate, 4), "rwt_s": round(r.rwt_s, 1),
              "twt_s": round(r.twt_s, 1)} for name, r in results.items()]

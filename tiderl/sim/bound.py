@@ -1,0 +1,175 @@
+"""An upper bound on goodput: the trained tokens per second no scheduler can beat on a scenario
+(docs/simulator.md, "The bound").
+
+It is the smaller of two limits, each computed on the scenario's own task stream (the groups
+every system is fed, and the evaluation groups the job rolls out):
+
+    devices    every GPU-second of the cluster does required work and nothing else:
+                   G_dev = N · T / (R + E + A)
+               T the trained tokens of the run's batches, R the rollout GPU-seconds of their
+               trajectories at each phase's best efficiency, E the evaluation rollouts' (also
+               required, never trained), A the Ref and Actor passes' over T. No idle, no stale
+               discards, no swaps, switches or weight syncs, no KV recompute.
+    staleness  a trajectory cannot be faster than its environment and its own decode, and at
+               most (s + 1)·b trajectories are started and not yet trained (the staleness
+               window of b tasks per step, tiderl.core.task_book); by Little's law
+                   G_stale = (s + 1) · b · t̄ / w̄
+               t̄ the mean trained tokens and w̄ the mean shortest wall time of a trajectory.
+
+The best efficiency of each phase, from :class:`~tiderl.sim.hardware.CostModel`:
+
+- decode: each output token costs its share of a decode step at the largest batch a GPU's KV
+  holds with the running requests alone (waiting tasks hold none): B = ⌊N_kv / c̄⌋, c̄ the
+  output-weighted mean context; a token at context c costs fixed(B)/B + c·b_kv/BW_kv, where
+  fixed(B) is the step's overhead, linear layers, LM head and recurrent state;
+- prefill: each context token is prefilled once (the group's shared prompt once per group) at
+  the linear layers' compute-bound cost (no per-pass overhead, no weight reads) plus its causal
+  attention over the context before it;
+- Ref and Actor: each trained sequence's passes as the trainer times them (``ref_fwd_s``,
+  ``actor_fwd_s``, ``actor_bwd_s`` at the sequence's length), perfectly balanced.
+
+The shortest wall time of a trajectory is its reset and environment latencies, plus each turn's
+prefill alone on a GPU and its decode at batch 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from tiderl.sim.cluster import stream_sampler, training_group
+from tiderl.sim.costcache import CachedCostModel
+from tiderl.sim.hardware import GPUS, MODELS, CostModel
+from tiderl.sim.scenario import SimScenario
+from tiderl.sim.workload import TaskPlan
+
+
+@dataclass(frozen=True)
+class GoodputBound:
+    tok_s: float  # the bound: min(device_tok_s, staleness_tok_s)
+    limit: str  # which limit binds: "devices" or "staleness"
+    device_tok_s: float
+    staleness_tok_s: float
+    decode_batch: int  # B
+    trained_tokens: int  # T, over the run's batches
+    rollout_gpu_s: float  # R
+    eval_gpu_s: float  # E
+    train_gpu_s: float  # A
+    trajectory_s: float  # w̄
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def decode_fixed_s(cost: CostModel, batch: int) -> float:
+    """The part of a decode step at ``batch`` that does not grow with the contexts."""
+    state = 2 * batch * cost.model.state_bytes_per_seq / cost.gpu.kv_bw
+    return cost.gpu.step_overhead_s + cost.t_lin(batch) + cost.t_head(batch) + state
+
+
+def _kv_s_per_token(cost: CostModel) -> float:
+    return cost.model.kv_bytes_per_token / cost.gpu.kv_bw
+
+
+def _decoded_context(plan: TaskPlan) -> tuple[int, float]:
+    """(output tokens, the sum over them of the context each is decoded at)."""
+    tokens, context_sum = 0, 0.0
+    for context, turn in zip(plan.turn_contexts, plan.turns, strict=True):
+        n = turn.action_tokens
+        tokens += n
+        context_sum += n * context + n * (n - 1) / 2
+    return tokens, context_sum
+
+
+def best_decode_batch(cost: CostModel, plans: Iterable[TaskPlan]) -> int:
+    """B: the running requests one GPU's KV holds at the output-weighted mean context."""
+    tokens, context_sum = 0, 0.0
+    for plan in plans:
+        n, s = _decoded_context(plan)
+        tokens, context_sum = tokens + n, context_sum + s
+    mean_context = context_sum / tokens if tokens else 1.0
+    return max(1, int(cost.kv_capacity_tokens() // max(mean_context, 1.0)))
+
+
+def _prefill_compute_s(cost: CostModel, new: int, cached: int) -> float:
+    """``new`` tokens prefilled over ``cached`` ones at the compute-bound cost."""
+    if new <= 0:
+        return 0.0
+    linear = cost.model.num_layers * 2.0 * cost.model.params_layer * new / cost.gpu.gemm_flops
+    return linear + cost._attention_flops(new, cached) / cost.gpu.attn_flops
+
+
+def _prefills(plan: TaskPlan) -> list[tuple[int, int]]:
+    """(new, cached) tokens of each turn's prefill, the prompt apart (first)."""
+    chunks, length = [(plan.prompt_tokens, 0)], plan.prompt_tokens
+    for turn in plan.turns:
+        kept = length - turn.pruned_tokens if turn.kept_prefix is None else turn.kept_prefix
+        new = length - turn.pruned_tokens - kept + turn.context_add
+        chunks.append((new, kept))
+        length = kept + new + turn.action_tokens
+    return chunks
+
+
+def rollout_gpu_s(cost: CostModel, plan: TaskPlan, batch: int, group_size: int) -> float:
+    """The GPU-seconds of ``plan``'s rollout at the best efficiency (its share of the group's
+    prompt prefill)."""
+    (prompt, _), *turns = _prefills(plan)
+    prefill = _prefill_compute_s(cost, prompt, 0) / group_size
+    prefill += sum(_prefill_compute_s(cost, new, cached) for new, cached in turns)
+    tokens, context_sum = _decoded_context(plan)
+    decode = tokens * decode_fixed_s(cost, batch) / batch + context_sum * _kv_s_per_token(cost)
+    return prefill + decode
+
+
+def train_gpu_s(cost: CostModel, plan: TaskPlan) -> float:
+    """Ref and Actor GPU-seconds over ``plan``'s training sequences."""
+    return sum(cost.ref_fwd_s(n, n) + cost.actor_fwd_s(n, n) + cost.actor_bwd_s(n, n)
+               for n in plan.segment_tokens)
+
+
+def shortest_wall_s(cost: CostModel, plan: TaskPlan) -> float:
+    """The least wall time of ``plan``: its environment, each prefill alone, decode at batch 1."""
+    wall = plan.reset_latency_s + sum(turn.env_latency_s for turn in plan.turns)
+    wall += cost.prefill_s([_prefills(plan)[0]])
+    for (new, cached), context, turn in zip(_prefills(plan)[1:], plan.turn_contexts, plan.turns,
+                                            strict=True):
+        wall += cost.prefill_s([(new, cached)])
+        n = turn.action_tokens
+        wall += n * decode_fixed_s(cost, 1) + (n * context + n * (n - 1) / 2) * \
+            _kv_s_per_token(cost)
+    return wall
+
+
+def goodput_bound(cost: CostModel, batches: list[list[tuple[TaskPlan, ...]]],
+                  eval_groups: list[tuple[TaskPlan, ...]], num_gpus: int,
+                  max_staleness: int) -> GoodputBound:
+    """The bound for ``batches`` (each step's training groups, in order) and the run's
+    ``eval_groups`` on ``num_gpus`` GPUs of ``cost`` (see the module's text)."""
+    plans = [plan for batch in batches for group in batch for plan in group]
+    evals = [plan for group in eval_groups for plan in group]
+    batch = best_decode_batch(cost, plans + evals)
+    rollout = sum(rollout_gpu_s(cost, p, batch, len(g)) for b in batches for g in b for p in g)
+    evaluation = sum(rollout_gpu_s(cost, p, batch, len(g)) for g in eval_groups for p in g)
+    train = sum(train_gpu_s(cost, p) for p in plans)
+    trained = sum(sum(p.segment_tokens) for p in plans)
+    device = num_gpus * trained / (rollout + evaluation + train)
+    tasks_per_step = len(plans) / len(batches)
+    wall = sum(shortest_wall_s(cost, p) for p in plans) / len(plans)
+    stale = (max_staleness + 1) * tasks_per_step * (trained / len(plans)) / wall
+    return GoodputBound(min(device, stale), "devices" if device <= stale else "staleness",
+                        device, stale, batch, trained, rollout, evaluation, train, wall)
+
+
+def scenario_bound(scenario: SimScenario) -> GoodputBound:
+    """The bound on ``scenario``: its training groups of every step (the stream every system is
+    fed) and the evaluation groups its job rolls out."""
+    sim, job = scenario.sim, scenario.job
+    cost = CachedCostModel(MODELS[sim.model], GPUS[sim.gpu])
+    batches = [[training_group(sim.workload, sim.seed, job.steps, step * job.batch_groups + i,
+                               job.group_size, step, scenario.env_step)
+                for i in range(job.batch_groups)] for step in range(job.steps)]
+    sampler = stream_sampler(sim.workload, sim.seed, job.steps, scenario.env_step)
+    evals = [tuple(sampler.sample_group(f"e{step}.{i}", job.eval_size, step, is_eval=True))
+             for step in range(job.steps) if job.eval_every and step % job.eval_every == 0
+             for i in range(job.eval_groups)]
+    return goodput_bound(cost, batches, evals, sim.gpus, job.max_staleness)

@@ -86,10 +86,12 @@ def sim(
         result = run_scenario(scenario_of(resolved), name if experiment else None, chosen,
                               progress)
         plots = _plots(result, out)
-        headlines[result.name] = {**result.headline, "paper": result.paper}
+        headlines[result.name] = {**result.headline, "paper": result.paper,
+                                  **({"device_s": result.device_s} if result.device_s else {})}
         payload.append({"experiment": result.name, "headline": result.headline,
                         "paper": result.paper, "rows": result.rows,
-                        "plots": [str(p) for p in plots]})
+                        "device_shares": result.device_shares(),
+                        "device_s": result.device_s, "plots": [str(p) for p in plots]})
     if results is not None:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(headlines, indent=2) + "\n")
@@ -205,6 +207,11 @@ def _render(console: Console, payload: list[dict]) -> None:
     for item in payload:
         for title, columns, rows in _row_tables(item["experiment"], item["rows"], console.width):
             console.print(table(title, columns, rows))
+        if item.get("device_shares"):
+            for title, columns, rows in _row_tables(
+                    f"{item['experiment']}: GPU-seconds by what they did, % of gpus x wall",
+                    item["device_shares"], console.width):
+                console.print(table(title, columns, rows))
         figures, notes = _headline_rows(item["headline"], item["paper"])
         console.print(table(f"{item['experiment']}: simulated vs paper",
                             ("figure", "simulated", "paper"), figures))

@@ -25,6 +25,7 @@ from tiderl.core.commands import (
     Dispatch,
     FeedGroups,
     Finish,
+    GroupDropped,
     GroupSpec,
     JoinRollout,
     LeaveRollout,
@@ -119,6 +120,11 @@ class Cluster:
         self._plans: dict[str, tuple[TaskPlan, ...]] = {}  # groups fed, until they run
         self._rewards: dict[str, float] = {}  # task id -> reward, of the ready groups
         self._step_rewards: dict[str, float] = {}  # the step's tasks (a task may have segments)
+        # where the device-seconds go: the groups trained and dropped, the trainer's work
+        self._group_of_task: dict[str, str] = {}
+        self._trained_groups: set[str] = set()
+        self._dropped_groups: set[str] = set()
+        self._device_s: dict[str, float] = {}
 
     # ---- the run ----
 
@@ -167,7 +173,10 @@ class Cluster:
                 for seq in command.mb.sequences:
                     task = task_of(seq.seq_id)
                     self._step_rewards[task] = self._rewards[task]
+                    self._trained_groups.add(self._group_of_task[task])
                 self.executor.add(command.mb)
+            elif isinstance(command, GroupDropped):
+                self._dropped_groups.add(command.group_id)
             elif isinstance(command, CloseStep):
                 self.executor.close()
             elif isinstance(command, Boundary) and not command.is_final:
@@ -182,6 +191,7 @@ class Cluster:
     def _on_group_ready(self, group: SimGroup) -> None:
         if not group.is_eval:
             self._rewards.update(group.rewards)
+            self._group_of_task.update((t, group.group_id) for t in group.rewards)
         ready = None if group.is_eval else group
         self._apply(self.controller.group_ready(group.group_id, ready, self.loop.now))
 
@@ -200,6 +210,7 @@ class Cluster:
     def _on_step_done(self, now: float) -> None:
         executor, start = self.executor, self.start
         self.executor = self.start = None
+        self._spend(executor.gpu_s)
         query, hit = self.pool.kv_counters()
         reward_mean, solved_frac = reward_summary(list(self._step_rewards.values()))
         for task in self._step_rewards:
@@ -224,6 +235,8 @@ class Cluster:
             self.controller.rollout.stalled(now, now + sync_s, len(self.pool.engines))
         for rank in boundary.members:
             src, dst = boundary.old_roles[rank], boundary.roles[rank]
+            if src is not dst:
+                self._spend({"role_switch": self.cost.role_switch_s(src, dst)})
             ready_at = now + max(sync_s, self.cost.role_switch_s(src, dst))
             self.loop.at(ready_at, self._on_ack, (rank, boundary.version))
 
@@ -245,6 +258,33 @@ class Cluster:
 
     # ---- results ----
 
+    def _spend(self, seconds: dict[str, float]) -> None:
+        for key, value in seconds.items():
+            self._device_s[key] = self._device_s.get(key, 0.0) + value
+
+    def device_seconds(self, wall: float) -> dict[str, float]:
+        """Every GPU-second of the run (N GPUs x ``wall``) by what it did; ``idle`` is the rest
+        (docs/simulator.md, "Where the device-seconds go")."""
+        engines = self.pool.all_engines()
+        for engine in engines:
+            engine.settle()
+        by_group = self.pool.gpu_s_by_group
+        out = dict.fromkeys(DEVICE_KEYS, 0.0)
+        for group, seconds in by_group.items():
+            key = ("rollout_eval" if group in self.pool.eval_groups else
+                   "rollout_trained" if group in self._trained_groups else
+                   "rollout_discarded" if group in self._dropped_groups else "rollout_unfinished")
+            out[key] += seconds
+        out["rollout_recompute"] = self.pool.recompute_s
+        # the work of turns still running at the end is the unfinished groups' too
+        busy = sum(e.decode_s + e.prefill_s for e in engines)
+        out["rollout_unfinished"] += busy - sum(by_group.values()) - self.pool.recompute_s
+        out["weight_sync"] = sum(e.sync_s for e in engines)
+        for key, value in self._device_s.items():
+            out[key] += value
+        out["idle"] = self.scenario.sim.gpus * wall - sum(out.values())
+        return out
+
     def _result(self) -> SimResult:
         c = self.controller
         records = c.ledger.records
@@ -260,6 +300,7 @@ class Cluster:
             policies["ers"] = c.ers
         return SimResult(
             system=self.system.label, scenario=self.scenario, wall_s=wall,
+            device_s=self.device_seconds(wall),
             trained_tokens=c.ledger.trained_tokens, generated_tokens=self.pool.generated_tokens,
             discarded_tokens=c.buffer.discarded.tokens, in_flight_tokens=in_flight,
             decoded_tokens=decoded, goodput_tok_s=c.ledger.trained_tokens / wall if wall else 0.0,
@@ -267,6 +308,11 @@ class Cluster:
             kv_hit_rate=hit / query if query else 0.0, rwt_s=c.rollout.rwt.total,
             twt_s=sum(r.twt_s for r in records), num_events=self.loop.num_events,
             num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies)
+
+
+ROLLOUT_KEYS = ("rollout_trained", "rollout_discarded", "rollout_eval", "rollout_unfinished")
+DEVICE_KEYS = (*ROLLOUT_KEYS, "rollout_recompute", "weight_sync", "ref", "actor", "swap",
+               "colocate_switch", "role_switch", "idle")
 
 
 @lru_cache(maxsize=8)

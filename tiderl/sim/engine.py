@@ -56,6 +56,9 @@ class SimRequest:
     arrival: int = 0  # submission order on the rank (only a newer request may be preempted)
     v_start: float = 0.0
     v_target: float = 0.0
+    u_start: float = 0.0
+    gpu_s: float = 0.0  # the rank's time spent on it: its decode share and its prefills
+    recompute_s: float = 0.0  # of which prefill of context computed before
     is_running: bool = False
     payload: object = field(default=None, repr=False)  # the caller's task
 
@@ -89,6 +92,14 @@ class RolloutEngine:
         self.prefill_tokens = 0
         self.recomputed_tokens = 0
         self.busy_s = 0.0  # time with running requests, stalls included
+        # where the rank's time went (docs/simulator.md, "Where the device-seconds go")
+        self.started_at = loop.now
+        self.closed_at: float | None = None
+        self.decode_s = 0.0
+        self.prefill_s = 0.0
+        self.recompute_s = 0.0  # of prefill_s: context computed before
+        self.sync_s = 0.0  # stalled by weight syncs
+        self._u = 0.0  # decode seconds per running request since the rank started
 
     # ---- the caller's side ----
 
@@ -103,6 +114,7 @@ class RolloutEngine:
     def stall(self, until: float) -> None:
         """Generation pauses until ``until`` (weight sync); running requests keep their place."""
         self._advance()
+        self.sync_s += max(0.0, until - max(self.stall_until, self.loop.now))
         self.stall_until = max(self.stall_until, until)
         self._reschedule()
 
@@ -110,14 +122,22 @@ class RolloutEngine:
         """The rank leaves rollout: every queued and running request is returned, unfinished."""
         self._advance()
         self.is_closed = True
+        self.closed_at = self.loop.now
         self._epoch += 1
         requests = [*self.running.values(), *self.queue]
+        for request in self.running.values():
+            request.gpu_s += self._u - request.u_start
         for request in requests:
             request.is_running = False
         self.running.clear()
         self.queue.clear()
         self._heap.clear()
         return requests
+
+    def settle(self) -> None:
+        """Bring the time counters to now."""
+        if not self.is_closed:
+            self._advance()
 
     @property
     def num_requests(self) -> int:
@@ -132,6 +152,8 @@ class RolloutEngine:
             start = max(self._t_last, self.stall_until)
             if now > start and self._step_s > 0:
                 self._v += (now - start) / self._step_s
+                self._u += (now - start) / len(self.running)
+                self.decode_s += now - start
             self.busy_s += now - self._t_last
         self._t_last = now
 
@@ -177,6 +199,7 @@ class RolloutEngine:
 
     def _remove(self, request: SimRequest) -> None:
         request.is_running = False
+        request.gpu_s += self._u - request.u_start
         del self.running[request.seq]
         self._sum_base -= request.context - request.v_start
 
@@ -187,11 +210,20 @@ class RolloutEngine:
         With nothing running no completion will free a block, so while the head does not fit,
         the newest queued request holding pinned blocks gives them up (recompute-preemption of a
         waiting request: its context is computed again when it is admitted)."""
-        chunks = self._admit_fitting()
-        while not chunks and self.queue and not self.running and self._preempt_waiting():
-            chunks = self._admit_fitting()
-        if chunks:
-            self.stall_until = max(self.loop.now, self.stall_until) + self.cost.prefill_s(chunks)
+        admitted = self._admit_fitting()
+        while not admitted and self.queue and not self.running and self._preempt_waiting():
+            admitted = self._admit_fitting()
+        if admitted:
+            seconds = self.cost.prefill_s([chunk for _, chunk, _ in admitted])
+            self.stall_until = max(self.loop.now, self.stall_until) + seconds
+            self.prefill_s += seconds
+            computed = sum(new for _, (new, _), _ in admitted)
+            for request, (new, _), recomputed in admitted:
+                share = seconds * new / computed if computed else seconds / len(admitted)
+                request.gpu_s += share
+                request.recompute_s += share * recomputed / new if new else 0.0
+            self.recompute_s += sum(seconds * r / computed for _, _, r in admitted) \
+                if computed else 0.0
 
     def _preempt_waiting(self) -> bool:
         """Drop the blocks of the newest queued request behind the head that holds any; False
@@ -202,8 +234,10 @@ class RolloutEngine:
         self.kv.preempt(max(holders, key=lambda r: r.arrival).task_id, self.loop.now)
         return True
 
-    def _admit_fitting(self) -> list[tuple[int, int]]:
-        chunks: list[tuple[int, int]] = []
+    def _admit_fitting(self) -> list[tuple[SimRequest, tuple[int, int], int]]:
+        """The requests admitted, each with its prefill chunk (new, cached) and how many of
+        the new tokens are recomputed."""
+        admitted: list[tuple[SimRequest, tuple[int, int], int]] = []
         now = self.loop.now
         while self.queue and (self.max_running is None or len(self.running) < self.max_running):
             request = self.queue[0]
@@ -219,12 +253,13 @@ class RolloutEngine:
             self.queue.popleft()
             if request.pin:
                 self.kv.pin(request.task_id)
-            chunks.append((alloc.compute_tokens, alloc.hit_tokens))
+            recomputed = max(0, alloc.compute_tokens - request.fresh)
+            admitted.append((request, (alloc.compute_tokens, alloc.hit_tokens), recomputed))
             self.prefill_tokens += alloc.compute_tokens
-            self.recomputed_tokens += max(0, alloc.compute_tokens - request.fresh)
+            self.recomputed_tokens += recomputed
             request.fresh = 0
             self._start(request)
-        return chunks
+        return admitted
 
     def _reserve_output(self, request: SimRequest) -> bool:
         """Allocate the turn's output blocks, preempting running requests that arrived after it
@@ -251,6 +286,7 @@ class RolloutEngine:
         request.seq = self._seq
         self._seq += 1
         request.v_start = self._v
+        request.u_start = self._u
         request.v_target = self._v + request.remaining
         request.is_running = True
         self.running[request.seq] = request

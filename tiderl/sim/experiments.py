@@ -65,6 +65,16 @@ class ExperimentResult:
     paper: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # plot -> label -> ys
+    # run -> every GPU-second by what it did (SimResult.device_s)
+    device_s: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def device_shares(self) -> list[dict[str, Any]]:
+        """Each run's GPU-seconds as percentages of all of them (gpus x wall)."""
+        rows = []
+        for run, seconds in self.device_s.items():
+            total = sum(seconds.values()) or 1.0
+            rows.append({"run": run, **{k: round(100 * v / total, 1) for k, v in seconds.items()}})
+        return rows
 
 
 def _ratio(a: float, b: float) -> float | None:

@@ -26,6 +26,8 @@ def write_plots(result: ExperimentResult, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(_save(fig, out_dir / f"{result.name}_{metric}.png"))
+    if result.device_s:
+        paths.append(_device_bars(result, out_dir))
     key = _bar_key(result)
     if key:
         labels = [str(row.get("run", row.get("step_mode"))) for row in result.rows]
@@ -38,6 +40,27 @@ def write_plots(result: ExperimentResult, out_dir: Path) -> list[Path]:
         fig.tight_layout()
         paths.append(_save(fig, out_dir / f"{result.name}_{key}.png"))
     return paths
+
+
+def _device_bars(result: ExperimentResult, out_dir: Path) -> Path:
+    """One stacked bar per run: its GPU-seconds by what they did, in % of gpus x wall."""
+    import matplotlib.pyplot as plt
+
+    shares = result.device_shares()
+    keys = [k for k in shares[0] if k != "run"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottoms = [0.0] * len(shares)
+    colors = plt.get_cmap("tab20").colors
+    for i, key in enumerate(keys):
+        values = [row[key] for row in shares]
+        ax.bar(range(len(shares)), values, bottom=bottoms, label=key, color=colors[i % 20])
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    ax.set_xticks(range(len(shares)), [row["run"] for row in shares], fontsize=8)
+    ax.set_ylabel("% of GPU-seconds")
+    ax.set_title(f"{result.name}: where the GPU-seconds went")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return _save(fig, out_dir / f"{result.name}_device_s.png")
 
 
 def _bar_key(result: ExperimentResult) -> str | None:

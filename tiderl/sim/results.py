@@ -29,6 +29,8 @@ class SimResult:
     rwt_s: float
     twt_s: float
     num_events: int = 0
+    # every GPU-second of the run by what it did (cluster.DEVICE_KEYS; sums to gpus x wall_s)
+    device_s: dict[str, float] = field(default_factory=dict)
     num_ctb_rounds: int = 0
     steps: list[StepRecord] = field(default_factory=list)
     policies: dict[str, object] = field(default_factory=dict)

@@ -118,6 +118,9 @@ class RolloutPool:
         self.generated_tokens = 0  # trajectory tokens of finished training tasks
         self.eval_tokens = 0
         self.num_rounds = 0
+        self.gpu_s_by_group: dict[str, float] = {}  # rollout time spent on each group's turns
+        self.recompute_s = 0.0  # prefill of context computed before (kept apart from the groups)
+        self.eval_groups: set[str] = set()
         self._is_dirty = False
         self._round_pending = False
 
@@ -136,6 +139,7 @@ class RolloutPool:
         resumes)."""
         engine = self.engines.pop(rank)
         for request in engine.close():
+            self._spent(request)  # an abandoned turn's work is its group's all the same
             task = request.payload
             task.request = None
             task.context = _context_before(task)  # the turn restarts from its start
@@ -161,6 +165,8 @@ class RolloutPool:
         group = SimGroup(plans[0].group_id, tasks, plans[0].is_eval, len(tasks),
                          plans=list(plans))
         self.groups[group.group_id] = group
+        if group.is_eval:
+            self.eval_groups.add(group.group_id)
         for task in tasks:
             self.tasks[task.task_id] = task
         self.mark_dirty()
@@ -251,7 +257,14 @@ class RolloutPool:
         engine.submit(request)
         self.mark_dirty()
 
+    def _spent(self, request: SimRequest) -> None:
+        group = request.group_id
+        spent = request.gpu_s - request.recompute_s
+        self.gpu_s_by_group[group] = self.gpu_s_by_group.get(group, 0.0) + spent
+        self.recompute_s += request.recompute_s
+
     def _on_turn_done(self, request: SimRequest) -> None:
+        self._spent(request)
         task: SimTask = request.payload
         task.request = None
         turn = task.plan.turns[task.turn]

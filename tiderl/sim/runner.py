@@ -43,7 +43,9 @@ def compare_policies(scenario: SimScenario, policies: list[str],
     series = {"trained_tokens": {name: [float(s.trained_tokens) for s in r.steps]
                                  for name, r in results.items()}}
     paper = COMPARE_PAPER if "tiderl" in results else {}
-    return ExperimentResult("compare", headline, paper, rows, series)
+    device_s = {name: {k: round(v, 1) for k, v in r.device_s.items()}
+                for name, r in results.items()}
+    return ExperimentResult("compare", headline, paper, rows, series, device_s)
 
 
 def run_scenario(scenario: SimScenario, experiment: str | None = None,

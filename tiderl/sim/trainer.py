@@ -90,6 +90,8 @@ class StepExecutor:
         self.busy_s = 0.0  # compute + swap seconds on the critical path
         self.pass_s = {"t_ref": 0.0, "t_act_f": 0.0, "t_act_b": 0.0}  # summed over micro-batches
         self.t_swap: float | None = None  # one swap, when the step swaps
+        # GPU-seconds of the step's work (each pass's time on every GPU it holds)
+        self.gpu_s = {"ref": 0.0, "actor": 0.0, "swap": 0.0, "colocate_switch": 0.0}
 
     def add(self, mb: MicroBatch) -> None:
         self.num_micro_batches += 1
@@ -174,6 +176,9 @@ class AggregatingExecutor(StepExecutor):
         ref = ref_time(self.model, taken, self.num_gpus)
         fwd, bwd = actor_times(self.model, taken, self.num_gpus)
         self._count(ref, fwd, bwd)
+        for key, seconds in (("ref", ref), ("actor", fwd + bwd), ("swap", 2 * self.t_swap),
+                             ("colocate_switch", self.setup_s)):
+            self.gpu_s[key] += seconds * self.num_gpus
         duration = 2 * self.t_swap + ref + fwd + bwd + self.setup_s
         self.setup_s = 0.0  # paid once, before the first pass
         self.num_swaps += 2
@@ -204,6 +209,8 @@ class PipelineExecutor(StepExecutor):
         t_ref = ref_time(self.model, mb, self.num_ref)
         t_fwd, t_bwd = actor_times(self.model, mb, self.num_actor, decoupled=True)
         self._count(t_ref, t_fwd, t_bwd)
+        self.gpu_s["ref"] += t_ref * self.num_ref
+        self.gpu_s["actor"] += (t_fwd + t_bwd) * self.num_actor
         ref_done = max(now, self._ref_free) + t_ref
         if self.count_wait and now > self._act_free:
             self.twt_s += (now - self._act_free) * self.num_gpus

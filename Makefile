@@ -10,8 +10,10 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 run: $(VENV)/.installed
 	$(VENV)/bin/tiderl launch
 
+# Two workers: the suite's jobs wait on their processes much of the time (one worker keeps the
+# two cores 116% busy, two keep them 165% busy: 13 min -> 10).
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist worksteal
 
 chaos: $(VENV)/.installed-dev
 	$(PY) -m pytest -m chaos tests/chaos

@@ -28,6 +28,7 @@ from typing import Any
 
 from tiderl.core.quote import short
 from tiderl.core.system import StepMode, System, SystemSpec
+from tiderl.sim.bound import scenario_bound
 from tiderl.sim.cluster import SimResult, simulate, simulate_rollout_step, simulate_trainer_step
 from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SYSTEMS, SimScenario
@@ -77,6 +78,19 @@ class ExperimentResult:
         return rows
 
 
+def bounded(headline: dict[str, Any], scenario: SimScenario,
+            results: dict[str, SimResult]) -> dict[str, dict[str, float]]:
+    """Adds the scenario's goodput bound and each run's fraction of it to ``headline``
+    (:mod:`tiderl.sim.bound`); returns each run's GPU-seconds by what they did."""
+    bound = scenario_bound(scenario)
+    headline["bound_tok_s"] = round(bound.tok_s, 1)
+    headline["bound_limit"] = bound.limit
+    headline["of_bound"] = {label: round(r.goodput_tok_s / bound.tok_s, 3)
+                            for label, r in results.items()}
+    return {label: {k: round(v, 1) for k, v in r.device_s.items()}
+            for label, r in results.items()}
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
@@ -116,17 +130,19 @@ def fig4(scenario: SimScenario, progress: Progress | None = None) -> ExperimentR
         "twt_s": {f"ratio {r}": [s.twt_s for s in res.steps] for r, res in runs.items()},
     }
     rows = [_row(label, res) for label, res in done.items()]
-    return ExperimentResult("fig4", headline, PAPER["fig4"], rows, series)
+    device_s = bounded(headline, scenario, done)
+    return ExperimentResult("fig4", headline, PAPER["fig4"], rows, series, device_s)
 
 
 def fig15(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:
     done = run_all({"tiderl (ERS)": partial(simulate, SYSTEMS["tiderl"], scenario),
                     **_fixed_splits(scenario, "fixed")}, progress)
+    device_s = bounded(headline := {}, scenario, done)
     ers = done.pop("tiderl (ERS)")
     fixed = dict(zip(RATIOS, done.values(), strict=True))
     waits = {r: res.rwt_s + res.twt_s for r, res in fixed.items()}
     ers_wait = ers.rwt_s + ers.twt_s
-    headline = {
+    headline |= {
         "ers_wait_s": round(ers_wait, 1),
         "fixed_wait_s": {str(r): round(w, 1) for r, w in waits.items()},
         "reduction_vs_best_fixed": round(1 - ers_wait / min(waits.values()), 3),
@@ -136,7 +152,7 @@ def fig15(scenario: SimScenario, progress: Progress | None = None) -> Experiment
     series["wait_s"].update({f"fixed {r}": [s.rwt_s + s.twt_s for s in res.steps]
                              for r, res in fixed.items()})
     rows = [_row("tiderl (ERS)", ers)] + [_row(label, res) for label, res in done.items()]
-    return ExperimentResult("fig15", headline, PAPER["fig15"], rows, series)
+    return ExperimentResult("fig15", headline, PAPER["fig15"], rows, series, device_s)
 
 
 # --------------------------------------------------------------------------- fig8 / table2
@@ -176,11 +192,15 @@ def fig8(scenario: SimScenario, progress: Progress | None = None) -> ExperimentR
     for key, model in FIG8_MODELS:
         runs.update(_throughput_runs(scenario.with_sim(model=model), key))
     done = run_all(runs, progress)
-    headline, rows = {}, []
-    for key, _ in FIG8_MODELS:
+    headline, rows, device_s = {}, [], {}
+    for key, model in FIG8_MODELS:
         headline[key], part_rows = _throughput_ratios(done, key)
         rows += [{"model": key, **row} for row in part_rows]
-    return ExperimentResult("fig8", headline, PAPER["fig8"], rows)
+        mine = {label: r for label, r in done.items() if label.startswith(f"{key} ")}
+        device_s |= bounded(headline[key], scenario.with_sim(model=model), mine)
+        best = headline[key]["goodput_tok_s"]["async"]
+        headline[key]["bound_over_best_fixed"] = round(headline[key]["bound_tok_s"] / best, 3)
+    return ExperimentResult("fig8", headline, PAPER["fig8"], rows, device_s=device_s)
 
 
 TABLE2_STEPS: tuple[tuple[str, SystemSpec], ...] = (
@@ -202,7 +222,8 @@ def table2(scenario: SimScenario, progress: Progress | None = None) -> Experimen
             headline["improvement"][label] = round(res.goodput_tok_s / previous - 1, 3)
         previous = res.goodput_tok_s
     rows = [_row(label, res) for label, res in results]
-    return ExperimentResult("table2", headline, PAPER["table2"], rows)
+    device_s = bounded(headline, scenario, dict(results))
+    return ExperimentResult("table2", headline, PAPER["table2"], rows, device_s=device_s)
 
 
 # --------------------------------------------------------------------------- fig12 / fig14

@@ -7,9 +7,8 @@ from functools import partial
 from typing import Any
 
 from tiderl.core.system import SystemSpec
-from tiderl.sim.bound import scenario_bound
 from tiderl.sim.cluster import simulate
-from tiderl.sim.experiments import FIG8_RATIOS, ExperimentResult, run_experiment
+from tiderl.sim.experiments import FIG8_RATIOS, ExperimentResult, bounded, run_experiment
 from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
@@ -31,20 +30,15 @@ def compare_policies(scenario: SimScenario, policies: list[str],
         for name, res in results.items():
             if name != "tiderl" and res.goodput_tok_s:
                 headline[f"tiderl_over_{name}"] = round(base / res.goodput_tok_s, 3)
-    bound = scenario_bound(scenario)
-    headline["bound_tok_s"] = round(bound.tok_s, 1)
-    headline["bound_limit"] = bound.limit
-    headline["of_bound"] = {k: round(v.goodput_tok_s / bound.tok_s, 3) for k, v in results.items()}
+    device_s = bounded(headline, scenario, results)
     rows = [{"run": name, "goodput_tok_s": round(r.goodput_tok_s, 1),
-             "of_bound": round(r.goodput_tok_s / bound.tok_s, 3), "wall_s": round(r.wall_s, 1),
+             "of_bound": headline["of_bound"][name], "wall_s": round(r.wall_s, 1),
              "trained_tokens": r.trained_tokens, "discarded_tokens": r.discarded_tokens,
              "kv_hit_rate": round(r.kv_hit_rate, 4), "rwt_s": round(r.rwt_s, 1),
              "twt_s": round(r.twt_s, 1)} for name, r in results.items()]
     series = {"trained_tokens": {name: [float(s.trained_tokens) for s in r.steps]
                                  for name, r in results.items()}}
     paper = COMPARE_PAPER if "tiderl" in results else {}
-    device_s = {name: {k: round(v, 1) for k, v in r.device_s.items()}
-                for name, r in results.items()}
     return ExperimentResult("compare", headline, paper, rows, series, device_s)
 
 

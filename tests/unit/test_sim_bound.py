@@ -11,7 +11,6 @@ from tiderl.core.types import MicroBatch, SeqRef
 from tiderl.sim.bound import (
     _prefill_compute_s,
     best_decode_batch,
-    decode_fixed_s,
     goodput_bound,
     rollout_gpu_s,
     scenario_bound,
@@ -26,7 +25,7 @@ from tiderl.sim.trainer import actor_times, ref_time
 from tiderl.sim.workload import TaskPlan, TurnPlan
 
 COST = CostModel(MODELS["qwen2.5-7b"], GPUS["h100-sxm"])
-K = COST.model.kv_bytes_per_token / COST.gpu.kv_bw  # a decoded token's KV read, per context token
+K = COST.model.kv_bytes_per_token / COST.gpu.kv_bw  # a decode step's time per context token
 
 
 def plan(prompt: int, *turns: tuple[int, int, float], reset_s: float = 0.0) -> TaskPlan:
@@ -37,7 +36,7 @@ def plan(prompt: int, *turns: tuple[int, int, float], reset_s: float = 0.0) -> T
 
 def test_a_decode_step_is_its_fixed_part_plus_the_contexts_it_reads():
     for batch, context in [(1, 100), (64, 2000), (264, 5000)]:
-        assert decode_fixed_s(COST, batch) + batch * context * K == pytest.approx(
+        assert COST.decode_fixed_s(batch) + batch * context * K == pytest.approx(
             COST.decode_step_s(batch, batch * context))
 
 
@@ -45,7 +44,7 @@ def test_a_one_turn_rollout_costs_its_prompt_share_and_each_token_at_its_context
     one = plan(1000, (0, 10, 0.0))
     batch = 100
     prefill = _prefill_compute_s(COST, 1000, 0) / 4  # the group's prompt, once for 4 tasks
-    decode = 10 * decode_fixed_s(COST, batch) / batch + sum(1000 + i for i in range(10)) * K
+    decode = 10 * COST.decode_fixed_s(batch) / batch + sum(1000 + i for i in range(10)) * K
     assert rollout_gpu_s(COST, one, batch, group_size=4) == pytest.approx(prefill + decode)
     # the prefill's compute-bound cost is below any real prefill pass of the same tokens
     assert _prefill_compute_s(COST, 1000, 0) < COST.prefill_s([(1000, 0)])
@@ -55,7 +54,7 @@ def test_a_second_turn_prefills_only_what_was_added_over_the_context_before_it()
     two = plan(1000, (0, 10, 0.0), (50, 5, 0.0))
     first = plan(1000, (0, 10, 0.0))
     extra = rollout_gpu_s(COST, two, 64, 1) - rollout_gpu_s(COST, first, 64, 1)
-    decode = 5 * decode_fixed_s(COST, 64) / 64 + sum(1060 + i for i in range(5)) * K
+    decode = 5 * COST.decode_fixed_s(64) / 64 + sum(1060 + i for i in range(5)) * K
     assert extra == pytest.approx(_prefill_compute_s(COST, 50, 1010) + decode)
 
 

@@ -100,7 +100,9 @@ async def episode(env: Any, task: Any, options: dict, *, shared: bool) -> float:
     # task, so verifiers' interception server keeps one client for them all
     client = vf.TrainClientConfig(
         base_url=task.base_url.rsplit("/tasks/", 1)[0],
-        api_key_var="TIDERL_SHARED_CLIENT" if shared else "OPENAI_API_KEY",
+        # shared: a variable nobody sets (the key sent is verifiers' "EMPTY"; the session id
+        # names the task); else the task's key, as a command agent is given it
+        api_key_var="TIDERL_VERIFIERS_NO_KEY" if shared else "OPENAI_API_KEY",
         renderer=DefaultRendererConfig(tool_parser=options["tool_parser"]),
         renderer_model_name=task.model)
     context = vf.ModelContext(model=task.model, client=client,
@@ -119,6 +121,7 @@ async def episode(env: Any, task: Any, options: dict, *, shared: bool) -> float:
 
 
 _served: dict[str, asyncio.Future] = {}  # options (JSON) -> the Env, serving
+_holders: set[asyncio.Task] = set()  # the tasks holding them (the loop keeps weak references)
 
 
 async def _serve(options: dict, ready: asyncio.Future) -> None:
@@ -141,7 +144,9 @@ async def run(task: Any, client: Any) -> float:
     key = json.dumps(options, sort_keys=True)
     if key not in _served:
         _served[key] = asyncio.get_running_loop().create_future()
-        _served[key].holder = asyncio.create_task(_serve(options, _served[key]))
+        holder = asyncio.create_task(_serve(options, _served[key]))
+        _holders.add(holder)
+        holder.add_done_callback(_holders.discard)
     try:
         env = await asyncio.shield(_served[key])
     except Exception:

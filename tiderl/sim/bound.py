@@ -61,16 +61,6 @@ class GoodputBound:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-def decode_fixed_s(cost: CostModel, batch: int) -> float:
-    """The part of a decode step at ``batch`` that does not grow with the contexts."""
-    state = 2 * batch * cost.model.state_bytes_per_seq / cost.gpu.kv_bw
-    return cost.gpu.step_overhead_s + cost.t_lin(batch) + cost.t_head(batch) + state
-
-
-def _kv_s_per_token(cost: CostModel) -> float:
-    return cost.model.kv_bytes_per_token / cost.gpu.kv_bw
-
-
 def _decoded_context(plan: TaskPlan) -> tuple[int, float]:
     """(output tokens, the sum over them of the context each is decoded at)."""
     tokens, context_sum = 0, 0.0
@@ -92,11 +82,12 @@ def best_decode_batch(cost: CostModel, plans: Iterable[TaskPlan]) -> int:
 
 
 def _prefill_compute_s(cost: CostModel, new: int, cached: int) -> float:
-    """``new`` tokens prefilled over ``cached`` ones at the compute-bound cost."""
+    """``new`` tokens prefilled over ``cached`` ones at the compute-bound cost (``t_lin``'s
+    compute term alone: no per-layer overhead, no weight reads)."""
     if new <= 0:
         return 0.0
     linear = cost.model.num_layers * 2.0 * cost.model.params_layer * new / cost.gpu.gemm_flops
-    return linear + cost._attention_flops(new, cached) / cost.gpu.attn_flops
+    return linear + cost.attention_flops(new, cached) / cost.gpu.attn_flops
 
 
 def _prefills(plan: TaskPlan) -> list[tuple[int, int]]:
@@ -117,7 +108,7 @@ def rollout_gpu_s(cost: CostModel, plan: TaskPlan, batch: int, group_size: int) 
     prefill = _prefill_compute_s(cost, prompt, 0) / group_size
     prefill += sum(_prefill_compute_s(cost, new, cached) for new, cached in turns)
     tokens, context_sum = _decoded_context(plan)
-    decode = tokens * decode_fixed_s(cost, batch) / batch + context_sum * _kv_s_per_token(cost)
+    decode = tokens * cost.decode_fixed_s(batch) / batch + context_sum * cost.kv_read_s_per_token()
     return prefill + decode
 
 
@@ -135,8 +126,8 @@ def shortest_wall_s(cost: CostModel, plan: TaskPlan) -> float:
                                             strict=True):
         wall += cost.prefill_s([(new, cached)])
         n = turn.action_tokens
-        wall += n * decode_fixed_s(cost, 1) + (n * context + n * (n - 1) / 2) * \
-            _kv_s_per_token(cost)
+        wall += n * cost.decode_fixed_s(1) + (n * context + n * (n - 1) / 2) * \
+            cost.kv_read_s_per_token()
     return wall
 
 

@@ -256,8 +256,21 @@ class CostModel:
         if batch <= 0:
             return 0.0
         kv = sum_context * self.model.kv_bytes_per_token / self.gpu.kv_bw
-        state = 2 * batch * self.model.state_bytes_per_seq / self.gpu.kv_bw
-        return self.gpu.step_overhead_s + self.t_lin(batch) + self.t_head(batch) + kv + state
+        return (self.gpu.step_overhead_s + self.t_lin(batch) + self.t_head(batch) + kv
+                + self._state_s(batch))
+
+    def decode_fixed_s(self, batch: int) -> float:
+        """The part of a decode step over ``batch`` sequences that does not grow with their
+        contexts: the step's overhead, the linear layers, the LM head, the recurrent state."""
+        return (self.gpu.step_overhead_s + self.t_lin(batch) + self.t_head(batch)
+                + self._state_s(batch))
+
+    def _state_s(self, batch: int) -> float:
+        return 2 * batch * self.model.state_bytes_per_seq / self.gpu.kv_bw
+
+    def kv_read_s_per_token(self) -> float:
+        """A decode step's time per context token it reads."""
+        return self.model.kv_bytes_per_token / self.gpu.kv_bw
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """§8.3: one prefill pass; ``chunks`` holds (new, cached) tokens per sequence."""
@@ -265,11 +278,11 @@ class CostModel:
         if not work:
             return 0.0
         new_tokens = sum(new for new, _ in work)
-        attention = sum(self._attention_flops(new, cached) for new, cached in work)
+        attention = sum(self.attention_flops(new, cached) for new, cached in work)
         return (self.gpu.step_overhead_s + self.t_lin(new_tokens) + self.t_head(len(work))
                 + attention / self.gpu.attn_flops)
 
-    def _attention_flops(self, new: int, cached: int) -> float:
+    def attention_flops(self, new: int, cached: int) -> float:
         """§8.3: 4·L_attn·H·h_d·(n·c + n²/2), causal attention of n new tokens over c cached."""
         width = self.model.num_attention_layers * self.model.attention_width
         return 4.0 * width * (new * cached + new * new / 2.0)

@@ -90,7 +90,6 @@ def sim(
                                   **({"device_s": result.device_s} if result.device_s else {})}
         payload.append({"experiment": result.name, "headline": result.headline,
                         "paper": result.paper, "rows": result.rows,
-                        "device_shares": result.device_shares(),
                         "device_s": result.device_s, "plots": [str(p) for p in plots]})
     if results is not None:
         results.parent.mkdir(parents=True, exist_ok=True)
@@ -204,13 +203,15 @@ def _plots(result, out: Path) -> list[Path]:
 
 
 def _render(console: Console, payload: list[dict]) -> None:
+    from tiderl.sim.experiments import device_shares
+
     for item in payload:
         for title, columns, rows in _row_tables(item["experiment"], item["rows"], console.width):
             console.print(table(title, columns, rows))
-        if item.get("device_shares"):
+        if item.get("device_s"):
             for title, columns, rows in _row_tables(
                     f"{item['experiment']}: GPU-seconds by what they did, % of gpus x wall",
-                    item["device_shares"], console.width):
+                    device_shares(item["device_s"]), console.width):
                 console.print(table(title, columns, rows))
         figures, notes = _headline_rows(item["headline"], item["paper"])
         console.print(table(f"{item['experiment']}: simulated vs paper",

@@ -71,17 +71,23 @@ def _checked(options: dict) -> dict:
             "max_turns": None, **options}
 
 
-def load(options: dict) -> Any:
-    """The verifiers ``Env`` of ``options`` (its harness in the subprocess runtime)."""
+def load(options: dict) -> tuple[Any, list[Any]]:
+    """The verifiers ``Env`` of ``options`` (its harness in the subprocess runtime) and its
+    taskset's rows."""
     import verifiers.v1 as vf
 
     agent = {"harness": {"id": options["harness"]}, "runtime": {"type": "subprocess"},
              "max_turns": options["max_turns"]}
     config = {"taskset": {"id": _taskset_id(options["taskset"])}, "agent": agent}
-    return vf.load_environment(vf.resolve_env_config(config))
+    env = vf.load_environment(vf.resolve_env_config(config))
+    rows = list(env.taskset)
+    if not rows:
+        raise EpisodeFailed(f"taskset {options['taskset']} has no tasks")
+    return env, rows
 
 
-async def episode(env: Any, task: Any, options: dict, *, shared: bool) -> float:
+async def episode(env: Any, rows: list[Any], task: Any, options: dict, *,
+                  shared: bool) -> float:
     """One episode of ``env`` for the TideRL ``task``, through its endpoint: the reward.
     ``shared``: one client for every task of this process (each episode's trace id names its
     task, :func:`tiderl.env.agents.name_session`); else the task's key in ``OPENAI_API_KEY``."""
@@ -91,9 +97,6 @@ async def episode(env: Any, task: Any, options: dict, *, shared: bool) -> float:
     if not task.model:
         raise EpisodeFailed("the job's model is a seeded size, not a folder: the renderer "
                             "needs the folder's tokenizer and chat template")
-    rows = list(env.taskset)
-    if not rows:
-        raise EpisodeFailed(f"taskset {options['taskset']} has no tasks")
     text = (task.prompt or "").strip()
     row = rows[(int(text) if text.isdigit() else task.seed) % len(rows)]
     # the endpoint at its root (the client adds /inference/v1/generate): the same for every
@@ -120,7 +123,7 @@ async def episode(env: Any, task: Any, options: dict, *, shared: bool) -> float:
     return sum(trace.reward for trace in played.traces)
 
 
-_served: dict[str, asyncio.Future] = {}  # options (JSON) -> the Env, serving
+_served: dict[str, asyncio.Future] = {}  # options (JSON) -> (the Env, serving; its rows)
 _holders: set[asyncio.Task] = set()  # the tasks holding them (the loop keeps weak references)
 
 
@@ -128,9 +131,9 @@ async def _serve(options: dict, ready: asyncio.Future) -> None:
     """Hold ``env.serving()`` open in a task of its own (entered and left by the same task)
     until the service's event loop ends."""
     try:
-        env = load(options)
+        env, rows = load(options)
         async with env.serving():
-            ready.set_result(env)
+            ready.set_result((env, rows))
             await asyncio.Event().wait()
     except Exception as exc:
         if not ready.done():
@@ -148,18 +151,18 @@ async def run(task: Any, client: Any) -> float:
         _holders.add(holder)
         holder.add_done_callback(_holders.discard)
     try:
-        env = await asyncio.shield(_served[key])
+        env, rows = await asyncio.shield(_served[key])
     except Exception:
         _served.pop(key, None)  # the next task tries again
         raise
-    return await episode(env, task, options, shared=True)
+    return await episode(env, rows, task, options, shared=True)
 
 
 async def _play_once(task: Any) -> float:
     options = _checked(task.options)
-    env = load(options)
+    env, rows = load(options)
     async with env.serving():
-        return await episode(env, task, options, shared=False)
+        return await episode(env, rows, task, options, shared=False)
 
 
 def main() -> None:
@@ -175,6 +178,7 @@ def main() -> None:
     except EpisodeFailed as exc:
         raise SystemExit(f"verifiers_v1: {exc}") from None
     print(json.dumps({"reward": reward}))
+
 
 if __name__ == "__main__":
     main()

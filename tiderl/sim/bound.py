@@ -61,13 +61,17 @@ class GoodputBound:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
+def _turn_context_sum(n: int, context: int) -> float:
+    """The sum of the contexts ``n`` tokens decoded from ``context`` are each decoded at."""
+    return n * context + n * (n - 1) / 2
+
+
 def _decoded_context(plan: TaskPlan) -> tuple[int, float]:
     """(output tokens, the sum over them of the context each is decoded at)."""
     tokens, context_sum = 0, 0.0
     for context, turn in zip(plan.turn_contexts, plan.turns, strict=True):
-        n = turn.action_tokens
-        tokens += n
-        context_sum += n * context + n * (n - 1) / 2
+        tokens += turn.action_tokens
+        context_sum += _turn_context_sum(turn.action_tokens, context)
     return tokens, context_sum
 
 
@@ -120,13 +124,13 @@ def train_gpu_s(cost: CostModel, plan: TaskPlan) -> float:
 
 def shortest_wall_s(cost: CostModel, plan: TaskPlan) -> float:
     """The least wall time of ``plan``: its environment, each prefill alone, decode at batch 1."""
+    prompt, *chunks = _prefills(plan)
     wall = plan.reset_latency_s + sum(turn.env_latency_s for turn in plan.turns)
-    wall += cost.prefill_s([_prefills(plan)[0]])
-    for (new, cached), context, turn in zip(_prefills(plan)[1:], plan.turn_contexts, plan.turns,
-                                            strict=True):
-        wall += cost.prefill_s([(new, cached)])
+    wall += cost.prefill_s([prompt])
+    for chunk, context, turn in zip(chunks, plan.turn_contexts, plan.turns, strict=True):
         n = turn.action_tokens
-        wall += n * cost.decode_fixed_s(1) + (n * context + n * (n - 1) / 2) * \
+        wall += cost.prefill_s([chunk])
+        wall += n * cost.decode_fixed_s(1) + _turn_context_sum(n, context) * \
             cost.kv_read_s_per_token()
     return wall
 

@@ -41,6 +41,7 @@ from tiderl.core.step_control import (
     Substrate,
     effective_config,
     effective_view,
+    group_of_task,
     initial_roles,
 )
 from tiderl.core.system import SystemSpec
@@ -69,7 +70,7 @@ def scenario_step_config(system: SystemSpec, scenario: SimScenario,
     """The step cycle of ``system`` on the scenario: the trainer keeps enough GPUs to hold its
     sharded state (``CostModel.min_train_gpus``), request-level engines their concurrency."""
     sampler = stream_sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
-                       scenario.env_step)
+                             scenario.env_step)
     substrate = Substrate(kv_tokens=cost.kv_capacity_tokens(),
                           max_new_tokens=sampler.max_new_tokens(),
                           min_trainer_ranks=min_trainer(scenario, cost),
@@ -99,8 +100,8 @@ class Cluster:
         self.system, self.scenario = system, scenario
         self.loop = EventLoop()
         self.cost = CachedCostModel(MODELS[scenario.sim.model], GPUS[scenario.sim.gpu])
-        self.sampler = stream_sampler(scenario.sim.workload, scenario.sim.seed, scenario.job.steps,
-                                scenario.env_step)
+        self.sampler = stream_sampler(scenario.sim.workload, scenario.sim.seed,
+                                      scenario.job.steps, scenario.env_step)
         n = scenario.sim.gpus
         num_rollout = min(scenario.num_rollout_gpus(), max(1, n - min_trainer(scenario,
                                                                              self.cost)))
@@ -121,7 +122,6 @@ class Cluster:
         self._rewards: dict[str, float] = {}  # task id -> reward, of the ready groups
         self._step_rewards: dict[str, float] = {}  # the step's tasks (a task may have segments)
         # where the device-seconds go: the groups trained and dropped, the trainer's work
-        self._group_of_task: dict[str, str] = {}
         self._trained_groups: set[str] = set()
         self._dropped_groups: set[str] = set()
         self._device_s: dict[str, float] = {}
@@ -150,8 +150,8 @@ class Cluster:
         else:
             sim, job = self.scenario.sim, self.scenario.job
             plans = training_group(sim.workload, sim.seed, job.steps, spec.index,
-                                    job.group_size, spec.index // job.batch_groups,
-                                    self.scenario.env_step)
+                                   job.group_size, spec.index // job.batch_groups,
+                                   self.scenario.env_step)
         self._plans[spec.group_id] = plans
         return group_of(plans)
 
@@ -173,7 +173,7 @@ class Cluster:
                 for seq in command.mb.sequences:
                     task = task_of(seq.seq_id)
                     self._step_rewards[task] = self._rewards[task]
-                    self._trained_groups.add(self._group_of_task[task])
+                    self._trained_groups.add(group_of_task(task))
                 self.executor.add(command.mb)
             elif isinstance(command, GroupDropped):
                 self._dropped_groups.add(command.group_id)
@@ -191,7 +191,6 @@ class Cluster:
     def _on_group_ready(self, group: SimGroup) -> None:
         if not group.is_eval:
             self._rewards.update(group.rewards)
-            self._group_of_task.update((t, group.group_id) for t in group.rewards)
         ready = None if group.is_eval else group
         self._apply(self.controller.group_ready(group.group_id, ready, self.loop.now))
 
@@ -312,20 +311,20 @@ class Cluster:
             num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies)
 
 
-ROLLOUT_KEYS = ("rollout_trained", "rollout_discarded", "rollout_eval", "rollout_unfinished")
-DEVICE_KEYS = (*ROLLOUT_KEYS, "rollout_recompute", "weight_sync", "ref", "actor", "swap",
+DEVICE_KEYS = ("rollout_trained", "rollout_discarded", "rollout_eval", "rollout_unfinished",
+               "rollout_recompute", "weight_sync", "ref", "actor", "swap",
                "colocate_switch", "role_switch", "idle")
 
 
 @lru_cache(maxsize=8)
 def stream_sampler(workload: str, seed: int, total_steps: int,
-             env_step: tuple[float, float] = (0.0, 0.0)) -> WorkloadSampler:
+                   env_step: tuple[float, float] = (0.0, 0.0)) -> WorkloadSampler:
     return WorkloadSampler(workload, seed, total_steps, env_step)
 
 
 @lru_cache(maxsize=1 << 16)
 def training_group(workload: str, seed: int, total_steps: int, index: int, size: int,
-                    batch: int, env_step: tuple[float, float]) -> tuple[TaskPlan, ...]:
+                   batch: int, env_step: tuple[float, float]) -> tuple[TaskPlan, ...]:
     """Training group ``index`` of a task stream. A memo of a pure function (plans are frozen
     and a function of their arguments), so that the systems compared on one scenario draw the
     stream once: sampling is ~10% of a run."""

@@ -93,11 +93,8 @@ class RolloutEngine:
         self.recomputed_tokens = 0
         self.busy_s = 0.0  # time with running requests, stalls included
         # where the rank's time went (docs/simulator.md, "Where the device-seconds go")
-        self.started_at = loop.now
-        self.closed_at: float | None = None
         self.decode_s = 0.0
         self.prefill_s = 0.0
-        self.recompute_s = 0.0  # of prefill_s: context computed before
         self.sync_s = 0.0  # stalled by weight syncs
         self._u = 0.0  # decode seconds per running request since the rank started
 
@@ -122,7 +119,6 @@ class RolloutEngine:
         """The rank leaves rollout: every queued and running request is returned, unfinished."""
         self._advance()
         self.is_closed = True
-        self.closed_at = self.loop.now
         self._epoch += 1
         requests = [*self.running.values(), *self.queue]
         for request in self.running.values():
@@ -217,13 +213,12 @@ class RolloutEngine:
             seconds = self.cost.prefill_s([chunk for _, chunk, _ in admitted])
             self.stall_until = max(self.loop.now, self.stall_until) + seconds
             self.prefill_s += seconds
-            computed = sum(new for _, (new, _), _ in admitted)
+            computed = sum(new for _, (new, _), _ in admitted)  # 0: a pass of no time
             for request, (new, _), recomputed in admitted:
-                share = seconds * new / computed if computed else seconds / len(admitted)
-                request.gpu_s += share
-                request.recompute_s += share * recomputed / new if new else 0.0
-            self.recompute_s += sum(seconds * r / computed for _, _, r in admitted) \
-                if computed else 0.0
+                if new:
+                    share = seconds * new / computed
+                    request.gpu_s += share
+                    request.recompute_s += share * recomputed / new
 
     def _preempt_waiting(self) -> bool:
         """Drop the blocks of the newest queued request behind the head that holds any; False

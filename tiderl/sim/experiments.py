@@ -69,13 +69,15 @@ class ExperimentResult:
     # run -> every GPU-second by what it did (SimResult.device_s)
     device_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def device_shares(self) -> list[dict[str, Any]]:
-        """Each run's GPU-seconds as percentages of all of them (gpus x wall)."""
-        rows = []
-        for run, seconds in self.device_s.items():
-            total = sum(seconds.values()) or 1.0
-            rows.append({"run": run, **{k: round(100 * v / total, 1) for k, v in seconds.items()}})
-        return rows
+
+def device_shares(device_s: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Each run's GPU-seconds (``ExperimentResult.device_s``) as percentages of all of them
+    (gpus x wall), a row per run."""
+    rows = []
+    for run, seconds in device_s.items():
+        total = sum(seconds.values()) or 1.0
+        rows.append({"run": run, **{k: round(100 * v / total, 1) for k, v in seconds.items()}})
+    return rows
 
 
 def bounded(headline: dict[str, Any], scenario: SimScenario,

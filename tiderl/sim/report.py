@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiderl.sim.experiments import ExperimentResult
+from tiderl.sim.experiments import ExperimentResult, device_shares
 
 
 def write_plots(result: ExperimentResult, out_dir: Path) -> list[Path]:
@@ -46,7 +46,7 @@ def _device_bars(result: ExperimentResult, out_dir: Path) -> Path:
     """One stacked bar per run: its GPU-seconds by what they did, in % of gpus x wall."""
     import matplotlib.pyplot as plt
 
-    shares = result.device_shares()
+    shares = device_shares(result.device_s)
     keys = [k for k in shares[0] if k != "run"]
     fig, ax = plt.subplots(figsize=(8, 4))
     bottoms = [0.0] * len(shares)

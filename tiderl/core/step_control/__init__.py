@@ -53,6 +53,7 @@ from tiderl.core.step_control.config import (
     effective_config,
     effective_ctb,
     effective_view,
+    group_of_task,
     initial_roles,
     task_id,
 )
@@ -63,5 +64,5 @@ from tiderl.core.step_control.state import Hold, Phase
 
 __all__ = ["Hold", "LayoutLimits", "Phase", "ResumePoint", "RolloutControl", "RolloutWait",
            "StepControlConfig", "StepControlError", "StepController", "Substrate",
-           "effective_config", "effective_ctb", "effective_view", "initial_roles", "restore",
-           "resume_point", "task_id"]
+           "effective_config", "effective_ctb", "effective_view", "group_of_task",
+           "initial_roles", "restore", "resume_point", "task_id"]

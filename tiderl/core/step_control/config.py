@@ -24,6 +24,11 @@ def task_id(group_id: str, index: int) -> str:
     return f"{group_id}.{index}"
 
 
+def group_of_task(task: str) -> str:
+    """The group of a task (:func:`task_id` read back)."""
+    return task.rpartition(".")[0]
+
+
 def initial_roles(system: SystemSpec, num_ranks: int, num_rollout: int,
                   placement: str) -> list[Role]:
     """The launch layout: rollout ranks first, then the trainer (a Ref rank first when RA2P runs

@@ -281,6 +281,25 @@ def test_first_turn_probing():
     assert book.group_of(book.task("g0")).probed_footprint == 700
 
 
+def test_a_group_skips_its_probe_when_the_headroom_holds_it_grown_to_the_measured_footprint():
+    # F = 1000 measured (a task finished there); two ranks of 2,600 hold 2 + 2 tasks grown to F
+    book = make_book([2_600, 2_600])
+    add(book, "done")
+    run(book, "done0", 0, 1000)
+    book.finish_task("done0")
+    add(book, "g", size=4)
+    add(book, "h", size=4)
+
+    # g's probe and its siblings together, at the default footprint, by expected headroom;
+    # then h does not fit grown to F (no rank keeps 1,000 over 2 x F): it probes, and its probe
+    # alone fits neither rank's projected peak
+    assert schedule(book) == [Admit("g0", 0), Admit("g1", 1), Admit("g2", 0), Admit("g3", 1)]
+    # before any task finished F is a guess: the probe goes alone (test_first_turn_probing)
+    fresh = make_book([2_600, 2_600])
+    add(fresh, "g", size=4)
+    assert schedule(fresh) == [Admit("g0", 0)]
+
+
 def test_probe_uses_its_hint_and_is_skipped_when_it_does_not_fit():
     book = make_book([1000])
     add(book, "x")

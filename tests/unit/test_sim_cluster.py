@@ -130,9 +130,9 @@ def test_evaluation_phases_roll_out_but_are_not_trained():
 
 
 def test_ers_role_moves_keep_tokens_conserved():
-    """8 GPUs: cold start moves trainer ranks to rollout, later deficits move some back, so
-    rollout ranks close with tasks on them (they resume elsewhere with a fresh prefill)."""
-    scenario = replace(SMALL.with_sim(gpus=8, rollout_ratio=0.25)
+    """8 GPUs: deficits move a trainer rank to rollout and back, so rollout ranks close with
+    tasks on them (they resume elsewhere with a fresh prefill)."""
+    scenario = replace(SMALL.with_sim(gpus=8, rollout_ratio=0.375)
                        .with_job(steps=8, batch_groups=8, batch_min_groups=4),
                        ers=replace(SMALL.ers, confirm_steps=1))
     result = simulate(SYSTEMS["tiderl"], scenario)

@@ -6,6 +6,8 @@ Resumes, then Admits); it never mutates the book, ``book.apply(plan)`` does. One
     pause phase    per rank, while usage > budget and > 1 active task: pause argmin P(t)
     resume phase   paused tasks by descending P(t): group-affinity rank, else expected headroom
     admit phase    NEW tasks, FIFO by group: env sessions, staleness, probing, fit, diversity
+                   (a group skips its probe while the ranks' expected headroom holds all of
+                   it grown to F, the footprint finished tasks reached: ``_Draft.holds``)
 
 A task fits a rank when its footprint is within the headroom and, with ``project_growth``, the
 rank's projected peak with it stays within the budget (:func:`projected_peak`: its tasks grow
@@ -206,6 +208,17 @@ class _Draft:
         """No rank took a task of ``footprint``: none takes one for the rest of the round."""
         self.no_fit.add((None, footprint))
 
+    def holds(self, num_tasks: int) -> bool:
+        """Whether the ranks' expected headroom holds ``num_tasks`` more tasks grown to the
+        footprint finished tasks reached (F, measured: some task finished): then probing a
+        group's first turn cannot protect a budget, it only delays the siblings."""
+        grown = self.book.expected_footprint
+        if not self.book.num_finished or grown <= 0:
+            return False
+        room = sum(max(0.0, self.budget[r] - max(self.usage[r], n * grown)) // grown
+                   for r, n in self.num_active.items())
+        return room >= num_tasks
+
     def largest_fit(self) -> float:
         """The largest footprint within the headroom of some rank."""
         return float("inf") if self.num_empty else self.max_headroom
@@ -366,7 +379,10 @@ class CTBPolicy(SchedulingPolicy):
 
     def _admit_group(self, book: TaskBook, group: GroupRecord, draft: _Draft) -> list[Decision]:
         plan: list[Decision] = []
-        for task in book.admissible(group):
+        tasks = book.admissible(group)
+        if not group.is_probed and draft.holds(len(group.pending)):
+            tasks = [book.tasks[task_id] for task_id in group.pending]  # no probe needed
+        for task in tasks:
             if self._is_env_full(draft) or not draft.fits_somewhere(task.footprint):
                 break
             cost = 0 if group.group_id in draft.reserved else book.throttle_cost(task)

@@ -20,6 +20,7 @@ from tiderl.sim.bound import (
 from tiderl.sim.cluster import simulate
 from tiderl.sim.config import SimConfig
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
+from tiderl.sim.runner import against_splits
 from tiderl.sim.scenario import SYSTEMS, SimScenario
 from tiderl.sim.trainer import actor_times, ref_time
 from tiderl.sim.workload import TaskPlan, TurnPlan
@@ -110,3 +111,11 @@ def test_no_simulated_system_beats_the_bound(env_s):
     for spec in SYSTEMS.values():
         result = simulate(spec, scenario)
         assert 0 < result.goodput_tok_s <= bound.tok_s, (spec.label, bound.as_dict())
+
+
+def test_tiderl_against_fixed_splits():
+    fixed = {0.25: 60.0, 0.375: 80.0, 0.5: 70.0, 0.625: 40.0}
+    assert against_splits(90.0, fixed) == {"best_fixed_split": 0.375, "tiderl_over_best_fixed":
+                                           1.125, "tiderl_over_median_fixed": 1.385,
+                                           "tiderl_rank": 1}
+    assert against_splits(65.0, fixed)["tiderl_rank"] == 3  # behind 0.375 and 0.5

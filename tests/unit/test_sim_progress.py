@@ -50,6 +50,20 @@ def test_experiments_and_comparisons_name_their_runs():
     assert calls == [("async", 1, 2), ("tiderl", 2, 2)]
 
 
+def test_a_comparison_runs_async_at_each_fixed_split_and_reuses_its_own():
+    calls, progress = heard()
+    scenario = SMALL.with_sim(fixed_splits=[0.75, 0.25, 0.5])  # 0.5 is the profile's split
+    result = compare_policies(scenario, ["async", "tiderl"], progress)
+    assert calls == [("async", 1, 4), ("tiderl", 2, 4), ("async 0.25", 3, 4),
+                     ("async 0.75", 4, 4)]
+    goodput = result.headline["goodput_tok_s"]
+    assert goodput["async 0.5"] == goodput["async"]
+    fixed = [goodput[f"async {r}"] for r in (0.25, 0.5, 0.75)]
+    assert result.headline["tiderl_rank"] == 1 + sum(v > goodput["tiderl"] for v in fixed)
+    assert result.headline["best_fixed_split"] == (0.25, 0.5, 0.75)[fixed.index(max(fixed))]
+    assert "tiderl_over_async 0.25" not in result.headline  # the splits have their own ratios
+
+
 def test_a_sweep_names_each_point_and_system():
     calls, progress = heard()
     grid = SweepGrid(steps=2, env_median_s=(1.0,), env_sigma=(1.0,), max_staleness=(2,),

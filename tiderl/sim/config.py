@@ -34,6 +34,9 @@ class SimConfig:
     env_step_median_s: float = 0.0  # > 0: every environment's step latency median (the sweep)
     env_step_sigma: float = 0.0  # > 0: every environment's step latency lognormal sigma
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
+    # the fixed rollout/train splits a comparison also runs async at (a user's split): TideRL's
+    # goodput over the best and the median of them, and its rank among them
+    fixed_splits: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require_choice(self.experiment, EXPERIMENTS, "experiment")
@@ -46,6 +49,10 @@ class SimConfig:
                 f"expected a number >= 1, got {short(self.async_over_provision)}")
         require(0.0 < self.rollout_ratio < 1.0, "rollout_ratio",
                 f"expected a number in (0, 1), got {short(self.rollout_ratio)}")
+        for i, ratio in enumerate(self.fixed_splits):
+            require(isinstance(ratio, (int, float)) and 0.0 < ratio < 1.0, f"fixed_splits[{i}]",
+                    f"expected a number in (0, 1), got {short(ratio)}")
+        object.__setattr__(self, "fixed_splits", sorted({float(r) for r in self.fixed_splits}))
         for i, name in enumerate(self.policies):
             require_choice(name, SYSTEM_CHOICES, f"policies[{i}]")
         # the paper's framework names are accepted and mean the system they stand for

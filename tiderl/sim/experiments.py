@@ -113,12 +113,13 @@ def _row(label: str, result: SimResult) -> dict[str, Any]:
 # --------------------------------------------------------------------------- fig4 / fig15
 
 
-def _fixed_split(scenario: SimScenario, ratio: float) -> SimResult:
+def fixed_split(scenario: SimScenario, ratio: float) -> SimResult:
+    """Async at a fixed rollout/train split: ``ratio`` of the GPUs roll out."""
     return simulate(SYSTEMS["async"], scenario.with_sim(rollout_ratio=ratio))
 
 
 def _fixed_splits(scenario: SimScenario, label: str) -> dict[str, Callable[[], SimResult]]:
-    return {f"{label} {r}": partial(_fixed_split, scenario, r) for r in RATIOS}
+    return {f"{label} {r}": partial(fixed_split, scenario, r) for r in RATIOS}
 
 
 def fig4(scenario: SimScenario, progress: Progress | None = None) -> ExperimentResult:

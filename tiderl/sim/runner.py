@@ -4,11 +4,18 @@ scenario in :func:`tiderl.profile.scenario.scenario_of`)."""
 from __future__ import annotations
 
 from functools import partial
+from statistics import median
 from typing import Any
 
 from tiderl.core.system import SystemSpec
 from tiderl.sim.cluster import simulate
-from tiderl.sim.experiments import FIG8_RATIOS, ExperimentResult, bounded, run_experiment
+from tiderl.sim.experiments import (
+    FIG8_RATIOS,
+    ExperimentResult,
+    bounded,
+    fixed_split,
+    run_experiment,
+)
 from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
@@ -19,17 +26,29 @@ COMPARE_PAPER = {**FIG8_RATIOS, "note": "Fig. 8, Qwen2.5-7B on 32 H100s, WebShop
 
 def compare_policies(scenario: SimScenario, policies: list[str],
                      progress: Progress | None = None) -> ExperimentResult:
-    """Each policy on the same scenario and task stream; goodput ratios against tiderl, and
-    each system's fraction of the scenario's goodput bound (:mod:`tiderl.sim.bound`)."""
+    """Each policy on the same scenario and task stream, and async at each of the scenario's
+    ``sim.fixed_splits`` ("async 0.375"; the async run itself where a split is its own);
+    goodput ratios against tiderl, each system's fraction of the scenario's goodput bound
+    (:mod:`tiderl.sim.bound`), and tiderl against the fixed splits (:func:`against_splits`)."""
     specs = [SystemSpec.named(name) for name in policies]
-    results = run_all({spec.label: partial(simulate, spec, scenario) for spec in specs}, progress)
+    runs = {spec.label: partial(simulate, spec, scenario) for spec in specs}
+    splits = {f"async {r}": r for r in scenario.sim.fixed_splits}
+    own = scenario.sim.rollout_ratio
+    runs |= {label: partial(fixed_split, scenario, r) for label, r in splits.items()
+             if not ("async" in runs and r == own)}
+    results = run_all(runs, progress)
+    if "async" in results and f"async {own}" in splits:
+        results[f"async {own}"] = results["async"]
     headline: dict[str, Any] = {
         "goodput_tok_s": {k: round(v.goodput_tok_s, 1) for k, v in results.items()}}
     if "tiderl" in results:
         base = results["tiderl"].goodput_tok_s
         for name, res in results.items():
-            if name != "tiderl" and res.goodput_tok_s:
+            if name != "tiderl" and res.goodput_tok_s and name not in splits:
                 headline[f"tiderl_over_{name}"] = round(base / res.goodput_tok_s, 3)
+        if splits:
+            fixed = {r: results[label].goodput_tok_s for label, r in splits.items()}
+            headline |= against_splits(base, fixed)
     device_s = bounded(headline, scenario, results)
     rows = [{"run": name, "goodput_tok_s": round(r.goodput_tok_s, 1),
              "of_bound": headline["of_bound"][name], "wall_s": round(r.wall_s, 1),
@@ -40,6 +59,17 @@ def compare_policies(scenario: SimScenario, policies: list[str],
                                  for name, r in results.items()}}
     paper = COMPARE_PAPER if "tiderl" in results else {}
     return ExperimentResult("compare", headline, paper, rows, series, device_s)
+
+
+def against_splits(tiderl_tok_s: float, fixed: dict[float, float]) -> dict[str, Any]:
+    """TideRL's goodput against fixed splits' (split -> goodput): the best split, TideRL over
+    the best and over the median (a user who did not sweep), and its rank among them (1:
+    ahead of every split)."""
+    best = max(fixed, key=fixed.__getitem__)
+    return {"best_fixed_split": best,
+            "tiderl_over_best_fixed": round(tiderl_tok_s / fixed[best], 3),
+            "tiderl_over_median_fixed": round(tiderl_tok_s / median(fixed.values()), 3),
+            "tiderl_rank": 1 + sum(1 for v in fixed.values() if v > tiderl_tok_s)}
 
 
 def run_scenario(scenario: SimScenario, experiment: str | None = None,

@@ -66,7 +66,7 @@ def test_a_rollout_rank_killed_with_another_left_the_job_goes_on(tmp_path):
         metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == list(range(STEPS))
         assert metrics[-1]["roles"][0] == "idle" and metrics[-1]["num_rollout"] == 1
-        assert all(m["staleness_max"] <= 1 for m in metrics)
+        assert all(m["staleness_max"] <= 2 for m in metrics)  # max_staleness 1, carry 1
         assert_nothing_left(run_dir)
 
 

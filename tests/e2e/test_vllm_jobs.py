@@ -94,7 +94,8 @@ def test_a_job_on_vllm_servers_trains_through_moves_and_a_killed_server(model, t
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
-    assert all(r["trained_samples"] > 0 and r["staleness_max"] <= 1 for r in records)
+    assert all(r["trained_samples"] > 0 and r["staleness_max"] <= 2 for r in records)
+    # (max_staleness 1, and a straggler carried one version: job.carry_versions)
     assert any(r["kv_hit_rate"] for r in records)  # later turns hit vLLM's prefix cache
     moves = [(e["rank"], e["src"], e["dst"], e["reason"]) for e in events(run_dir, "role_change")]
     (woke,) = [m for m in moves if m[3] == "manual" and m[2] == "rollout"]

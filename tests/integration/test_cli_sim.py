@@ -29,15 +29,18 @@ def test_fig14_experiment_json_and_plot(tmp_path):
 def test_policy_comparison_on_a_small_profile(tmp_path):
     proc = tiderl("sim", "sim/cluster32", "--set", "job.steps=3", "--set", "sim.gpus=8",
                   "--set", "job.eval_every=0", "--set", "sim.workload=webshop",
+                  "--set", "sim.fixed_splits=[0.25, 0.5]",
                   "--policies", "areal,tiderl", "--json", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    # areal is the paper's name for the system async: it is compared under that name
-    assert [row["run"] for row in data["rows"]] == ["async", "tiderl"]
+    # areal is the paper's name for the system async: it is compared under that name; async at
+    # the profile's own split (0.25) is the async run itself
+    assert [row["run"] for row in data["rows"]] == ["async", "tiderl", "async 0.25", "async 0.5"]
     assert all(row["trained_tokens"] > 0 for row in data["rows"])
     assert "tiderl_over_async" in data["headline"]
+    assert data["headline"]["tiderl_rank"] in (1, 2, 3)
     assert data["paper"]["tiderl_over_async"] == 1.8  # Fig. 8's, beside it
-    assert "simulating policy comparison [2/2] tiderl, " in proc.stderr
+    assert "simulating policy comparison [3/3] async 0.5, " in proc.stderr
 
 
 def test_policies_compare_systems_on_a_profile_that_names_an_experiment(tmp_path):

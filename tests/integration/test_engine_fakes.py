@@ -155,7 +155,8 @@ def test_a_job_rolls_out_on_attached_servers_of_each_backend(tmp_path, models, b
     metrics = [json.loads(line) for line in
                (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
-    assert all(m["trained_samples"] >= 4 and m["staleness_max"] <= 1 for m in metrics)
+    assert all(m["trained_samples"] >= 4 and m["staleness_max"] <= 2 for m in metrics)
+    # (max_staleness 1, and a straggler carried one version: job.carry_versions)
     sleep, wake = (("/sleep", "/wake_up") if backend == "vllm" else
                    ("/release_memory_occupation", "/resume_memory_occupation"))
     moves = [path for path in fakes[2].paths() if path in (sleep, wake)]

@@ -94,7 +94,7 @@ def test_a_two_node_job_over_ssh_trains_like_a_local_one(nodes, tmp_path):
     # it trained as the local job does (tests/e2e/test_runtime_job.py): the results came back
     metrics = _read(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert all(m["staleness_max"] <= 2 for m in metrics)  # max_staleness 1, carry 1
     assert all(4 <= m["trained_samples"] <= 8 and m["trained_samples"] % 4 == 0
                for m in metrics)
     assert all(m["loss"] is not None and m["goodput_tok_s"] > 0 for m in metrics)

@@ -56,6 +56,8 @@ def test_a_comparison_runs_async_at_each_fixed_split_and_reuses_its_own():
     result = compare_policies(scenario, ["async", "tiderl"], progress)
     assert calls == [("async", 1, 4), ("tiderl", 2, 4), ("async 0.25", 3, 4),
                      ("async 0.75", 4, 4)]
+    assert [row["run"] for row in result.rows] == ["async", "tiderl", "async 0.25", "async 0.5",
+                                                   "async 0.75"]
     goodput = result.headline["goodput_tok_s"]
     assert goodput["async 0.5"] == goodput["async"]
     fixed = [goodput[f"async {r}"] for r in (0.25, 0.5, 0.75)]

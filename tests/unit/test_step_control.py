@@ -76,13 +76,15 @@ def source(spec: GroupSpec) -> Group:
 
 
 def make(system: System = System.TIDERL, roles=(R, A), *, steps: int = 5, staleness: int = 1,
-         batch: int = 4, ers: ERSConfig | None = None, limits: LayoutLimits | None = None,
-         ra2p: RA2PConfig | None = None, eval_every: int = 0, eval_groups: int = 0,
-         checkpoint_every: int = 0, tensor_parallel: int = 1) -> StepController:
+         carry: int = 0, batch: int = 4, ers: ERSConfig | None = None,
+         limits: LayoutLimits | None = None, ra2p: RA2PConfig | None = None,
+         eval_every: int = 0, eval_groups: int = 0, checkpoint_every: int = 0,
+         tensor_parallel: int = 1) -> StepController:
     """A controller of ``system`` through the config its substrate would build
     (``effective_config``): groups of G, B_min one group, B_ideal ``batch`` samples."""
     job = JobShape(steps=steps, group_size=G, batch_groups=batch // G, batch_min_groups=1,
-                   max_staleness=staleness, eval_every=eval_every, eval_groups=eval_groups)
+                   max_staleness=staleness, carry_versions=carry, eval_every=eval_every,
+                   eval_groups=eval_groups)
     substrate = Substrate(kv_tokens=BUDGET, max_new_tokens=8, limits=limits or LayoutLimits(),
                           checkpoint_every=checkpoint_every, tensor_parallel=tensor_parallel)
     config = effective_config(SystemSpec(system), job, CTBConfig(budget_fraction=1.0),
@@ -173,6 +175,29 @@ def test_an_async_step_retires_a_stale_group_with_its_batch():
     c.boundary_acked(1, 2, 9.5)
     out = c.boundary_acked(0, 2, 9.5)
     assert out[0] == Retire(4, 14)  # the 4 trained samples (the discarded ones left before)
+
+
+def test_a_straggler_is_carried_past_the_bound_by_carry_versions_then_dropped():
+    c = make(System.ASYNC, (R, A), staleness=0, carry=1)
+    c.launch(0.0)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 2.0)
+    c.step_done(outcome(0, 1), 4.0)
+    c.boundary_acked(1, 1, 4.5)
+    c.boundary_acked(0, 1, 5.0)
+    # g2 ran on version 0: one version past the bound of batch 1, within the one it carries
+    assert c.group_ready("g2", Ready("g2", 0), 6.0) == []
+    out = c.group_ready("g3", Ready("g3", 1), 7.0)
+    assert kinds(out) == ["StartStep", "Dispatch", "CloseStep"]
+    assert {s.seq_id for s in only(out, Dispatch)[0].mb.sequences} == {
+        task_id(g, i) for g in ("g2", "g3") for i in range(G)}
+    out = c.step_done(outcome(1, 1), 9.0)
+    assert record_of(out).staleness_max == 1 and record_of(out).discarded_tokens_total == 0
+    c.boundary_acked(1, 2, 9.5)
+    c.boundary_acked(0, 2, 9.5)
+    # a group of version 0 for batch 2 is two versions past the bound: dropped
+    assert c.group_ready("g4", Ready("g4", 0), 10.0)[0] == GroupDropped("g4", "stale", 0, 2)
+    assert make(System.SYNC, (R, A), staleness=0, carry=1).config.drop_staleness == 0
 
 
 # --------------------------------------------------------------------------- ERS phases

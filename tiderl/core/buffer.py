@@ -58,7 +58,9 @@ G = TypeVar("G", bound=ReadyGroup)
 class BufferShape:
     """How the buffer cuts batches: whole groups of ``group_size`` samples, ``batch_ideal``
     samples a batch unless the step controller sets one smaller, at most ``max_staleness``
-    versions behind, micro-batches filled to ``tokens_per_rank`` per DP rank."""
+    versions behind (the job's bound and the versions it carries stragglers:
+    ``StepControlConfig.drop_staleness``), micro-batches filled to ``tokens_per_rank`` per DP
+    rank."""
 
     group_size: int
     batch_ideal: int

@@ -29,6 +29,10 @@ class JobShape:
     batch_groups: int = 4  # B_ideal, in groups
     batch_min_groups: int = 2  # B_min, in groups (ERS's elastic batch)
     max_staleness: int = 1  # versions a sample may lag the update that trains it
+    # a group that completes late (a straggler) still trains up to this many versions past
+    # max_staleness, its tokens weighed by the behaviour logprobs of the versions that sampled
+    # them; the staleness window still admits by max_staleness (0: a straggler is dropped)
+    carry_versions: int = 1
     eval_every: int = 0  # steps between evaluations (step 0 included); 0: none
     eval_groups: int = 4  # groups of one evaluation
     eval_group_size: int = 0  # tasks per evaluation group; 0: group_size
@@ -38,7 +42,8 @@ class JobShape:
             require_positive(getattr(self, name), name)
         require(self.batch_min_groups <= self.batch_groups, "batch_min_groups",
                 f"expected <= batch_groups ({self.batch_groups}), got {self.batch_min_groups}")
-        for name in ("max_staleness", "eval_every", "eval_groups", "eval_group_size"):
+        for name in ("max_staleness", "carry_versions", "eval_every", "eval_groups",
+                     "eval_group_size"):
             require_non_negative(getattr(self, name), name)
 
     @property

@@ -36,9 +36,9 @@ def compare_policies(scenario: SimScenario, policies: list[str],
     own = scenario.sim.rollout_ratio
     runs |= {label: partial(fixed_split, scenario, r) for label, r in splits.items()
              if not ("async" in runs and r == own)}
-    results = run_all(runs, progress)
-    if "async" in results and f"async {own}" in splits:
-        results[f"async {own}"] = results["async"]
+    done = run_all(runs, progress)
+    results = {label: done[label] for label in runs if label not in splits}
+    results |= {label: done.get(label) or done["async"] for label in splits}  # split order
     headline: dict[str, Any] = {
         "goodput_tok_s": {k: round(v.goodput_tok_s, 1) for k, v in results.items()}}
     if "tiderl" in results:

@@ -130,7 +130,16 @@ class StepControlConfig:
 
     @property
     def max_staleness(self) -> int:
+        """The staleness the window admits by (0 for a synchronous system)."""
         return self.system.max_staleness(self.job.max_staleness)
+
+    @property
+    def drop_staleness(self) -> int:
+        """The staleness past which a ready group is dropped: ``max_staleness`` and, but for a
+        synchronous system (it has no stragglers: every step waits for its batch), the
+        versions a straggler is carried (``job.carry_versions``)."""
+        carry = 0 if self.system.is_sync else self.job.carry_versions
+        return self.max_staleness + carry
 
     @property
     def has_ers(self) -> bool:
@@ -221,4 +230,5 @@ def effective_view(config: StepControlConfig, ctb: CTBConfig, ra2p: RA2PConfig,
     return {"system": config.system.label, "changes": changes,
             "rank_budget_tokens": config.rank_budget, "max_new_tokens": config.max_new_tokens,
             "window_tasks": config.window_tasks, "max_staleness": config.max_staleness,
+            "drop_staleness": config.drop_staleness,
             "has_ers": config.has_ers}

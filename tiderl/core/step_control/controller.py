@@ -66,7 +66,7 @@ class StepController:
                                          tasks_per_step=config.window_tasks, now=now)
         self.tracker = ReadinessTracker(now)
         self.buffer: ReadyBuffer = ReadyBuffer(self.tracker, BufferShape(
-            job.group_size, job.batch_ideal, config.max_staleness, config.ra2p.tokens_per_rank))
+            job.group_size, job.batch_ideal, config.drop_staleness, config.ra2p.tokens_per_rank))
         self.ers = ERSPolicy(config.ers, config.ra2p) if config.has_ers else None
         self.feed = TrainingFeed(job.group_size)
         self.evaluation = Evaluation(job.eval_every, job.eval_groups, job.group_size)

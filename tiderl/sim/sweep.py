@@ -4,7 +4,8 @@
         + staleness bound eta, one value at a time at the central environment point
         + sync's colocate switch, one value at a time at the central environment point
     each point: sync, async (the scenario's split), stream, tiderl on the same task stream
-    out: one row per point (goodput per system, tiderl over each, async over sync)
+    out: one row per point (goodput per system, tiderl over each, async over sync, the point's
+         goodput bound and each system's fraction of it: tiderl.sim.bound)
 
 The environment's step latency is the one constant no source publishes for the text workloads
 (calibration §7); the staleness bound and the framework switch costs differ between the paper's
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from tiderl.sim.bound import scenario_bound
 from tiderl.sim.cluster import SimResult, simulate
 from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SYSTEMS, SimScenario
@@ -62,7 +64,8 @@ def run_sweep(base: SimScenario, grid: SweepGrid,
     runs = {f"{_label(point)}: {name}": partial(simulate, SYSTEMS[name], _at(base, grid, point))
             for point in points for name in SYSTEM_ORDER}
     done = run_all(runs, progress)
-    rows = [_point({name: done[f"{_label(point)}: {name}"] for name in SYSTEM_ORDER}, point)
+    rows = [_point({name: done[f"{_label(point)}: {name}"] for name in SYSTEM_ORDER}, point,
+                   scenario_bound(_at(base, grid, point)).tok_s)
             for point in points]
     return SweepResult(grid, _centre(base), rows)
 
@@ -85,13 +88,16 @@ def _label(point: dict[str, float]) -> str:
             f"eta {point['max_staleness']}, switch {point['colocate_switch_s']:g} s")
 
 
-def _point(results: dict[str, SimResult], point: dict[str, float]) -> dict[str, Any]:
+def _point(results: dict[str, SimResult], point: dict[str, float],
+           bound_tok_s: float) -> dict[str, Any]:
     goodput = {name: result.goodput_tok_s for name, result in results.items()}
     row: dict[str, Any] = dict(point)
     row.update({f"{name}_tok_s": round(value, 1) for name, value in goodput.items()})
     for name in ("sync", "async", "stream"):
         row[f"tiderl_over_{name}"] = _ratio(goodput["tiderl"], goodput[name])
     row["async_over_sync"] = _ratio(goodput["async"], goodput["sync"])
+    row["bound_tok_s"] = round(bound_tok_s, 1)
+    row.update({f"{name}_of_bound": _ratio(value, bound_tok_s) for name, value in goodput.items()})
     return row
 
 

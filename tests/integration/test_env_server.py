@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -61,6 +62,36 @@ def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
     text = run(server, scenario).text
     assert "tiderl_env_steps_total" in text and "tiderl_env_step_latency_seconds_bucket" in text
     assert 'tiderl_env_errors_total{route="/end",status="404"}' in text
+
+
+def test_concurrent_episodes_share_batches_and_each_session_sees_its_own_game(server):
+    """The client's calls of one event-loop turn travel in one /batch; each session's answers
+    are its own (a solver per session checks every observation)."""
+    async def episode(client, seed):
+        started = await client.start("guess", "1 200", seed=seed)
+        solver = GuessEnv()
+        assert solver.reset("1 200", seed) == (started.observation, started.info)
+        for _ in range(20):
+            action = solver.solve()
+            expected = solver.step(action)
+            out = await client.step(started.session, action)
+            assert (out.observation, out.reward, out.done) == (
+                expected.observation, expected.reward, expected.done)
+            if out.done:
+                break
+        await client.end(started.session)
+        return out.done
+
+    def num_batches() -> float:
+        metrics = httpx.get(server["url"] + "/metrics", timeout=5).text
+        return float(re.search(r"^tiderl_env_batches_total (\S+)$", metrics, re.M).group(1))
+
+    async def scenario(client):
+        return await asyncio.gather(*(episode(client, seed) for seed in range(MAX_SESSIONS)))
+
+    before = num_batches()
+    assert run(server, scenario) == [True] * MAX_SESSIONS
+    assert num_batches() - before <= 12  # a start, ~8 steps and an end each: in turns
 
 
 def test_a_plain_text_environment_answers_one_user_message_equal_to_the_observation(server):
@@ -123,6 +154,11 @@ BAD = [
     ("/end", b'{"session": null}', 422, "Expected `str`, got `null`"),
     ("/pause", b'{"session": ""}', 422, "session: expected 1 to"),
     ("/resume", b'{"session": "zz"}', 404, "unknown"),
+    ("/batch", b"{not json", 400, "malformed JSON"),
+    ("/batch", b'{"calls": [{"call": "/start", "body": {}}], "x": 1}', 422, "unknown field `x`"),
+    ("/batch", b'{"calls": [{"call": "/health", "body": {}}]}', 422, "Invalid enum value"),
+    ("/batch", json.dumps({"calls": [{"call": "/end", "body": {"session": "s1"}}] * 1025}).encode(),
+     422, "length <= 1024"),
 ]
 
 
@@ -154,7 +190,7 @@ def http(server):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(["/start", "/observation", "/end", "/pause", "/resume"]),
+@given(route=st.sampled_from(["/start", "/observation", "/end", "/pause", "/resume", "/batch"]),
        body=BODIES)
 def test_fuzz_never_5xx(http, route, body):
     response = http.post(route, content=body.encode(),

@@ -3,17 +3,24 @@
 import asyncio
 import json
 import re
+import threading
+import time
 
 import httpx
 import pytest
+import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.serving import env_serving, run_env_scenario
+from tests.integration.serving import env_serving, free_port, run_env_scenario, wait_healthy
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.env.client import EnvClientError, HTTPEnvClient, Message, end_sessions_of
+from tiderl.env.config import EnvConfig, LatencyConfig
 from tiderl.env.guess import GuessEnv
 from tiderl.env.protocol import MAX_ACTION_CHARS
+from tiderl.env.server import build_app
+from tiderl.serving.limits import ConnectionLimits
+from tiderl.serving.uvicorn_server import uvicorn_config
 
 MAX_SESSIONS = 8
 
@@ -251,3 +258,32 @@ def test_a_dead_owners_sessions_end_at_once_and_no_one_elses(server):
     assert run(server, after).observation  # rank 2's session goes on
     with pytest.raises(EnvClientError, match="422"):
         end_sessions_of(server["url"], "")
+
+
+def test_in_a_batch_a_fast_step_is_answered_before_a_slow_one():
+    """Steps of one batch under a heavy-tailed latency model: each call comes back when its own
+    step is done (the server streams the lines), not when the batch's slowest is."""
+    config = EnvConfig(step_latency=LatencyConfig("lognormal", median_s=0.05, sigma=1.5))
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(build_app(config), "127.0.0.1", port,
+                                           ConnectionLimits()))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, lambda: None if thread.is_alive() else "the server's thread ended")
+
+    async def timed_step(client, session):
+        began = time.perf_counter()
+        await client.step(session, "guess 5")
+        return time.perf_counter() - began
+
+    async def scenario(client):
+        started = await asyncio.gather(*(client.start("guess", seed=i) for i in range(12)))
+        return await asyncio.gather(*(timed_step(client, s.session) for s in started))
+
+    try:
+        took = run_env_scenario(url, scenario)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert max(took) > 0.2 and min(took) < max(took) / 4, took

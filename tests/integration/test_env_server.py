@@ -2,17 +2,25 @@
 
 import asyncio
 import json
+import re
+import threading
+import time
 
 import httpx
 import pytest
+import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.serving import env_serving, run_env_scenario
+from tests.integration.serving import env_serving, free_port, run_env_scenario, wait_healthy
 from tests.integration.test_cli import assert_one_line_error, tiderl
 from tiderl.env.client import EnvClientError, HTTPEnvClient, Message, end_sessions_of
+from tiderl.env.config import EnvConfig, LatencyConfig
 from tiderl.env.guess import GuessEnv
 from tiderl.env.protocol import MAX_ACTION_CHARS
+from tiderl.env.server import build_app
+from tiderl.serving.limits import ConnectionLimits
+from tiderl.serving.uvicorn_server import uvicorn_config
 
 MAX_SESSIONS = 8
 
@@ -61,6 +69,36 @@ def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
     text = run(server, scenario).text
     assert "tiderl_env_steps_total" in text and "tiderl_env_step_latency_seconds_bucket" in text
     assert 'tiderl_env_errors_total{route="/end",status="404"}' in text
+
+
+def test_concurrent_episodes_share_batches_and_each_session_sees_its_own_game(server):
+    """The client's calls of one event-loop turn travel in one /batch; each session's answers
+    are its own (a solver per session checks every observation)."""
+    async def episode(client, seed):
+        started = await client.start("guess", "1 200", seed=seed)
+        solver = GuessEnv()
+        assert solver.reset("1 200", seed) == (started.observation, started.info)
+        for _ in range(20):
+            action = solver.solve()
+            expected = solver.step(action)
+            out = await client.step(started.session, action)
+            assert (out.observation, out.reward, out.done) == (
+                expected.observation, expected.reward, expected.done)
+            if out.done:
+                break
+        await client.end(started.session)
+        return out.done
+
+    def num_batches() -> float:
+        metrics = httpx.get(server["url"] + "/metrics", timeout=5).text
+        return float(re.search(r"^tiderl_env_batches_total (\S+)$", metrics, re.M).group(1))
+
+    async def scenario(client):
+        return await asyncio.gather(*(episode(client, seed) for seed in range(MAX_SESSIONS)))
+
+    before = num_batches()
+    assert run(server, scenario) == [True] * MAX_SESSIONS
+    assert num_batches() - before <= 12  # a start, ~8 steps and an end each: in turns
 
 
 def test_a_plain_text_environment_answers_one_user_message_equal_to_the_observation(server):
@@ -123,6 +161,11 @@ BAD = [
     ("/end", b'{"session": null}', 422, "Expected `str`, got `null`"),
     ("/pause", b'{"session": ""}', 422, "session: expected 1 to"),
     ("/resume", b'{"session": "zz"}', 404, "unknown"),
+    ("/batch", b"{not json", 400, "malformed JSON"),
+    ("/batch", b'{"calls": [{"call": "/start", "body": {}}], "x": 1}', 422, "unknown field `x`"),
+    ("/batch", b'{"calls": [{"call": "/health", "body": {}}]}', 422, "Invalid enum value"),
+    ("/batch", json.dumps({"calls": [{"call": "/end", "body": {"session": "s1"}}] * 1025}).encode(),
+     422, "length <= 1024"),
 ]
 
 
@@ -154,7 +197,7 @@ def http(server):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(["/start", "/observation", "/end", "/pause", "/resume"]),
+@given(route=st.sampled_from(["/start", "/observation", "/end", "/pause", "/resume", "/batch"]),
        body=BODIES)
 def test_fuzz_never_5xx(http, route, body):
     response = http.post(route, content=body.encode(),
@@ -215,3 +258,32 @@ def test_a_dead_owners_sessions_end_at_once_and_no_one_elses(server):
     assert run(server, after).observation  # rank 2's session goes on
     with pytest.raises(EnvClientError, match="422"):
         end_sessions_of(server["url"], "")
+
+
+def test_in_a_batch_a_fast_step_is_answered_before_a_slow_one():
+    """Steps of one batch under a heavy-tailed latency model: each call comes back when its own
+    step is done (the server streams the lines), not when the batch's slowest is."""
+    config = EnvConfig(step_latency=LatencyConfig("lognormal", median_s=0.05, sigma=1.5))
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(build_app(config), "127.0.0.1", port,
+                                           ConnectionLimits()))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, lambda: None if thread.is_alive() else "the server's thread ended")
+
+    async def timed_step(client, session):
+        began = time.perf_counter()
+        await client.step(session, "guess 5")
+        return time.perf_counter() - began
+
+    async def scenario(client):
+        started = await asyncio.gather(*(client.start("guess", seed=i) for i in range(12)))
+        return await asyncio.gather(*(timed_step(client, s.session) for s in started))
+
+    try:
+        took = run_env_scenario(url, scenario)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert max(took) > 0.2 and min(took) < max(took) / 4, took

@@ -90,6 +90,17 @@ def test_a_full_table_evicts_the_longest_idle_session_active_before_paused():
     assert (t.counters.num_evicted, t.counters.num_rejected) == (3, 0)
 
 
+def test_a_full_table_expires_idle_sessions_before_evicting_and_one_with_room_leaves_them():
+    t = table(max_sessions=3)
+    t.create("guess", "a", now=0.0)
+    t.create("guess", "b", now=5.0)
+    t.create("guess", "c", now=TTL + 1)  # room: s1, expired, waits for a get or a sweep
+    assert t.num_open == 3 and t.counters.num_expired == 0
+    t.create("guess", "d", now=TTL + 2)  # full: s1 expires, nothing is evicted
+    assert sorted(t.sessions) == ["s2", "s3", "s4"]
+    assert (t.counters.num_expired, t.counters.num_evicted) == (1, 0)
+
+
 def test_sessions_in_a_step_are_never_evicted_and_a_table_of_them_is_429():
     t = table(max_sessions=2)
     t.create("guess", "a", now=0.0)

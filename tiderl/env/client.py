@@ -2,7 +2,7 @@
 
 * :class:`HTTPEnvClient`: the protocol over HTTP (httpx), sending the service's token
   (:mod:`tiderl.auth`). Each attempt has a timeout (``timeout_s``); failed attempts are sent
-  again with exponential backoff (tenacity), ``retries`` times at most, and a call gives up
+  again with exponential backoff, ``retries`` times at most, and a call gives up
   after ``deadline_s`` in all, so a stalled service (SIGSTOP) fails the task instead of hanging
   it. What is retried:
 
@@ -19,6 +19,13 @@
 
   4xx answers are never retried. After the last attempt the call raises, and the rank ends the
   task with reward 0 (the coordinator drops its group and counts it).
+
+  Calls made in the same turn of the event loop (a rank's tasks stepping their sessions) share
+  one ``POST /batch`` request, each answered as soon as its call is done
+  (:mod:`tiderl.env.client_batch`); the first attempt only, the same rules apply: a batch that
+  never reached the server is sent again call by call, one cut off after it was sent fails its
+  steps and retries its other calls alone. An agent's calls (``wait_s``, ``completion``) go
+  alone, as every call to a server without /batch.
 * :class:`InProcessEnvClient`: the same calls on an in-process :class:`EnvService` (the embedded
   default): no HTTP, the same session table and the same errors (status codes included).
 
@@ -40,10 +47,10 @@ from typing import Any, TypeVar
 
 import httpx
 import msgspec
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from tiderl.auth import ENV, bearer_headers, resolve_token
 from tiderl.core.quote import short
+from tiderl.env.client_batch import JSON_HEADERS, Answer, CallBatcher, NotBatched, parse_retry_after
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
     Completion,
@@ -135,10 +142,13 @@ class HTTPEnvClient(EnvClient):
     def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 3,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0,
                  deadline_s: float = 60.0, token: str | None = None,
-                 max_connections: int = 256, owner: str = "",
+                 max_connections: int = 256, owner: str = "", batch: bool = True,
                  transport: httpx.AsyncBaseTransport | None = None):
         """``token`` None: ``TIDERL_ENV_TOKEN``, else the job's, else none (:mod:`tiderl.auth`);
-        ``owner``: sent with each /start (a job's rank: ``rank-3``, see :func:`end_sessions_of`)."""
+        ``owner``: sent with each /start (a job's rank: ``rank-3``, see :func:`end_sessions_of`);
+        ``batch``: calls made in the same turn of the event loop share one /batch request
+        (:mod:`tiderl.env.client_batch`), except those with a ``wait_s`` or a ``completion``
+        (an agent's), which go alone."""
         self.owner = owner
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=max_connections,
@@ -146,6 +156,7 @@ class HTTPEnvClient(EnvClient):
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s,
                                       limits=limits, transport=transport,
                                       headers=bearer_headers(resolve_token(ENV, token)))
+        self.batcher = CallBatcher(self.http) if batch else None
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -162,7 +173,7 @@ class HTTPEnvClient(EnvClient):
                    wait_s: float | None = None) -> ObservationResponse:
         return await self._post("/observation", ObservationRequest(session, action, completion),
                                 ObservationResponse, session=session, idempotent=False,
-                                wait_s=wait_s)
+                                wait_s=wait_s, can_batch=completion is None)
 
     async def end(self, session: str) -> SessionResponse:
         return await self._session_call("/end", session)
@@ -174,10 +185,12 @@ class HTTPEnvClient(EnvClient):
         return await self._session_call("/resume", session)
 
     async def health(self) -> dict[str, Any]:
-        response = await self._send("/health", None, None, idempotent=True)
-        return response.json()
+        answer = await self._send("/health", None, None, idempotent=True)
+        return msgspec.json.decode(answer.content)
 
     async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
         await self.http.aclose()
 
     async def _session_call(self, call: str, session: str) -> SessionResponse:
@@ -185,68 +198,87 @@ class HTTPEnvClient(EnvClient):
                                 idempotent=True)
 
     async def _post(self, call: str, body: msgspec.Struct, kind: type[R], *,
-                    session: str | None, idempotent: bool, wait_s: float | None = None) -> R:
-        response = await self._send(call, msgspec.json.encode(body), session,
-                                    idempotent=idempotent, wait_s=wait_s)
+                    session: str | None, idempotent: bool, wait_s: float | None = None,
+                    can_batch: bool = True) -> R:
+        answer = await self._send(call, msgspec.json.encode(body), session,
+                                  idempotent=idempotent, wait_s=wait_s,
+                                  can_batch=can_batch and wait_s is None)
         try:
-            return msgspec.json.decode(response.content, type=kind)
+            return msgspec.json.decode(answer.content, type=kind)
         except msgspec.MsgspecError as exc:
-            raise EnvClientError(call, session, response.status_code,
+            raise EnvClientError(call, session, answer.status,
                                  f"unexpected answer: {exc}") from exc
 
     async def _send(self, call: str, content: bytes | None, session: str | None, *,
-                    idempotent: bool, wait_s: float | None = None) -> httpx.Response:
+                    idempotent: bool, wait_s: float | None = None,
+                    can_batch: bool = False) -> Answer:
         """One call: attempts until an answer, a failure that is not retried, the last attempt
         or the deadline. ``idempotent`` False: only attempts that never reached the server are
-        sent again. ``wait_s``: the attempt's timeout and the call's deadline both."""
+        sent again. ``wait_s``: the attempt's timeout and the call's deadline both.
+        ``can_batch``: the first attempt goes in a /batch (where the client batches)."""
         deadline = self.deadline_s if wait_s is None else wait_s
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.retries + 1),
-            wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
-            retry=retry_if_exception_type(_Retryable), reraise=True)
         try:
             async with asyncio.timeout(deadline):
-                async for attempt in retrying:
-                    with attempt:
-                        response = await self._attempt(call, content, session, idempotent,
-                                                       wait_s)
-        except _Retryable as exc:
-            raise exc.error from exc.__cause__
+                for attempt in range(self.retries + 1):
+                    if attempt:
+                        await asyncio.sleep(self._backoff_s(attempt))
+                    try:
+                        return await self._attempt(call, content, session, idempotent, wait_s,
+                                                   is_batched=can_batch and not attempt)
+                    except _Retryable as exc:
+                        if attempt == self.retries:
+                            raise exc.error from exc.__cause__
         except TimeoutError:
             raise EnvClientError(call, session, None, f"no answer within the call's deadline "
                                  f"({deadline:g} s)") from None
-        return response
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _backoff_s(self, attempt: int) -> float:
+        """The pause before attempt ``attempt`` (1: the first retry): ``backoff_s`` doubling,
+        at most ``max_backoff_s``. (A loop of our own: tenacity's per-call objects cost more
+        than the rest of a batched step.)"""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
 
     async def _attempt(self, call: str, content: bytes | None, session: str | None,
-                       idempotent: bool, wait_s: float | None = None) -> httpx.Response:
-        timeout = httpx.USE_CLIENT_DEFAULT if wait_s is None else wait_s
+                       idempotent: bool, wait_s: float | None = None,
+                       is_batched: bool = False) -> Answer:
         try:
-            if content is None:
-                response = await self.http.get(call)
-            else:
-                response = await self.http.post(
-                    call, content=content, headers={"content-type": "application/json"},
-                    timeout=timeout)
+            answer = await self._exchange(call, content, wait_s, is_batched)
         except httpx.TransportError as exc:
             error = EnvClientError(call, session, None, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, NOT_SENT) or idempotent:
                 raise _Retryable(error) from exc
             raise error from exc
-        if response.status_code >= 500 and idempotent:
-            raise _Retryable(_http_error(call, session, response))
-        if response.status_code >= 400:
-            raise _http_error(call, session, response)
-        return response
+        if answer.status >= 500 and idempotent:
+            raise _Retryable(_http_error(call, session, answer))
+        if answer.status >= 400:
+            raise _http_error(call, session, answer)
+        return answer
+
+    async def _exchange(self, call: str, content: bytes | None, wait_s: float | None,
+                        is_batched: bool) -> Answer:
+        """The call's answer, in a /batch or alone; an ``httpx.TransportError`` if none came."""
+        if is_batched and self.batcher is not None and self.batcher.is_supported:
+            try:
+                return await self.batcher.submit(call, content or b"")
+            except NotBatched:
+                pass  # nothing ran: alone, then
+        if content is None:
+            response = await self.http.get(call)
+        else:
+            timeout = httpx.USE_CLIENT_DEFAULT if wait_s is None else wait_s
+            response = await self.http.post(call, content=content, headers=JSON_HEADERS,
+                                            timeout=timeout)
+        return Answer(response.status_code, response.content,
+                      parse_retry_after(response.headers.get("retry-after")))
 
 
-def _http_error(call: str, session: str | None, response: httpx.Response) -> EnvClientError:
+def _http_error(call: str, session: str | None, answer: Answer) -> EnvClientError:
     try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text[:200]
-    retry_after = response.headers.get("retry-after")
-    return EnvClientError(call, session, response.status_code, message,
-                          float(retry_after) if retry_after else None)
+        message = msgspec.json.decode(answer.content)["error"]["message"]
+    except (msgspec.MsgspecError, KeyError, TypeError):
+        message = bytes(answer.content)[:200].decode("utf-8", "replace")
+    return EnvClientError(call, session, answer.status, message, answer.retry_after_s)
 
 
 class InProcessEnvClient(EnvClient):

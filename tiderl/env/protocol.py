@@ -5,6 +5,9 @@
     POST /observation   ObservationRequest{session, action}
                           -> ObservationResponse{observation, messages, reward, done, info}
     POST /end|/pause|/resume   SessionRequest{session}  -> SessionResponse{session, state}
+    POST /batch         BatchRequest{calls: [{call, body}]}
+                          -> one BatchAnswer{index, status, body} line per call (NDJSON), each
+                             as soon as its call is done
 
 Messages are OpenAI-style chat messages (:class:`Message`, with :class:`ToolCall`); ``tools``
 are OpenAI tool schemas (``{"type": "function", "function": {name, description, parameters}}``).
@@ -32,7 +35,7 @@ Errors are ``{"error": {"message", "type"}}`` with a 4xx status (see :mod:`tider
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -257,6 +260,35 @@ class OwnerResponse(msgspec.Struct):
 class SessionResponse(msgspec.Struct):
     session: str
     state: str  # "ended", "paused" or "active"
+
+
+BATCH_CALLS = ("/start", "/observation", "/end", "/pause", "/resume")
+MAX_BATCH_CALLS = 1024
+
+
+class BatchCall(msgspec.Struct, forbid_unknown_fields=True):
+    """One call of a batch: the route it stands for and that route's body, as is."""
+
+    call: Literal["/start", "/observation", "/end", "/pause", "/resume"]  # BATCH_CALLS
+    body: msgspec.Raw
+
+
+class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of /batch: calls the server runs concurrently, each exactly as its route would
+    (its own errors, metrics and latency model)."""
+
+    calls: Annotated[list[BatchCall], msgspec.Meta(min_length=1, max_length=MAX_BATCH_CALLS)]
+
+
+class BatchAnswer(msgspec.Struct, omit_defaults=True):
+    """One line of /batch's answer: call ``index``'s status and body, what its route would have
+    answered (an error as ``{"error": {"message", "type"}}``); ``retry_after_s``: its
+    ``Retry-After`` (a 429)."""
+
+    index: int
+    status: int
+    body: msgspec.Raw
+    retry_after_s: float | None = None
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:

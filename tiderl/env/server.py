@@ -1,6 +1,8 @@
 """HTTP server of the environment service (paper App. B.1).
 
     client ──POST /start /observation /end /pause /resume──> build_app ──> EnvService
+           ──POST /batch {calls}──> each call as its route, concurrently ──> one NDJSON line
+                                    per call, written as soon as that call is done
     job    ──POST /end_owner──> ends every session a (dead) rank started
            ──GET /health──> liveness and session counts
            ──GET /metrics──> private Prometheus registry (sessions, steps, errors, step latency)
@@ -13,7 +15,9 @@ env, 401 no or a wrong token, 404 unknown, expired or evicted session (or an unk
 ``MAX_BODY_BYTES``, 422 missing fields, wrong types or an action over the length limit (and
 ``invalid_observation``: an observation whose image breaks the limits of
 :mod:`tiderl.env.images`), 429 (with ``Retry-After: 1``) when the session table is full and
-every session is in a step. The server keeps serving after any of them.
+every session is in a step. The server keeps serving after any of them. In a /batch each call
+gets the answer its route would give (:class:`BatchAnswer`: status and body); the batch itself
+is answered 400/422 only when its body is not a list of calls (:class:`BatchRequest`).
 
 Connections are bounded (``config.connections``, :mod:`tiderl.serving.uvicorn_server`): a request
 whose headers or body arrive too slowly is answered 408 and its connection closed; a client
@@ -35,11 +39,11 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -48,8 +52,12 @@ from tiderl.auth import ENV, ServiceGuard, error_body, resolve_token
 from tiderl.env.agent_api import AgentModel, add_agent_routes, is_agent_path
 from tiderl.env.config import EnvConfig
 from tiderl.env.protocol import (
+    BatchAnswer,
+    BatchCall,
+    BatchRequest,
     ObservationRequest,
     OwnerRequest,
+    ProtocolError,
     SessionRequest,
     StartRequest,
     decode,
@@ -81,11 +89,69 @@ class EnvMetrics:
               registry=self.registry).set_function(lambda: table.counters.num_evicted)
         self.starts = Counter(PREFIX + "starts", "Sessions started.", registry=self.registry)
         self.steps = Counter(PREFIX + "steps", "Environment steps.", registry=self.registry)
+        self.batches = Counter(PREFIX + "batches", "/batch requests (each call also counts as "
+                               "its route's).", registry=self.registry)
         self.errors = Counter(PREFIX + "errors", "Requests answered with an error.",
                               ["route", "status"], registry=self.registry)
         self.step_latency = Histogram(PREFIX + "step_latency_seconds",
                                       "Time to answer /observation (latency model included).",
                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+
+
+JSON, NDJSON = "application/json", "application/x-ndjson"
+Handler = Callable[[bytes], Awaitable[Any]]  # a route's work on its body
+
+
+class Answer(NamedTuple):
+    """What a route answers: its status, JSON body and extra headers."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+
+class Routes:
+    """The protocol's routes as functions of a request body, for the HTTP routes and /batch's
+    calls alike: what each answers (:class:`Answer`), every failure a JSON error."""
+
+    def __init__(self, service: EnvService, metrics: EnvMetrics) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.handlers: dict[str, Handler] = {
+            "/start": self._start, "/observation": self._observation,
+            "/end": _sync(service.end, SessionRequest),
+            "/pause": _sync(service.pause, SessionRequest),
+            "/resume": _sync(service.resume, SessionRequest),
+            "/end_owner": _sync(service.end_owner, OwnerRequest)}
+
+    async def answer(self, route: str, body: bytes) -> Answer:
+        try:
+            out = await self.handlers[route](body)
+        except Exception as exc:  # every failure becomes a JSON error; the server keeps going
+            status, kind, headers = error_status(exc)
+            self.metrics.errors.labels(route, str(status)).inc()
+            message = str(exc) if status < 500 else f"{type(exc).__name__}: {exc}"
+            return Answer(status, msgspec.json.encode(error_body(message, kind)), headers)
+        return Answer(200, msgspec.json.encode(out), {})
+
+    async def _start(self, body: bytes) -> Any:
+        out = await self.service.start(decode(body, StartRequest))
+        self.metrics.starts.inc()
+        return out
+
+    async def _observation(self, body: bytes) -> Any:
+        began = time.perf_counter()
+        out = await self.service.step(decode(body, ObservationRequest))
+        self.metrics.steps.inc()
+        self.metrics.step_latency.observe(time.perf_counter() - began)
+        return out
+
+
+def _sync(method: Callable[[Any], Any], kind: type[msgspec.Struct]) -> Handler:
+    """The handler of a route whose work does not wait (/end, /pause, ...)."""
+    async def call(body: bytes) -> Any:
+        return method(decode(body, kind))
+    return call
 
 
 def error_response(status: int, message: str, kind: str,
@@ -128,50 +194,27 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
         return error_response(exc.status_code, str(exc.detail),
                               "not_found" if exc.status_code == 404 else "invalid_request")
 
-    async def answer(route: str, call: Callable[[], Awaitable[Any]]) -> Response:
+    routes = Routes(service, metrics)
+
+    def route(path: str) -> None:
+        async def endpoint(request: Request) -> Response:
+            out = await routes.answer(path, await request.body())
+            return Response(out.body, out.status, out.headers, media_type=JSON)
+        app.add_api_route(path, endpoint, methods=["POST"], name=path.strip("/"))
+
+    for path in routes.handlers:
+        route(path)
+    running: set[asyncio.Task] = set()  # the calls of batches in flight
+
+    @app.post("/batch")
+    async def batch(request: Request) -> Response:
         try:
-            out = await call()
-        except Exception as exc:  # every failure becomes a JSON error; the server keeps going
-            status, kind, headers = error_status(exc)
-            metrics.errors.labels(route, str(status)).inc()
-            message = str(exc) if status < 500 else f"{type(exc).__name__}: {exc}"
-            return error_response(status, message, kind, headers)
-        return Response(msgspec.json.encode(out), media_type="application/json")
-
-    @app.post("/start")
-    async def start(request: Request) -> Response:
-        async def call() -> Any:
-            out = await service.start(decode(await request.body(), StartRequest))
-            metrics.starts.inc()
-            return out
-        return await answer("/start", call)
-
-    @app.post("/observation")
-    async def observation(request: Request) -> Response:
-        async def call() -> Any:
-            began = time.perf_counter()
-            out = await service.step(decode(await request.body(), ObservationRequest))
-            metrics.steps.inc()
-            metrics.step_latency.observe(time.perf_counter() - began)
-            return out
-        return await answer("/observation", call)
-
-    def session_route(path: str, method: Callable[[SessionRequest], Any]) -> None:
-        async def route(request: Request) -> Response:
-            async def call() -> Any:
-                return method(decode(await request.body(), SessionRequest))
-            return await answer(path, call)
-        app.add_api_route(path, route, methods=["POST"], name=path.strip("/"))
-
-    session_route("/end", service.end)
-    session_route("/pause", service.pause)
-    session_route("/resume", service.resume)
-
-    @app.post("/end_owner")
-    async def end_owner(request: Request) -> Response:
-        async def call() -> Any:
-            return service.end_owner(decode(await request.body(), OwnerRequest))
-        return await answer("/end_owner", call)
+            calls = decode(await request.body(), BatchRequest).calls
+        except ProtocolError as exc:
+            metrics.errors.labels("/batch", str(exc.status)).inc()
+            return error_response(exc.status, str(exc), exc.kind)
+        metrics.batches.inc()
+        return StreamingResponse(batch_answers(calls, routes.answer, running), media_type=NDJSON)
 
     if config.agents:
         add_agent_routes(app, service, model or AgentModel())
@@ -185,6 +228,37 @@ def build_app(config: EnvConfig, *, clock: Callable[[], float] = time.monotonic,
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def batch_answers(calls: list[BatchCall], answer: Callable[[str, bytes], Awaitable[Answer]],
+                        running: set[asyncio.Task]) -> AsyncIterator[bytes]:
+    """/batch's answer: the calls run concurrently, as that many requests would, and each one's
+    :class:`BatchAnswer` line goes out as soon as it is done (the lines of calls done together
+    in one chunk). A client that goes away leaves its calls running to their end, as it does a
+    single request; ``running`` holds them meanwhile."""
+    lines: list[bytes] = []
+    is_ready = asyncio.Event()
+
+    async def run(index: int, call: BatchCall) -> None:
+        out = await answer(call.call, call.body)
+        retry_after = out.headers.get("Retry-After")
+        lines.append(msgspec.json.encode(BatchAnswer(
+            index, out.status, msgspec.Raw(out.body),
+            float(retry_after) if retry_after else None)) + b"\n")
+        is_ready.set()
+
+    for index, call in enumerate(calls):
+        task = asyncio.create_task(run(index, call))
+        running.add(task)
+        task.add_done_callback(running.discard)
+    num_left = len(calls)
+    while num_left:
+        await is_ready.wait()
+        is_ready.clear()
+        chunk = b"".join(lines)
+        num_left -= len(lines)
+        lines.clear()
+        yield chunk
 
 
 async def _sweep(service: EnvService, every_s: float) -> None:

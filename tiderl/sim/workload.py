@@ -119,6 +119,17 @@ WORKLOADS: dict[str, WorkloadSpec] = {
                      env_step_s=(3.0, 0.6), env_reset_s=(60.0, 0.7),
                      image_tokens=SCREENSHOT_TOKENS, image_window=ImageWindow(16, 8),
                      turn_sigma=0.6, reset_retry_p=0.02, max_new_tokens=512),
+        # Coding agents from published 2026 traces (docs/simulator-workloads.md, "Coding
+        # agents"): TraceLab's per-step appended and output tokens and Codex tool latencies,
+        # vLLM x Mooncake's SWE-bench Pro context growth, AgentX's turns per session.
+        WorkloadSpec("coding", rounds=(30, 30), tokens=(80_000, 80_000), prompt_tokens=4_600,
+                     action_tokens=523, max_turns=100, context_cap=131_072,
+                     env_step_s=(0.13, 1.87), env_reset_s=(2.1, 0.7), obs_sigma=1.35,
+                     max_new_tokens=4_096),
+        WorkloadSpec("swe_long", rounds=(43, 43), tokens=(110_000, 110_000),
+                     prompt_tokens=4_600, action_tokens=444, max_turns=200,
+                     context_cap=131_072, env_step_s=(0.13, 1.87), env_reset_s=(60.0, 0.5),
+                     obs_sigma=1.35, max_new_tokens=4_096),
         # The two phases of the shifting-bottleneck workload (assumptions, not paper tasks;
         # docs/simulator-workloads.md): WebShop's task shape behind a slow, long-tailed tool
         # (rollout-bound), then few turns over long documents with a fast tool (trainer-bound).

@@ -4,6 +4,7 @@ bus and a gloo world, exactly as ``tiderl launch`` runs them (no mocks)."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 from pathlib import Path
 
@@ -53,10 +54,10 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     spare actor to rollout at launch and back after step 0 (a role switch both ways: it drops
     its engine and gets the weights and the optimizer state); the job goes on to the end.
     Meanwhile a client with other keys knocks on the bus. Its coordinator logs to TensorBoard
-    and an offline wandb run too."""
+    and an offline wandb run too. Its actors train with the decoupled objective."""
     offline_wandb(monkeypatch, tmp_path / "home")
     profile = _small(3, "runtime.rollout_ranks=1", "logging.backends=[jsonl,tensorboard,wandb]",
-                     "report.plots=true")
+                     "report.plots=true", "trainer.objective=decoupled")
     knockers: list[threading.Thread] = []
     ended = threading.Event()
 
@@ -88,6 +89,7 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     assert all(4 <= m["trained_samples"] <= 8 and m["trained_samples"] % 4 == 0
                for m in metrics)
     assert all(0 < m["trained_loss_tokens"] < m["trained_tokens"] for m in metrics)
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
     # every group it fed was trained, dropped, or is still on its way at the end
     (stop,) = [e for e in events if e["kind"] == "stop"]
     groups = stop["groups"]

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tiderl.core.config import ConfigError
 from tiderl.core.types import Trajectory, Turn
 from tiderl.models.random_init import init_model
 from tiderl.trainer.batch import pack
@@ -164,3 +165,55 @@ def test_optimizer_step_normalises_by_the_global_loss_tokens():
     opt.step()
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def decoupled_grads(logp_values, old, adv, cap):
+    """The decoupled objective's loss and its gradient with respect to the logprobs."""
+    logp = torch.tensor([logp_values], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0.0] + [1.0] * (len(logp_values) - 1)], dtype=torch.float64)
+    loss, stats = grpo_loss_sum(logp, torch.tensor([old], dtype=torch.float64),
+                                torch.tensor([adv], dtype=torch.float64), mask, None,
+                                clip_eps=0.2, kl_beta=0.0, is_weight_cap=cap)
+    loss.backward()
+    return float(loss.detach()), logp.grad[0].tolist(), stats
+
+
+def test_decoupled_objective_weighs_stale_tokens_instead_of_clipping_them():
+    # token 1 on-policy; token 2 sampled by a policy that gave it half the probability (w = 2);
+    # token 3 by one that gave it a tenth (w = 10 > the cap of 5)
+    logp = [0.0, math.log(0.5), math.log(0.5), math.log(0.5)]
+    old = [0.0, math.log(0.5), math.log(0.25), math.log(0.05)]
+    loss, grad, stats = decoupled_grads(logp, old, 2.0, cap=5.0)
+    # pg_t = -w_t · A at r_t = 1; its gradient in logp_t is -w_t · A; the capped token gives none
+    assert loss == pytest.approx(-2.0 - 4.0, rel=1e-12)
+    assert grad == pytest.approx([0.0, -2.0, -4.0, 0.0], rel=1e-12)
+    assert stats.clipped_tokens == 1.0 and stats.ratio_sum == pytest.approx(13.0, rel=1e-12)
+    # plain PPO clips token 2 (ratio 2 > 1.2 with A > 0): no gradient from it
+    ppo = torch.tensor([logp], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    grpo_loss_sum(ppo, torch.tensor([old], dtype=torch.float64),
+                  torch.tensor([2.0], dtype=torch.float64), mask, None, clip_eps=0.2,
+                  kl_beta=0.0)[0].backward()
+    assert ppo.grad[0].tolist() == pytest.approx([0.0, -2.0, 0.0, 0.0], rel=1e-12)
+
+
+def test_decoupled_objective_is_ppo_on_policy():
+    logp = [0.0, math.log(0.3), math.log(0.6)]
+    loss, grad, _ = decoupled_grads(logp, logp, -1.5, cap=5.0)
+    ppo = torch.tensor([logp], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 1.0]], dtype=torch.float64)
+    want, _ = grpo_loss_sum(ppo, torch.tensor([logp], dtype=torch.float64),
+                            torch.tensor([-1.5], dtype=torch.float64), mask, None,
+                            clip_eps=0.2, kl_beta=0.0)
+    want.backward()
+    assert loss == pytest.approx(float(want), rel=1e-12)
+    assert grad == pytest.approx(ppo.grad[0].tolist(), rel=1e-12)
+
+
+def test_the_objective_is_checked():
+    with pytest.raises(ConfigError, match="objective"):
+        TrainerConfig(objective="dpo")
+    with pytest.raises(ConfigError, match="is_weight_cap"):
+        TrainerConfig(objective="decoupled", is_weight_cap=1.0)
+    assert TrainerConfig().loss_is_weight_cap is None
+    assert TrainerConfig(objective="decoupled").loss_is_weight_cap == 5.0

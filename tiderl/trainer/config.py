@@ -10,6 +10,7 @@ from tiderl.core.quote import short
 
 BACKENDS = ("ddp", "fsdp2", "megatron")
 LR_SCHEDULES = ("constant", "cosine")
+OBJECTIVES = ("ppo", "decoupled")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     clip_eps: float = 0.2  # PPO clip range on the behaviour-logprob ratio
+    # "ppo": the clip on the behaviour ratio; "decoupled": AReaL's decoupled objective, behaviour
+    # importance weights capped at is_weight_cap (trainer/loss.py), for stale tokens
+    objective: str = "ppo"
+    is_weight_cap: float = 5.0
     kl_beta: float = 0.01  # k3 KL to the ref model; 0 skips the ref
     adv_eps: float = 1e-6
     export_every: int = 0  # steps: an HF folder runs/<job>/hf/step-N; 0 = only at the end
@@ -34,6 +39,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         require_choice(self.backend, BACKENDS, "backend")
         require_choice(self.lr_schedule, LR_SCHEDULES, "lr_schedule")
+        require_choice(self.objective, OBJECTIVES, "objective")
+        require(self.is_weight_cap > 1, "is_weight_cap",
+                f"expected a number > 1, got {short(self.is_weight_cap)}")
         require_positive(self.lr, "lr")
         for name in ("export_shard_mb", "logits_chunk_tokens", "tensor_parallel"):
             require_positive(getattr(self, name), name)
@@ -47,6 +55,11 @@ class TrainerConfig:
                 f"expected a number in [0, 1], got {short(self.min_lr_ratio)}")
         require(0 < self.clip_eps < 1, "clip_eps",
                 f"expected a number in (0, 1), got {short(self.clip_eps)}")
+
+    @property
+    def loss_is_weight_cap(self) -> float | None:
+        """The loss's behaviour-weight cap: None for PPO, else the decoupled objective's."""
+        return self.is_weight_cap if self.objective == "decoupled" else None
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based: the policy version it starts

@@ -10,6 +10,20 @@ Per loss token t of a sequence with advantage A (mask 1 only on model-generated 
 N is the number of loss tokens of the whole global batch, across micro-batches and ranks. When
 streaming, N is known only at the end of the step, so ``grpo_loss_sum`` returns the unnormalised
 sum and the actor scales the accumulated gradients by 1/N once, before the optimizer step.
+
+``trainer.objective: decoupled`` is AReaL's decoupled PPO objective, for tokens sampled by an
+older policy (a straggler carried past the staleness bound, ``job.carry_versions``). It splits
+the ratio at a proximal policy: w_t = π_prox / π_behav (not differentiated) weighs the clipped
+term of r_t = π_θ / π_prox. A step makes one optimizer update, so the proximal policy is the one
+every micro-batch's forward runs (logp_t itself, detached: no extra pass), r_t = 1 with the
+gradient of logp_t, and the clip never binds:
+
+    w_t   = exp(sg(logp_t) - old_t);  tokens with w_t > is_weight_cap contribute nothing
+    pg_t  = -w_t · min(r_t · A, clip(r_t, 1 - eps, 1 + eps) · A),   r_t = exp(logp_t - sg(logp_t))
+
+Under plain PPO a stale token whose ratio left [1 - eps, 1 + eps] in its advantage's direction
+gives no gradient; here it gives one, weighed by how far its behaviour policy was, and capped.
+``clipped_tokens`` then counts the tokens above the cap.
 """
 
 from __future__ import annotations
@@ -51,18 +65,31 @@ class LossStats:
 
 def grpo_loss_sum(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   loss_mask: torch.Tensor, ref_logprobs: torch.Tensor | None, *,
-                  clip_eps: float, kl_beta: float) -> tuple[torch.Tensor, LossStats]:
+                  clip_eps: float, kl_beta: float,
+                  is_weight_cap: float | None = None) -> tuple[torch.Tensor, LossStats]:
     """The unnormalised GRPO loss of a batch ``[B, T]`` (advantages ``[B]``) and its stats.
 
     ``ref_logprobs`` may be None only when ``kl_beta`` is 0 (then the ref model is skipped).
+    ``is_weight_cap``: the decoupled objective with that cap (None: PPO on the behaviour ratio).
     """
     if kl_beta > 0 and ref_logprobs is None:
         raise ValueError("kl_beta > 0 needs ref logprobs")
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)
-    ratio = torch.exp((logprobs - old_logprobs) * mask)  # 1 on masked positions: no overflow
-    clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if is_weight_cap is None:
+        ratio = torch.exp((logprobs - old_logprobs) * mask)  # 1 on masked positions
+        clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+        pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        with torch.no_grad():
+            clipped = ((ratio * adv) > (clipped_ratio * adv)) & (mask > 0)
+            behaviour = ratio
+    else:
+        proximal = logprobs.detach()
+        behaviour = torch.exp((proximal - old_logprobs) * mask)  # w_t, no gradient
+        clipped = (behaviour > is_weight_cap) & (mask > 0)
+        ratio = torch.exp((logprobs - proximal) * mask)
+        clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+        pg = -torch.minimum(ratio * adv, clipped_ratio * adv) * behaviour * ~clipped
     per_token = pg
     kl = torch.zeros_like(logprobs)
     if kl_beta > 0:
@@ -71,8 +98,8 @@ def grpo_loss_sum(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
         per_token = pg + kl_beta * kl
     loss_sum = (per_token * mask).sum()
     with torch.no_grad():
-        clipped = ((ratio * adv) > (clipped_ratio * adv)) & (mask > 0)
         stats = LossStats(loss_sum=float(loss_sum), pg_sum=float((pg * mask).sum()),
-                          kl_sum=float((kl * mask).sum()), ratio_sum=float((ratio * mask).sum()),
+                          kl_sum=float((kl * mask).sum()),
+                          ratio_sum=float((behaviour * mask).sum()),
                           clipped_tokens=float(clipped.sum()), loss_tokens=float(mask.sum()))
     return loss_sum, stats

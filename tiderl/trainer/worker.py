@@ -142,7 +142,8 @@ class ActorWorker:
         loss_sum, stats = grpo_loss_sum(
             pending.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
             ref_logprobs if self.config.kl_beta > 0 else None,
-            clip_eps=self.config.clip_eps, kl_beta=self.config.kl_beta)
+            clip_eps=self.config.clip_eps, kl_beta=self.config.kl_beta,
+            is_weight_cap=self.config.loss_is_weight_cap)
         with self.backend.grad_sync(pending.sync):
             loss_sum.backward()
         return stats

@@ -52,7 +52,8 @@ def compare_policies(scenario: SimScenario, policies: list[str],
     device_s = bounded(headline, scenario, results)
     rows = [{"run": name, "goodput_tok_s": round(r.goodput_tok_s, 1),
              "of_bound": headline["of_bound"][name], "wall_s": round(r.wall_s, 1),
-             "trained_tokens": r.trained_tokens, "discarded_tokens": r.discarded_tokens,
+             "trained_tokens": r.trained_tokens, "generated_tokens": r.generated_tokens,
+             "discarded_tokens": r.discarded_tokens,
              "kv_hit_rate": round(r.kv_hit_rate, 4), "rwt_s": round(r.rwt_s, 1),
              "twt_s": round(r.twt_s, 1)} for name, r in results.items()]
     series = {"trained_tokens": {name: [float(s.trained_tokens) for s in r.steps]

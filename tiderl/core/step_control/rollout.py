@@ -28,7 +28,7 @@ class RolloutWait:
         if now <= since or not is_counting:
             return
         lo, hi = self._stall
-        overlap = max(0.0, min(now, hi) - max(since, lo))
+        overlap = max(0.0, min(now, hi) - max(since, lo)) if hi > since else 0.0
         self.total += (now - since - overlap) * num_idle
 
     def stall(self, now: float, until: float, num_ranks: int) -> None:
@@ -87,15 +87,16 @@ class RolloutControl:
         saturated rank-seconds (while tasks wait for admission, every rollout rank is full:
         the policy admits whenever one has room), and the task-seconds placed tasks spent
         generating against waiting for their environments."""
-        is_counting = not self.is_parked and self.book.num_new == 0
-        if not self.is_parked and now > self._integrated_at:
-            dt, book = now - self._integrated_at, self.book
-            if book.num_new:
-                self.saturated_s += dt * len(book.ranks)
-            self.generating_task_s += dt * book.num_generating
-            self.active_task_s += dt * book.num_active
-        self._integrated_at = max(self._integrated_at, now)
-        self.rwt.advance(now, self.book.num_idle_ranks, is_counting)
+        book = self.book
+        if now > self._integrated_at:
+            if not self.is_parked:
+                dt = now - self._integrated_at
+                if book.num_new:
+                    self.saturated_s += dt * len(book.ranks)
+                self.generating_task_s += dt * book.num_generating
+                self.active_task_s += dt * book.num_active
+            self._integrated_at = now
+        self.rwt.advance(now, book.num_idle_ranks, not self.is_parked and book.num_new == 0)
 
     def restart_clock(self, now: float) -> None:
         self.rwt = RolloutWait(now)

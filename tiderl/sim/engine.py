@@ -86,12 +86,10 @@ class RolloutEngine:
         self._step_s = 0.0
         self._t_last = loop.now
         self.stall_until = loop.now
-        self.is_idle = True
         self.is_closed = False
         self.decoded_tokens = 0
         self.prefill_tokens = 0
         self.recomputed_tokens = 0
-        self.busy_s = 0.0  # time with running requests, stalls included
         # where the rank's time went (docs/simulator.md, "Where the device-seconds go")
         self.decode_s = 0.0
         self.prefill_s = 0.0
@@ -145,29 +143,28 @@ class RolloutEngine:
         """Move V to now: decode ran from the last change (or the stall's end) at the held rate."""
         now = self.loop.now
         if self.running:
-            start = max(self._t_last, self.stall_until)
+            start = self._t_last if self._t_last >= self.stall_until else self.stall_until
             if now > start and self._step_s > 0:
                 self._v += (now - start) / self._step_s
                 self._u += (now - start) / len(self.running)
                 self.decode_s += now - start
-            self.busy_s += now - self._t_last
         self._t_last = now
 
     def _reschedule(self) -> None:
         """One pending completion event for the earliest target; the step time at current size.
         A pending event that is not later than the new completion time is kept: when it fires
         early it finds nothing done and schedules the next one (one heap entry, not two)."""
-        self._set_idle(not self.running and not self.queue)
         if not self.running:
             return
-        batch = len(self.running)
-        self._step_s = self.cost.decode_step_s(batch, int(self._sum_base + batch * self._v))
+        batch, v = len(self.running), self._v
+        step_s = self._step_s = self.cost.decode_step_s(batch, int(self._sum_base + batch * v))
         heap = self._heap
         while not heap[0][2].is_running:
             heapq.heappop(heap)
-        target = heap[0][0]
-        start = max(self.loop.now, self.stall_until)
-        when = start + max(0.0, target - self._v) * self._step_s
+        now, stall_until = self.loop.now, self.stall_until
+        start = now if now >= stall_until else stall_until
+        tokens_left = heap[0][0] - v
+        when = start + (tokens_left if tokens_left > 0.0 else 0.0) * step_s
         if self._wake_at is not None and self._wake_at <= when:
             return  # the pending tick comes first; it will look again (fewer heap entries)
         self._epoch += 1
@@ -287,6 +284,3 @@ class RolloutEngine:
         self.running[request.seq] = request
         self._sum_base += request.context - request.v_start
         heapq.heappush(self._heap, (request.v_target, request.seq, request))
-
-    def _set_idle(self, is_idle: bool) -> None:
-        self.is_idle = is_idle

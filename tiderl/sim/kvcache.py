@@ -25,12 +25,13 @@ the entries in the LRU queue.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class TurnAlloc:
-    """What a turn start costs: ``hit_tokens`` reused from cache, ``compute_tokens`` to prefill."""
+class TurnAlloc(NamedTuple):
+    """What a turn start costs: ``hit_tokens`` reused from cache, ``compute_tokens`` to prefill.
+    (Named tuples, here and for the plan below: one is made per turn, and a frozen dataclass
+    costs several times more to build.)"""
 
     hit_tokens: int
     compute_tokens: int
@@ -57,8 +58,7 @@ class _Entry:
         self.hit_group_blocks = 0  # tasks: group blocks hit by the current turn
 
 
-@dataclass(frozen=True, slots=True)
-class _TurnPlan:
+class _TurnPlan(NamedTuple):
     shared_blocks: int  # full prompt blocks (group entry size)
     own_tokens: int  # context tokens in the task entry
     own_blocks: int  # blocks the task entry needs

@@ -12,6 +12,8 @@ from __future__ import annotations
 from tiderl.core.ctb import CTBConfig, SchedulingPolicy, TaskBook, make_policy
 from tiderl.core.types import Admit, Decision, Group, Resume, TaskState
 
+_NEW = TaskState.NEW  # a module constant: a read through the class is slow on Python 3.11
+
 
 class RolloutWait:
     """RWT in rank-seconds: rollout ranks with no generation in flight while no task waits for
@@ -118,7 +120,7 @@ class RolloutControl:
     def is_admitted(self, task: str) -> bool:
         """In the book and placed (active or paused): a rank may report on it."""
         record = self.book.tasks.get(task)
-        return record is not None and record.state is not TaskState.NEW
+        return record is not None and record.state is not _NEW
 
     def add_rank(self, rank: int, now: float) -> None:
         self.advance(now)
@@ -155,7 +157,7 @@ class RolloutControl:
     def turn_started(self, task: str, now: float) -> None:
         """A task's observation came back: its next generation starts."""
         self.advance(now)
-        if self.is_known(task):
+        if task in self.book.tasks:  # is_known
             self.book.set_running(task, True)
 
     def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float) -> None:

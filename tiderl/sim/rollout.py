@@ -44,10 +44,10 @@ class SimTask:
     request: SimRequest | None = None
     version: int | None = None  # policy version of its first turn (its oldest tokens)
     rank_next: int | None = None  # resumed elsewhere while a turn ran: move after the turn
+    task_id: str = field(init=False)  # the plan's (a field: it is read several times a turn)
 
-    @property
-    def task_id(self) -> str:
-        return self.plan.task_id
+    def __post_init__(self) -> None:
+        self.task_id = self.plan.task_id
 
 
 @dataclass(slots=True, eq=False)
@@ -233,7 +233,7 @@ class RolloutPool:
 
     def _on_env_done(self, task: SimTask) -> None:
         task.is_waiting_env = False
-        if task.turn == task.plan.num_turns:
+        if task.turn == len(task.plan.turns):
             self._finish(task)
         elif not task.is_paused and task.rank is not None:
             self._start_turn(task)

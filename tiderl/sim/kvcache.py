@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 class TurnAlloc(NamedTuple):
     """What a turn start costs: ``hit_tokens`` reused from cache, ``compute_tokens`` to prefill.
-    (Named tuples, here and for the plan below: one is made per turn, and a frozen dataclass
-    costs several times more to build.)"""
+    (A named tuple: one is made per turn, and a frozen dataclass costs several times more to
+    build.)"""
 
     hit_tokens: int
     compute_tokens: int
@@ -58,13 +58,11 @@ class _Entry:
         self.hit_group_blocks = 0  # tasks: group blocks hit by the current turn
 
 
-class _TurnPlan(NamedTuple):
-    shared_blocks: int  # full prompt blocks (group entry size)
-    own_tokens: int  # context tokens in the task entry
-    own_blocks: int  # blocks the task entry needs
-    hit_group: int  # blocks hit in the group entry
-    hit_own: int  # blocks hit in the task entry
-    new_blocks: int  # blocks to allocate (evicting if needed)
+# A turn's plan, in blocks: (shared: the full prompt blocks, the group entry's size; own_tokens:
+# context tokens in the task entry; own_blocks: the blocks the task entry needs; hit_group,
+# hit_own: blocks hit in the group and the task entry; new_blocks: blocks to allocate, evicting
+# if needed). A plain tuple: one is made per turn.
+_TurnPlan = tuple[int, int, int, int, int, int]
 
 
 class SimKVCache:
@@ -279,7 +277,7 @@ class SimKVCache:
                 available -= task.blocks
         if new_blocks > available:
             return None
-        return _TurnPlan(shared, own_tokens, own_blocks, hit_group, hit_own, new_blocks)
+        return shared, own_tokens, own_blocks, hit_group, hit_own, new_blocks
 
     def _hits(self, task: _Entry | None, group: _Entry | None, shared: int, context_tokens: int,
               kept_prefix: int | None) -> tuple[int, int]:
@@ -293,10 +291,11 @@ class SimKVCache:
         return hit_group, min(task.valid, limit - shared)
 
     def _alloc_of(self, plan: _TurnPlan, context_tokens: int) -> TurnAlloc:
-        hit = (plan.hit_group + plan.hit_own) * self.block_size
+        hit = (plan[3] + plan[4]) * self.block_size  # hit_group + hit_own
         return TurnAlloc(hit_tokens=hit, compute_tokens=context_tokens - hit)
 
     def _commit(self, task_id: str, group_id: str, plan: _TurnPlan) -> None:
+        shared, own_tokens, own_blocks, hit_group, hit_own, new_blocks = plan
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = _Entry(group_id, is_group=True)
@@ -308,16 +307,16 @@ class SimKVCache:
                 self._group_reference(group)
         if task_id not in self._pinned:
             self._reference(task)
-        if task.blocks > plan.own_blocks:
-            self._used -= task.blocks - plan.own_blocks
-            task.blocks = plan.own_blocks
-        if plan.new_blocks:
-            self._allocate(plan.new_blocks)
-        group.blocks = max(group.blocks, plan.shared_blocks)
-        group.valid, group.stale = plan.shared_blocks, False  # the prefill recomputes the rest
-        task.blocks = plan.own_blocks
-        task.tokens, task.valid, task.stale = plan.own_tokens, plan.hit_own, False
-        task.hit_blocks, task.hit_group_blocks = plan.hit_own, plan.hit_group
+        if task.blocks > own_blocks:
+            self._used -= task.blocks - own_blocks
+            task.blocks = own_blocks
+        if new_blocks:
+            self._allocate(new_blocks)
+        group.blocks = max(group.blocks, shared)
+        group.valid, group.stale = shared, False  # the prefill recomputes the rest
+        task.blocks = own_blocks
+        task.tokens, task.valid, task.stale = own_tokens, hit_own, False
+        task.hit_blocks, task.hit_group_blocks = hit_own, hit_group
         task.running = True
 
     # ---- references ----

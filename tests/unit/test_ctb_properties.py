@@ -181,7 +181,7 @@ def test_book_indexes_match_a_recount(scenario):
         assert all(
             t.state is TaskState.ACTIVE and t.rank == rank.rank for t in rank.active.values()
         )
-        assert sorted(t.task_id for t in rank.by_priority()) == sorted(rank.active)
+        assert sorted(t.task_id for t in book.by_priority(rank.rank)) == sorted(rank.active)
     assert book.num_active == sum(len(r.active) for r in book.ranks.values())
     assert book.num_new == sum(t.state is TaskState.NEW for t in book.tasks.values())
     for task in book.tasks.values():

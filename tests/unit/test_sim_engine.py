@@ -228,6 +228,8 @@ def test_cached_cost_model_matches_the_cost_model():
                 getattr(plain, name)(tokens, seq), rel=1e-12)
     assert cached.prefill_s([(100, 50), (7, 0)]) == pytest.approx(
         plain.prefill_s([(100, 50), (7, 0)]), rel=1e-12)
+    for chunk in ((1, 0), (333, 4096), (0, 64)):  # one sequence: the same sum, term for term
+        assert cached.prefill_s([chunk]) == plain.prefill_s([chunk])
 
 
 class FakeSmallRankCostModel(CachedCostModel):

@@ -333,7 +333,7 @@ class CTBPolicy(SchedulingPolicy):
         for rank, record in book.ranks.items():
             if record.usage <= record.budget:
                 continue
-            victims = record.by_priority()
+            victims = book.by_priority(rank)
             while draft.usage[rank] > record.budget and draft.num_active[rank] > 1:
                 task = next(victims)
                 draft.take_off(task)

@@ -37,6 +37,11 @@ from tiderl.core.types import (
 
 FOOTPRINT_WINDOW = 256  # finished tasks the expected footprint averages over (a moving mean)
 
+# The states as module constants: on Python 3.11 reading a member through its class
+# (TaskState.ACTIVE) goes through EnumType.__getattr__'s slow hook, about ten times a global's
+# read, and the turn events below run millions of times in a simulation.
+_NEW, _ACTIVE, _PAUSED = TaskState.NEW, TaskState.ACTIVE, TaskState.PAUSED
+
 
 @dataclass(frozen=True, slots=True)
 class PriorityWeights:
@@ -96,8 +101,8 @@ class TaskRecord:
     context_len: int = 0
     is_running: bool = False  # a generation request is in flight (I_active)
     num_turns: int = 0
-    priority: float = 0.0  # P(t), kept current by the book (see TaskBook.priority)
-    stamp: int = 0  # bumped whenever its rank's priority-heap entry goes stale
+    # P(t), cached by TaskBook.priority (None: an input changed); a cache, not state
+    priority: float | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -132,16 +137,12 @@ class GroupRecord:
         return self.size - self.num_finished - self.num_dropped
 
 
-HeapEntry = tuple[float, int, TaskId, int]  # (priority, footprint, task_id, stamp)
-
-
 @dataclass(slots=True)
 class RankRecord:
     """A rollout rank: its budget B_r, its active tasks and their usage.
 
-    ``heap`` orders the active tasks by (priority, footprint, task_id) lazily: an entry whose
-    stamp is not its task's current one is stale and skipped. ``footprints`` keeps their
-    footprints sorted, for CTB's projected peak (``tiderl.core.ctb.projected_peak``).
+    ``footprints`` keeps their footprints sorted, for CTB's projected peak
+    (``tiderl.core.ctb.projected_peak``).
     """
 
     rank: int
@@ -151,23 +152,11 @@ class RankRecord:
     active: dict[TaskId, TaskRecord] = field(default_factory=dict)
     footprints: list[int] = field(default_factory=list)  # of its active tasks, ascending
     num_env: dict[str, int] = field(default_factory=dict)  # env -> active tasks there
-    heap: list[HeapEntry] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def headroom(self) -> int:
         return self.budget - self.usage
 
-    def is_current(self, entry: HeapEntry) -> bool:
-        task = self.active.get(entry[2])
-        return task is not None and task.stamp == entry[3]
-
-    def by_priority(self) -> Iterator[TaskRecord]:
-        """Active tasks, lowest (priority, footprint, task_id) first; reads a copy of the heap."""
-        heap = list(self.heap)
-        while heap:
-            entry = heapq.heappop(heap)
-            if self.is_current(entry):
-                yield self.active[entry[2]]
 
 
 def _bump(counts: dict, key: object, delta: int) -> None:
@@ -276,8 +265,21 @@ class TaskBook:
         return self.final_footprint if self.num_finished else float(self.default_footprint_tokens)
 
     def priority(self, task: TaskRecord) -> float:
-        """P(t), cached on the task: every event that changes its inputs recomputes it."""
+        """P(t), cached on the task until an input changes (its context, I_active, its group's
+        completion): turn events only drop it, a round computes the ones it reads."""
+        if task.priority is None:
+            group = self.groups[task.group_id]
+            task.priority = priority(task, group, self.weights, self.context_norm_tokens)
         return task.priority
+
+    def by_priority(self, rank: int) -> Iterator[TaskRecord]:
+        """The active tasks of ``rank``, lowest (priority, footprint, task_id) first: a heap
+        built when asked and popped lazily (the pause phase takes only the few it needs)."""
+        heap = [(self.priority(t), t.footprint, t.task_id, t)
+                for t in self._rank(rank).active.values()]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[3]
 
     def throttle_cost(self, task: TaskRecord) -> int:
         """What admitting ``task`` adds to ``num_admitted_train``: its group's NEW training tasks
@@ -335,9 +337,8 @@ class TaskBook:
         moved = list(record.active.values())
         for task in moved:
             self._deactivate(task)
-            task.state, task.rank = TaskState.PAUSED, None
+            task.state, task.rank = _PAUSED, None
             self.paused[task.task_id] = task
-            self._reindex(task)
         del self.ranks[rank]
         self.num_idle_ranks -= 1
         return [task.task_id for task in moved]
@@ -361,8 +362,6 @@ class TaskBook:
             )
             group.pending[spec.task_id] = None
         self.groups[group_id] = group
-        for task_id in task_ids:
-            self._reindex(self.tasks[task_id])
         self.pending_groups[group_id] = group
         self.num_new += len(specs)
 
@@ -373,18 +372,18 @@ class TaskBook:
         probe's first report sets its group's probed footprint, the estimate its NEW siblings are
         admitted at."""
         task = self.task(task_id)
-        if task.state is TaskState.NEW:
+        if task.state is _NEW:
             raise ValueError(f"task {short(task_id)} reported a turn before it was admitted")
         _check_tokens(footprint, "footprint")
-        if task.state is TaskState.ACTIVE:
+        if task.state is _ACTIVE:
             record = self.ranks[task.rank]
             record.usage += footprint - task.footprint
             _unsort(record.footprints, task.footprint)
             insort(record.footprints, footprint)
         task.footprint, task.context_len = footprint, context_len
+        task.priority = None
         self._set_running(task, is_running)
         task.num_turns += 1
-        self._reindex(task)
         group = self.groups[task.group_id]
         if not group.is_probed and task_id == group.probe_task_id:
             group.probed_footprint = footprint
@@ -395,11 +394,10 @@ class TaskBook:
         """A generation request of an active task started or returned (I_active)."""
         task = self.task(task_id)
         self._set_running(task, is_running)
-        self._reindex(task)
 
     def finish_task(self, task_id: TaskId) -> None:
         task = self.task(task_id)
-        if task.state is TaskState.NEW:
+        if task.state is _NEW:
             raise ValueError(f"task {short(task_id)} finished before it was admitted")
         group = self.groups[task.group_id]
         group.num_finished += 1
@@ -410,7 +408,7 @@ class TaskBook:
         for sibling_id in group.task_ids:  # their G_completion, hence priority, went up
             sibling = self.tasks.get(sibling_id)
             if sibling is not None:
-                self._reindex(sibling)
+                sibling.priority = None
 
     def drop_task(self, task_id: TaskId) -> None:
         """Abandon a task in any state (e.g. too stale); it does not count as finished."""
@@ -445,19 +443,18 @@ class TaskBook:
                 raise TypeError(f"not a CTB decision: {decision!r}")
 
     def _pause(self, task: TaskRecord) -> None:
-        _check_state(task, TaskState.ACTIVE, "pause")
+        _check_state(task, _ACTIVE, "pause")
         self._deactivate(task)
-        task.state = TaskState.PAUSED  # rank kept: it is the task's last rank
+        task.state = _PAUSED  # rank kept: it is the task's last rank
         self.paused[task.task_id] = task
-        self._reindex(task)
 
     def _resume(self, task: TaskRecord, rank: int) -> None:
-        _check_state(task, TaskState.PAUSED, "resume")
+        _check_state(task, _PAUSED, "resume")
         del self.paused[task.task_id]
         self._activate(task, rank)
 
     def _admit(self, task: TaskRecord, rank: int) -> None:
-        _check_state(task, TaskState.NEW, "admit")
+        _check_state(task, _NEW, "admit")
         self.window.num_admitted += self.throttle_cost(task)
         if not task.is_eval:
             self.groups[task.group_id].is_reserved = True
@@ -479,9 +476,8 @@ class TaskBook:
         insort(record.footprints, task.footprint)
         _bump(record.num_env, task.env, 1)
         _bump(self.groups[task.group_id].num_active_on, rank, 1)
-        task.state, task.rank = TaskState.ACTIVE, rank
+        task.state, task.rank = _ACTIVE, rank
         self.num_active += 1
-        self._reindex(task)
 
     def _deactivate(self, task: TaskRecord) -> None:
         """Take an ACTIVE task off its rank; it executes nothing until resumed."""
@@ -496,30 +492,16 @@ class TaskBook:
 
     def _set_running(self, task: TaskRecord, is_running: bool) -> None:
         """I_active, and its rank's count of tasks generating: only an active task runs."""
-        is_running = is_running and task.state is TaskState.ACTIVE
+        is_running = is_running and task.state is _ACTIVE
         if is_running == task.is_running:
             return
         task.is_running = is_running
+        task.priority = None
         record = self.ranks[task.rank]
         record.num_running += 1 if is_running else -1
         self.num_generating += 1 if is_running else -1
         if record.num_running == (1 if is_running else 0):  # it just left or entered idleness
             self.num_idle_ranks += -1 if is_running else 1
-
-    def _reindex(self, task: TaskRecord) -> None:
-        """An input of its priority, or its footprint, changed: recompute P(t) and, if it is
-        active, give it a fresh entry in its rank's heap."""
-        group = self.groups[task.group_id]
-        task.priority = priority(task, group, self.weights, self.context_norm_tokens)
-        task.stamp += 1
-        if task.state is not TaskState.ACTIVE:
-            return
-        record = self.ranks[task.rank]
-        entry = (task.priority, task.footprint, task.task_id, task.stamp)
-        heapq.heappush(record.heap, entry)
-        if len(record.heap) > 2 * len(record.active) + 16:  # drop stale entries, amortised O(1)
-            record.heap = [e for e in record.heap if record.is_current(e)]
-            heapq.heapify(record.heap)
 
     def _unqueue(self, task: TaskRecord) -> None:
         group = self.groups[task.group_id]
@@ -530,9 +512,9 @@ class TaskBook:
 
     def _forget(self, task: TaskRecord) -> None:
         """Remove a finished or dropped task; a probe that never reported hands over."""
-        if task.state is TaskState.ACTIVE:
+        if task.state is _ACTIVE:
             self._deactivate(task)
-        elif task.state is TaskState.PAUSED:
+        elif task.state is _PAUSED:
             del self.paused[task.task_id]
         else:
             self._unqueue(task)

@@ -4,11 +4,15 @@
 other method calls them through ``self``, so prefill and training use the cache too). A decode
 step is affine in the summed context (simcal §8.2: the KV read is Σℓ·b_kv/BW_kv), so it is
 cached as base(B) + Σℓ·slope; Ref and Actor times are linear in their tokens at a given sequence
-length, so they are cached per token by sequence length. The constructor checks affinity and
-linearity against the parent class and falls back to the uncached formulas if they ever fail.
+length, so they are cached per token by sequence length; a prefill's attention FLOPs take their
+model-only factor (4·L_attn·H·h_d) from one product, and a prefill of one sequence (the engine's
+usual pass) skips the parent's lists. The constructor checks affinity and linearity against the
+parent class and falls back to the uncached formulas if they ever fail.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from tiderl.sim.hardware import CostModel
 
@@ -27,6 +31,9 @@ class CachedCostModel(CostModel):
         guess = CostModel.decode_step_s(self, 7, 0) + 3 * _PROBE_CONTEXT * self._slope
         self._is_affine = abs(probe - guess) <= 1e-9 * probe
         self._per_token: dict[tuple[str, int], float] = {}
+        # CostModel.attention_flops computes 4.0 * width * (...) left to right: the same product
+        self._attention_scale = 4.0 * (self.model.num_attention_layers
+                                       * self.model.attention_width)
         self._is_linear = False  # while probing: the parent's formulas
         self._is_linear = all(
             abs(getattr(CostModel, name)(self, 1000, 4096)
@@ -45,6 +52,16 @@ class CachedCostModel(CostModel):
         if value is None:
             value = self._head[num_logits] = super().t_head(num_logits)
         return value
+
+    def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        if len(chunks) != 1 or chunks[0][0] <= 0:
+            return super().prefill_s(chunks)
+        new, cached = chunks[0]  # CostModel.prefill_s of one chunk, term for term
+        return (self.gpu.step_overhead_s + self.t_lin(new) + self.t_head(1)
+                + self.attention_flops(new, cached) / self.gpu.attn_flops)
+
+    def attention_flops(self, new: int, cached: int) -> float:
+        return self._attention_scale * (new * cached + new * new / 2.0)
 
     def decode_step_s(self, batch: int, sum_context: int) -> float:
         if not self._is_affine or batch <= 0:

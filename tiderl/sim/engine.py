@@ -86,12 +86,10 @@ class RolloutEngine:
         self._step_s = 0.0
         self._t_last = loop.now
         self.stall_until = loop.now
-        self.is_idle = True
         self.is_closed = False
         self.decoded_tokens = 0
         self.prefill_tokens = 0
         self.recomputed_tokens = 0
-        self.busy_s = 0.0  # time with running requests, stalls included
         # where the rank's time went (docs/simulator.md, "Where the device-seconds go")
         self.decode_s = 0.0
         self.prefill_s = 0.0
@@ -145,29 +143,28 @@ class RolloutEngine:
         """Move V to now: decode ran from the last change (or the stall's end) at the held rate."""
         now = self.loop.now
         if self.running:
-            start = max(self._t_last, self.stall_until)
+            start = self._t_last if self._t_last >= self.stall_until else self.stall_until
             if now > start and self._step_s > 0:
                 self._v += (now - start) / self._step_s
                 self._u += (now - start) / len(self.running)
                 self.decode_s += now - start
-            self.busy_s += now - self._t_last
         self._t_last = now
 
     def _reschedule(self) -> None:
         """One pending completion event for the earliest target; the step time at current size.
         A pending event that is not later than the new completion time is kept: when it fires
         early it finds nothing done and schedules the next one (one heap entry, not two)."""
-        self._set_idle(not self.running and not self.queue)
         if not self.running:
             return
-        batch = len(self.running)
-        self._step_s = self.cost.decode_step_s(batch, int(self._sum_base + batch * self._v))
+        batch, v = len(self.running), self._v
+        step_s = self._step_s = self.cost.decode_step_s(batch, int(self._sum_base + batch * v))
         heap = self._heap
         while not heap[0][2].is_running:
             heapq.heappop(heap)
-        target = heap[0][0]
-        start = max(self.loop.now, self.stall_until)
-        when = start + max(0.0, target - self._v) * self._step_s
+        now, stall_until = self.loop.now, self.stall_until
+        start = now if now >= stall_until else stall_until
+        tokens_left = heap[0][0] - v
+        when = start + (tokens_left if tokens_left > 0.0 else 0.0) * step_s
         if self._wake_at is not None and self._wake_at <= when:
             return  # the pending tick comes first; it will look again (fewer heap entries)
         self._epoch += 1
@@ -211,9 +208,10 @@ class RolloutEngine:
             admitted = self._admit_fitting()
         if admitted:
             seconds = self.cost.prefill_s([chunk for _, chunk, _ in admitted])
-            self.stall_until = max(self.loop.now, self.stall_until) + seconds
+            now, stall_until = self.loop.now, self.stall_until
+            self.stall_until = (now if now >= stall_until else stall_until) + seconds
             self.prefill_s += seconds
-            computed = sum(new for _, (new, _), _ in admitted)  # 0: a pass of no time
+            computed = sum([new for _, (new, _), _ in admitted])  # 0: a pass of no time
             for request, (new, _), recomputed in admitted:
                 if new:
                     share = seconds * new / computed
@@ -233,24 +231,25 @@ class RolloutEngine:
         """The requests admitted, each with its prefill chunk (new, cached) and how many of
         the new tokens are recomputed."""
         admitted: list[tuple[SimRequest, tuple[int, int], int]] = []
-        now = self.loop.now
-        while self.queue and (self.max_running is None or len(self.running) < self.max_running):
-            request = self.queue[0]
-            need = request.context + request.remaining + 2 * self.kv.block_size
-            if need > self.kv.free_tokens and self.kv.peek_turn(
+        now, kv, queue, max_running = self.loop.now, self.kv, self.queue, self.max_running
+        while queue and (max_running is None or len(self.running) < max_running):
+            request = queue[0]
+            need = request.context + request.remaining + 2 * kv.block_size
+            if need > kv.free_tokens and kv.peek_turn(
                     request.task_id, request.group_id, request.prompt_tokens,
                     request.context + request.remaining, request.kept_prefix) is None:
                 break  # plenty of free blocks: it surely fits, skip the (costlier) check
-            alloc = self.kv.begin_turn(request.task_id, request.group_id, request.prompt_tokens,
-                                       request.context, now, request.kept_prefix)
+            alloc = kv.begin_turn(request.task_id, request.group_id, request.prompt_tokens,
+                                  request.context, now, request.kept_prefix)
             if alloc is None or not self._reserve_output(request):
                 break
-            self.queue.popleft()
+            queue.popleft()
             if request.pin:
-                self.kv.pin(request.task_id)
-            recomputed = max(0, alloc.compute_tokens - request.fresh)
-            admitted.append((request, (alloc.compute_tokens, alloc.hit_tokens), recomputed))
-            self.prefill_tokens += alloc.compute_tokens
+                kv.pin(request.task_id)
+            hit, compute = alloc
+            recomputed = compute - request.fresh if compute > request.fresh else 0
+            admitted.append((request, (compute, hit), recomputed))
+            self.prefill_tokens += compute
             self.recomputed_tokens += recomputed
             request.fresh = 0
             self._start(request)
@@ -278,15 +277,11 @@ class RolloutEngine:
         self.queue.insert(1, victim)  # right behind the request that preempted it
 
     def _start(self, request: SimRequest) -> None:
-        request.seq = self._seq
+        seq, v = self._seq, self._v
         self._seq += 1
-        request.v_start = self._v
-        request.u_start = self._u
-        request.v_target = self._v + request.remaining
+        request.seq, request.v_start, request.u_start = seq, v, self._u
+        request.v_target = v + request.remaining
         request.is_running = True
-        self.running[request.seq] = request
-        self._sum_base += request.context - request.v_start
-        heapq.heappush(self._heap, (request.v_target, request.seq, request))
-
-    def _set_idle(self, is_idle: bool) -> None:
-        self.is_idle = is_idle
+        self.running[seq] = request
+        self._sum_base += request.context - v
+        heapq.heappush(self._heap, (request.v_target, seq, request))

@@ -26,17 +26,21 @@ Event = tuple[float, Handler, Any]
 class EventLoop:
     """A discrete-event clock. ``run`` pops events in (time, seq) order until a stop."""
 
-    __slots__ = ("_heap", "_seq", "_stopped", "now", "num_events")
+    __slots__ = ("_heap", "_seq", "_stopped", "now")
 
     def __init__(self, start: float = 0.0) -> None:
         self.now = start
-        self.num_events = 0  # events handled so far
         self._heap: list[tuple[float, int, Handler, Any]] = []
         self._seq = 0
         self._stopped = False
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    @property
+    def num_events(self) -> int:
+        """Events handled so far: every one scheduled and no longer on the heap."""
+        return self._seq - len(self._heap)
 
     def at(self, time: float, handler: Handler, payload: Any = None) -> None:
         """Run ``handler(payload)`` at simulated ``time`` (never before now)."""
@@ -65,7 +69,6 @@ class EventLoop:
                 break
             time, _, handler, payload = heapq.heappop(heap)
             self.now = time
-            self.num_events += 1
             returned = handler(payload)
             if returned:
                 for event in returned:

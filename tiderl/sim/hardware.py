@@ -277,8 +277,8 @@ class CostModel:
         work = [(new, cached) for new, cached in chunks if new > 0]
         if not work:
             return 0.0
-        new_tokens = sum(new for new, _ in work)
-        attention = sum(self.attention_flops(new, cached) for new, cached in work)
+        new_tokens = sum([new for new, _ in work])
+        attention = sum([self.attention_flops(new, cached) for new, cached in work])
         return (self.gpu.step_overhead_s + self.t_lin(new_tokens) + self.t_head(len(work))
                 + attention / self.gpu.attn_flops)
 

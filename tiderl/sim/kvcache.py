@@ -25,12 +25,13 @@ the entries in the LRU queue.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class TurnAlloc:
-    """What a turn start costs: ``hit_tokens`` reused from cache, ``compute_tokens`` to prefill."""
+class TurnAlloc(NamedTuple):
+    """What a turn start costs: ``hit_tokens`` reused from cache, ``compute_tokens`` to prefill.
+    (A named tuple: one is made per turn, and a frozen dataclass costs several times more to
+    build.)"""
 
     hit_tokens: int
     compute_tokens: int
@@ -57,14 +58,11 @@ class _Entry:
         self.hit_group_blocks = 0  # tasks: group blocks hit by the current turn
 
 
-@dataclass(frozen=True, slots=True)
-class _TurnPlan:
-    shared_blocks: int  # full prompt blocks (group entry size)
-    own_tokens: int  # context tokens in the task entry
-    own_blocks: int  # blocks the task entry needs
-    hit_group: int  # blocks hit in the group entry
-    hit_own: int  # blocks hit in the task entry
-    new_blocks: int  # blocks to allocate (evicting if needed)
+# A turn's plan, in blocks: (shared: the full prompt blocks, the group entry's size; own_tokens:
+# context tokens in the task entry; own_blocks: the blocks the task entry needs; hit_group,
+# hit_own: blocks hit in the group and the task entry; new_blocks: blocks to allocate, evicting
+# if needed). A plain tuple: one is made per turn.
+_TurnPlan = tuple[int, int, int, int, int, int]
 
 
 class SimKVCache:
@@ -155,7 +153,7 @@ class SimKVCache:
         tokens = entry.tokens + new_tokens
         needed = self._blocks_for(tokens) - entry.blocks
         if needed > 0:
-            if needed > self._available():
+            if needed > self.capacity_blocks - self._used + self._cached:  # free + cached
                 return False
             self._allocate(needed)
             entry.blocks += needed
@@ -257,16 +255,29 @@ class SimKVCache:
             raise ValueError(f"task {task_id!r} is running or belongs to another group")
         shared = min(prompt_tokens, context_tokens) // bs
         own_tokens = context_tokens - shared * bs
-        own_blocks = self._blocks_for(own_tokens)
+        own_blocks = -(-own_tokens // bs)
         hit_group, hit_own = self._hits(task, group, shared, context_tokens, kept_prefix)
-        have_group = group.blocks if group is not None else 0
-        have_own = task.blocks if task is not None else 0
-        new_blocks = max(0, shared - have_group) + max(0, own_blocks - have_own)
-        freed = max(0, have_own - own_blocks)
-        available = self._available() + freed - self._cached_in(task) - self._cached_in(group)
+        # the blocks its entries lack, against what it can get: the free and cached blocks
+        # (less its entries' own cached ones: it takes them back) and the blocks its entry holds
+        # beyond what it needs (this turn's context can be shorter, after pruning)
+        new_blocks = shared
+        available = self.capacity_blocks - self._used + self._cached
+        if group is not None:
+            new_blocks = shared - group.blocks if shared > group.blocks else 0
+            if group in self._lru:
+                available -= group.blocks
+        if task is None:
+            new_blocks += own_blocks
+        else:
+            if own_blocks > task.blocks:
+                new_blocks += own_blocks - task.blocks
+            else:
+                available += task.blocks - own_blocks
+            if task in self._lru:
+                available -= task.blocks
         if new_blocks > available:
             return None
-        return _TurnPlan(shared, own_tokens, own_blocks, hit_group, hit_own, new_blocks)
+        return shared, own_tokens, own_blocks, hit_group, hit_own, new_blocks
 
     def _hits(self, task: _Entry | None, group: _Entry | None, shared: int, context_tokens: int,
               kept_prefix: int | None) -> tuple[int, int]:
@@ -280,10 +291,11 @@ class SimKVCache:
         return hit_group, min(task.valid, limit - shared)
 
     def _alloc_of(self, plan: _TurnPlan, context_tokens: int) -> TurnAlloc:
-        hit = (plan.hit_group + plan.hit_own) * self.block_size
+        hit = (plan[3] + plan[4]) * self.block_size  # hit_group + hit_own
         return TurnAlloc(hit_tokens=hit, compute_tokens=context_tokens - hit)
 
     def _commit(self, task_id: str, group_id: str, plan: _TurnPlan) -> None:
+        shared, own_tokens, own_blocks, hit_group, hit_own, new_blocks = plan
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = _Entry(group_id, is_group=True)
@@ -295,15 +307,16 @@ class SimKVCache:
                 self._group_reference(group)
         if task_id not in self._pinned:
             self._reference(task)
-        if task.blocks > plan.own_blocks:
-            self._free(task.blocks - plan.own_blocks)
-            task.blocks = plan.own_blocks
-        self._allocate(plan.new_blocks)
-        group.blocks = max(group.blocks, plan.shared_blocks)
-        group.valid, group.stale = plan.shared_blocks, False  # the prefill recomputes the rest
-        task.blocks = plan.own_blocks
-        task.tokens, task.valid, task.stale = plan.own_tokens, plan.hit_own, False
-        task.hit_blocks, task.hit_group_blocks = plan.hit_own, plan.hit_group
+        if task.blocks > own_blocks:
+            self._used -= task.blocks - own_blocks
+            task.blocks = own_blocks
+        if new_blocks:
+            self._allocate(new_blocks)
+        group.blocks = max(group.blocks, shared)
+        group.valid, group.stale = shared, False  # the prefill recomputes the rest
+        task.blocks = own_blocks
+        task.tokens, task.valid, task.stale = own_tokens, hit_own, False
+        task.hit_blocks, task.hit_group_blocks = hit_own, hit_group
         task.running = True
 
     # ---- references ----
@@ -332,7 +345,7 @@ class SimKVCache:
     def _cache(self, entry: _Entry) -> None:
         """Keep only the entry's valid full blocks and queue it as most recently used."""
         keep = 0 if entry.stale else min(entry.valid, entry.blocks)
-        self._free(entry.blocks - keep)
+        self._used -= entry.blocks - keep
         entry.blocks = entry.valid = keep
         entry.stale = False
         if keep:
@@ -344,9 +357,6 @@ class SimKVCache:
             del self._lru[entry]
             self._cached -= entry.blocks
 
-    def _cached_in(self, entry: _Entry | None) -> int:
-        return entry.blocks if entry is not None and entry in self._lru else 0
-
     def _forget_group_if_empty(self, group: _Entry) -> None:
         if group.members == 0 and group.blocks == 0 and group.refs == 0:
             self._groups.pop(group.key, None)
@@ -356,23 +366,16 @@ class SimKVCache:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _available(self) -> int:
-        """Blocks obtainable now: free ones plus every cached (unreferenced) one."""
-        return self.capacity_blocks - self._used + self._cached
-
     def _allocate(self, num_blocks: int) -> None:
         shortfall = num_blocks - (self.capacity_blocks - self._used)
         if shortfall > 0:
             self._evict(shortfall)
         self._used += num_blocks
 
-    def _free(self, num_blocks: int) -> None:
-        self._used -= num_blocks
-
     def _drop_blocks(self, entry: _Entry) -> None:
         """Free all of an entry's blocks (they are not cached)."""
         self._take_from_lru(entry)
-        self._free(entry.blocks)
+        self._used -= entry.blocks
         entry.blocks = entry.valid = 0
 
     def _evict(self, num_blocks: int) -> None:

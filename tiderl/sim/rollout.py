@@ -44,10 +44,10 @@ class SimTask:
     request: SimRequest | None = None
     version: int | None = None  # policy version of its first turn (its oldest tokens)
     rank_next: int | None = None  # resumed elsewhere while a turn ran: move after the turn
+    task_id: str = field(init=False)  # the plan's (a field: it is read several times a turn)
 
-    @property
-    def task_id(self) -> str:
-        return self.plan.task_id
+    def __post_init__(self) -> None:
+        self.task_id = self.plan.task_id
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +58,8 @@ class SimGroup:
     num_open: int = 0
     ready_time: float = 0.0
     plans: list[TaskPlan] = field(default_factory=list)
+    # the sequences, built on first use: the buffer reads them several times per group
+    _sequences: tuple[SeqRef, ...] | None = field(default=None, init=False, repr=False)
 
     @property
     def oldest_version(self) -> int:
@@ -72,8 +74,12 @@ class SimGroup:
         """The group's training sequences, as the global buffer takes them: one per segment of
         each task (screenshot pruning splits a trajectory, paper App. C; a text task has one,
         named as its task, as on the runtime), ids ``<task_id>#<k>`` (:func:`segment_id`)."""
-        return tuple(SeqRef(segment_id(p.task_id, k, len(p.segment_tokens)), n)
-                     for p in self.plans for k, n in enumerate(p.segment_tokens))
+        if self._sequences is None:
+            self._sequences = tuple(
+                SeqRef(segment_id(p.task_id, k, len(segments)), n)
+                for p in self.plans for segments in (p.segment_tokens,)
+                for k, n in enumerate(segments))
+        return self._sequences
 
     @property
     def num_samples(self) -> int:
@@ -233,7 +239,7 @@ class RolloutPool:
 
     def _on_env_done(self, task: SimTask) -> None:
         task.is_waiting_env = False
-        if task.turn == task.plan.num_turns:
+        if task.turn == len(task.plan.turns):
             self._finish(task)
         elif not task.is_paused and task.rank is not None:
             self._start_turn(task)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from tiderl.core.ctb import CTBConfig, SchedulingPolicy, TaskBook, make_policy
 from tiderl.core.types import Admit, Decision, Group, Resume, TaskState
 
+_NEW = TaskState.NEW  # a module constant: a read through the class is slow on Python 3.11
+
 
 class RolloutWait:
     """RWT in rank-seconds: rollout ranks with no generation in flight while no task waits for
@@ -28,7 +30,7 @@ class RolloutWait:
         if now <= since or not is_counting:
             return
         lo, hi = self._stall
-        overlap = max(0.0, min(now, hi) - max(since, lo))
+        overlap = max(0.0, min(now, hi) - max(since, lo)) if hi > since else 0.0
         self.total += (now - since - overlap) * num_idle
 
     def stall(self, now: float, until: float, num_ranks: int) -> None:
@@ -87,15 +89,16 @@ class RolloutControl:
         saturated rank-seconds (while tasks wait for admission, every rollout rank is full:
         the policy admits whenever one has room), and the task-seconds placed tasks spent
         generating against waiting for their environments."""
-        is_counting = not self.is_parked and self.book.num_new == 0
-        if not self.is_parked and now > self._integrated_at:
-            dt, book = now - self._integrated_at, self.book
-            if book.num_new:
-                self.saturated_s += dt * len(book.ranks)
-            self.generating_task_s += dt * book.num_generating
-            self.active_task_s += dt * book.num_active
-        self._integrated_at = max(self._integrated_at, now)
-        self.rwt.advance(now, self.book.num_idle_ranks, is_counting)
+        book = self.book
+        if now > self._integrated_at:
+            if not self.is_parked:
+                dt = now - self._integrated_at
+                if book.num_new:
+                    self.saturated_s += dt * len(book.ranks)
+                self.generating_task_s += dt * book.num_generating
+                self.active_task_s += dt * book.num_active
+            self._integrated_at = now
+        self.rwt.advance(now, book.num_idle_ranks, not self.is_parked and book.num_new == 0)
 
     def restart_clock(self, now: float) -> None:
         self.rwt = RolloutWait(now)
@@ -117,7 +120,7 @@ class RolloutControl:
     def is_admitted(self, task: str) -> bool:
         """In the book and placed (active or paused): a rank may report on it."""
         record = self.book.tasks.get(task)
-        return record is not None and record.state is not TaskState.NEW
+        return record is not None and record.state is not _NEW
 
     def add_rank(self, rank: int, now: float) -> None:
         self.advance(now)
@@ -154,7 +157,7 @@ class RolloutControl:
     def turn_started(self, task: str, now: float) -> None:
         """A task's observation came back: its next generation starts."""
         self.advance(now)
-        if self.is_known(task):
+        if task in self.book.tasks:  # is_known
             self.book.set_running(task, True)
 
     def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float) -> None:

@@ -36,6 +36,22 @@ def run(server, scenario):
     return run_env_scenario(server["url"], scenario)
 
 
+
+async def play_against_solver(client, session: str, solver: GuessEnv, max_steps: int = 20):
+    """Step ``session`` with the solver's actions until the game is done, every answer checked
+    against the solver's own; the answers."""
+    outs = []
+    for _ in range(max_steps):
+        action = solver.solve()
+        expected = solver.step(action)
+        out = await client.step(session, action)
+        assert (out.observation, out.reward, out.done) == (
+            expected.observation, expected.reward, expected.done)
+        outs.append(out)
+        if out.done:
+            break
+    return outs
+
 def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
     async def scenario(client):
         started = await client.start("guess", "1 500", seed=7)
@@ -46,17 +62,8 @@ def test_guess_episode_with_the_scripted_solver_pause_resume_end(server):
             await client.step(started.session, "guess 1")
         assert info.value.status == 409
         await client.resume(started.session)
-        rewards = []
-        for _ in range(20):
-            action = solver.solve()
-            expected = solver.step(action)
-            out = await client.step(started.session, action)
-            assert (out.observation, out.reward, out.done) == (
-                expected.observation, expected.reward, expected.done)
-            rewards.append(out.reward)
-            if out.done:
-                break
-        assert out.done and rewards[-1] == 1.0 and len(rewards) <= 9
+        outs = await play_against_solver(client, started.session, solver)
+        assert outs[-1].done and outs[-1].reward == 1.0 and len(outs) <= 9
         assert (await client.end(started.session)).state == "ended"
         with pytest.raises(EnvClientError, match=f"/end on session '{started.session}'") as info:
             await client.end(started.session)
@@ -78,16 +85,9 @@ def test_concurrent_episodes_share_batches_and_each_session_sees_its_own_game(se
         started = await client.start("guess", "1 200", seed=seed)
         solver = GuessEnv()
         assert solver.reset("1 200", seed) == (started.observation, started.info)
-        for _ in range(20):
-            action = solver.solve()
-            expected = solver.step(action)
-            out = await client.step(started.session, action)
-            assert (out.observation, out.reward, out.done) == (
-                expected.observation, expected.reward, expected.done)
-            if out.done:
-                break
+        outs = await play_against_solver(client, started.session, solver)
         await client.end(started.session)
-        return out.done
+        return outs[-1].done
 
     def num_batches() -> float:
         metrics = httpx.get(server["url"] + "/metrics", timeout=5).text

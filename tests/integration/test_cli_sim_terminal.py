@@ -47,14 +47,20 @@ def test_sim_shows_progress_and_its_tables_fit_80_columns(tmp_path):
     tables = [line for line in lines if line[:1] in "┏┃┡│└"]
     assert len(tables) >= 20 and all(len(line.rstrip()) <= WIDTH for line in tables), text
     assert "…" not in text, text
-    for n, name in enumerate(("sync", "async", "stream", "tiderl"), start=1):
-        assert any(line.startswith(f"simulating policy comparison [{n}/4] {name}, ")
+    # the four systems, then async at the profile's fixed splits but its own (0.25: async's run)
+    runs = ("sync", "async", "stream", "tiderl", "async 0.3125", "async 0.375", "async 0.4375",
+            "async 0.5")
+    for n, name in enumerate(runs, start=1):
+        assert any(line.startswith(f"simulating policy comparison [{n}/8] {name}, ")
                    and line.endswith(" elapsed") for line in lines), text
     header = next(line for line in lines if "figure" in line and "simulated" in line)
     assert [c.strip() for c in header.split("┃")[1:-1]] == ["figure", "simulated", "paper"]
     row = next(line for line in lines if line.startswith("│ tiderl_over_async "))
     assert [c.strip() for c in row.split("│")[1:-1]][2] == "1.8"  # the paper's Fig. 8 figure
-    for name in ("sync", "async", "stream", "tiderl"):  # every run's row, every cell filled
-        row = next(line for line in lines if line.startswith(f"│ {name} "))
-        cells = [c.strip() for c in row.split("│")[1:-1]]
-        assert len(cells) == 8 and all(cells), row
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in lines
+            if line.startswith("│ ") and line.count("│") > 2]
+    for name in (*runs, "async 0.25"):  # every run's row, every cell filled: its 10 columns
+        # (the run, then 9 figures) over the comparison table and its continuation
+        parts = [cells for cells in rows if cells[0] == name and len(cells) > 3]
+        assert sum(len(cells) - 1 for cells in parts[:2]) == 9, parts
+        assert all(all(cells) for cells in parts[:2]), parts

@@ -57,7 +57,8 @@ def test_a_tiderl_job_trains_every_group_it_finishes_within_the_staleness_bound(
     and an offline wandb run too. Its actors train with the decoupled objective."""
     offline_wandb(monkeypatch, tmp_path / "home")
     profile = _small(3, "runtime.rollout_ranks=1", "logging.backends=[jsonl,tensorboard,wandb]",
-                     "report.plots=true", "trainer.objective=decoupled")
+                     "report.plots=true", "trainer.objective=decoupled",
+                     "runtime.cpu_affinity=spread")  # pinned: ERS lends at a cold start
     knockers: list[threading.Thread] = []
     ended = threading.Event()
 

@@ -40,7 +40,8 @@ from tiderl.runtime.run_log import RunLog
 
 JOB = ["runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.group_size=2",
        "job.batch_min_groups=1", "job.batch_groups=1", "job.steps=3", "job.max_staleness=1",
-       "runtime.heartbeat_s=1", "runtime.heartbeat_misses=2", "engine.max_new_tokens=8"]
+       "runtime.heartbeat_s=1", "runtime.heartbeat_misses=2", "engine.max_new_tokens=8",
+       "runtime.cpu_affinity=spread"]  # ranks on cores of their own: ERS lends at a cold start
 
 
 @contextlib.contextmanager

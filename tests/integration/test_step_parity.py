@@ -56,6 +56,7 @@ PROFILE = [  # the same job as a runtime profile (a 4B model's KV capacity on an
     "runtime.num_ranks=3", "runtime.rollout_ranks=1", "job.steps=3", "job.group_size=2",
     "job.max_staleness=1", "runtime.heartbeat_s=1000000", "runtime.checkpoint_every=0",
     "job.batch_min_groups=1", "job.batch_groups=2", "ers.cold_start_steps=1",
+    "runtime.cpu_affinity=spread",  # the simulator's GPUs are each a rank's own
     "ra2p.tokens_per_rank=8192",
     "ctb.request_concurrency=256", "engine.kv_cache_tokens=423044", "engine.max_new_tokens=256",
     "job.eval_groups=1",

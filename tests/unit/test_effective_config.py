@@ -109,4 +109,19 @@ def test_a_profile_goes_through_the_same_function():
     config = profile_step_config(profile)
     assert config.job == profile.job and config.ctb.policy == "request"
     assert profile_effective_view(profile)["changes"] == {
-        "ctb.policy": ["ctb", "request"], "ra2p.placement": ["auto", "colocated"]}
+        "ctb.policy": ["ctb", "request"], "ra2p.placement": ["auto", "colocated"],
+        "ers.cold_start_steps": [1, 0]}  # its CPU ranks share their cores
+
+
+def test_ranks_that_share_their_cores_lend_none_at_a_cold_start():
+    shared = replace(SUBSTRATE, shared_cores=True)
+    assert run(System.TIDERL, shared).ers.cold_start_steps == 0
+    assert run(System.TIDERL).ers.cold_start_steps == ERS.cold_start_steps == 1
+    assert effective_view(run(System.TIDERL, shared), CTB, RA2P, ERS)["changes"] == {
+        "ers.cold_start_steps": [1, 0]}
+    # CPU ranks share the host's cores unless each is pinned to its own
+    assert profile_step_config(load_profile("local", [])).ers.cold_start_steps == 0
+    pinned = load_profile("local", ["runtime.cpu_affinity=spread"])
+    assert profile_step_config(pinned).ers.cold_start_steps == 1
+    served = load_profile("local", ["engine.backend=http"])  # each rank's engine is a server's
+    assert profile_step_config(served).ers.cold_start_steps == 1

@@ -109,14 +109,14 @@ def test_a_profile_goes_through_the_same_function():
     config = profile_step_config(profile)
     assert config.job == profile.job and config.ctb.policy == "request"
     assert profile_effective_view(profile)["changes"] == {
-        "ctb.policy": ["ctb", "request"], "ra2p.placement": ["auto", "colocated"],
-        "ers.cold_start_steps": [1, 0]}  # its CPU ranks share their cores
+        "ctb.policy": ["ctb", "request"], "ra2p.placement": ["auto", "colocated"]}
 
 
 def test_ranks_that_share_their_cores_lend_none_at_a_cold_start():
     shared = replace(SUBSTRATE, shared_cores=True)
     assert run(System.TIDERL, shared).ers.cold_start_steps == 0
     assert run(System.TIDERL).ers.cold_start_steps == ERS.cold_start_steps == 1
+    assert run(System.ASYNC, shared).ers == ERS  # no ERS: nothing to rewrite
     assert effective_view(run(System.TIDERL, shared), CTB, RA2P, ERS)["changes"] == {
         "ers.cold_start_steps": [1, 0]}
     # CPU ranks share the host's cores unless each is pinned to its own

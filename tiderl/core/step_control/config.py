@@ -210,7 +210,7 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
         ra2p = replace(ra2p, tokens_per_rank=substrate.stream_tokens_per_rank)
     if substrate.min_trainer_ranks > ers.min_trainer_ranks:
         ers = replace(ers, min_trainer_ranks=substrate.min_trainer_ranks)
-    if substrate.shared_cores and ers.cold_start_steps:
+    if substrate.shared_cores and system.uses_ers and ers.cold_start_steps:
         ers = replace(ers, cold_start_steps=0)
     window_tasks = job.batch_ideal
     if system.system is System.ASYNC and substrate.over_provision > 1.0:

@@ -141,9 +141,9 @@ def test_a_stalled_body_is_cut_off_after_the_body_timeout(slow_limits):
     path = b"/start" if kind == "env" else b"/v1/completions"
     sock = connect(port)
     try:
+        sent = time.monotonic()  # before sending: the server's deadline cannot start earlier
         sock.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
                      b"\r\ncontent-length: 100\r\n\r\n{\"prompt\": [1")
-        sent = time.monotonic()
         answer = read_until_closed(sock)
         elapsed = time.monotonic() - sent
     finally:

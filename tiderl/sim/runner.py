@@ -38,7 +38,7 @@ def compare_policies(scenario: SimScenario, policies: list[str],
              if not ("async" in runs and r == own)}
     done = run_all(runs, progress)
     results = {label: done[label] for label in runs if label not in splits}
-    results |= {label: done.get(label) or done["async"] for label in splits}  # split order
+    results |= {label: done[label] if label in done else done["async"] for label in splits}
     headline: dict[str, Any] = {
         "goodput_tok_s": {k: round(v.goodput_tok_s, 1) for k, v in results.items()}}
     if "tiderl" in results:

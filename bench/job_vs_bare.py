@@ -24,17 +24,29 @@ lognormal). Not measured: reward or learning progress (the job trains slightly s
 the bare loop none).
 
 Run: ``.venv/bin/python bench/job_vs_bare.py [--steps N] [--quick] [--out PATH]``.
+
+``--game one-token`` (written to ``job_vs_bare_one_token.json``): the per-step overhead, on
+the game where a step holds almost no work: one turn of one token (32 episodes a step), zero
+environment latency, no checkpoints on either side. Besides the bare loop it runs TRL's
+``GRPOTrainer`` (``bench/peer_trl.py``, in its own virtual environment: ``--trl-python``) on
+the same tasks and model, twice: with TRL's defaults (bf16 autocast, gradient checkpointing)
+and in float32 as the job trains (``bf16=False``). Sides alternate, ``--rounds`` times;
+medians and the job over each side are reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -54,6 +66,7 @@ from tiderl.env.base import Environment
 from tiderl.env.latency import LatencyModel
 from tiderl.env.registry import make_env
 from tiderl.launch.job import run_local
+from tiderl.models.random_init import write_random_checkpoint
 from tiderl.models.tokenizer import word_tokenizer
 from tiderl.profile import Profile, load_profile
 from tiderl.runtime.groups import Dataset
@@ -197,14 +210,100 @@ def run_job(profile: Profile, root: Path, name: str) -> dict:
             "episodes_per_s_after_first_step": round(later / after, 3) if after > 0 else None}
 
 
+PEER_CONFIGS = {"trl-defaults": {}, "trl-fp32": {"bf16": False}}
+
+
+def peer_spec(profile: Profile, groups: int, steps: int, folder: Path) -> dict:
+    """What ``peer_trl.py`` plays: the job's tasks in the job's order (one row per group, step
+    by step), the job's model (step 0, written from the same seed) and learning rate."""
+    write_random_checkpoint(profile.model.size, folder, profile.model.seed)
+    dataset, cfg = Dataset(profile), profile.env
+    rows = []
+    for index in range(groups * steps):
+        task = dataset.group(GroupSpec(f"g{index}", index, False, index // groups)).tasks[0]
+        text = cfg.tasks.get(task.env)
+        env = make_env(task.env, max_turns=cfg.max_turns, options=cfg.options.get(task.env))
+        rows.append({"prompt": env.reset(text, task.seed)[0], "task": text, "seed": task.seed})
+    return {"model": str(folder), "prompts": rows, "group_size": GROUP_SIZE, "groups": groups,
+            "steps": steps, "lr": profile.trainer.lr, "max_turns": cfg.max_turns,
+            "partial_credit": (cfg.options.get("guess") or {}).get("partial_credit", 0.0)}
+
+
+def run_peer(python: str, spec: dict, config: dict, out_dir: Path) -> dict:
+    spec = {**spec, "config": config, "out_dir": str(out_dir)}
+    done = subprocess.run([python, str(Path(__file__).parent / "peer_trl.py")],
+                          input=json.dumps(spec), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"peer_trl.py failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_token_profile(steps: int, groups: int = 4) -> tuple[Profile, list[str]]:
+    """The local profile on the one-turn, one-token game (and its overrides)."""
+    overrides = [*game_overrides(groups, 1, max_new_tokens=1), *LATENCY["zero"],
+                 "runtime.checkpoint_every=0", f"job.steps={steps}"]
+    return load_profile("local", overrides), overrides
+
+
+def one_token_job(steps: int) -> dict:
+    """One job on the one-token game (``bench/profile_job.py`` runs it under py-spy): its
+    figures, the median step time after step 0, and the boundaries that moved ranks."""
+    profile, _ = one_token_profile(steps)
+    with tempfile.TemporaryDirectory(prefix="tiderl-one-token-") as tmp:
+        out = run_job(profile, Path(tmp), "job")
+        records = read_lineage(Path(tmp) / "job").metrics
+    out["step_s_median"] = round(statistics.median(r.step_s for r in records[1:]), 3)
+    out["moves"] = sum(a.roles != b.roles for a, b in pairwise(records))
+    return out
+
+
+def one_token(args: argparse.Namespace) -> None:
+    """The one-turn, one-token game: job, bare loop and TRL in turns, ``args.rounds`` times."""
+    groups, steps = 4, args.steps
+    profile, overrides = one_token_profile(steps, groups)
+    sides = ["job", "bare", *(PEER_CONFIGS if args.trl_python else ())]
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory(prefix="tiderl-one-token-") as tmp:
+        spec = peer_spec(profile, groups, steps, Path(tmp) / "model")
+        for r in range(args.rounds):
+            for side in sides:
+                print(f"round {r}: {side}, {steps} steps ...", file=sys.stderr)
+                if side == "job":
+                    runs[side].append(run_job(profile, Path(tmp), f"job-{r}"))
+                elif side == "bare":
+                    runs[side].append(run_bare(profile, groups, steps))
+                else:
+                    runs[side].append(run_peer(args.trl_python, spec, PEER_CONFIGS[side],
+                                               Path(tmp) / side))
+    medians = {side: statistics.median(x["episodes_per_s"] for x in xs)
+               for side, xs in runs.items()}
+    write_result(args.out or Path(__file__).parent / "results" / "job_vs_bare_one_token.json", {
+        "what": "episodes/s on the one-turn, one-token guess game (32 episodes a step, zero env "
+                "latency, no checkpoints): the whole job against a bare single-process loop and "
+                "TRL's GRPOTrainer, in turns; medians over rounds",
+        "episodes_per_s_median": medians,
+        "job_over": {side: round(medians["job"] / m, 3) for side, m in medians.items()
+                     if side != "job"},
+        "target": {"job_over_trl-fp32": 0.6}, "rounds": args.rounds, "steps": steps,
+        "runs": runs, "game": {"overrides": overrides, "episodes_per_step": groups * GROUP_SIZE},
+        "peer_configs": PEER_CONFIGS, "machine": machine_info()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
-                                             "job_vs_bare.json"))
+    parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true",
                         help="2 steps of 2 groups, 4 turns (a check it runs)")
+    parser.add_argument("--game", choices=("guess", "one-token"), default="guess")
+    parser.add_argument("--trl-python", default="",
+                        help="one-token: the interpreter of a venv with trl and msgspec")
+    parser.add_argument("--rounds", type=int, default=3, help="one-token: rounds in turns")
     args = parser.parse_args()
+    if args.game == "one-token":
+        one_token(args)
+        return
+    args.out = args.out or str(Path(__file__).parent / "results" / "job_vs_bare.json")
     steps, groups, max_turns = (2, 2, 4) if args.quick else (args.steps, 4, 12)
     game = game_overrides(groups, max_turns, max_new_tokens=2)
     runs: dict[str, dict] = {}

@@ -147,6 +147,8 @@ class ERSInput:
     is_phase_over: bool = False  # the cold start's work is done (batch 0 ready): restore now
     colocated_timings: Ra2pTimings | None = None  # the colocated layout's (None: ``timings``)
     rates: RateWindow | None = None  # the per-rank rates of the steps on these roles (predictive)
+    move_cost_s: tuple[tuple[Direction, float], ...] = ()  # the time a move that way added to
+    # its boundary, measured (``step_control.inputs.move_costs``; a direction never moved: absent)
 
     def __post_init__(self) -> None:
         if self.step_duration_s < 0 or self.num_micro_batches < 0:
@@ -457,7 +459,7 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     if config.trial_steps and inp.goodput and not history:
         return (), inp.placement, state  # nothing steady yet to measure a move against
     may_act, state = _gate(state, direction, config)
-    if not may_act:
+    if not may_act or not can_pay_back(inp, config, direction):
         return (), inp.placement, state
     if direction is Direction.TO_ROLLOUT:
         changes, placement = _scale_rollout(inp, config, ra2p, _num_actors_out(inp, ra2p, num))
@@ -469,6 +471,21 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     if changes and config.trial_steps and baseline:
         state = replace(state, trial=Trial(direction, changes, inp.placement, inp.step, baseline))
     return changes, placement, state
+
+
+def can_pay_back(inp: ERSInput, config: ERSConfig, direction: Direction) -> bool:
+    """Whether a move ``direction`` could pass its trial: the trial keeps it only if its
+    ``trial_steps`` steps, the move's boundary included, train faster than the steps before, so
+    the move must win back its measured cost within them. A step can win at most the time the
+    side that gains the rank left on the table: the trainer's wait for a move to rollout
+    (``trainer_idle_frac`` of T_step), the trainer's busy time for a move to the trainer. A
+    direction with no measured move, or no trial, may always move (the first move measures)."""
+    cost = dict(inp.move_cost_s).get(direction)
+    if cost is None or not config.trial_steps:
+        return True
+    idle = inp.trainer_idle_frac
+    gain = idle if direction is Direction.TO_ROLLOUT else 1.0 - idle
+    return config.trial_steps * gain * inp.step_duration_s > cost
 
 
 def _num_actors_out(inp: ERSInput, ra2p: RA2PConfig, num: int | None) -> int | None:

@@ -74,6 +74,8 @@ from tiderl.runtime.rank_rollout import RolloutSide
 from tiderl.runtime.rank_trainer import TrainerSide
 from tiderl.runtime.rank_world import RankArgs, RankWorld, ranks_with
 from tiderl.runtime.resume import resume_request
+from tiderl.runtime.step_config import profile_step_config
+from tiderl.trainer.parallel import prepare_actor_imports
 
 log = logging.getLogger("tiderl.rank")
 
@@ -144,6 +146,8 @@ class RankDaemon:
             model = None
         if self.is_sync or self.role is Role.ACTOR:
             self.trainer.make_actor(model, None, self.version)
+        elif profile_step_config(self.profile).has_ers:
+            prepare_actor_imports()
         if self.trainer.needs_ref(self.role, self.is_sync):
             self.trainer.make_ref()
         resume = resume_request(self.args.run_dir)

@@ -277,6 +277,14 @@ def backend_class(name: str) -> type:
     return classes[name]
 
 
+def prepare_actor_imports() -> None:
+    """Import now what wrapping an actor imports lazily. DDP's constructor (and FSDP2's) reads
+    ``torch._dynamo``, whose first import takes ~1.3 s of CPU here; a rollout rank that ERS
+    moves to the trainer would pay it inside the move, and the whole actor group waits for it
+    in the wrap's first collective. A rank that may move pays it at start-up instead."""
+    import torch._dynamo  # noqa: F401
+
+
 def make_backend(name: str, model: Qwen2ForCausalLM, group: dist.ProcessGroup | None = None,
                  *, trainable: bool = True, chunk_tokens: int = 1024,
                  activation_checkpointing: bool = False) -> TrainBackend:

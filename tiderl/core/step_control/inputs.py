@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSConfig, ERSInput
 from tiderl.core.ers_predict import rate_window
+from tiderl.core.ers_state import Direction
 from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, choose_placement, synthetic_ready_times
 from tiderl.core.records import StepRecord
@@ -117,6 +119,29 @@ def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _move_direction(before: Sequence[str], after: Sequence[str]) -> Direction | str | None:
+    """Which way the roles changed between two steps: None (no rank moved between rollout and
+    the trainer), a direction, or "both"."""
+    trainer = {Role.REF.value, Role.ACTOR.value}
+    ways = {Direction.TO_TRAINER if a == Role.ROLLOUT.value else Direction.TO_ROLLOUT
+            for a, b in zip(before, after, strict=False)
+            if {a, b} <= trainer | {Role.ROLLOUT.value} and Role.ROLLOUT.value in {a, b} and a != b}
+    return None if not ways else ways.pop() if len(ways) == 1 else "both"
+
+
+def move_costs(records: Sequence[StepRecord]) -> tuple[tuple[Direction, float], ...]:
+    """Per direction, the mean time a role move added to its boundary: the gap from a step's
+    end to the next step's start where ranks moved that way, less the median gap where none
+    moved (a direction not moved yet: absent)."""
+    gaps: dict[Direction | str | None, list[float]] = {}
+    for prev, rec in pairwise(records):
+        gaps.setdefault(_move_direction(prev.roles, rec.roles), []).append(
+            max(0.0, rec.start_s - prev.end_s))
+    still = sorted(gaps.get(None, ()))
+    base = still[len(still) // 2] if still else 0.0
+    return tuple((d, max(0.0, sum(g) / len(g) - base)) for d in Direction if (g := gaps.get(d)))
+
+
 def rate_steps(config: ERSConfig) -> int:
     """The trailing steps whose per-rank rates ERS's planner reads (the rules planner: none)."""
     return config.predictive_window if config.planner == "predictive" else 0
@@ -143,7 +168,8 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
                     trainer_idle_frac=trainer_idle_frac(records), goodput=step_goodput(records),
                     phase_tasks=phase_tasks,
                     tasks_per_rank=tasks_per_rank, is_phase_over=is_phase_over,
-                    colocated_timings=colocated, rates=rate_window(records, rate_steps))
+                    colocated_timings=colocated, rates=rate_window(records, rate_steps),
+                    move_cost_s=move_costs(records))
 
 
 def step_placement(config: RA2PConfig, signals: ReadinessSignals,

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -47,6 +47,7 @@ from tiderl.launch.local import (
     ProcessRecord,
 )
 from tiderl.launch.plan import (
+    LOCAL_HOST,
     RUN_PROFILE,
     Endpoints,
     LaunchPlan,
@@ -57,6 +58,7 @@ from tiderl.launch.plan import (
 from tiderl.launch.resume import prepare_resume
 from tiderl.launch.run_folders import kept_if_used, last_stop, new_run_dir
 from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, model_type
+from tiderl.models.hub import HubError, Resolved, is_hub_id, resolve_model
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.runtime.log_backends import missing_backends, missing_line
@@ -162,20 +164,52 @@ def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     raise LaunchError(f"no {count} free ports to listen on outside {low}-{high}")
 
 
+def with_model_resolved(profile: Profile,
+                        resolvers: Mapping[str, Callable[[str, str], Resolved]]
+                        ) -> tuple[Profile, dict]:
+    """The profile every daemon reads, and job.json's ``model`` entry: a ``model.path`` that is
+    a hub id is resolved on each node (``resolvers``, by node name, in order: the first at
+    ``model.revision``, the others at the commit it got), and becomes that folder with the
+    commit pinned in ``model.revision``. Nodes whose caches sit in different folders are
+    refused (one line: the profile names one folder for every node), as is any failure."""
+    model = profile.model
+    if not is_hub_id(model.path):
+        return profile, {}
+    got: dict[str, Resolved] = {}
+    try:
+        for node, resolve in resolvers.items():
+            first = next(iter(got.values()), None)
+            got[node] = resolve(model.path, first.revision if first else model.revision)
+    except HubError as exc:
+        raise LaunchRefused(str(exc)) from None
+    resolved = next(iter(got.values()))
+    folders = {r.folder for r in got.values()}
+    if len(folders) > 1:
+        raise LaunchRefused(f"model.path {model.path}: the nodes' hub caches are in different "
+                            f"folders ({', '.join(f'{n}: {r.folder}' for n, r in got.items())}); "
+                            "give every node the same HF_HOME")
+    profile = replace(profile, model=replace(model, path=resolved.folder,
+                                             revision=resolved.revision))
+    return profile, {"model": {"id": resolved.repo_id, "revision": resolved.revision,
+                               "folder": resolved.folder, "nodes": list(got)}}
+
+
 def check_here(profile: Profile) -> None:
     """What a job on this machine needs and can be checked before anything starts
-    (LaunchRefused naming the key): the model folder, for ``runtime.device: cuda`` an NVIDIA
+    (LaunchRefused naming the key): the model folder (a hub id only once resolved), for ``runtime.device: cuda`` an NVIDIA
     driver, the libraries of ``logging.backends`` (the coordinator imports them), and the
     recording ``runtime.replay`` names (its steps, of this job's shape). A path the system
     refuses (a name too long) is refused naming its key."""
     path = profile.model.path
+    if is_hub_id(path):  # a dry run: the launch resolves it (with_model_resolved) and checks it
+        path = ""
     try:
         is_model_folder = not path or (Path(path) / "config.json").is_file()
     except OSError as exc:
         raise LaunchRefused(f"model.path {cut(path)}: {exc.strerror}") from None
     if not is_model_folder:
         raise LaunchRefused(f"model.path {cut(path)}: no config.json there (an HF model "
-                            "folder; tiderl model init makes one)")
+                            "folder or a hub id; tiderl model init makes one)")
     if path:
         check_architecture(profile)
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
@@ -246,6 +280,7 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     launcher. ``resume``: the run folder of a job to go on with
     (:mod:`tiderl.launch.resume`); else a new one is made in ``run_root``, named ``job_id``
     or a new id."""
+    profile, model = with_model_resolved(profile, {LOCAL_HOST: resolve_model})
     check_here(profile)
     run_dir = resume or new_run_dir(run_root or Path(profile.runtime.run_dir),
                                     profile.runtime.system, job_id)
@@ -254,7 +289,8 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
         plan = local_plan(profile, run_dir,
                           dict(zip(names, listen_ports(len(names)), strict=True)))
         job = JobRecord(run_dir.name, str(run_dir), time.time(),
-                        info=job_info(profile, plan.endpoints, launcher_pid=launcher_pid))
+                        info=job_info(profile, plan.endpoints, launcher_pid=launcher_pid,
+                                      **model))
         return run_job(profile, plan, LocalExecutor(job), resume=resume is not None,
                        on_snapshot=on_snapshot, on_start=on_start)
 

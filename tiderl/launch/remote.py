@@ -31,7 +31,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from tiderl.launch.hosts import Hosts
-from tiderl.launch.job import JobResult, job_info, run_job
+from tiderl.launch.job import JobResult, job_info, run_job, with_model_resolved
 from tiderl.launch.local import (
     COORDINATOR_GRACE_S,
     JobRecord,
@@ -211,6 +211,8 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
         hosts = _with_workdirs(hosts, {name: s.check() for name, s in sessions.items()})
         for name, session in sessions.items():
             session.node = hosts.node(name)
+        profile, model = with_model_resolved(profile, {
+            name: session.resolve_model for name, session in sessions.items()})
         run_dir = new_run_dir(run_root or Path(profile.runtime.run_dir),
                               profile.runtime.system, job_id)
         with kept_if_used(run_dir):
@@ -218,7 +220,7 @@ def run_ssh(profile: Profile, hosts: Hosts, *, run_root: Path | None = None,
             nodes = {name: _node_info(hosts, name) for name in plan.hosts}
             job = JobRecord(run_dir.name, str(run_dir), time.time(), info=job_info(
                 profile, plan.endpoints, launcher_pid=launcher_pid, nodes=nodes,
-                coordinator_node=hosts.coordinator))
+                coordinator_node=hosts.coordinator, **model))
             return run_job(node_profile(profile, hosts), plan, SSHExecutor(job, sessions),
                            on_snapshot=on_snapshot, on_start=on_start)
     finally:

@@ -33,9 +33,11 @@ from invoke.exceptions import CommandTimedOut
 from tiderl import __version__
 from tiderl.launch.hosts import Node
 from tiderl.launch.local import LaunchError, stat_state
+from tiderl.models.hub import HubError, Resolved
 
 CONNECT_TIMEOUT_S = 10
 COMMAND_TIMEOUT_S = 60
+MODEL_TIMEOUT_S = 3600  # a hub model's first download on a node
 
 # what the node's python reports: its version, tiderl's, and the absolute workdir
 _CHECK = ("import json, os, sys\n"
@@ -136,6 +138,24 @@ class NodeSession:
             raise self.fail(f"{there} differ from the launcher's (python "
                             f"{'.'.join(map(str, here))}, tiderl {__version__})")
         return info["workdir"]
+
+    def resolve_model(self, path: str, revision: str) -> Resolved:
+        """A hub id resolved on this node, into its own cache (downloaded there when missing,
+        ``MODEL_TIMEOUT_S`` at most); HubError naming the node."""
+        args = f"-m tiderl.launch.nodectl model {shlex.quote(path)} --revision " \
+               f"{shlex.quote(revision)}"
+        _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
+                               f"{shlex.quote(self.node.python)} {args}", MODEL_TIMEOUT_S,
+                               check=False)
+        try:
+            answer = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            last = err.strip().splitlines()
+            raise self.fail(f"could not resolve model.path {path}: "
+                            f"{last[-1] if last else 'no output'}") from None
+        if "error" in answer:
+            raise HubError(f"node {self.node.name}: {answer['error']}")
+        return Resolved(**answer)
 
     def free_ports(self, count: int) -> list[int]:
         host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"

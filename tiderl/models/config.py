@@ -21,7 +21,9 @@ EMBEDDED_MODEL_TYPES = ("qwen2", *VL_MODEL_TYPES)
 class ModelConfig:
     """Which weights the engine and the trainer load.
 
-    ``path`` is an HF-format folder (config.json, *.safetensors, tokenizer.json); empty means a
+    ``path`` is an HF-format folder (config.json, *.safetensors, tokenizer.json) or a hub id
+    (``Qwen/Qwen2.5-7B-Instruct``: resolved at launch with huggingface_hub, ``tiderl.models.hub``,
+    at ``revision``, a branch, tag or commit; the launch pins the commit it got); empty means a
     seeded random-init model of ``size`` made locally (no downloads; ``tiny-vl``: a Qwen2-VL
     whose word-level tokenizer has the vision tokens). ``chat_template``: apply
     the folder's chat template to the environment's messages when it has one (else, and for
@@ -29,6 +31,7 @@ class ModelConfig:
     """
 
     path: str = ""
+    revision: str = ""  # of a hub id (empty: main)
     size: str = "tiny"
     seed: int = 0
     dtype: str = "float32"

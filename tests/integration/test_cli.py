@@ -193,3 +193,19 @@ def test_a_profile_int_past_what_the_bus_carries_is_one_line_exit_2():
 def test_version():
     proc = tiderl("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("tiderl ")
+
+
+def test_a_dry_run_on_a_one_gpu_node_shows_every_rank_sharing_it(tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("nodes:\n  - {name: ws, host: 127.0.0.1, devices: 1}\n")
+    proc = tiderl("launch", "--dry-run", "--json", "--nodes", str(hosts),
+                  "--set", "runtime.device=cuda")
+    assert proc.returncode == 0, proc.stderr
+    ranks = [p for p in json.loads(proc.stdout)["plan"] if p["kind"] == "rank"]
+    assert [(p["host"], p["device"]) for p in ranks] == [("ws", "cuda:0")] * 4
+    for p in ranks:
+        assert p["command"][-4:] == ["--dist-backend", "gloo", "--memory-fraction", "0.25"]
+    refused = tiderl("launch", "--dry-run", "--nodes", str(hosts), "--set", "runtime.device=cuda",
+                     "--set", "trainer.backend=fsdp2")
+    line = assert_one_line_error(refused, 2)
+    assert line.startswith("error: trainer.backend fsdp2: 4 ranks share a device")

@@ -6,7 +6,15 @@ import pytest
 
 from tiderl.core.types import Role
 from tiderl.launch.hosts import PORT_NAMES, HostsError, load_hosts, parse_hosts
-from tiderl.launch.plan import Endpoints, job_nodes, plan_local, plan_nodes, rank_nodes
+from tiderl.launch.plan import (
+    Endpoints,
+    job_nodes,
+    numbered_ports,
+    plan_local,
+    plan_nodes,
+    rank_nodes,
+    share_devices,
+)
 from tiderl.profile import load_profile
 
 PORTS = dict(zip(PORT_NAMES, (5001, 5002, 5003, 5004, 5005), strict=True))
@@ -147,10 +155,60 @@ def test_the_nodes_a_job_uses_are_known_before_it_is_planned():
     assert set(job_nodes(_hosts(), three)) == set(plan_nodes(_hosts(), three, "j1", PORTS).hosts)
 
 
-def test_more_ranks_than_devices_is_refused():
-    profile = load_profile("local", ["runtime.num_ranks=5", "runtime.rollout_ranks=2"])
-    with pytest.raises(HostsError, match=r"4 devices in all, but runtime\.num_ranks is 5"):
-        plan_nodes(_hosts(), profile, "j1", PORTS)
+@pytest.mark.parametrize(("num_ranks", "slots", "expected"), [
+    (3, [0, 1, 2, 3], [0, 1, 2]), (4, [0], [0, 0, 0, 0]), (5, ["a", "b"], list("aaabb")),
+    (6, [0, 1, 2, 3], [0, 0, 1, 1, 2, 3]),
+])
+def test_consecutive_ranks_share_a_device_where_there_are_fewer(num_ranks, slots, expected):
+    assert share_devices(num_ranks, slots) == expected
+
+
+def test_more_ranks_than_devices_share_them_over_gloo():
+    profile = load_profile("local", ["runtime.num_ranks=5", "runtime.rollout_ranks=2",
+                                     "runtime.device=cuda"])
+    ranks = plan_nodes(_hosts(), profile, "j1", PORTS).ranks
+    assert [(r.host, r.device, r.share) for r in ranks] == [
+        ("a", "cuda:0", 2), ("a", "cuda:0", 2), ("a", "cuda:1", 1), ("b", "cuda:1", 1),
+        ("b", "cuda:3", 1)]
+    for r in ranks:
+        argv = " ".join(r.argv)
+        assert "--dist-backend gloo" in argv  # the world joins over one backend
+        assert ("--memory-fraction 0.5" in argv) is (r.share == 2)
+
+
+ONE_GPU = {"nodes": [{"name": "ws", "host": "127.0.0.1", "devices": 1}]}
+
+
+def test_a_one_gpu_job_puts_every_rank_on_it_with_a_share_of_its_memory():
+    embedded = load_profile("local", ["runtime.device=cuda"])
+    ranks = plan_nodes(parse_hosts(ONE_GPU), embedded, "j1", PORTS).ranks
+    assert [(r.device, r.share) for r in ranks] == [("cuda:0", 4)] * 4
+    assert all("--memory-fraction 0.25" in " ".join(r.argv) for r in ranks)
+    vllm = load_profile("local", ["runtime.device=cuda", "engine.backend=vllm",
+                                  "model.path=/m", "engine.gpu_memory_utilization=0.6"])
+    plan = plan_nodes(parse_hosts(ONE_GPU), vllm, "j1", numbered_ports(vllm, 5001))
+    engines = [p for p in plan.processes if p.kind == "engine"]
+    assert len(engines) == 4
+    assert all("--gpu-memory-utilization 0.15" in " ".join(e.argv) for e in engines)
+    assert all("--memory-fraction 0.1" in " ".join(r.argv) for r in plan.ranks)  # 0.4 / 4
+    local = plan_local(embedded, num_devices=1)
+    assert [(r.device, r.share) for r in local.ranks] == [("cuda:0", 4)] * 4
+    two = plan_local(embedded, num_devices=2)
+    assert [r.device for r in two.ranks] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+
+
+def test_one_rank_per_device_keeps_nccl_and_no_cap():
+    profile = load_profile("local", ["runtime.num_ranks=4", "runtime.device=cuda"])
+    for r in plan_nodes(_hosts(), profile, "j1", PORTS).ranks:
+        assert r.share == 1
+        assert "--dist-backend" not in r.argv and "--memory-fraction" not in r.argv
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_a_sharded_trainer_on_a_shared_device_is_refused(backend):
+    profile = load_profile("local", ["runtime.device=cuda", f"trainer.backend={backend}"])
+    with pytest.raises(HostsError, match=rf"^trainer.backend {backend}: 4 ranks share a device"):
+        plan_nodes(parse_hosts(ONE_GPU), profile, "j1", PORTS)
 
 
 def test_the_local_plan_has_the_same_processes():

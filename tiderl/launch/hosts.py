@@ -12,7 +12,7 @@
         host: 10.0.0.1        # what the launcher's SSH connects to
         port: 22
         address: 10.0.0.1     # what the other nodes reach it at (default: host)
-        devices: 2            # ranks on this node: a count, or CUDA device indices [0, 1]
+        devices: 2            # this node's devices: a count, or CUDA device indices [0, 1]
         env: {GLOO_SOCKET_IFNAME: eth0}   # extra environment of its daemons
       - host: 10.0.0.2
         devices: 2
@@ -24,7 +24,9 @@
     ports:                    # optional; default: free ports probed on each node at launch
       base: 29400             #   bus, pub, metrics, env, dist = base .. base+4
 
-Ranks fill the nodes in order (node 0's devices first). Every error is one line naming the key.
+Ranks fill the nodes in order (node 0's devices first), one per device; with more ranks than
+devices, consecutive ranks share a device (:func:`tiderl.launch.plan.share_devices`). Every
+error is one line naming the key.
 Loading is pure (text in, value out); ``load_hosts`` only reads the file.
 """
 

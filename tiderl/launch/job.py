@@ -138,6 +138,7 @@ def local_endpoints(profile: Profile, ports: Mapping[str, int | str]) -> Endpoin
 
 
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # a folder per GPU the driver sees
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -196,10 +197,10 @@ def with_model_resolved(profile: Profile,
 
 def check_here(profile: Profile) -> None:
     """What a job on this machine needs and can be checked before anything starts
-    (LaunchRefused naming the key): the model folder (a hub id only once resolved), for ``runtime.device: cuda`` an NVIDIA
-    driver, the libraries of ``logging.backends`` (the coordinator imports them), and the
-    recording ``runtime.replay`` names (its steps, of this job's shape). A path the system
-    refuses (a name too long) is refused naming its key."""
+    (LaunchRefused naming the key): the model folder (a hub id only once resolved), for
+    ``runtime.device: cuda`` an NVIDIA driver, the libraries of ``logging.backends`` (the
+    coordinator imports them), and the recording ``runtime.replay`` names (its steps, of this
+    job's shape). A path the system refuses (a name too long) is refused naming its key."""
     path = profile.model.path
     if is_hub_id(path):  # a dry run: the launch resolves it (with_model_resolved) and checks it
         path = ""
@@ -297,9 +298,23 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
 
 def local_plan(profile: Profile, run_dir: Path, ports: Mapping[str, int | str]) -> LaunchPlan:
     """The plan of a job on this machine, with its command lines: every process inherits the
-    launcher's ``CUDA_VISIBLE_DEVICES``."""
+    launcher's ``CUDA_VISIBLE_DEVICES``; a CUDA job's ranks share the devices it leaves
+    visible where there are fewer than ranks."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    num_devices = visible_cuda_devices(visible) if profile.runtime.device == "cuda" else None
     return plan_local(profile, sys.executable, str(run_dir), local_endpoints(profile, ports),
-                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+                      visible, num_devices)
+
+
+def visible_cuda_devices(visible: str | None) -> int | None:
+    """How many CUDA devices this machine's processes see: ``CUDA_VISIBLE_DEVICES``'s entries
+    where it is set, else the GPUs the NVIDIA driver lists (None: none found, one per rank)."""
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()]) or None
+    try:
+        return len(list(NVIDIA_GPUS.iterdir())) or None
+    except OSError:
+        return None
 
 
 def run_job(profile: Profile, plan: LaunchPlan, executor: Executor, *, resume: bool = False,

@@ -18,7 +18,13 @@ trainer ranks: all actor (Ref colocated) unless RA2P is pinned to ``decoupled``,
 dedicated ref rank. ERS may move ranks from the first post-update boundary on.
 
 On nodes (:func:`plan_nodes`) ranks fill the nodes of hosts.yaml in order, one per device; the
-coordinator and the environment service run where hosts.yaml says. Every daemon reads the run
+coordinator and the environment service run where hosts.yaml says. With fewer devices than ranks
+(on nodes, or the visible GPUs of this machine) consecutive ranks share a device
+(:func:`share_devices`). Ranks that share a CUDA device cannot be one NCCL communicator: every
+rank then joins the world over gloo (which all-reduces and broadcasts CUDA tensors through host
+memory: DDP's gradient reduction and its parameter broadcast; FSDP2's and megatron's all-gather
+and reduce-scatter it does not have, so those backends are refused), and each process of the
+device caps its memory at its share (:func:`memory_shares`). Every daemon reads the run
 folder ``<workdir>/runs/<job>/`` of its node (the launcher pushes the profile and the keys there).
 
 HTTP tokens: the environment service, our engine servers (backend ``http``) and the ranks get
@@ -30,8 +36,10 @@ path is in the plan (and on an SSH command line), never a token.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from tiderl.auth import JOB_KEYS_VAR
 from tiderl.core.step_control import initial_roles as launch_roles
@@ -45,6 +53,7 @@ from tiderl.runtime.affinity import SPREAD
 
 LOCAL_HOST = "localhost"
 CPU_BLOCK_MULTIPLE = 32  # vLLM 0.34's CPU attention takes blocks of a multiple of 32 tokens
+T = TypeVar("T")
 RUN_PROFILE = "profile.yaml"  # the resolved profile in a run folder, which every daemon reads
 
 
@@ -58,6 +67,7 @@ class ProcessSpec:
     device: str | None = None
     threads: int | None = None
     cpu_slot: tuple[int, int] | None = None  # (i, n): pinned to the i-th of n core sets
+    share: int = 1  # ranks on this process's device (a rank, an engine server)
     argv: tuple[str, ...] = ()  # empty until the endpoints are known
     engine_url: str = ""  # a rank's engine server
     env: dict[str, str] = field(default_factory=dict)  # added to the node's environment
@@ -146,12 +156,16 @@ def engine_url(profile: Profile, rank: int, ep: Endpoints) -> str:
 
 
 def engine_command(profile: Profile, python: str, run_dir: str, port: int | str, device: str,
-                   visible: str | None = None) -> tuple[tuple[str, ...], dict[str, str]]:
+                   visible: str | None = None, share: int = 1
+                   ) -> tuple[tuple[str, ...], dict[str, str]]:
     """The command line and added environment of one engine server on the loopback, on the
     rank's device (``cuda:i``: the i-th of the ``visible`` devices the node's processes
-    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank). Our own server reads the model and
-    engine sections of the run folder's profile, as every daemon of the job does."""
+    inherit, ``CUDA_VISIBLE_DEVICES``, as for the rank; ``share`` ranks on it: the server takes
+    its share of ``engine.gpu_memory_utilization``, :func:`memory_shares`). Our own server reads
+    the model and engine sections of the run folder's profile, as every daemon of the job
+    does."""
     e, m = profile.engine, profile.model
+    util = f"{memory_shares(profile, share)[1]:.4g}"
     if e.backend == "http":
         argv = (python, "-m", "tiderl.cli.main", "engine", "serve",
                 "--profile", posixpath.join(run_dir, RUN_PROFILE), "--host", "127.0.0.1",
@@ -161,7 +175,7 @@ def engine_command(profile: Profile, python: str, run_dir: str, port: int | str,
     common = ("--host", "127.0.0.1", "--port", str(port), "--served-model-name",
               SERVED_MODEL_NAME, "--dtype", m.dtype)
     if e.backend == "vllm":  # vllm 0.34: vllm/engine/arg_utils.py, entrypoints/cli/serve.py
-        return _vllm_command(profile, python, common, index, device, visible)
+        return _vllm_command(profile, python, common, index, device, visible, util)
     if e.backend == "sglang":  # sglang 0.5.23: srt/arg_groups/fields/*.py
         argv = (e.server_python or python, "-m", "sglang.launch_server", "--model-path", m.path,
                 *common,
@@ -170,14 +184,15 @@ def engine_command(profile: Profile, python: str, run_dir: str, port: int | str,
                 "--enable-priority-scheduling", "--schedule-low-priority-values-first",
                 "--default-priority-value", "0",
                 *(() if e.enable_prefix_caching else ("--disable-radix-cache",)),
-                "--mem-fraction-static", str(e.gpu_memory_utilization),
+                "--mem-fraction-static", util,
                 "--base-gpu-id", index, *e.server_args)  # of the inherited visible devices
         return argv, {}
     raise ValueError(f"engine.backend {e.backend!r}: no server command line")
 
 
 def _vllm_command(profile: Profile, python: str, common: tuple[str, ...], index: str,
-                  device: str, visible: str | None) -> tuple[tuple[str, ...], dict[str, str]]:
+                  device: str, visible: str | None, util: str
+                  ) -> tuple[tuple[str, ...], dict[str, str]]:
     """``vllm serve`` beside ``engine.server_python`` (else beside the node's python). On a
     GPU it sizes its KV cache in ``gpu_memory_utilization`` and sleeps (``--enable-sleep-mode``);
     on the CPU (vLLM's CPU backend) its pool is ``engine.kv_cache_tokens`` rounded up to whole
@@ -187,7 +202,7 @@ def _vllm_command(profile: Profile, python: str, common: tuple[str, ...], index:
     vllm = posixpath.join(posixpath.dirname(e.server_python or python), "vllm")
     on_cpu = device == "cpu"
     memory = (_vllm_cpu_pool(profile) if on_cpu else
-              ("--enable-sleep-mode", "--gpu-memory-utilization", str(e.gpu_memory_utilization)))
+              ("--enable-sleep-mode", "--gpu-memory-utilization", util))
     argv = (vllm, "serve", m.path, *common, "--seed", str(m.seed),
             "--max-num-seqs", str(e.max_num_seqs),
             "--max-num-batched-tokens", str(e.max_num_batched_tokens),
@@ -219,8 +234,59 @@ def _vllm_cpu_pool(profile: Profile) -> tuple[str, ...]:
             str(min(longest, context) if context else longest))
 
 
+def share_devices(num_ranks: int, slots: Sequence[T]) -> list[T]:
+    """Each rank's device slot, by rank: one each while there are enough; with more ranks than
+    slots, consecutive ranks share one, the first ``num_ranks % len(slots)`` slots taking one
+    more."""
+    per, extra = divmod(num_ranks, len(slots))
+    shared = [slot for i, slot in enumerate(slots) for _ in range(per + (i < extra))]
+    return shared[:num_ranks] if per else list(slots[:num_ranks])
+
+
+def _with_shares(ranks: list[ProcessSpec]) -> list[ProcessSpec]:
+    """``ranks`` with the count of ranks on each one's device (its node's, its index)."""
+    count = Counter((r.host, r.device) for r in ranks if r.device != "cpu")
+    return [replace(r, share=count.get((r.host, r.device), 1)) for r in ranks]
+
+
+def shares_devices(processes: Sequence[ProcessSpec]) -> bool:
+    """Whether two ranks of a CUDA job share a device (the world then joins over gloo)."""
+    return any(p.share > 1 and p.kind == "rank" for p in processes)
+
+
+def memory_shares(profile: Profile, share: int) -> tuple[float, float]:
+    """(a rank process's cap, an engine server's utilisation) as fractions of a device that
+    ``share`` ranks share: each rank's server gets ``engine.gpu_memory_utilization / share``
+    and each rank process the rest over ``share`` (with the embedded engine, which lives in the
+    rank, a whole ``1 / share``). One rank on its device: no cap (0), the profile's
+    utilisation."""
+    util = profile.engine.gpu_memory_utilization
+    if share <= 1:
+        return 0.0, util
+    if not profile.engine.uses_server or profile.engine.urls:
+        return 1.0 / share, util
+    return (1.0 - util) / share, util / share
+
+
+def check_shared_devices(profile: Profile, processes: Sequence[ProcessSpec]) -> None:
+    """Ranks sharing a CUDA device train over gloo: refused for a trainer backend that needs
+    collectives gloo has not got for CUDA tensors (one line naming the key)."""
+    if shares_devices(processes) and profile.trainer.backend != "ddp":
+        most = max(p.share for p in processes)
+        raise SharedDeviceError(
+            f"trainer.backend {profile.trainer.backend}: {most} ranks share a device, so the "
+            "trainer joins over gloo, which has no all-gather or reduce-scatter of CUDA "
+            "tensors; use trainer.backend ddp or one rank per device")
+
+
+class SharedDeviceError(HostsError):
+    """A job whose ranks share a device cannot train as asked: a layout error, as hosts.yaml's
+    (the CLI prints its one line, exit 2, before anything starts)."""
+
+
 def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
-                   ep: Endpoints) -> tuple[str, ...]:
+                   ep: Endpoints, profile: Profile | None = None,
+                   gloo: bool = False) -> tuple[str, ...]:
     """``python -m tiderl.runtime <daemon> ...`` of one process (see tiderl/runtime/__main__)."""
     head = (python, "-m", "tiderl.runtime", spec.kind, "--run-dir", run_dir)
     ports = {k: str(v) for k, v in ep.ports.items()}
@@ -232,10 +298,15 @@ def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
                 "--metrics-port", ports["metrics"], "--env-url", ep.env_url)
     pin = ("--cpu-slot", f"{spec.cpu_slot[0]}/{spec.cpu_slot[1]}") if spec.cpu_slot else ()
     engine = ("--engine-url", spec.engine_url) if spec.engine_url else ()
+    shared = ()
+    if gloo:
+        shared = ("--dist-backend", "gloo")
+    if spec.share > 1 and profile is not None:
+        shared = (*shared, "--memory-fraction", f"{memory_shares(profile, spec.share)[0]:.4g}")
     return (*head, "--rank", str(spec.rank), "--bus", ep.bus,
             "--dist", f"tcp://{ep.dist_host}:{ports['dist']}", "--env-url", ep.env_url,
             "--device", spec.device or "cpu", "--threads", str(spec.threads or 1), *pin,
-            *engine)
+            *engine, *shared)
 
 
 def _cpu_slots(profile: Profile, rank_hosts: list[str]) -> list[tuple[int, int] | None]:
@@ -262,26 +333,32 @@ def _token_env(spec: ProcessSpec, profile: Profile, run_dir: str) -> dict[str, s
 
 
 def plan_local(profile: Profile, python: str | None = None, run_dir: str | None = None,
-               ep: Endpoints | None = None, visible_devices: str | None = None) -> LaunchPlan:
-    """Every process on this machine; rank r gets ``cuda:r`` on GPU profiles, else CPU threads.
-    With ``python``, ``run_dir`` and ``ep``, each process carries its command line
-    (``visible_devices``: the launcher's ``CUDA_VISIBLE_DEVICES``, which every process
-    inherits)."""
+               ep: Endpoints | None = None, visible_devices: str | None = None,
+               num_devices: int | None = None) -> LaunchPlan:
+    """Every process on this machine; on GPU profiles rank r gets ``cuda:i`` of this machine's
+    ``num_devices`` (None: one per rank), shared by consecutive ranks where there are fewer
+    (:func:`share_devices`), else CPU threads. With ``python``, ``run_dir`` and ``ep``, each
+    process carries its command line (``visible_devices``: the launcher's
+    ``CUDA_VISIBLE_DEVICES``, which every process inherits)."""
     rt = profile.runtime
     needs_env = not (profile.env.url or rt.replay)  # a replay runs no episode
     env = [ProcessSpec(name="env", kind="env")] if needs_env else []
     slots = _cpu_slots(profile, [LOCAL_HOST] * rt.num_ranks)
+    devices = share_devices(rt.num_ranks, range(num_devices or rt.num_ranks))
     ranks = []
     for rank, role in enumerate(profile_roles(profile)):
-        device = f"cuda:{rank}" if rt.device == "cuda" else "cpu"
+        device = f"cuda:{devices[rank]}" if rt.device == "cuda" else "cpu"
         threads = rt.threads_per_rank if rt.device == "cpu" else None
         ranks.append(ProcessSpec(name=f"rank{rank}", kind="rank", rank=rank, role=role,
                                  device=device, threads=threads, cpu_slot=slots[rank]))
+    ranks = _with_shares(ranks)
     processes = [*env, *_engines(profile, ranks),
                  ProcessSpec(name="coordinator", kind="coordinator"), *ranks]
+    check_shared_devices(profile, processes)
     if python is None or run_dir is None or ep is None:
         return LaunchPlan(processes=tuple(processes))
-    return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}, visible_devices)
+    gloo = shares_devices(processes)
+    return LaunchPlan(tuple(_command(p, profile, python, run_dir, ep, {}, visible_devices, gloo)
                             for p in processes), ep)
 
 
@@ -290,22 +367,22 @@ def _engines(profile: Profile, ranks: list[ProcessSpec]) -> list[ProcessSpec]:
     if not engine_port_names(profile):
         return []
     return [ProcessSpec(name=f"engine{r.rank}", kind="engine", host=r.host, rank=r.rank,
-                        device=r.device) for r in ranks]
+                        device=r.device, share=r.share) for r in ranks]
 
 
 def _command(spec: ProcessSpec, profile: Profile, python: str, run_dir: str, ep: Endpoints,
-             node_env: Mapping[str, str], visible: str | None) -> ProcessSpec:
+             node_env: Mapping[str, str], visible: str | None, gloo: bool) -> ProcessSpec:
     """``spec`` with its command line and environment (``visible``: the node's inherited
-    ``CUDA_VISIBLE_DEVICES``)."""
+    ``CUDA_VISIBLE_DEVICES``; ``gloo``: ranks share devices, the world joins over gloo)."""
     if spec.kind == "engine":
         argv, env = engine_command(profile, python, run_dir, ep.ports[spec.name],
-                                   spec.device or "cpu", visible)
+                                   spec.device or "cpu", visible, spec.share)
         return replace(spec, argv=argv, env={**node_env, **env,
                                              **_token_env(spec, profile, run_dir)},
                        run_dir=run_dir)
     if spec.kind == "rank":
         spec = replace(spec, engine_url=engine_url(profile, spec.rank or 0, ep))
-    return replace(spec, argv=daemon_command(spec, python, run_dir, ep),
+    return replace(spec, argv=daemon_command(spec, python, run_dir, ep, profile, gloo),
                    env={**node_env, **_rank_env(spec), **_token_env(spec, profile, run_dir)},
                    run_dir=run_dir)
 
@@ -344,12 +421,9 @@ def node_profile(profile: Profile, hosts: Hosts) -> Profile:
 
 def _rank_slots(hosts: Hosts, profile: Profile) -> list[tuple[Node, int]]:
     """Each rank's (node, device index): the nodes of hosts.yaml filled in order, one rank per
-    device; HostsError when they have fewer devices than ``runtime.num_ranks``."""
-    num_ranks = profile.runtime.num_ranks
-    if num_ranks > hosts.num_devices:
-        raise HostsError(f"{hosts.source}: nodes: {hosts.num_devices} devices in all, but "
-                         f"runtime.num_ranks is {num_ranks}")
-    return [(node, index) for node in hosts.nodes for index in node.devices][:num_ranks]
+    device, consecutive ranks sharing a device where there are more ranks than devices."""
+    slots = [(node, index) for node in hosts.nodes for index in node.devices]
+    return share_devices(profile.runtime.num_ranks, slots)
 
 
 def rank_nodes(hosts: Hosts, profile: Profile) -> list[str]:
@@ -383,13 +457,16 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
                                  role=role, device=f"cuda:{index}" if cuda else "cpu",
                                  threads=None if cuda else rt.threads_per_rank,
                                  cpu_slot=cpu_slots[rank]))
+    ranks = _with_shares(ranks)
     specs = [*env, *_engines(profile, ranks),
              ProcessSpec(name="coordinator", kind="coordinator", host=hosts.coordinator),
              *ranks]
+    check_shared_devices(profile, specs)
+    gloo = shares_devices(specs)
     processes = []
     for spec in specs:
         node = hosts.node(spec.host)
         processes.append(_command(spec, profile, node.python,
                                   node_run_dir(node.workdir, job_id), ep, node.env,
-                                  node.env.get("CUDA_VISIBLE_DEVICES")))
+                                  node.env.get("CUDA_VISIBLE_DEVICES"), gloo))
     return LaunchPlan(tuple(processes), ep)

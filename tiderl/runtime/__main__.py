@@ -123,7 +123,8 @@ def _rank(args: argparse.Namespace) -> int:
     daemon = RankDaemon(RankArgs(
         rank=args.rank, world_size=len(roles), run_dir=args.run_dir, bus=args.bus,
         dist_init=args.dist, env_url=args.env_url, role=roles[args.rank], device=args.device,
-        threads=args.threads, cpu_slot=slot, engine_url=args.engine_url), profile)
+        threads=args.threads, cpu_slot=slot, engine_url=args.engine_url,
+        dist_backend=args.dist_backend, memory_fraction=args.memory_fraction), profile)
     daemon.setup(roles)
     try:
         asyncio.run(daemon.run())
@@ -155,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--env-url", required=True)
     rank.add_argument("--device", default="cpu")
     rank.add_argument("--threads", type=int, default=1)
+    rank.add_argument("--dist-backend", default="", choices=("", "gloo", "nccl"),
+                      help="the world's backend (default: nccl on CUDA, else gloo; gloo where "
+                           "ranks share a device)")
+    rank.add_argument("--memory-fraction", type=float, default=0.0,
+                      help="cap this process's CUDA memory at this share of its device (ranks "
+                           "sharing it; 0: no cap)")
     rank.add_argument("--cpu-slot", default="",
                       help="I/N: pin to the I-th of N shares of this process's cores "
                            "(runtime.cpu_affinity: spread)")

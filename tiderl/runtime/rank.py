@@ -296,6 +296,8 @@ class RankDaemon:
         if new is not self.role:
             log.info("rank %d: %s -> %s at version %d", self.rank, self.role.value, new.value,
                      self.version)
+            if self.world.device is not None and self.world.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the old role held goes back to the device
         self.role = new
         self._send(Ack(rank=self.rank, ref=cmd.seq, ok=True))
 

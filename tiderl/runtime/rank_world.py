@@ -46,6 +46,8 @@ class RankArgs:
     threads: int = 1
     cpu_slot: tuple[int, int] | None = None  # (i, n): pin to the i-th of n core sets
     engine_url: str = ""  # this rank's engine server (engine backends other than embedded)
+    dist_backend: str = ""  # the world's ("": by device; gloo where ranks share a device)
+    memory_fraction: float = 0.0  # of its CUDA device this process may take (0: no cap)
 
 
 def ranks_with(roles: list[Role] | tuple[Role, ...], role: Role,
@@ -89,7 +91,8 @@ class RankWorld:
         connection): bounded by ``collective_timeout_s``, the collective fails."""
         args, profile = self.args, self.profile
         ctx = init_rank(self.rank, args.world_size, args.dist_init, device=args.device,
-                        threads=args.threads)
+                        threads=args.threads, backend=args.dist_backend,
+                        memory_fraction=args.memory_fraction)
         self.device = ctx.device
         timeout_s = profile.runtime.collective_timeout_s
         self.feed = WeightFeed(self.feed_token, wait_s=timeout_s)

@@ -58,15 +58,24 @@ def default_backend(device: torch.device) -> str:
 
 
 def init_rank(rank: int, world_size: int, init_method: str, *, device: str = "cpu",
-              threads: int = 1, timeout_s: float = 300.0) -> RankContext:
-    """Join the process group of ``world_size`` ranks at ``init_method`` (``tcp://host:port``)."""
+              threads: int = 1, timeout_s: float = 300.0, backend: str = "",
+              memory_fraction: float = 0.0) -> RankContext:
+    """Join the process group of ``world_size`` ranks at ``init_method`` (``tcp://host:port``)
+    over ``backend`` (empty: nccl on CUDA, else gloo). ``device``: ``cuda:i`` is that device
+    (ranks may share one; then the launch asks for gloo: NCCL refuses two ranks of one
+    communicator on one device), a bare ``cuda`` the rank's modulo the visible ones;
+    ``memory_fraction`` > 0 caps this process's CUDA caching allocator at that share of it."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        index = dev.index if dev.index is not None else rank % torch.cuda.device_count()
+        dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
-    dist.init_process_group(default_backend(dev), init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        if memory_fraction > 0:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction, dev)
+    dist.init_process_group(backend or default_backend(dev), init_method=init_method,
+                            rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     return RankContext(rank=rank, world_size=world_size, device=dev)
 
 

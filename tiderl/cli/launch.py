@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # imported where used: `tiderl --help` loads none of them
 
 def launch(
     nodes: Path | None = typer.Option(None, "--nodes", help="hosts.yaml; omit to run here."),
+    slurm: bool = typer.Option(
+        False, "--slurm", help="Run in the Slurm allocation this shell is in (salloc, sbatch): "
+                               "its nodes and GPUs, each node's processes in a job step."),
     profile: str = ProfileOpt,
     overrides: list[str] | None = SetOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved profile and plan."),
@@ -41,8 +44,8 @@ def launch(
     json_mode: bool = JsonFlag,
 ) -> None:
     """Start the environment service, the coordinator and the rank daemons of one job (this
-    machine by default, or the nodes of hosts.yaml over SSH), follow it with a progress line
-    and print where its report is.
+    machine by default, the nodes of hosts.yaml over SSH, or a Slurm allocation's with srun),
+    follow it with a progress line and print where its report is.
 
     Ctrl-C or SIGTERM stop every process of the job, on every node; a job that stops before
     its last step resumes with --resume."""
@@ -52,13 +55,14 @@ def launch(
 
     out = Output(json_mode)
     try:
-        request = launch_request(profile, overrides or [], nodes, resume, run_root)
+        request = launch_request(profile, overrides or [], nodes, resume, run_root, slurm)
         plan = preview_plan(request) if dry_run else None
     except (LaunchError, HostsError) as exc:
         raise _cli_error(exc) from exc
     if plan is not None:
-        out.result(_payload(request.profile, plan),
-                   lambda console: _render(console, request.profile, plan))
+        steps = _srun_lines(request, plan)
+        out.result({**_payload(request.profile, plan), **({"srun": steps} if steps else {})},
+                   lambda console: _render(console, request.profile, plan, steps))
         return
     result = _run(request, out)
     payload = {"job": result.job_id, "run_dir": str(result.run_dir),
@@ -144,7 +148,19 @@ def _payload(profile: Profile, plan: LaunchPlan) -> dict:
     }
 
 
-def _render(console: Console, profile: Profile, plan: LaunchPlan) -> None:
+def _srun_lines(request: LaunchRequest, plan: LaunchPlan) -> list[str]:
+    """Under --slurm, the job step of each node (its processes are the plan's)."""
+    if request.slurm is None:
+        return []
+    from tiderl.launch.slurm import dry_run_lines
+
+    return dry_run_lines(plan, request.slurm)
+
+
+def _render(console: Console, profile: Profile, plan: LaunchPlan,
+            steps: list[str] | None = None) -> None:
+    from rich.markup import escape
+
     from tiderl.profile import profile_to_dict
     from tiderl.runtime.step_config import profile_effective_view
 
@@ -160,6 +176,8 @@ def _render(console: Console, profile: Profile, plan: LaunchPlan) -> None:
             env = " ".join(f"{k}={v}" for k, v in p.env.items())
             console.print(f"[bold]{p.name}[/] on {p.host}: {env + ' ' if env else ''}"
                           f"{shlex.join(p.argv)}", soft_wrap=True)
+    for line in steps or ():
+        console.print(f"[bold]job step[/]: {escape(line)}", soft_wrap=True)
 
 
 def render_effective(console: Console, view: dict) -> None:

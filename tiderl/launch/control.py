@@ -1,9 +1,13 @@
-"""Job control on a launched job, local or over SSH: its status, process states, stopping, logs.
+"""Job control on a launched job, local, over SSH or in a Slurm allocation: its status, process
+states, stopping, logs.
 
 What ``tiderl status | logs | stop | top`` do, from ``runs/<job>/job.json``: each process record
 names its node (``localhost`` for a local job; a node of ``info["nodes"]`` for an SSH job) and its
-PID; the PID leads the process's own group. States come from ``/proc`` (a zombie is not alive); a
-job is alive while any of its processes is (:func:`is_job_alive`). A job's state word
+PID; the PID leads the process's own group. A Slurm job's processes run in its job steps
+(``info["slurm"]``): their states are their steps' (``squeue``), stopping one cancels its steps,
+and its logs are read where the launcher's run folder is (the nodes share it). States come from
+``/proc`` (a zombie is not alive); a job is alive while any of its processes is
+(:func:`is_job_alive`). A job's state word
 (:func:`job_status`):
 
     every process running                      running
@@ -36,6 +40,7 @@ from tiderl.launch.local import (
     stop_processes,
 )
 from tiderl.launch.run_folders import job_file, last_stop_in
+from tiderl.launch.slurm import cancel_steps, is_slurm, step_states
 from tiderl.launch.ssh import NodeSession, job_node, open_sessions
 from tiderl.runtime.lineage import EVENTS_FILE, METRICS_FILE, ReportError, read_lineage
 
@@ -75,8 +80,14 @@ def job_status(job: JobRecord, strict: bool = False) -> JobStatus:
         word = "unreachable"
     else:
         word = "running" if running == total and total else ended if not running else "partial"
-    return JobStatus(word, steps, job.info.get("steps"), running, total,
-                     ", ".join(job.info["nodes"]) if is_remote(job) else "local", states)
+    return JobStatus(word, steps, job.info.get("steps"), running, total, _where(job), states)
+
+
+def _where(job: JobRecord) -> str:
+    if is_slurm(job):
+        slurm = job.info["slurm"]
+        return f"Slurm job {slurm['job_id']}: {', '.join(slurm['nodes'])}"
+    return ", ".join(job.info["nodes"]) if is_remote(job) else "local"
 
 
 def _steps_done(job: JobRecord, nodes: dict[str, NodeSession] | None) -> int:
@@ -121,7 +132,10 @@ def sessions(job: JobRecord) -> Iterator[dict[str, NodeSession]]:
 
 
 def process_states(job: JobRecord, nodes: dict[str, NodeSession]) -> dict[str, str | None]:
-    """Each process's state letter (R, S, D, Z, ...), None when there is no such process."""
+    """Each process's state letter (R, S, D, Z, ...), None when there is no such process; in a
+    Slurm allocation, its job step's (R while Slurm runs it)."""
+    if is_slurm(job):
+        return step_states(job)
     if not is_remote(job):
         return {r.name: process_state(r.pid) for r in job.processes}
     states: dict[str, str | None] = {}
@@ -152,7 +166,9 @@ def stop_job(job: JobRecord, grace_s: float = 10.0) -> tuple[bool, dict[str, str
     running any more). Raises ``LaunchError`` if a process still runs afterwards."""
     launcher = _stop_launcher(job.info.get("launcher_pid"), grace_s)
     with sessions(job) as nodes:
-        if is_remote(job):
+        if is_slurm(job):
+            outcome = cancel_steps(job, grace_s)
+        elif is_remote(job):
             from tiderl.launch.remote import fetch_results, stop_on_nodes
 
             outcome = stop_on_nodes(job, nodes, grace_s)

@@ -440,8 +440,9 @@ def job_nodes(hosts: Hosts, profile: Profile) -> list[str]:
 
 
 def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
-               ports: Mapping[str, int | str]) -> LaunchPlan:
-    """hosts.yaml + profile -> every process with its node, device and command line."""
+               ports: Mapping[str, int | str], run_dir: str | None = None) -> LaunchPlan:
+    """hosts.yaml + profile -> every process with its node, device and command line (each
+    node's run folder in its workdir; ``run_dir``: one folder every node shares)."""
     rt = profile.runtime
     slots = _rank_slots(hosts, profile)
     nodes_of_ranks = [node.name for node, _ in slots]
@@ -467,6 +468,6 @@ def plan_nodes(hosts: Hosts, profile: Profile, job_id: str,
     for spec in specs:
         node = hosts.node(spec.host)
         processes.append(_command(spec, profile, node.python,
-                                  node_run_dir(node.workdir, job_id), ep, node.env,
+                                  run_dir or node_run_dir(node.workdir, job_id), ep, node.env,
                                   node.env.get("CUDA_VISIBLE_DEVICES"), gloo))
     return LaunchPlan(tuple(processes), ep)

@@ -39,6 +39,7 @@ import yaml
 
 from tiderl.core.quote import cut
 from tiderl.engine.config import VLLM_NO_IMAGES
+from tiderl.launch.device_memory import check_device_memory, gpu_memory_bytes
 from tiderl.launch.local import (
     JobRecord,
     LaunchError,
@@ -216,6 +217,11 @@ def check_here(profile: Profile) -> None:
     if profile.runtime.device == "cuda" and not NVIDIA_DRIVER.exists():
         raise LaunchRefused(f"runtime.device is cuda, but this machine has no NVIDIA driver "
                             f"({NVIDIA_DRIVER} is missing)")
+    if profile.runtime.device == "cuda" and path:
+        why = check_device_memory(profile, gpu_memory_bytes(), visible_cuda_devices(
+            os.environ.get("CUDA_VISIBLE_DEVICES")))
+        if why:
+            raise LaunchRefused(why)
     missing = missing_backends(profile.logging.backends)
     if missing:
         raise LaunchRefused(missing_line(missing))

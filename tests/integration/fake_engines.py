@@ -11,8 +11,9 @@ They answer the routes TideRL's clients call with the request and response shape
 (the same in 0.34.0 for every route the client calls) and sglang 0.5.23 as their source defines them
 (``vllm/entrypoints/openai/completion/protocol.py``, ``serve/dev/*``, ``rl/online/api_router.py``;
 ``sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py``), and check what they are
-sent as strictly as those servers do where it matters (vLLM's served model name, SGLang's closed
-set of ``sampling_params`` keys, an idle server before a memory release). Behind them generates a
+sent as strictly as those servers do where it matters (vLLM's served model name; SGLang's request
+types, JSON schema and engine checks, its model-update lock, an idle server before a memory
+release: docs/engine.md lists each with the source line it follows). Behind them generates a
 real model from a real folder, so a job on them really trains: TideRL's own embedded engine for a
 Qwen2 folder (:class:`EmbeddedEngine`), transformers for any other architecture
 (:class:`TransformersEngine`, as vLLM and SGLang run architectures the embedded engine does not).
@@ -25,16 +26,22 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
+import math
 import threading
-from collections.abc import Iterator
+from array import array
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
 
 from tests.integration.serving import free_port, wait_healthy
 from tiderl.core.types import ImageRef
@@ -49,11 +56,7 @@ from tiderl.models.loading import load_model
 from tiderl.models.qwen2_vl import Qwen2VLConfig
 from tiderl.models.vision_inputs import image_digest, image_grid, image_settings
 
-SGLANG_SAMPLING_KEYS = {  # sglang/api/v1/api_types.py SamplingParams: others are a 400
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "stop_regex", "ignore_eos", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "skip_special_tokens", "no_stop_trim", "json_schema", "regex",
-    "ebnf", "structural_tag", "logit_bias", "sampling_seed", "custom_params"}
+F = TypeVar("F", bound=BaseModel)
 
 
 class EmbeddedEngine(LLMEngine):
@@ -220,8 +223,9 @@ class FakeServer:
             self.engine = TransformersEngine(self.model, self.kv_cache_tokens)
         self.weight_version = "default"
         self.awaiting_weights = False  # woken from a sleep that discarded them
-        self.running = asyncio.Event()  # cleared while paused (vLLM /pause?mode=keep)
+        self.running = asyncio.Event()  # cleared: turns wait (vLLM /pause?mode=keep, hold())
         self.running.set()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once a turn ran
         self.app = FastAPI()
 
         @self.app.exception_handler(ValueError)
@@ -247,17 +251,32 @@ class FakeServer:
         return [path for path, _ in self.calls]
 
     def load(self, path: str) -> None:
-        state = load_state_dict(path)
+        self.apply(load_state_dict(path))
+
+    def apply(self, state: dict[str, torch.Tensor]) -> None:
         if self.awaiting_weights:
             self.engine.wake_up(state, self.engine.version)
             self.awaiting_weights = False
         else:
             self.engine.update_weights(state, self.engine.version)
 
+    def hold(self) -> None:
+        """Hold every turn from now on until ``let_go`` (a test's busy server)."""
+        self.running.clear()
+
+    def let_go(self) -> None:
+        """Let the held turns go on (from a test's thread: the server's loop sets the event
+        its turns wait on)."""
+        if self.loop is None:  # no turn ran: none waits
+            self.running.set()
+        else:
+            self.loop.call_soon_threadsafe(self.running.set)
+
     async def turn(self, body_prompt: list[int], sampling: SamplingParams, task: str,
                    images: Images = ()):
         """One generation and the weight version it started on (requests that arrive while
         paused wait for the resume, as vLLM's keep mode holds them)."""
+        self.loop = asyncio.get_running_loop()
         await self.running.wait()
         if self.awaiting_weights:
             raise ValueError("woken up without weights: reload them first")
@@ -371,11 +390,229 @@ class FakeVLLMServer(FakeServer):
             return {"status": "awake", "tags": None}
 
 
+# -- SGLang 0.5.23's request checks (docs/engine.md, "SGLang routes, checked against its source")
+
+class Refusal(Exception):
+    """An answer SGLang gives instead of a result: its status and JSON body."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(status, body)
+        self.status, self.body = status, body
+
+
+def invalid(errors: Any) -> Refusal:
+    """A body its request type does not validate: SGLang turns FastAPI's 422 into a 400 with
+    an OpenAI ``ErrorResponse`` (http_server.py:635-692)."""
+    return Refusal(400, {"object": "error", "message": str(errors), "type": "Bad Request",
+                         "param": None, "code": 400})
+
+
+def validated(fields: type[F], body: Any) -> F:
+    """``body`` as ``fields`` (pydantic's lax types, unknown keys ignored), else 400."""
+    try:
+        return fields.model_validate(body)
+    except ValidationError as exc:
+        raise invalid(exc.errors(include_url=False, include_context=False)) from None
+
+
+def _token_ids(value: Any) -> Any:
+    """``input_ids``' validator (srt/utils/field_validators.py:40-81): int64s, or rows of
+    them."""
+    if value is None or value == []:
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"must be list or null; got {type(value).__name__}")
+    for row in [value] if isinstance(value[0], int) else value:
+        if not isinstance(row, list):
+            raise ValueError(f"elements must be int or list; got {type(row).__name__}")
+        try:
+            array("q", row)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"contains non-int64 element: {exc}") from None
+    return value
+
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class GenerateFields(_Fields):
+    """The fields of GenerateReqInput (managers/io_struct.py:176-330) TideRL's /generate uses."""
+
+    text: list[str] | str | None = None
+    input_ids: Annotated[Any, PlainValidator(_token_ids)] = None
+    sampling_params: list[dict[str, Any]] | dict[str, Any] | None = None
+    return_logprob: list[bool] | bool | None = None
+    image_data: Any = None
+    stream: bool = False
+    priority: int | None = None
+
+
+class UpdateFromDiskFields(_Fields):
+    """UpdateWeightFromDiskReqInput (io_struct.py:86-95 BaseReq, 1970-1993)."""
+
+    rid: str | None = None
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+
+
+class MemoryFields(_Fields):
+    """Release/ResumeMemoryOccupationReqInput (io_struct.py:2177-2195)."""
+
+    rid: str | None = None
+    tags: list[str] | None = None
+
+
+MEMORY_REGIONS = ("kv_cache", "weights", "cuda_graph")  # srt/constants.py GPU_MEMORY_ALL_TYPES
+
+
+def every_region(fields: MemoryFields) -> None:
+    if fields.tags and sorted(fields.tags) != sorted(MEMORY_REGIONS):
+        raise ValueError(f"FakeSGLangServer releases and resumes every region at once (no "
+                         f"tags), not {fields.tags}")
+
+
+# sglang/api/v1/api_types.py:1256-1327, in its order: a sampling_params key and its value's type
+SGLANG_SAMPLING_PARAMS = {
+    "max_new_tokens": "i64", "stop": "str or list", "stop_token_ids": "i64 list",
+    "stop_regex": "str or list", "temperature": "f64", "top_p": "f64", "top_k": "i64",
+    "min_p": "f64", "frequency_penalty": "f64", "presence_penalty": "f64",
+    "repetition_penalty": "f64", "min_new_tokens": "i64", "n": "i64", "json_schema": "str",
+    "regex": "str", "ebnf": "str", "structural_tag": "str", "ignore_eos": "bool",
+    "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool",
+    "no_stop_trim": "bool", "stream_interval": "i64", "logit_bias": "f64 map",
+    "sampling_seed": "i64", "custom_params": "any", "beam_width": "i64",
+    "watermark": "watermark", "choice": "str list"}
+SGLANG_WATERMARK = {"enabled": "bool", "key": "str", "context_window": "i64"}
+# api_types.py:1413-1497: the top-level keys TideRL sends (the schema checks others, the fake not)
+SGLANG_GENERATE = {"text": "str or list", "input_ids": "token ids", "stream": "bool",
+                   "sampling_params": "sampling", "return_logprob": "bool or list",
+                   "priority": "i64"}
+_EXPECTED = {"i64": "i64", "f64": "f64", "bool": "a boolean", "str": "a string"}
+_OR_LIST = {"str": "StringOrList", "bool": "BoolOrList"}
+
+
+class ContractError(Exception):
+    """What SGLang's JSON schema refuses in a /generate body, in serde's words."""
+
+
+def generate_contract_error(body: dict) -> str | None:
+    """SGLang's schema check of a /generate body (entrypoints/api_contract.py:12-18), the
+    body's keys in order: the first violation's text, or None."""
+    try:
+        for key, value in body.items():
+            if key in SGLANG_GENERATE and value is not None:
+                _check(SGLANG_GENERATE[key], value)
+    except ContractError as exc:
+        return str(exc)
+    return None
+
+
+def _check(kind: str, value: Any) -> None:
+    if kind in _EXPECTED:
+        _expect(_is_kind(kind, value), value, _EXPECTED[kind])
+    elif kind.endswith(" or list"):  # one value, or an array of them
+        one = kind.removesuffix(" or list")
+        if isinstance(value, list):
+            for item in value:
+                _check(one, item)
+        else:
+            _expect(_is_kind(one, value), value,
+                    f"a value or an array of values for {_OR_LIST[one]}")
+    elif kind.endswith(" list"):
+        _expect(isinstance(value, list), value, "a sequence")
+        for item in value:
+            _check(kind.removesuffix(" list"), item)
+    elif kind.endswith(" map"):
+        _expect(isinstance(value, dict), value, "a map")
+        for item in value.values():
+            _check(kind.removesuffix(" map"), item)
+    elif kind == "token ids":  # a flat list, or rows of them
+        _expect(isinstance(value, list), value, "a value or an array of values for "
+                "TokenIdsOrList")
+        flat = not value or _is_number(value[0])
+        for row in [value] if flat else value:
+            _check("i64 list", row)
+    elif kind == "sampling":
+        if isinstance(value, list):
+            for item in value:
+                _struct(item, SGLANG_SAMPLING_PARAMS, "struct SamplingParams")
+        else:
+            _expect(isinstance(value, dict), value, "a value or an array of values for "
+                    "SamplingParamsOrList")
+            _struct(value, SGLANG_SAMPLING_PARAMS, "struct SamplingParams")
+    elif kind == "watermark":
+        _struct(value, SGLANG_WATERMARK, "struct WatermarkRequestConfig")
+
+
+def _struct(value: Any, fields: dict[str, str], name: str) -> None:
+    """A closed object: an unknown key is refused (api_types.py:96-107 ``_unknown_field``)."""
+    _expect(isinstance(value, dict), value, name)
+    for key, item in value.items():
+        if key not in fields:
+            names = [f"`{f}`" for f in fields]
+            expected = (f"expected {names[0]}" if len(names) == 1 else
+                        f"expected {names[0]} or {names[1]}" if len(names) == 2 else
+                        f"expected one of {', '.join(names)}")
+            raise ContractError(f"unknown field `{key}`, {expected}")
+        if item is not None and fields[key] != "any":
+            _check(fields[key], item)
+
+
+def _is_kind(kind: str, value: Any) -> bool:
+    return {"i64": _is_int, "f64": _is_number, "bool": lambda v: isinstance(v, bool),
+            "str": lambda v: isinstance(v, str)}[kind](value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _expect(ok: bool, value: Any, expected: str) -> None:
+    """serde's ``invalid type`` text (api_types.py:30-49)."""
+    if ok:
+        return
+    shown = ("null" if value is None else
+             f"boolean `{'true' if value else 'false'}`" if isinstance(value, bool) else
+             f"integer `{value}`" if isinstance(value, int) else
+             f"floating point `{value}`" if isinstance(value, float) else
+             f'string "{value}"' if isinstance(value, str) else
+             "sequence" if isinstance(value, list) else
+             "map" if isinstance(value, dict) else type(value).__name__)
+    raise ContractError(f"invalid type: {shown}, expected {expected}")
+
+
 class FakeSGLangServer(FakeServer):
-    """SGLang 0.5.23's native server (``--enable-metrics --enable-memory-saver``)."""
+    """SGLang 0.5.23's native server (``--enable-metrics --enable-memory-saver``), its routes
+    refusing what SGLang's do (docs/engine.md, "SGLang routes, checked against its source"):
+
+    - a body is checked in SGLang's order: parsed and validated as its request type (a 400
+      ``ErrorResponse``), then /generate's against the JSON schema (a 400 ``{"error": text}``),
+      then by the engine (a 400 ``{"error": {"message"}}``: no prompt, an empty one, one the
+      context cannot hold, bad sampling values);
+    - generations share SGLang's model-update lock: a disk update waits for every one in
+      flight and holds back new ones meanwhile (writers first);
+    - a failed disk update answers 400; ``/flush_cache`` answers text, 400 while requests run;
+    - where SGLang's scheduler raises (a memory release on a busy server, a resume with
+      nothing released) the real server exits: this one answers 500, then 503 to everything.
+
+    ``hold`` keeps every generation in flight (counted in ``in_flight``): a busy server."""
 
     def error_body(self, message: str) -> dict:
-        return {"error": message}
+        return {"error": {"message": message}}  # http_server.py:2246 _create_error_response
 
     def images(self, ids: list[int], image_data: list[str]) -> list[tuple[ImageRef, bytes]]:
         """``image_data`` (PNG data URLs) on the image-pad runs of ``ids``, in order, as SGLang's
@@ -403,31 +640,152 @@ class FakeSGLangServer(FakeServer):
             out.append((ImageRef(image_digest(png), offset, length, grid), png))
         return out
 
+    @property
+    def busy(self) -> bool:
+        """Requests running or waiting (SGLang's scheduler is not ``is_fully_idle``)."""
+        return self.in_flight > 0 or self.engine.busy
+
+    async def body(self, request: Request, path: str) -> Any:
+        """The request's JSON body, recorded; none, or one that is not JSON, refused as
+        FastAPI refuses it before SGLang's handler runs."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError as exc:
+            self.record(path, {})
+            raise invalid([{"type": "json_invalid", "loc": ("body",),
+                            "msg": f"JSON decode error: {exc}"}]) from None
+        self.record(path, {} if body is None else body)
+        if body is None:
+            raise invalid([{"type": "missing", "loc": ("body",), "msg": "Field required",
+                            "input": None}])
+        return body
+
+    def exit(self, reason: str) -> Refusal:
+        """SGLang's scheduler runs a control request unguarded (scheduler.py:2253); what it
+        raises SIGQUITs the server (:6370-6373), which answers nothing more."""
+        self.exit_reason = reason
+        return Refusal(500, self.error_body(f"FakeSGLangServer exited as SGLang's scheduler "
+                                            f"does: {reason}"))
+
+    @contextlib.asynccontextmanager
+    async def generating(self) -> AsyncIterator[None]:
+        """One generation under SGLang's model-update lock, shared (tokenizer_manager.py:941,
+        utils/aio_rwlock.py:43-49): it waits while a weight update waits or runs."""
+        async with self.gate:
+            await self.gate.wait_for(lambda: not self.updating and not self.updates_waiting)
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            async with self.gate:
+                self.in_flight -= 1
+                self.gate.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def updating_weights(self) -> AsyncIterator[None]:
+        """A disk update under the same lock, exclusive (tokenizer_manager.py:2306-2315,
+        aio_rwlock.py:59-70): it waits for every generation in flight to end."""
+        async with self.gate:
+            self.updates_waiting += 1
+            try:
+                await self.gate.wait_for(lambda: not self.updating and not self.in_flight)
+                self.updating = True
+            finally:
+                self.updates_waiting -= 1
+                self.gate.notify_all()
+        try:
+            yield
+        finally:
+            async with self.gate:
+                self.updating = False
+                self.gate.notify_all()
+
+    def sampling(self, ids: list[int], params: dict[str, Any]) -> SamplingParams:
+        """``sampling_params`` for one prompt, refused as SGLang's tokenizer manager refuses
+        them (tokenizer_manager.py:1334-1380, then sampling/sampling_params.py:252-290)."""
+        context = self.engine.max_model_len
+        if len(ids) >= context:
+            raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's "
+                             f"context length ({context} tokens).")
+        max_new = params.get("max_new_tokens")
+        if max_new is not None and max_new + len(ids) > context:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{context} tokens. You requested a total of {max_new + len(ids)} tokens: "
+                f"{len(ids)} tokens from the input messages and {max_new} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the "
+                "completion to fit within the limit.")
+        temperature = 1.0 if params.get("temperature") is None else params["temperature"]
+        top_p = 1.0 if params.get("top_p") is None else params["top_p"]
+        max_new = 128 if max_new is None else max_new
+        if not math.isfinite(temperature) or temperature < 0.0:
+            raise ValueError(f"temperature must be a non-negative finite number, got "
+                             f"{temperature}.")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        if max_new < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
+        return SamplingParams(max_tokens=max_new, temperature=temperature, top_p=top_p,
+                              stop_token_ids=tuple(params.get("stop_token_ids") or ()))
+
     def build(self) -> None:
         app = self.app
+        self.gate = asyncio.Condition()
+        self.in_flight = 0  # generations under the lock (held ones included)
+        self.updates_waiting = 0
+        self.updating = False
+        self.released = False  # its memory released, not resumed since
+        self.exit_reason: str | None = None
 
-        @app.post("/generate")
+        @app.exception_handler(Refusal)
+        async def refused(_: Request, exc: Refusal) -> JSONResponse:
+            return JSONResponse(exc.body, status_code=exc.status)
+
+        @app.exception_handler(RequestValidationError)
+        async def unvalidated(_: Request, exc: RequestValidationError) -> JSONResponse:
+            refusal = invalid(exc.errors())
+            return JSONResponse(refusal.body, status_code=refusal.status)
+
+        @app.middleware("http")
+        async def after_exit(request: Request, call_next: Any) -> Any:
+            if self.exit_reason is not None:
+                return JSONResponse(self.error_body(f"FakeSGLangServer has exited "
+                                                    f"({self.exit_reason})"), status_code=503)
+            return await call_next(request)
+
+        @app.api_route("/generate", methods=["POST", "PUT"])  # http_server.py:928-990
         async def generate(request: Request) -> dict:
-            body = await request.json()
-            self.record("/generate", body)
-            params = body.get("sampling_params", {})
-            unknown = sorted(set(params) - SGLANG_SAMPLING_KEYS)
-            if unknown:
-                raise ValueError(f"unknown field `{unknown[0]}`")
-            sampling = SamplingParams(max_tokens=params.get("max_new_tokens", 128),
-                                      temperature=params.get("temperature", 1.0),
-                                      top_p=params.get("top_p", 1.0),
-                                      stop_token_ids=tuple(params.get("stop_token_ids", ())))
-            images = self.images(body["input_ids"], body.get("image_data") or [])
-            out, version = await self.turn(body["input_ids"], sampling, f"r{len(self.calls)}",
-                                           images)
-            kind = "length" if out.finish_reason == "length" else "stop"
+            body = await self.body(request, "/generate")
+            fields = validated(GenerateFields, body)
+            if (error := generate_contract_error(body)) is not None:
+                raise Refusal(400, {"error": error})
+            ids, params = fields.input_ids, fields.sampling_params or {}
+            if fields.text is None and ids is None:  # io_struct.py:445-455, 486-499
+                raise ValueError("Either text, input_ids or input_embeds should be provided.")
+            if fields.text is not None or isinstance(params, list) or (ids and
+                                                                       isinstance(ids[0], list)):
+                raise ValueError("FakeSGLangServer serves one prompt of input_ids a request")
+            if not ids:
+                raise ValueError("input_ids cannot be empty.")
+            if fields.stream:
+                raise ValueError("FakeSGLangServer answers stream=false only")
+            sampling = self.sampling(ids, params)
+            if not isinstance(fields.image_data, list | None):
+                raise ValueError("FakeSGLangServer takes image_data as a list of data URLs")
+            images = self.images(ids, fields.image_data or [])
+            async with self.generating():
+                out, version = await self.turn(ids, sampling, f"r{len(self.calls)}", images)
+            if self.exit_reason is not None:  # it exited meanwhile: no answer comes
+                raise Refusal(503, self.error_body("FakeSGLangServer has exited"))
+            finish = ({"type": "length", "length": sampling.max_tokens}
+                      if out.finish_reason == "length"
+                      else {"type": "stop", "matched": out.output_ids[-1]})
             meta = {"id": "1", "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.output_ids),
-                    "cached_tokens": out.num_cached_tokens,
-                    "finish_reason": {"type": kind},
+                    "cached_tokens": out.num_cached_tokens, "finish_reason": finish,
                     "weight_version": version}
-            if body.get("return_logprob"):
+            if fields.return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                                  zip(out.logprobs, out.output_ids, strict=True)]
             return {"text": "", "output_ids": out.output_ids, "meta_info": meta}
@@ -447,39 +805,64 @@ class FakeSGLangServer(FakeServer):
                 f"sglang:max_total_num_tokens{{{labels}}} {usage.num_total_tokens}"]
             return PlainTextResponse("\n".join(lines) + "\n")
 
-        @app.post("/update_weights_from_disk")
-        async def update_weights_from_disk(request: Request) -> dict:
-            body = await request.json()
-            self.record("/update_weights_from_disk", body)
-            try:
-                await asyncio.to_thread(self.load, body["model_path"])
-            except Exception as exc:  # SGLang rolls back and says so
-                return {"success": False, "message": str(exc), "num_paused_requests": 0}
-            if body.get("weight_version") is not None:
-                self.weight_version = body["weight_version"]
-            if body.get("flush_cache", True):
-                self.engine.reset_prefix_cache()
-            return {"success": True, "message": "Succeeded to update model weights.",
-                    "num_paused_requests": 0}
+        @app.post("/update_weights_from_disk")  # http_server.py:1300-1326
+        async def update_weights_from_disk(request: Request) -> JSONResponse:
+            fields = validated(UpdateFromDiskFields,
+                               await self.body(request, "/update_weights_from_disk"))
+            async with self.updating_weights():
+                success, message = await self.update_from_disk(fields)
+            return JSONResponse({"success": success, "message": message,
+                                 "num_paused_requests": 0}, status_code=200 if success else 400)
 
-        @app.post("/release_memory_occupation")
+        @app.api_route("/release_memory_occupation", methods=["GET", "POST"])  # :1575-1584
         async def release(request: Request) -> None:
-            self.record("/release_memory_occupation", await request.json())
-            if self.engine.busy:  # SGLang asserts an idle server
-                raise ValueError("release_memory_occupation should be called only when "
-                                 "server is idle")
+            every_region(validated(MemoryFields, await self.body(
+                request, "/release_memory_occupation")))
+            if self.busy:  # scheduler_components/weight_updater.py:339-341 asserts
+                raise self.exit("release_memory_occupation should be called only when server "
+                                "is idle.")
             await asyncio.to_thread(self.engine.sleep)
+            self.released = True
 
-        @app.post("/resume_memory_occupation")
+        @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])  # :1587-1596
         async def resume(request: Request) -> None:
-            self.record("/resume_memory_occupation", await request.json())
-            self.awaiting_weights = self.engine.is_asleep
+            every_region(validated(MemoryFields, await self.body(
+                request, "/resume_memory_occupation")))
+            if not self.released:  # weight_updater.py:388-390 removes tags it never added
+                raise self.exit(f"KeyError: {MEMORY_REGIONS[0]!r}")
+            self.released = False
+            self.awaiting_weights = True  # the released weights are gone
 
-        @app.post("/flush_cache")
-        async def flush_cache() -> PlainTextResponse:
-            self.record("/flush_cache", {})
+        @app.api_route("/flush_cache", methods=["GET", "POST"])  # http_server.py:1025-1040
+        async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)) -> Response:
+            self.record("/flush_cache", dict(request.query_params))
+            if timeout > 0:
+                raise ValueError("FakeSGLangServer flushes at once only (timeout 0)")
+            if self.busy:  # scheduler.py:5518-5547: not while requests run or wait
+                return Response("Flush cache failed.\n", status_code=400)
             self.engine.flush()
-            return PlainTextResponse("Cache flushed.")
+            return Response("Cache flushed.\nPlease check backend logs for more details. (When "
+                            "there are running or waiting requests, the operation will not be "
+                            "performed.)\n")
+
+    async def update_from_disk(self, fields: UpdateFromDiskFields) -> tuple[bool, str]:
+        """The weights from ``model_path``, as SGLang's weight updater answers
+        (model_runner_components/weight_updater.py:221-258, tokenizer_manager.py:2316-2320)."""
+        try:
+            state = await asyncio.to_thread(load_state_dict, fields.model_path)
+        except Exception as exc:
+            return False, f"Failed to get weights iterator: {exc}."
+        try:
+            await asyncio.to_thread(self.apply, state)
+        except Exception as exc:
+            return False, f"Failed to update weights: {exc}.\nRolling back to original weights."
+        if fields.flush_cache:  # no request runs here: the update holds the lock alone
+            self.engine.reset_prefix_cache()
+        message = "Succeeded to update model weights."
+        if fields.weight_version is not None:
+            self.weight_version = fields.weight_version
+            message += f" Weight version updated to {fields.weight_version}."
+        return True, message
 
 
 def _pad_runs(ids: list[int], config: Qwen2VLConfig) -> list[tuple[int, int]]:

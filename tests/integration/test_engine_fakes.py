@@ -1,15 +1,20 @@
 """The vLLM and SGLang clients against FakeVLLMServer / FakeSGLangServer (real HTTP servers on
 loopback with those engines' 0.34.0 / 0.5.23 routes; what they do on a GPU), and real jobs that roll
 out on them through ``engine.urls``: on a Qwen2 folder, and on a Llama folder that only those
-engines (here: transformers behind the vLLM fake) and the trainer's HFCausalLM run."""
+engines (here: transformers behind the vLLM fake) and the trainer's HFCausalLM run. What
+FakeSGLangServer refuses, and how, is SGLang 0.5.23's (docs/engine.md, "SGLang routes")."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -20,7 +25,8 @@ from tests.integration.fake_engines import (
     running,
 )
 from tests.tiny_llama import write_tiny_llama
-from tiderl.engine.clients import EngineRequestError, SGLangClient, VLLMClient
+from tests.waiting import wait_until
+from tiderl.engine.clients import EngineRequestError, SGLangClient, VLLMClient, _error_message
 from tiderl.engine.config import SERVED_MODEL_NAME
 from tiderl.engine.request import SamplingParams
 from tiderl.launch.job import run_local
@@ -122,6 +128,208 @@ def test_sglang_client_updates_from_disk_releases_and_resumes_memory(models):
     assert generate[0]["priority"] == -1 and "priority" not in generate[1]
     assert generate[-1]["sampling_params"]["sampling_seed"] == 7  # not "seed": a 400 there
     assert fake.paths()[-4:-2] == ["/resume_memory_occupation", "/update_weights_from_disk"]
+
+
+# -- FakeSGLangServer refuses what SGLang 0.5.23 refuses (docs/engine.md, "SGLang routes") ------
+
+ERROR_RESPONSE = {"object": "error", "type": "Bad Request", "param": None, "code": 400}
+UNKNOWN_SEED = (  # sglang/api/v1/api_types.py:1256 and :96-107, serde's text
+    "unknown field `seed`, expected one of `max_new_tokens`, `stop`, `stop_token_ids`, "
+    "`stop_regex`, `temperature`, `top_p`, `top_k`, `min_p`, `frequency_penalty`, "
+    "`presence_penalty`, `repetition_penalty`, `min_new_tokens`, `n`, `json_schema`, `regex`, "
+    "`ebnf`, `structural_tag`, `ignore_eos`, `skip_special_tokens`, "
+    "`spaces_between_special_tokens`, `no_stop_trim`, `stream_interval`, `logit_bias`, "
+    "`sampling_seed`, `custom_params`, `beam_width`, `watermark`, `choice`")
+
+
+def test_the_sglang_fake_refuses_generate_bodies_as_sglang_does(models):
+    """Each check in SGLang's order, with its body shape: the request type (a 400
+    ErrorResponse), the JSON schema (``{"error": text}``), the engine (``{"error":
+    {"message"}}``); TideRL's client reads the message out of each, on one line."""
+    fake = FakeSGLangServer(models / "m0")
+    n = fake.engine.max_model_len
+    cases = [  # body, which check refuses it, its message (the request type's: a part of it)
+        ({"input_ids": PROMPT, "sampling_params": {"seed": 7}}, "schema", UNKNOWN_SEED),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1.5}}, "schema",
+         "invalid type: floating point `1.5`, expected i64"),
+        ({"input_ids": PROMPT, "sampling_params": {"temperature": "hot"}}, "schema",
+         'invalid type: string "hot", expected f64'),
+        ({"input_ids": PROMPT, "priority": "3"}, "schema",
+         'invalid type: string "3", expected i64'),
+        ({"input_ids": PROMPT, "return_logprob": "yes"}, "schema",
+         'invalid type: string "yes", expected a value or an array of values for BoolOrList'),
+        ({"input_ids": "abc"}, "type", "must be list or null; got str"),
+        ({"input_ids": PROMPT, "priority": "high"}, "type", "valid integer"),
+        ({"sampling_params": {}}, "engine",
+         "Either text, input_ids or input_embeds should be provided."),
+        ({"input_ids": []}, "engine", "input_ids cannot be empty."),
+        ({"input_ids": [7] * n}, "engine",
+         f"The input ({n} tokens) is longer than the model's context length ({n} tokens)."),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n}}, "engine",
+         f"Requested token count exceeds the model's maximum context length of {n} tokens. "
+         f"You requested a total of {n + len(PROMPT)} tokens: {len(PROMPT)} tokens from the "
+         f"input messages and {n} tokens for the completion. Please reduce the number of "
+         "tokens in the input messages or the completion to fit within the limit."),
+        ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "engine",
+         "top_p must be in (0, 1], got 0."),
+    ]
+    with running(fake) as url, httpx.Client(base_url=url) as http:
+        for body, check, message in cases:
+            response = http.post("/generate", json=body)
+            assert response.status_code == 400, body
+            if check == "type":
+                answer = response.json()
+                assert {k: answer[k] for k in ERROR_RESPONSE} == ERROR_RESPONSE, body
+                assert message in answer["message"] and message in _error_message(response)
+            else:
+                expected = {"error": message if check == "schema" else {"message": message}}
+                assert response.json() == expected, body
+                assert _error_message(response) == message
+        not_json = http.post("/generate", content=b"{",
+                             headers={"content-type": "application/json"})
+        no_body = http.post("/generate")
+        # a key it does not know is ignored; after every refusal it serves on
+        served = http.post("/generate", json={"input_ids": PROMPT, "not_a_field": 1,
+                                              "sampling_params": {"max_new_tokens": 2}})
+        wrong_method, no_route = http.get("/generate"), http.post("/generate_text", json={})
+    assert not_json.status_code == no_body.status_code == 400
+    assert not_json.json()["object"] == no_body.json()["object"] == "error"
+    assert "Field required" in no_body.json()["message"]
+    assert served.status_code == 200 and len(served.json()["output_ids"]) == 2
+    assert served.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert (wrong_method.status_code, wrong_method.json()) == (405,
+                                                                {"detail": "Method Not Allowed"})
+    assert (no_route.status_code, no_route.json()) == (404, {"detail": "Not Found"})
+
+
+def test_the_sglang_fake_refuses_weight_memory_and_flush_bodies_as_sglang_does(models):
+    fake = FakeSGLangServer(models / "m0")
+    m1 = str(models / "m1")
+
+    async def client_calls(url: str):
+        async with SGLangClient(url) as client:
+            await client.flush()  # its answer is text, not JSON
+            with pytest.raises(EngineRequestError,
+                               match="update_weights_from_disk: 400: Failed to get weights "
+                                     "iterator: "):
+                await client.update_weights(str(models / "nowhere"), 3)
+            return await client.generate("a", PROMPT, GREEDY)
+
+    with running(fake) as url, httpx.Client(base_url=url) as http:
+        answers = {
+            "no model_path": http.post("/update_weights_from_disk", json={}),
+            "an int version": http.post("/update_weights_from_disk",
+                                        json={"model_path": m1, "weight_version": 3}),
+            "GET": http.get("/update_weights_from_disk"),
+            "no body": http.post("/release_memory_occupation"),
+            "tags not a list": http.post("/release_memory_occupation",
+                                         json={"tags": "weights"}),
+            "a negative timeout": http.post("/flush_cache", params={"timeout": -1}),
+        }
+        flushed = http.get("/flush_cache")
+        after_failure = asyncio.run(client_calls(url))
+        updated = http.post("/update_weights_from_disk",
+                            json={"model_path": m1, "weight_version": "3", "not_a_field": 1})
+        released = http.post("/release_memory_occupation", json={})
+        resumed = http.post("/resume_memory_occupation", json={"rid": "r"})
+    for what in ("no model_path", "an int version", "no body", "tags not a list",
+                 "a negative timeout"):
+        response = answers[what]
+        assert response.status_code == 400, what
+        assert {k: response.json()[k] for k in ERROR_RESPONSE} == ERROR_RESPONSE, what
+    assert "model_path" in answers["no model_path"].json()["message"]
+    assert "valid string" in answers["an int version"].json()["message"]
+    assert answers["GET"].status_code == 405
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.\n")
+    assert after_failure.version is None  # the failed update left version and weights alone
+    assert updated.json() == {"success": True, "num_paused_requests": 0, "message":
+                              "Succeeded to update model weights. Weight version updated "
+                              "to 3."}
+    assert (released.status_code, released.json()) == (200, None)
+    assert (resumed.status_code, resumed.json()) == (200, None)
+
+
+@contextlib.contextmanager
+def held(fake: FakeSGLangServer) -> Iterator[None]:
+    """Every generation on ``fake`` held in flight until ``let_go``, or the block ends."""
+    fake.hold()
+    try:
+        yield
+    finally:
+        fake.let_go()
+
+
+def in_thread(pool: ThreadPoolExecutor, url: str, call) -> Future:
+    """``call(client)`` on its own SGLangClient in a pool thread, while the test goes on."""
+    async def run():
+        async with SGLangClient(url) as client:
+            return await call(client)
+
+    return pool.submit(asyncio.run, run())
+
+
+def test_a_disk_update_on_the_sglang_fake_waits_for_the_generations_in_flight(models):
+    """SGLang's model-update lock: the update waits for a generation in flight, and one sent
+    while it waits runs after it, on the new weights."""
+    fake = FakeSGLangServer(models / "m0")
+    with running(fake) as url, ThreadPoolExecutor(3) as pool, held(fake):
+        first = in_thread(pool, url, lambda c: c.generate("a", PROMPT, GREEDY))
+        wait_until(lambda: fake.in_flight == 1, "a generation in flight")
+        update = in_thread(pool, url, lambda c: c.update_weights(str(models / "m1"), 2))
+        wait_until(lambda: fake.updates_waiting == 1, "the update waiting",
+                   gone=lambda: "the update ended" if update.done() else None)
+        second = in_thread(pool, url, lambda c: c.generate("b", PROMPT, GREEDY))
+        wait_until(lambda: fake.paths().count("/generate") == 2, "the second generation sent")
+        assert fake.weight_version == "default" and fake.in_flight == 1 and not update.done()
+        fake.let_go()
+        first, second = first.result(), second.result()
+        update.result()
+    assert first.version is None and second.version == 2
+    assert second.output_ids != first.output_ids  # m1's weights
+
+
+def test_a_busy_sglang_fake_refuses_a_flush_and_a_release_takes_it_down(models):
+    """Requests in flight: ``/flush_cache`` answers 400; a memory release makes SGLang's
+    scheduler assert, and the server exits (here: 500, then 503 to everything)."""
+    fake = FakeSGLangServer(models / "m0")
+
+    async def busy_calls(url: str):
+        async with SGLangClient(url) as client:
+            with pytest.raises(EngineRequestError, match=r"flush_cache: 400: Flush cache "
+                                                         r"failed\.$"):
+                await client.flush()
+            with pytest.raises(RuntimeError, match="500: FakeSGLangServer exited as SGLang's "
+                                                   "scheduler does: release_memory_occupation "
+                                                   "should be called only when server is idle"):
+                await client.sleep()
+            return await client.is_up()
+
+    with running(fake) as url, ThreadPoolExecutor(1) as pool, held(fake):
+        generation = in_thread(pool, url, lambda c: c.generate("a", PROMPT, GREEDY))
+        wait_until(lambda: fake.in_flight == 1, "a generation in flight")
+        up = asyncio.run(busy_calls(url))
+        fake.let_go()
+        with pytest.raises(RuntimeError, match="503: FakeSGLangServer has exited"):
+            generation.result()
+    assert not up
+    assert fake.paths() == ["/generate", "/flush_cache", "/release_memory_occupation"]
+
+
+def test_a_resume_with_nothing_released_takes_the_sglang_fake_down(models):
+    fake = FakeSGLangServer(models / "m0")
+
+    async def scenario(url: str):
+        async with SGLangClient(url) as client:
+            with pytest.raises(RuntimeError, match=r"resume_memory_occupation: 500: .*"
+                                                   r"KeyError: 'kv_cache'"):
+                await client.wake_up(str(models / "m1"), 1)
+            with pytest.raises(RuntimeError, match="generate: 503: FakeSGLangServer has "
+                                                   "exited"):
+                await client.generate("a", PROMPT, GREEDY)
+            return await client.is_up()
+
+    with running(fake) as url:
+        assert not asyncio.run(scenario(url))
 
 
 SMALL = [

@@ -251,10 +251,16 @@ class _HTTPClient(EngineClient):
 
 
 def _error_message(response: httpx.Response) -> str:
+    """An error body's message on one line: ``{"error": {"message"}}`` (ours, vLLM's, a request
+    SGLang refused), ``{"error": "..."}`` (SGLang's schema check) or ``{"message"}`` (SGLang's
+    validation errors and failed weight updates); else the body's start."""
     try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
+        data = response.json()
+        error = data.get("error", data)
+        message = error if isinstance(error, str) else error["message"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = response.text[:200]
+    return " ".join(str(message).split())
 
 
 def _json_or_raise(response: httpx.Response, parse: bool = True) -> dict:
@@ -498,7 +504,8 @@ class SGLangClient(_HTTPClient):
             raise RuntimeError(f"SGLang update_weights_from_disk: {data.get('message')}")
 
     async def flush(self) -> None:
-        await self._post("/flush_cache")
+        """Answered with text, not JSON; a 400 while requests run or wait."""
+        _json_or_raise(await self.http.post("/flush_cache"), parse=False)
 
     async def sleep(self) -> None:
         await self._post("/release_memory_occupation")  # needs an idle server: it is here

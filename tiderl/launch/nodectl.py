@@ -11,7 +11,8 @@ supervisor of a node's processes::
 
     python -m tiderl.launch.nodectl supervise SPEC.json
         SPEC: {"processes": [{"name", "argv", "env", "log"}, ...]}
-        out:  {"started": {name: pid}, "step": SLURM_STEP_ID}, then {"exited": name, "code": c}
+        out:  {"started": {name: pid}, "step": SLURM_STEP_ID}, then {"exited": name, "pid": p,
+              "code": c}
               per process as it ends, {"stopped": id, "outcome": {name: how}} per stop
         in:   {"kill": name} | {"stop": [names], "grace_s": s, "id": id} | {"exit": true}
 
@@ -70,7 +71,7 @@ def supervise(spec_file: str) -> int:
                 code = popens[record.pid].poll()
                 if code is not None and name not in reported:
                     reported.add(name)
-                    say({"exited": name, "code": code})
+                    say({"exited": name, "pid": record.pid, "code": code})
             time.sleep(0.1)
         done.set()
 

@@ -202,9 +202,10 @@ class _Step:
             except (BrokenPipeError, OSError):
                 pass
 
-    def exits(self) -> dict[str, int]:
+    def exits(self) -> dict[int, int]:
+        """Exit codes by PID, as the supervisor reported them."""
         with self.cond:
-            return {m["exited"]: m["code"] for m in self.lines if "exited" in m}
+            return {m["pid"]: m["code"] for m in self.lines if "exited" in m}
 
 
 class SlurmExecutor:
@@ -212,7 +213,7 @@ class SlurmExecutor:
 
     def __init__(self, job: JobRecord, alloc: Allocation) -> None:
         self.job, self.alloc = job, alloc
-        self.steps: list[tuple[_Step, list[str]]] = []  # (step, its processes' names)
+        self.steps: list[tuple[_Step, list[int]]] = []  # (step, its processes' PIDs)
 
     def push(self, plan: LaunchPlan) -> None:
         """Nothing to copy: every node reads the launcher's run folder (a shared
@@ -237,10 +238,13 @@ class SlurmExecutor:
                          run_dir / "logs" / f"srun-{name}.log")
             started = step.wait_for(lambda m: "started" in m, STEP_START_S)
             if started is None:
+                if step.proc.poll() is None:  # queued or hung: it goes, with what it started
+                    step.proc.kill()
+                    step.proc.wait()
                 self.stop(grace_s=2.0)
                 raise LaunchError(f"node {node}: the job step did not start its processes "
                                   f"(see {run_dir}/logs/srun-{name}.log)")
-            self.steps.append((step, [s.name for s in group]))
+            self.steps.append((step, [started["started"][s.name] for s in group]))
             slurm = self.job.info.setdefault("slurm", {"job_id": self.alloc.job_id,
                                                        "steps": {}})
             slurm["steps"][f"{self.alloc.job_id}.{started['step']}"] = [s.name for s in group]
@@ -252,21 +256,18 @@ class SlurmExecutor:
             self.job.save()
 
     def exited(self) -> list[tuple[ProcessRecord, int]]:
-        """The processes whose exit their step reported; all of a step's, code 1 for those it
-        did not report, once the step itself has ended."""
-        codes: dict[str, int] = {}
-        for step, names in self.steps:
+        """The processes whose exit their step reported (by PID: an environment service
+        started again has a new one); a step's others with code 1 once the step has ended."""
+        codes: dict[int, int] = {}
+        for step, pids in self.steps:
             reported = step.exits()
             codes.update(reported)
             if step.proc.poll() is not None:
-                codes.update({n: 1 for n in names if n not in reported})
-        return [(r, codes[r.name]) for r in self.job.processes if r.name in codes]
-
-    def _step_of(self, name: str) -> _Step | None:
-        return next((step for step, names in self.steps if name in names), None)
+                codes.update({pid: 1 for pid in pids if pid not in reported})
+        return [(r, codes[r.pid]) for r in self.job.processes if r.pid in codes]
 
     def kill(self, record: ProcessRecord) -> None:
-        step = self._step_of(record.name)
+        step = next((step for step, pids in self.steps if record.pid in pids), None)
         if step is not None:
             step.send({"kill": record.name})
 
@@ -282,8 +283,8 @@ class SlurmExecutor:
         for number, (group, grace) in enumerate(((first, max(grace_s, COORDINATOR_GRACE_S)),
                                                  (rest, grace_s))):
             asked = []
-            for step, names in self.steps:
-                mine = [r.name for r in group if r.name in names]
+            for step, pids in self.steps:
+                mine = [r.name for r in group if r.pid in pids]
                 if mine:
                     step.send({"stop": mine, "grace_s": grace, "id": number})
                     asked.append(step)

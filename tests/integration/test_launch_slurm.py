@@ -1,7 +1,7 @@
 """``tiderl launch --slurm`` in a real Slurm allocation (two nodes on loopback,
 :mod:`tests.integration.slurm_cluster`): the job trains across the allocation's nodes, each
-node's processes in a job step; ``tiderl stop`` ends it with its report; what cannot run is one
-line, exit 2, before anything starts."""
+node's processes in a job step, its model by hub id resolved on each node; ``tiderl stop`` ends
+it with its report; what cannot run is one line, exit 2, before anything starts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from tests.integration.running_job import SMALL_JOB
 from tests.integration.serving import tiderl_command
 from tests.integration.slurm_cluster import slurm_cluster
 from tests.integration.test_cli import assert_one_line_error
+from tests.integration.test_hub_models import COMMIT, REPO, lay_out_cache
 from tiderl.launch.local import JOB_FILE, JobRecord
+from tiderl.models.random_init import write_random_checkpoint
 
 JOB_S = 600.0  # a launch followed to its end (seconds of a few steps; a loaded machine: more)
 
@@ -36,11 +38,19 @@ def launch_argv(run_root: Path, steps: int, *extra: str) -> list[str]:
 
 
 def test_a_job_trains_across_the_allocation_one_step_per_node(cluster, tmp_path):
-    proc = subprocess.run(launch_argv(tmp_path, 2, "--json"), env=cluster, capture_output=True,
-                          text=True, timeout=JOB_S)
+    # its model by hub id, from a cache laid out on disk (test_hub_models): each node resolves
+    # it in a job step of its own before the job starts
+    write_random_checkpoint("tiny", tmp_path / "model", seed=3)
+    snapshot = lay_out_cache(tmp_path / "hf", REPO, tmp_path / "model", COMMIT, "main")
+    env = {**cluster, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    runs = tmp_path / "runs"
+    proc = subprocess.run(launch_argv(runs, 2, "--json", "--set", f"model.path={REPO}"),
+                          env=env, capture_output=True, text=True, timeout=JOB_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = Path(json.loads(proc.stdout)["run_dir"])
     job = JobRecord.load(run_dir)
+    assert job.info["model"] == {"id": REPO, "revision": COMMIT, "folder": str(snapshot),
+                                 "nodes": ["n1", "n2"]}
     hosts = {r.name: r.host for r in job.processes}
     assert hosts == {"env": "n1", "coordinator": "n1", "rank0": "n1", "rank1": "n1",
                      "rank2": "n2"}
@@ -52,9 +62,13 @@ def test_a_job_trains_across_the_allocation_one_step_per_node(cluster, tmp_path)
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == 2
     assert (run_dir / "report.md").exists()
     status = subprocess.run([*tiderl_command(), "status", job.job_id, "--run-root",
-                             str(tmp_path), "--json"], env=cluster, capture_output=True,
+                             str(runs), "--json"], env=cluster, capture_output=True,
                             text=True, timeout=60)
     assert json.loads(status.stdout)["state"] == "done"
+    assert json.loads(status.stdout)["where"] == f"Slurm job {slurm['job_id']}: n1, n2"
+    logs = subprocess.run([*tiderl_command(), "logs", job.job_id, "--rank", "2", "--run-root",
+                           str(runs)], env=cluster, capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0 and "rank 2 up: actor" in logs.stdout, logs.stderr
 
 
 def _wait_first_step(run_root: Path, launcher: subprocess.Popen) -> JobRecord:
@@ -131,3 +145,4 @@ def test_what_cannot_run_under_slurm_is_one_line_before_anything_starts(cluster,
                     "no GPUs (SLURM_GPUS_ON_NODE and SLURM_JOB_GPUS are unset): ask for "
                     "--gpus-per-node")
     assert list(tmp_path.iterdir()) == []
+

@@ -23,6 +23,7 @@ allocation, a node list scontrol cannot expand, a CUDA profile in an allocation 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ from tiderl.launch.local import (
     split_coordinator,
 )
 from tiderl.launch.plan import LaunchPlan, ProcessSpec
+from tiderl.models.hub import MODEL_TIMEOUT_S, HubError, Resolved
 from tiderl.profile import Profile
 
 SCONTROL_TIMEOUT_S = 30.0
@@ -147,6 +149,24 @@ def allocation_hosts(alloc: Allocation, profile: Profile, run_root: Path) -> Hos
                   for name, d in zip(alloc.nodes, devices, strict=True))
     return Hosts(nodes=nodes, coordinator=alloc.nodes[0], env_node=None, env_url=None,
                  port_base=None, source="the Slurm allocation")
+
+
+def resolve_on_node(alloc: Allocation, node: str, path: str, revision: str) -> Resolved:
+    """A hub id resolved on ``node``, into its cache, in a job step of its own
+    (``nodectl model``); HubError naming the node."""
+    argv = ["srun", f"--jobid={alloc.job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+            "--overlap", "--job-name=tiderl-model", sys.executable, "-m",
+            "tiderl.launch.nodectl", "model", path, "--revision", revision]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=MODEL_TIMEOUT_S)
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = proc.stderr.strip().splitlines()
+        raise HubError(f"node {node}: could not resolve model.path {path}: "
+                       f"{last[-1] if last else f'srun exit {proc.returncode}'}") from None
+    if "error" in answer:
+        raise HubError(f"node {node}: {answer['error']}")
+    return Resolved(**answer)
 
 
 def srun_command(alloc: Allocation, node: str, spec_file: str, python: str) -> list[str]:
@@ -310,12 +330,12 @@ def run_slurm(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     from tiderl.launch.job import job_info, run_job, with_model_resolved
     from tiderl.launch.plan import node_profile, plan_nodes
     from tiderl.launch.run_folders import kept_if_used, new_run_dir
-    from tiderl.models.hub import resolve_model
 
     alloc = read_allocation(env)
     root = run_root or Path(profile.runtime.run_dir)
     hosts = allocation_hosts(alloc, profile, root)
-    profile, model = with_model_resolved(profile, {alloc.nodes[0]: resolve_model})
+    profile, model = with_model_resolved(profile, {
+        node: functools.partial(resolve_on_node, alloc, node) for node in alloc.nodes})
     run_dir = new_run_dir(root, profile.runtime.system, job_id)
     with kept_if_used(run_dir):
         plan = plan_nodes(hosts, profile, run_dir.name, slurm_ports(profile),

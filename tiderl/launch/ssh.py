@@ -33,11 +33,10 @@ from invoke.exceptions import CommandTimedOut
 from tiderl import __version__
 from tiderl.launch.hosts import Node
 from tiderl.launch.local import LaunchError, stat_state
-from tiderl.models.hub import HubError, Resolved
+from tiderl.models.hub import MODEL_TIMEOUT_S, HubError, Resolved
 
 CONNECT_TIMEOUT_S = 10
 COMMAND_TIMEOUT_S = 60
-MODEL_TIMEOUT_S = 3600  # a hub model's first download on a node
 
 # what the node's python reports: its version, tiderl's, and the absolute workdir
 _CHECK = ("import json, os, sys\n"

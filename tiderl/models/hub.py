@@ -22,6 +22,7 @@ from pathlib import Path
 
 # "name" or "owner/name": letters, digits, "-", "_", "." (hub ids; no leading "." or "-")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+MODEL_TIMEOUT_S = 3600  # a node's resolution, over SSH or in a job step: a first download
 MAX_ID_LEN = 200  # the hub's owner and name are 96 characters at most each
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt",
                "*.jinja"]

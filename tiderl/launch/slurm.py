@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiderl.core.quote import cut, short
 from tiderl.launch.hosts import Hosts, Node
@@ -48,6 +49,10 @@ from tiderl.launch.local import (
 from tiderl.launch.plan import LaunchPlan, ProcessSpec
 from tiderl.models.hub import MODEL_TIMEOUT_S, HubError, Resolved
 from tiderl.profile import Profile
+
+if TYPE_CHECKING:  # the job module imports this one's callers
+    from tiderl.launch.job import JobResult
+    from tiderl.runtime.bus import Snapshot
 
 SCONTROL_TIMEOUT_S = 30.0
 STEP_START_S = 120.0  # a step's processes started and their PIDs said (Slurm may queue it)
@@ -324,8 +329,10 @@ class SlurmExecutor:
 
 
 def run_slurm(profile: Profile, *, run_root: Path | None = None, job_id: str | None = None,
-              on_snapshot=None, on_start=None, launcher_pid: int | None = None,
-              env: Mapping[str, str] = os.environ):
+              on_snapshot: Callable[[Snapshot], None] | None = None,
+              on_start: Callable[[JobRecord], None] | None = None,
+              launcher_pid: int | None = None,
+              env: Mapping[str, str] = os.environ) -> JobResult:
     """As :func:`tiderl.launch.job.run_local`, in the Slurm allocation the launcher runs in."""
     from tiderl.launch.job import job_info, run_job, with_model_resolved
     from tiderl.launch.plan import node_profile, plan_nodes

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tiderl.env.protocol import MAX_BATCH_CALLS
+
 JSON_TYPE = ("content-type", "application/json")
 WRONG_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                "application/octet-stream", "image/png")
@@ -190,23 +192,25 @@ def engine_flood(n: int, token: str | None) -> list[FuzzCase]:
 # -- the environment service ---------------------------------------------------------------------
 
 ENV_POSTS = ("/start", "/observation", "/end", "/pause", "/resume")
+ENV_RAW_POSTS = (*ENV_POSTS, "/batch")  # a body no route reads: /batch refuses it whole too
 
 
 def env_cases(rng: random.Random, n: int, *, token: str | None) -> list[FuzzCase]:
     """``n`` malformed requests to ``tiderl env serve`` (``token``: the service's)."""
     auth = _headers(token)
     makers: list[tuple[int, Callable[[], FuzzCase]]] = [
-        (15, lambda: FuzzCase("random_bytes", "POST", rng.choice(ENV_POSTS), random_bytes(rng),
-                              auth)),
+        (15, lambda: FuzzCase("random_bytes", "POST", rng.choice(ENV_RAW_POSTS),
+                              random_bytes(rng), auth)),
+        (8, lambda: _env_batch_wrong(rng, auth)),
         (20, lambda: _env_wrong_type(rng, auth)),
         (10, lambda: _env_huge(rng, auth)),
         (10, lambda: _env_unknown(rng, auth)),
-        (6, lambda: FuzzCase("deep_nesting", "POST", rng.choice(ENV_POSTS), deep_nesting(rng),
-                             auth)),
-        (8, lambda: _wrong_content_type(rng, rng.choice(ENV_POSTS), {"env": 5, "session": 1},
-                                        token)),
+        (6, lambda: FuzzCase("deep_nesting", "POST", rng.choice(ENV_RAW_POSTS),
+                             deep_nesting(rng), auth)),
+        (8, lambda: _wrong_content_type(rng, rng.choice(ENV_RAW_POSTS),
+                                        {"env": 5, "session": 1}, token)),
         (6, lambda: _wrong_route(rng, ("/start", "/health", "/metrics"), token)),
-        (10, lambda: FuzzCase("no_token", "POST", rng.choice(ENV_POSTS),
+        (10, lambda: FuzzCase("no_token", "POST", rng.choice(ENV_RAW_POSTS),
                               _dumps({"env": "guess"}),
                               rng.choice([(JSON_TYPE,),
                                           (JSON_TYPE, ("authorization", "Bearer nope"))]))),
@@ -229,6 +233,18 @@ ENV_WRONG: dict[str, list[object]] = {  # msgspec is strict: no "7" for an int, 
     "session": [1, None, ["s1"], {"a": 1}, ""],
     "action": [1, None, ["guess"], {"a": 1}],
 }
+
+
+def _env_batch_wrong(rng: random.Random, auth: tuple) -> FuzzCase:
+    """A /batch the server refuses whole (a call's own errors come back inside a 200 answer,
+    one line per call: the server's tests pin those)."""
+    start = {"call": "/start", "body": ENV_BODIES["/start"]}
+    body = rng.choice([
+        {"calls": []}, {"calls": "x"}, {"calls": [1]}, {}, {"calls": [start], "extra": 1},
+        {"calls": [{"call": "/nope", "body": {}}]}, {"calls": [{"call": "/start"}]},
+        {"calls": [{**start, "extra": 1}]}, {"calls": [start] * (MAX_BATCH_CALLS + 1)},
+    ])
+    return FuzzCase("batch_wrong", "POST", "/batch", _dumps(body), auth)
 
 
 def _env_wrong_type(rng: random.Random, auth: tuple) -> FuzzCase:

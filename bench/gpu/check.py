@@ -67,9 +67,7 @@ def _env() -> dict[str, str]:
 
 def install_wheels(folder: str) -> dict:
     """Install, from ``folder`` only, the wheels of the modules that do not import here."""
-    wanted = sorted({wheel for module, wheel in MISSING.items()
-                     if importlib.util.find_spec(module.split(".")[0]) is None
-                     or (module == "megatron.core" and not _has_megatron())})
+    wanted = sorted({wheel for module, wheel in MISSING.items() if not _importable(module)})
     if not wanted:
         return {"installed": []}
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
@@ -78,10 +76,10 @@ def install_wheels(folder: str) -> dict:
             "tail": proc.stderr.strip().splitlines()[-3:]}
 
 
-def _has_megatron() -> bool:
+def _importable(module: str) -> bool:
     try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
         return False
 
 

@@ -292,14 +292,20 @@ def run_local(profile: Profile, *, run_root: Path | None = None, job_id: str | N
     run_dir = resume or new_run_dir(run_root or Path(profile.runtime.run_dir),
                                     profile.runtime.system, job_id)
     with kept_if_used(run_dir):  # a resumed job's folder is never empty: it stays
-        names = port_names(profile)
-        plan = local_plan(profile, run_dir,
-                          dict(zip(names, listen_ports(len(names)), strict=True)))
+        plan = local_plan(profile, run_dir, local_ports(profile))
         job = JobRecord(run_dir.name, str(run_dir), time.time(),
                         info=job_info(profile, plan.endpoints, launcher_pid=launcher_pid,
                                       **model))
         return run_job(profile, plan, LocalExecutor(job), resume=resume is not None,
                        on_snapshot=on_snapshot, on_start=on_start)
+
+
+def local_ports(profile: Profile) -> dict[str, int | str]:
+    """A free port here for each the job's processes listen on (a Slurm allocation's nodes run
+    the launcher's system image: the same probe stands for them, and a port taken on a node
+    fails the job at start with its process's log naming it)."""
+    names = port_names(profile)
+    return dict(zip(names, listen_ports(len(names)), strict=True))
 
 
 def local_plan(profile: Profile, run_dir: Path, ports: Mapping[str, int | str]) -> LaunchPlan:

@@ -37,7 +37,19 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tiderl.launch.local import ProcessRecord, stop_together
-from tiderl.models.hub import HubError, resolve_model
+from tiderl.models.hub import HubError, Resolved, resolve_model
+
+
+def read_model_answer(stdout: str, node: str) -> Resolved | None:
+    """What ``nodectl model`` said on ``node``: the resolved model (HubError naming the node for
+    its error line; None when it printed no answer)."""
+    try:
+        answer = json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+    if "error" in answer:
+        raise HubError(f"node {node}: {answer['error']}")
+    return Resolved(**answer)
 
 
 def supervise(spec_file: str) -> int:

@@ -284,9 +284,8 @@ class SharedDeviceError(HostsError):
     (the CLI prints its one line, exit 2, before anything starts)."""
 
 
-def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
-                   ep: Endpoints, profile: Profile | None = None,
-                   gloo: bool = False) -> tuple[str, ...]:
+def daemon_command(spec: ProcessSpec, python: str, run_dir: str, ep: Endpoints,
+                   profile: Profile, gloo: bool) -> tuple[str, ...]:
     """``python -m tiderl.runtime <daemon> ...`` of one process (see tiderl/runtime/__main__)."""
     head = (python, "-m", "tiderl.runtime", spec.kind, "--run-dir", run_dir)
     ports = {k: str(v) for k, v in ep.ports.items()}
@@ -298,10 +297,8 @@ def daemon_command(spec: ProcessSpec, python: str, run_dir: str,
                 "--metrics-port", ports["metrics"], "--env-url", ep.env_url)
     pin = ("--cpu-slot", f"{spec.cpu_slot[0]}/{spec.cpu_slot[1]}") if spec.cpu_slot else ()
     engine = ("--engine-url", spec.engine_url) if spec.engine_url else ()
-    shared = ()
-    if gloo:
-        shared = ("--dist-backend", "gloo")
-    if spec.share > 1 and profile is not None:
+    shared = ("--dist-backend", "gloo") if gloo else ()
+    if spec.share > 1:
         shared = (*shared, "--memory-fraction", f"{memory_shares(profile, spec.share)[0]:.4g}")
     return (*head, "--rank", str(spec.rank), "--bus", ep.bus,
             "--dist", f"tcp://{ep.dist_host}:{ports['dist']}", "--env-url", ep.env_url,

@@ -46,6 +46,7 @@ from tiderl.launch.local import (
     ProcessRecord,
     split_coordinator,
 )
+from tiderl.launch.nodectl import read_model_answer
 from tiderl.launch.plan import LaunchPlan, ProcessSpec
 from tiderl.models.hub import MODEL_TIMEOUT_S, HubError, Resolved
 from tiderl.profile import Profile
@@ -163,15 +164,12 @@ def resolve_on_node(alloc: Allocation, node: str, path: str, revision: str) -> R
             "--overlap", "--job-name=tiderl-model", sys.executable, "-m",
             "tiderl.launch.nodectl", "model", path, "--revision", revision]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=MODEL_TIMEOUT_S)
-    try:
-        answer = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+    resolved = read_model_answer(proc.stdout, node)
+    if resolved is None:
         last = proc.stderr.strip().splitlines()
         raise HubError(f"node {node}: could not resolve model.path {path}: "
-                       f"{last[-1] if last else f'srun exit {proc.returncode}'}") from None
-    if "error" in answer:
-        raise HubError(f"node {node}: {answer['error']}")
-    return Resolved(**answer)
+                       f"{last[-1] if last else f'srun exit {proc.returncode}'}")
+    return resolved
 
 
 def srun_command(alloc: Allocation, node: str, spec_file: str, python: str) -> list[str]:
@@ -334,7 +332,7 @@ def run_slurm(profile: Profile, *, run_root: Path | None = None, job_id: str | N
               launcher_pid: int | None = None,
               env: Mapping[str, str] = os.environ) -> JobResult:
     """As :func:`tiderl.launch.job.run_local`, in the Slurm allocation the launcher runs in."""
-    from tiderl.launch.job import job_info, run_job, with_model_resolved
+    from tiderl.launch.job import job_info, local_ports, run_job, with_model_resolved
     from tiderl.launch.plan import node_profile, plan_nodes
     from tiderl.launch.run_folders import kept_if_used, new_run_dir
 
@@ -345,24 +343,13 @@ def run_slurm(profile: Profile, *, run_root: Path | None = None, job_id: str | N
         node: functools.partial(resolve_on_node, alloc, node) for node in alloc.nodes})
     run_dir = new_run_dir(root, profile.runtime.system, job_id)
     with kept_if_used(run_dir):
-        plan = plan_nodes(hosts, profile, run_dir.name, slurm_ports(profile),
+        plan = plan_nodes(hosts, profile, run_dir.name, local_ports(profile),
                           run_dir=str(run_dir))
         job = JobRecord(run_dir.name, str(run_dir), time.time(), info=job_info(
             profile, plan.endpoints, launcher_pid=launcher_pid, coordinator_node=alloc.nodes[0],
             slurm={"job_id": alloc.job_id, "nodes": list(alloc.nodes), "steps": {}}, **model))
         return run_job(node_profile(profile, hosts), plan, SlurmExecutor(job, alloc),
                        on_snapshot=on_snapshot, on_start=on_start)
-
-
-def slurm_ports(profile: Profile) -> dict[str, int | str]:
-    """Free ports for the job's services: the launcher's own probe, as every node of an
-    allocation runs the same system image (a port taken on a node fails the job at start with
-    the process's log naming it)."""
-    from tiderl.launch.job import listen_ports
-    from tiderl.launch.plan import port_names
-
-    names = port_names(profile)
-    return dict(zip(names, listen_ports(len(names)), strict=True))
 
 
 # -- job control of a job in an allocation (tiderl status, stop) ----------------------------------

@@ -33,7 +33,8 @@ from invoke.exceptions import CommandTimedOut
 from tiderl import __version__
 from tiderl.launch.hosts import Node
 from tiderl.launch.local import LaunchError, stat_state
-from tiderl.models.hub import MODEL_TIMEOUT_S, HubError, Resolved
+from tiderl.launch.nodectl import read_model_answer
+from tiderl.models.hub import MODEL_TIMEOUT_S, Resolved
 
 CONNECT_TIMEOUT_S = 10
 COMMAND_TIMEOUT_S = 60
@@ -146,15 +147,12 @@ class NodeSession:
         _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
                                f"{shlex.quote(self.node.python)} {args}", MODEL_TIMEOUT_S,
                                check=False)
-        try:
-            answer = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+        resolved = read_model_answer(out, self.node.name)
+        if resolved is None:
             last = err.strip().splitlines()
             raise self.fail(f"could not resolve model.path {path}: "
-                            f"{last[-1] if last else 'no output'}") from None
-        if "error" in answer:
-            raise HubError(f"node {self.node.name}: {answer['error']}")
-        return Resolved(**answer)
+                            f"{last[-1] if last else 'no output'}")
+        return resolved
 
     def free_ports(self, count: int) -> list[int]:
         host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"

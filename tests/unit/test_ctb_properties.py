@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, priority, projected_peak
-from tiderl.core.task_book import RankRecord, TaskRecord
+from tiderl.core.task_book import RankRecord, TaskRecord, WaitSamples
 from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 
 ENVS = ("shop", "alf", "guess")
@@ -30,6 +30,12 @@ def scenarios(draw) -> tuple[TaskBook, CTBConfig]:
     )
     for rank in range(draw(st.integers(1, 6))):
         book.add_rank(rank, draw(st.integers(0, 4000)))
+        if draw(st.booleans()):  # a measured prefill rate: its waiting tasks may be released
+            book.set_prefill_rate(rank, draw(st.sampled_from([100.0, 2000.0, 50_000.0])))
+    for env in draw(st.sets(st.sampled_from(ENVS))):  # measured waits
+        for wait in draw(st.lists(st.floats(0.0, 20.0), min_size=1, max_size=8)):
+            book.waits.setdefault(env, WaitSamples()).add(wait)
+    book.now = 10.0
     group_size = draw(st.integers(1, 8))  # GRPO: one group size
     for g in range(draw(st.integers(0, 8))):
         _add_group(draw, book, f"g{g}", group_size)
@@ -49,9 +55,12 @@ def _add_group(draw, book: TaskBook, group_id: str, size: int) -> None:
             continue
         book.apply([Admit(spec.task_id, draw(st.sampled_from(book.rank_ids)))])
         footprint, context = draw(st.integers(0, 2500)), draw(st.integers(0, 10_000))
-        book.report_turn(spec.task_id, footprint, context, is_running=draw(st.booleans()))
+        is_running = draw(st.booleans())
+        book.report_turn(spec.task_id, footprint, context, is_running=is_running)
+        if not is_running and draw(st.booleans()):  # its environment works on its action
+            book.wait_started(spec.task_id, draw(st.floats(0.0, 10.0)))
         if fate == "paused":
-            book.apply([Pause(spec.task_id)])
+            book.apply([Pause(spec.task_id, released=draw(st.booleans()))])
         elif fate == "finished":
             book.finish_task(spec.task_id)
 
@@ -64,6 +73,11 @@ def fits(book: TaskBook, rank: RankRecord, footprint: int) -> bool:
     footprints = sorted([*(t.footprint for t in rank.active.values()), footprint])
     return (footprint <= rank.headroom
             and projected_peak(footprints, book.expected_footprint) <= rank.budget)
+
+
+def is_resumable(task: TaskRecord) -> bool:
+    """Paused for the budget, or released and its environment answered."""
+    return not task.is_released or task.waiting_since is None
 
 
 def applied(book: TaskBook, decisions: list) -> TaskBook:
@@ -89,7 +103,7 @@ def test_every_task_left_paused_fits_nowhere_once_resumes_are_done(scenario):
     after_resumes = applied(book, [d for d in plan if not isinstance(d, Admit)])
     paused_this_round = {d.task_id for d in plan if isinstance(d, Pause)}
     for task in after_resumes.paused.values():
-        if task.task_id not in paused_this_round:
+        if task.task_id not in paused_this_round and is_resumable(task):
             assert not any(fits(after_resumes, rank, task.footprint)
                            for rank in after_resumes.ranks.values())
 
@@ -108,7 +122,8 @@ def test_pauses_follow_priority_and_spare_eval_tasks(scenario):
     """Per rank, pauses are exactly the lowest (P(t), footprint, task_id) tasks, as few as needed;
     an eval task is paused only when no train task is left active on its rank."""
     book, config = scenario
-    paused = [d.task_id for d in CTBPolicy(config).schedule(book) if isinstance(d, Pause)]
+    paused = [d.task_id for d in CTBPolicy(config).schedule(book)
+              if isinstance(d, Pause) and not d.released]
     for rank in book.ranks.values():
         order = sorted(
             rank.active.values(), key=lambda t: (_priority(book, t), t.footprint, t.task_id)
@@ -135,7 +150,10 @@ def test_placements_honour_group_affinity(scenario):
         if not isinstance(decision, Pause):
             task = state.task(decision.task_id)
             counts = state.group_of(task).num_active_on
-            if counts:
+            last = state.ranks.get(task.rank) if task.rank is not None else None
+            if task.is_released and last is not None and fits(state, last, task.footprint):
+                assert decision.rank == task.rank  # its own context is cached there
+            elif counts:
                 preferred = min(counts, key=lambda r: (-counts[r], r))
                 if fits(state, state.ranks[preferred], task.footprint):
                     assert decision.rank == preferred
@@ -160,6 +178,25 @@ def test_admissions_respect_probing_sessions_and_staleness(scenario):
     if book.train_admission_limit is not None:
         limit = max(book.train_admission_limit, book.num_admitted_train)
         assert after.num_admitted_train <= limit
+
+
+@PROPERTY
+@given(scenarios())
+def test_releases_are_of_tasks_whose_wait_outlasts_their_recompute(scenario):
+    """A released task was active and waiting for its environment longer than recomputing its
+    context takes on its rank; a released task still waiting is never resumed; with
+    ``release_waiting`` off nothing is released."""
+    book, config = scenario
+    plan = CTBPolicy(config).schedule(book)
+    for decision in plan:
+        task = book.task(decision.task_id)
+        if isinstance(decision, Pause) and decision.released:
+            assert task.state is TaskState.ACTIVE and task.waiting_since is not None
+            assert book.expected_wait(task) > book.recompute_s(task)
+        elif isinstance(decision, Resume):
+            assert is_resumable(task)
+    off = CTBPolicy(replace(config, release_waiting=False)).schedule(book)
+    assert not any(isinstance(d, Pause) and d.released for d in off)
 
 
 @PROPERTY

@@ -26,7 +26,7 @@ from tiderl.engine.clients import (
     sglang_generate_body,
     vllm_kv_capacity,
 )
-from tiderl.engine.metric_names import FRACTIONS, SGLANG_NAMINGS, VLLM_NAMINGS
+from tiderl.engine.metric_names import FRACTIONS, SGLANG_NAMINGS, TIDERL_NAMINGS, VLLM_NAMINGS
 from tiderl.engine.prometheus import info_labels, parse_prometheus
 from tiderl.engine.request import SamplingParams
 
@@ -370,6 +370,19 @@ def test_embedded_client_runs_the_in_process_engine():
     assert pinned == usage.num_pinned_tokens == 16  # (24 + 4 - 1) // 16 after the second
     assert (metrics.prefix_cache_queries, metrics.prefix_cache_hits) == (44, 16)
     assert metrics.cache_hit_rate == pytest.approx(16 / 44) and engine.version == 2
+    computed = engine.metrics()  # 20 prompt positions, then 8 (the rest was cached)
+    assert computed.prompt_tokens_computed == 28 and computed.prefill_s > 0
+    assert metrics.prefill_tokens_per_s == pytest.approx(28 / computed.prefill_s)
+
+
+def test_prefill_rate_reads_from_our_servers_counters_and_not_before_they_count():
+    page = ("tiderl:kv_cache_usage_perc 0.5\ntiderl:prompt_tokens_computed_total 300\n"
+            "tiderl:prefill_seconds_total 0.25\n")
+    values = parse_prometheus(page, FRACTIONS)
+    assert metrics_from_prometheus(values, TIDERL_NAMINGS).prefill_tokens_per_s == 1200.0
+    fresh = parse_prometheus("tiderl:kv_cache_usage_perc 0\n", FRACTIONS)
+    assert metrics_from_prometheus(fresh, TIDERL_NAMINGS).prefill_tokens_per_s is None
+    assert metrics_from_prometheus(values, VLLM_NAMINGS).prefill_tokens_per_s is None
 
 
 @pytest.mark.gpu

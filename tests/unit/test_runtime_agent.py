@@ -167,3 +167,43 @@ def test_a_refused_pin_leaves_the_task_unpinned_and_an_ended_task_leaves_no_engi
     assert 1 <= len(blocked.turns) <= 3 and blocked.reward is not None  # played on, unpinned
     assert pinned_now[2 * turns:] == [False] * (2 * len(blocked.turns))
     assert kv.task_ids == {f"hog{i}" for i in range(kv.pool.num_blocks)}  # the two: forgotten
+
+
+class HeldEnvClient(InProcessEnvClient):
+    """The in-process environment with each action's step held until ``go`` is set."""
+
+    def __init__(self, config: EnvConfig) -> None:
+        super().__init__(config)
+        self.stepping, self.go = asyncio.Event(), asyncio.Event()
+
+    async def step(self, *args, **kwargs):
+        self.stepping.set()
+        await self.go.wait()
+        return await super().step(*args, **kwargs)
+
+
+def test_a_task_paused_while_its_environment_works_is_unpinned_at_once():
+    """CTB releases a task waiting for its environment: its KV is unpinned during the wait,
+    not at the turn boundary after it; the task then holds until resumed and plays on."""
+    engine = LLMEngine.from_configs(ModelConfig(), EngineConfig(kv_cache_tokens=1024))
+    kv = engine.scheduler.kv_cache
+
+    async def scenario():
+        env = HeldEnvClient(EnvConfig(envs=["guess"]))
+        loop = AgentLoop(EmbeddedClient(engine), env, PlainEncoder(word_tokenizer()), SAMPLING,
+                         max_turns=3, max_context_tokens=1024, pin=True)
+        running = asyncio.create_task(loop.run(AgentTask("p", "g", "guess", "1 1000", seed=1)))
+        await env.stepping.wait()
+        while not kv.is_pinned("p"):  # the pin is taken while the environment works
+            await asyncio.sleep(0.01)
+        loop.pause("p")
+        while kv.is_pinned("p"):  # ... and dropped on the pause, the step still held
+            await asyncio.sleep(0.01)
+        held = not env.go.is_set()
+        env.go.set()
+        loop.resume("p")
+        return held, await asyncio.wait_for(running, 120)
+
+    held, trajectory = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert held and trajectory.reward is not None and len(trajectory.turns) >= 1
+    assert kv.task_ids == set()  # ended: nothing left in the engine

@@ -660,3 +660,6 @@ def test_an_engine_that_reports_its_own_kv_capacity_gets_that_share_as_its_budge
     assert c.rollout.budgets() == {0: int(4000 * fraction), 1: int(2000 * fraction)}
     c.engine_capacity(0, 0, 0.4)  # no capacity reported: the budget stays
     assert c.rollout.budgets()[0] == int(4000 * fraction)
+    assert c.rollout.book.prefill_tokens_per_s == {}  # no prefill measured yet
+    c.engine_capacity(0, 4000, 0.5, prefill_tokens_per_s=2500.0)
+    assert c.rollout.book.prefill_tokens_per_s == {0: 2500.0}

@@ -49,6 +49,8 @@ class StepRecord:
     # with tasks waiting for admission: every rank full (None: a record written before it)
     generating_share: float | None = None  # of the task-seconds placed tasks spent since the
     # previous record, the share generating (the rest: waiting for their environments)
+    ctb_pauses: int | None = None  # CTB pauses since the previous record (None: before it)
+    ctb_releases: int | None = None  # of them, tasks released for their environment's wait
     is_trained: bool = True  # False: no optimizer step ran on the batch (runtime.train false)
     recorded_loss: float | None = None  # a replayed step's loss in its recording (runtime.replay)
 

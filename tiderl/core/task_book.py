@@ -9,6 +9,7 @@ The book keeps per-rank indexes so a scheduling round only looks at the tasks it
                                                   ^                               |
                                                   └────────────Resume─────────────┘
     report_turn: footprint and context of a task      finish_task / drop_task: it leaves the book
+    wait_started / wait_ended: a task's environment wait (its length, per environment: WaitSamples)
 
 Only tasks in flight live here: a finished or dropped task is forgotten, and so is a group once
 none of its tasks is left. A NEW task's ``footprint`` is its admission estimate (hint, default,
@@ -18,9 +19,11 @@ then the group's probed first-turn footprint); an ACTIVE or PAUSED task's is its
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
+from itertools import accumulate
 
 from tiderl.core.config import require_non_negative
 from tiderl.core.quote import short
@@ -36,6 +39,7 @@ from tiderl.core.types import (
 )
 
 FOOTPRINT_WINDOW = 256  # finished tasks the expected footprint averages over (a moving mean)
+WAIT_WINDOW = 64  # environment waits per environment that the expected wait is read from
 
 # The states as module constants: on Python 3.11 reading a member through its class
 # (TaskState.ACTIVE) goes through EnumType.__getattr__'s slow hook, about ten times a global's
@@ -101,6 +105,9 @@ class TaskRecord:
     context_len: int = 0
     is_running: bool = False  # a generation request is in flight (I_active)
     num_turns: int = 0
+    # when its environment started on its last action (None: not waiting for it)
+    waiting_since: float | None = None
+    is_released: bool = False  # paused for its wait (Pause.released) until resumed
     # P(t), cached by TaskBook.priority (None: an input changed); a cache, not state
     priority: float | None = field(default=None, repr=False, compare=False)
 
@@ -168,6 +175,40 @@ def _bump(counts: dict, key: object, delta: int) -> None:
         del counts[key]
 
 
+class WaitSamples:
+    """One environment's last ``WAIT_WINDOW`` waits (seconds from a generation's end to its
+    observation), and what a task that has waited ``age`` seconds can expect to wait more."""
+
+    __slots__ = ("_sorted", "_suffix", "waits")
+
+    def __init__(self) -> None:
+        self.waits: deque[float] = deque(maxlen=WAIT_WINDOW)
+        self._sorted: list[float] | None = None  # with suffix sums, rebuilt after an add
+        self._suffix: list[float] = []
+
+    def add(self, wait_s: float) -> None:
+        self.waits.append(wait_s)
+        self._sorted = None
+
+    def __eq__(self, other: object) -> bool:  # the samples; the sorted copy is a cache
+        return isinstance(other, WaitSamples) and self.waits == other.waits
+
+    __hash__ = None  # mutable
+
+    def remaining(self, age: float) -> float:
+        """E[W - age | W > age] over the samples: waits are heavy-tailed (a tool that has run
+        long tends to run longer), so the mean alone under-reads an old wait. With no sample
+        longer than ``age``, the mean wait (memoryless)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.waits)
+            self._suffix = list(accumulate(reversed(self._sorted)))[::-1]
+        waits, n = self._sorted, len(self._sorted)
+        i = bisect_right(waits, age)
+        if i == n:
+            return self._suffix[0] / n
+        return self._suffix[i] / (n - i) - age
+
+
 @dataclass(slots=True)
 class StalenessWindow:
     """The staleness throttle: non-eval admissions stop at
@@ -216,6 +257,11 @@ class TaskBook:
     num_generating: int = 0  # active tasks with a generation in flight, on every rank
     final_footprint: float = 0.0  # moving mean of finished tasks' last footprints (0: none yet)
     num_finished: int = 0  # tasks finished so far (what that mean has seen)
+    # the instant of the latest event (a wait's age is measured to it), each environment's
+    # waits, and each rank's measured prefill rate (what recomputing a context costs there)
+    now: float = 0.0
+    waits: dict[str, WaitSamples] = field(default_factory=dict)
+    prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ queries
 
@@ -263,6 +309,20 @@ class TaskBook:
         """What an admitted task's footprint grows to: the mean last footprint of the tasks that
         finished recently (``default_footprint_tokens`` before any did)."""
         return self.final_footprint if self.num_finished else float(self.default_footprint_tokens)
+
+    def expected_wait(self, task: TaskRecord) -> float | None:
+        """How much longer a task waiting for its environment can expect to wait, from its
+        environment's recent waits; None when it is not waiting or none was measured."""
+        samples = self.waits.get(task.env)
+        if task.waiting_since is None or samples is None:
+            return None
+        return samples.remaining(self.now - task.waiting_since)
+
+    def recompute_s(self, task: TaskRecord) -> float | None:
+        """What prefilling the task's context again costs on its rank; None when the rank's
+        prefill rate is not measured."""
+        rate = self.prefill_tokens_per_s.get(task.rank) if task.rank is not None else None
+        return task.context_len / rate if rate else None
 
     def priority(self, task: TaskRecord) -> float:
         """P(t), cached on the task until an input changes (its context, I_active, its group's
@@ -395,6 +455,27 @@ class TaskBook:
         task = self.task(task_id)
         self._set_running(task, is_running)
 
+    def wait_started(self, task_id: TaskId, now: float) -> None:
+        """The task's environment is working on its action (from ``now``)."""
+        self.task(task_id).waiting_since = now
+
+    def wait_ended(self, task_id: TaskId, now: float) -> None:
+        """The task's environment answered at ``now``: its wait joins its environment's."""
+        task = self.task(task_id)
+        if task.waiting_since is None:
+            return
+        samples = self.waits.get(task.env)
+        if samples is None:
+            samples = self.waits[task.env] = WaitSamples()
+        samples.add(max(0.0, now - task.waiting_since))
+        task.waiting_since = None
+
+    def set_prefill_rate(self, rank: int, tokens_per_s: float) -> None:
+        """``rank``'s engine prefills this many tokens a second (measured)."""
+        if not tokens_per_s > 0:
+            raise ValueError(f"a prefill rate must be > 0 tokens/s, got {tokens_per_s!r}")
+        self.prefill_tokens_per_s[rank] = tokens_per_s
+
     def finish_task(self, task_id: TaskId) -> None:
         task = self.task(task_id)
         if task.state is _NEW:
@@ -434,7 +515,7 @@ class TaskBook:
         """Apply a policy's plan, in order."""
         for decision in decisions:
             if isinstance(decision, Pause):
-                self._pause(self.task(decision.task_id))
+                self._pause(self.task(decision.task_id), decision.released)
             elif isinstance(decision, Resume):
                 self._resume(self.task(decision.task_id), decision.rank)
             elif isinstance(decision, Admit):
@@ -442,15 +523,17 @@ class TaskBook:
             else:
                 raise TypeError(f"not a CTB decision: {decision!r}")
 
-    def _pause(self, task: TaskRecord) -> None:
+    def _pause(self, task: TaskRecord, released: bool = False) -> None:
         _check_state(task, _ACTIVE, "pause")
         self._deactivate(task)
         task.state = _PAUSED  # rank kept: it is the task's last rank
+        task.is_released = released
         self.paused[task.task_id] = task
 
     def _resume(self, task: TaskRecord, rank: int) -> None:
         _check_state(task, _PAUSED, "resume")
         del self.paused[task.task_id]
+        task.is_released = False
         self._activate(task, rank)
 
     def _admit(self, task: TaskRecord, rank: int) -> None:

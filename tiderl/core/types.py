@@ -265,9 +265,12 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Pause:
-    """Take an active task off its rank: unpin its KV, /pause its environment session."""
+    """Take an active task off its rank: unpin its KV, /pause its environment session.
+    ``released``: it waits for its environment longer than recomputing its context takes (CTB's
+    release phase); it is resumed only once its environment answered."""
 
     task_id: TaskId
+    released: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,7 @@ class ClientMetrics:
     num_preemptions: float | None = None
     cache_hit_rate: float | None = None  # hits / queries (cumulative) or SGLang's gauge
     kv_capacity_tokens: float | None = None  # what the KV cache holds (vLLM, SGLang)
+    prefill_tokens_per_s: float | None = None  # measured (ours); None: not measured
 
 
 class EngineClient(abc.ABC):
@@ -200,7 +201,8 @@ class EmbeddedClient(EngineClient):
         m = self.engine.metrics()
         return ClientMetrics(m.prefix_cache_queries, m.prefix_cache_hits, m.kv_cache_usage_perc,
                              m.num_requests_running, m.num_requests_waiting, m.num_preemptions,
-                             _rate(m.prefix_cache_hits, m.prefix_cache_queries))
+                             _rate(m.prefix_cache_hits, m.prefix_cache_queries),
+                             prefill_tokens_per_s=_per_s(m.prompt_tokens_computed, m.prefill_s))
 
     async def close(self) -> None:
         await self.engine.close()
@@ -274,6 +276,11 @@ def _json_or_raise(response: httpx.Response, parse: bool = True) -> dict:
 
 def _rate(hits: float | None, queries: float | None) -> float | None:
     return None if hits is None or not queries else hits / queries
+
+
+def _per_s(tokens: float | None, seconds: float | None) -> float | None:
+    """A rate from a token counter and a seconds counter; None until both have counted."""
+    return tokens / seconds if tokens and seconds else None
 
 
 # -- TideRL server -------------------------------------------------------------------------------
@@ -595,4 +602,5 @@ def metrics_from_prometheus(values: dict[str, float],
     rate = _rate(hits, queries) if queries is not None and hits is not None else get("hit_rate")
     return ClientMetrics(queries, hits, get("usage") or 0.0, get("running") or 0.0,
                          get("waiting") or 0.0, get("preemptions"), rate,
-                         get("capacity_tokens"))
+                         get("capacity_tokens"),
+                         _per_s(get("prefilled_tokens"), get("prefill_seconds")))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -70,6 +71,7 @@ class EngineMetrics:
     num_preemptions: int
     prompt_tokens_computed: int  # prompt positions computed (prefills and recomputes)
     decode_tokens: int  # output tokens sampled
+    prefill_s: float = 0.0  # step time spent on prompt positions (each step's by token share)
     num_pins: int = 0  # pins taken
     num_tasks: int = 0  # tasks with per-task state (a remembered context or a pin)
     num_pins_released: int = 0  # pins dropped so that a request could fit
@@ -100,6 +102,7 @@ class LLMEngine:
                                   engine_config.block_size, kernels=engine_config.kernels)
         self.prompt_tokens_computed = 0
         self.decode_tokens = 0
+        self.prefill_s = 0.0
         self._versions: dict[str, int] = {}  # request id -> version of its first output token
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -122,20 +125,28 @@ class LLMEngine:
         """One ``schedule()`` → ``execute()`` → ``update()``; returns the requests it finished."""
         with self._lock:
             output = self.scheduler.schedule()
-            self._count(output)
+            prompt_tokens = self._count(output)
+            started = time.perf_counter()
             result = self.runner.execute(output)
+            if prompt_tokens:  # the step's time, shared by its positions
+                self.prefill_s += (time.perf_counter() - started) * prompt_tokens / max(
+                    1, output.num_batched_tokens)
             return self.scheduler.update(result)
 
-    def _count(self, output: SchedulerOutput) -> None:
+    def _count(self, output: SchedulerOutput) -> int:
+        """Count the step's positions; returns its prompt positions."""
         requests = self.scheduler.requests
+        prompt_tokens = 0
         for item in output.scheduled:
             request = requests[item.request_id]
             start, end = item.num_computed_tokens, item.num_computed_tokens + len(item.token_ids)
-            self.prompt_tokens_computed += max(0, min(end, request.num_prompt_tokens) - start)
+            prompt_tokens += max(0, min(end, request.num_prompt_tokens) - start)
             if item.samples:
                 self.decode_tokens += 1
                 if item.num_output_tokens == 0:
                     self._versions[item.request_id] = self.version
+        self.prompt_tokens_computed += prompt_tokens
+        return prompt_tokens
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -395,8 +406,8 @@ class LLMEngine:
             num_requests_waiting=stats.num_requests_waiting,
             num_preemptions=stats.num_preemptions,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            decode_tokens=self.decode_tokens, num_pins=kv.num_pins, num_tasks=num_tasks,
-            num_pins_released=kv.num_pins_released)
+            decode_tokens=self.decode_tokens, prefill_s=self.prefill_s, num_pins=kv.num_pins,
+            num_tasks=num_tasks, num_pins_released=kv.num_pins_released)
 
 
 def _changes_tower(params: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> bool:

@@ -29,6 +29,8 @@ class MetricNames:
     running: str | None = None  # gauge, requests running
     waiting: str | None = None  # gauge, requests waiting
     preemptions: str | None = None  # counter, requests preempted
+    prefilled_tokens: str | None = None  # counter, prompt positions computed
+    prefill_seconds: str | None = None  # counter, engine time spent computing them
 
     def matches(self, values: dict[str, float]) -> bool:
         """Whether a page's values hold this row's usage and hit rate (``profile kv``)."""
@@ -48,7 +50,8 @@ class MetricNames:
 TIDERL_ENGINE = MetricNames(
     "tiderl engine", usage="tiderl:kv_cache_usage_perc", queries="tiderl:prefix_cache_queries",
     hits="tiderl:prefix_cache_hits", running="tiderl:num_requests_running",
-    waiting="tiderl:num_requests_waiting", preemptions="tiderl:num_preemptions")
+    waiting="tiderl:num_requests_waiting", preemptions="tiderl:num_preemptions",
+    prefilled_tokens="tiderl:prompt_tokens_computed", prefill_seconds="tiderl:prefill_seconds")
 TIDERL_COORDINATOR = MetricNames(
     "tiderl coordinator", used_tokens="tiderl_kv_tokens_used",
     capacity_tokens="tiderl_kv_tokens_capacity", hit_rate="tiderl_kv_hit_rate")

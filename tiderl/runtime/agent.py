@@ -19,7 +19,9 @@ engine's prefix cache serves it.
 CTB pauses and resumes whole tasks. ``pause`` takes effect at the task's next turn boundary: the
 loop unpins the task's KV (when it pins), pauses the environment session (so its idle timeout
 stops), waits for ``resume``, resumes the session and goes on with the same context; that next
-request carries ``RESUMED_PRIORITY``, so engines that schedule by priority run it first.
+request carries ``RESUMED_PRIORITY``, so engines that schedule by priority run it first. A task
+paused while its environment works on its action (CTB releases tasks that wait long) is unpinned
+at once, so its blocks can serve other tasks during the wait.
 
 A task can also leave the rank (ERS moved the rank to the trainer): ``detach`` stops it at its
 next turn boundary and ``run`` raises :class:`TaskDetachedError` with a :class:`TaskCarry` (the open
@@ -155,6 +157,8 @@ class AgentLoop:
         self.on_turn = on_turn
         self.pin = pin  # keep each task's KV pinned between its turns (CTB)
         self._running: dict[str, asyncio.Event] = {}
+        self._in_env: dict[str, asyncio.Future] = {}  # task -> its pin, while its env steps
+        self._unpins: set[asyncio.Task] = set()  # unpins of tasks paused in their env step
         self._detached: set[str] = set()
         # ``record``: per task, each turn played here as the environment and the engine saw it
         # (the messages before the generation, the prompt tokens the engine counted); taken by
@@ -164,6 +168,23 @@ class AgentLoop:
 
     def pause(self, task_id: str) -> None:
         self._gate(task_id).clear()
+        pinning = self._in_env.get(task_id)
+        if pinning is not None:  # its environment is working: unpin now, not after
+            unpin = asyncio.ensure_future(self._unpin_paused(task_id, pinning))
+            self._unpins.add(unpin)
+            unpin.add_done_callback(self._unpins.discard)
+
+    async def _unpin_paused(self, task_id: str, pinning: asyncio.Future) -> None:
+        """Unpin a task paused during its environment step, once its pin is taken (unless it
+        was resumed meanwhile)."""
+        await asyncio.gather(pinning, return_exceptions=True)
+        gate = self._running.get(task_id)
+        if gate is None or gate.is_set():  # ended, or resumed meanwhile
+            return
+        try:
+            await _reach(self.engine.unpin(task_id))
+        except Exception as exc:  # the turn boundary unpins it again
+            log.info("task %s: unpin on pause: %r", task_id, exc)
 
     def resume(self, task_id: str) -> None:
         self._gate(task_id).set()
@@ -213,11 +234,14 @@ class AgentLoop:
         if not self.pin:
             return await self.env.step(session, text, completion, wait_s=wait_s)
         pinning = asyncio.ensure_future(self._pin(task_id))
+        self._in_env[task_id] = pinning
         try:
             step = await self.env.step(session, text, completion, wait_s=wait_s)
         except BaseException:
             await asyncio.gather(pinning, return_exceptions=True)  # forget() comes after it
             raise
+        finally:
+            del self._in_env[task_id]
         await pinning
         return step
 

@@ -204,7 +204,8 @@ class Coordinator:
         elif isinstance(msg, b.RankMetrics):
             self.log.rank_metrics[rank] = msg
             if msg.kv_tokens_capacity:  # what the engine (a server sizes its own) holds
-                self._apply(ctl.engine_capacity(rank, msg.kv_tokens_capacity, now))
+                self._apply(ctl.engine_capacity(rank, msg.kv_tokens_capacity, now,
+                                                msg.prefill_tokens_per_s))
         elif isinstance(msg, b.Ack):
             acked = self.link.on_ack(msg, now)
             if acked is not None:

@@ -50,6 +50,7 @@ class EngineStats:
     waiting: int = 0
     prefix_queries: int = 0  # since the last start
     prefix_hits: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured by the engine (0: not measured)
 
 
 class RankEngine(abc.ABC):
@@ -104,10 +105,11 @@ class EmbeddedEngine(RankEngine):
         await asyncio.to_thread(release_free_memory)  # milliseconds: off the event loop
 
     async def stats(self) -> EngineStats:
-        usage, m = self.engine.token_usage(), self.engine.metrics()
+        usage, m = self.engine.token_usage(), await self._client.metrics()
         return EngineStats(usage.num_used_tokens, usage.num_total_tokens,
-                           m.num_requests_running, m.num_requests_waiting,
-                           m.prefix_cache_queries, m.prefix_cache_hits)
+                           int(m.num_requests_running), int(m.num_requests_waiting),
+                           int(m.prefix_cache_queries or 0), int(m.prefix_cache_hits or 0),
+                           m.prefill_tokens_per_s or 0.0)
 
     async def stop(self) -> EngineStats:
         last = await self.stats()
@@ -206,7 +208,7 @@ class ServerEngine(RankEngine):
         queries, hits = int(m.prefix_cache_queries or 0), int(m.prefix_cache_hits or 0)
         return EngineStats(used, capacity, int(m.num_requests_running),
                            int(m.num_requests_waiting), queries - self._base[0],
-                           hits - self._base[1])
+                           hits - self._base[1], m.prefill_tokens_per_s or 0.0)
 
     async def stop(self) -> EngineStats:
         last = await self.stats()

@@ -200,7 +200,8 @@ class RolloutSide:
                            prefix_hit_rate=hits / queries if queries else 0.0,
                            running=stats.running, waiting=stats.waiting,
                            prefix_queries=self.counted.prefix_queries + queries,
-                           prefix_hits=self.counted.prefix_hits + hits)
+                           prefix_hits=self.counted.prefix_hits + hits,
+                           prefill_tokens_per_s=stats.prefill_tokens_per_s)
 
     def _check_stalled(self, engine: RankEngine) -> None:
         """An engine server that has answered no heartbeat's stats for ``ENGINE_STALL_FACTOR``

@@ -6,7 +6,8 @@
       Admit(t, r) ──> env reset ──> turn: turn_started, SimRequest ──> RolloutEngine r ──> done
                           ^                                                              │
                           └── env step (env_latency_s) <── turn_done(context) ───────────┤
-      Pause(t): unpin; the task stops at its next turn boundary (held until Resume)      │
+      Pause(t): unpin; the task stops at its next turn boundary (held until Resume; its │
+                env's answer is reported, so CTB with release_waiting can resume it)     │
       Resume(t, r): continue on r (another rank: its KV is released there, fresh prefill) │
                                                       last turn + env: task_finished ────┘
                                                       group complete ──> on_group_ready
@@ -111,6 +112,7 @@ class RolloutPool:
         self.rollout = rollout
         self.book = rollout.book  # read only: every change goes through ``rollout``
         self.pins_tasks = rollout.policy.pins_tasks
+        self.releases = rollout.policy.releases_waiting
         self.round_interval_s = round_interval_s
         self.block_size = block_size
         self.max_running = max_running
@@ -199,6 +201,10 @@ class RolloutPool:
         """One scheduling round: the core decides and updates its book, this pool applies it."""
         self._is_dirty = False
         self.num_rounds += 1
+        if self.releases:  # what recomputing a released task's context costs on each rank
+            for rank, engine in self.engines.items():
+                if engine.prefill_s > 0:
+                    self.rollout.set_prefill_rate(rank, engine.prefill_tokens / engine.prefill_s)
         for decision in self.rollout.schedule(self.loop.now):
             task = self.tasks[decision.task_id]
             if isinstance(decision, Pause):
@@ -243,7 +249,10 @@ class RolloutPool:
             self._finish(task)
         elif not task.is_paused and task.rank is not None:
             self._start_turn(task)
-        # else: held until a Resume starts its turn
+        else:  # held until a Resume starts its turn; CTB learns it is ready
+            self.rollout.turn_started(task.task_id, self.loop.now)
+            if self.releases:
+                self.mark_dirty()
 
     def _start_turn(self, task: SimTask) -> None:
         plan, k = task.plan, task.turn

@@ -174,10 +174,14 @@ class StepController:
             out += self._retire_trained(now)
         return out + self._complete_boundary(now)
 
-    def engine_capacity(self, rank: int, kv_tokens: int, now: float) -> list[Command]:
-        """A rank's engine holds ``kv_tokens`` of KV (a server sizes its own): B_r follows."""
+    def engine_capacity(self, rank: int, kv_tokens: int, now: float,
+                        prefill_tokens_per_s: float = 0.0) -> list[Command]:
+        """A rank's engine holds ``kv_tokens`` of KV (a server sizes its own): B_r follows; and
+        prefills ``prefill_tokens_per_s`` (measured; 0: not yet)."""
         if kv_tokens > 0:
             self.rollout.set_rank_budget(rank, self.config.ctb.rank_budget(kv_tokens))
+        if prefill_tokens_per_s > 0:
+            self.rollout.set_prefill_rate(rank, prefill_tokens_per_s)
         return []
 
     def rank_dead(self, rank: int, why: str, now: float) -> list[Command]:

@@ -18,6 +18,7 @@ class Ledger:
     trained_tokens: int = 0
     trained_samples: int = 0
     kv_mark: tuple[int, int] = (0, 0)  # the prefix-cache counters (queries, hits) last recorded
+    pause_mark: tuple[int, int] = (0, 0)  # CTB's (pauses, releases) last recorded
 
     def record(self, current: OpenStep, outcome: StepOutcome, now: float, *, state: CycleState,
                rollout: RolloutControl, buffer: ReadyBuffer, tprm_s: float | None,
@@ -32,6 +33,8 @@ class Ledger:
         rwt, saturated, generating_share = rollout.interval()
         queries, hits = outcome.kv_queries - self.kv_mark[0], outcome.kv_hits - self.kv_mark[1]
         self.kv_mark = (outcome.kv_queries, outcome.kv_hits)
+        pauses, releases = rollout.num_pauses, rollout.num_releases
+        pause_mark, self.pause_mark = self.pause_mark, (pauses, releases)
         record = StepRecord(
             step=start.step, start_s=current.opened_at - state.t0, end_s=now - state.t0,
             trained_tokens=current.tokens, trained_tokens_total=self.trained_tokens,
@@ -49,7 +52,8 @@ class Ledger:
             loss=loss, grad_norm=grad_norm, batch_size=current.samples,
             ers_reason=state.plan_reason.value if state.plan_reason is not None else None,
             trained_loss_tokens=loss_tokens, rollout_saturated_s=saturated,
-            generating_share=generating_share, is_trained=outcome.is_trained,
+            generating_share=generating_share, ctb_pauses=pauses - pause_mark[0],
+            ctb_releases=releases - pause_mark[1], is_trained=outcome.is_trained,
             recorded_loss=outcome.recorded_loss)
         self.records.append(record)
         return record

@@ -56,6 +56,8 @@ class RolloutControl:
         self._integrated_at = now
         self._marks = (0.0,) * 4  # the integrals at the last ``interval``
         self.is_parked = False  # a synchronous system's ranks are training, not rolling out
+        self.num_pauses = 0  # CTB pauses so far ...
+        self.num_releases = 0  # ... of them, releases of tasks waiting for their environment
 
     @classmethod
     def of(cls, ctb: CTBConfig, *, budget: int, max_new_tokens: int, max_staleness: int = 0,
@@ -90,6 +92,7 @@ class RolloutControl:
         the policy admits whenever one has room), and the task-seconds placed tasks spent
         generating against waiting for their environments."""
         book = self.book
+        book.now = max(book.now, now)
         if now > self._integrated_at:
             if not self.is_parked:
                 dt = now - self._integrated_at
@@ -138,6 +141,11 @@ class RolloutControl:
         self.advance(now)
         return tuple(self.book.remove_rank(rank))
 
+    def set_prefill_rate(self, rank: int, tokens_per_s: float) -> None:
+        """``rank``'s engine prefills this many tokens a second (measured): what recomputing a
+        released task's context costs there (``ctb.release_waiting``)."""
+        self.book.set_prefill_rate(rank, tokens_per_s)
+
     def add_group(self, group: Group, now: float) -> None:
         self.advance(now)
         self.book.add_group(group)
@@ -152,12 +160,17 @@ class RolloutControl:
             for decision in decisions:
                 if isinstance(decision, Admit | Resume):
                     self.book.set_running(decision.task_id, True)
+                else:
+                    self.num_pauses += 1
+                    self.num_releases += decision.released
         return decisions
 
     def turn_started(self, task: str, now: float) -> None:
-        """A task's observation came back: its next generation starts."""
+        """A task's observation came back: its next generation starts (unless it is paused:
+        then it waits for a resume)."""
         self.advance(now)
         if task in self.book.tasks:  # is_known
+            self.book.wait_ended(task, now)
             self.book.set_running(task, True)
 
     def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float) -> None:
@@ -169,6 +182,7 @@ class RolloutControl:
         self.generated_tokens += output_tokens
         self.book.report_turn(task, self.footprint(context_tokens), context_tokens,
                               is_running=False)
+        self.book.wait_started(task, now)
 
     def task_finished(self, task: str, now: float) -> bool:
         """False for a task the book does not hold as placed (one moved off a rank that died, or

@@ -190,6 +190,7 @@ class RankMetrics(Message, kw_only=True):
     waiting: int
     prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of them, found cached
+    prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not measured)
 
 
 # --- tiderl CLI -> coordinator ---------------------------------------------------------------

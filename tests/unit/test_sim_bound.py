@@ -81,7 +81,7 @@ def test_the_decode_batch_is_what_the_kv_holds_at_the_mean_decoded_context():
     assert best_decode_batch(COST, plans) == int(COST.kv_capacity_tokens() // mean)
 
 
-def test_the_bound_is_the_smaller_of_the_device_and_the_staleness_limits():
+def test_the_separate_limits_are_the_device_and_the_staleness_algebra():
     group = (plan(1000, (0, 100, 1.0)), plan(1000, (0, 200, 3.0)))
     evaluation = (plan(500, (0, 50, 0.0)),)
     bound = goodput_bound(COST, [[group]], [evaluation], num_gpus=8, max_staleness=1)
@@ -92,19 +92,49 @@ def test_the_bound_is_the_smaller_of_the_device_and_the_staleness_limits():
     assert bound.trained_tokens == 1100 + 1200
     assert bound.device_tok_s == pytest.approx(8 * 2300 / work)
     wall = (shortest_wall_s(COST, group[0]) + shortest_wall_s(COST, group[1])) / 2
-    assert bound.staleness_tok_s == pytest.approx(2 * 2 * 1150 / wall)
-    assert bound.tok_s == min(bound.device_tok_s, bound.staleness_tok_s)
-    assert bound.limit == ("devices" if bound.device_tok_s <= bound.staleness_tok_s
-                           else "staleness")
-    # slow environments and no staleness: the window binds
-    slow = (plan(1000, (0, 100, 60.0)), plan(1000, (0, 200, 60.0)))
-    assert goodput_bound(COST, [[slow]], [], 8, 0).limit == "staleness"
+    trained = sum(train_gpu_s(COST, p) for p in group) / 8  # the batch's passes on 8 GPUs
+    assert bound.staleness_tok_s == pytest.approx(2 * 2 * 1150 / (wall + trained))
+    assert bound.tok_s <= min(bound.device_tok_s, bound.staleness_tok_s) * (1 + 1e-12)
+    # slow environments and no staleness: the window binds at batch 1, the coupled bound is it
+    slow = goodput_bound(COST, [[(plan(1000, (0, 100, 60.0)), plan(1000, (0, 200, 60.0)))]],
+                         [], 8, 0)
+    assert (slow.limit, slow.coupled_batch) == ("staleness", 1.0)
+    assert slow.tok_s == pytest.approx(slow.staleness_tok_s)
 
 
-@pytest.mark.parametrize("env_s", [0.0, 20.0])
-def test_no_simulated_system_beats_the_bound(env_s):
+def test_the_coupled_bound_is_where_device_and_window_times_cross():
+    """No environment, one GPU, a window of 4 trajectories of 400 tokens each (each holding its
+    place until its batch is trained): at the KV's batch the window is too narrow to keep a GPU
+    that busy, at batch 1 the GPU is too slow; the bound is where both give the same least run
+    time, computed here from the hardware model's costs."""
+    batches = [[tuple(plan(200, (0, 400, 0.0)) for _ in range(4))] for _ in range(3)]
+    bound = goodput_bound(COST, batches, [], num_gpus=1, max_staleness=0)
+    assert bound.limit == "coupled" and 1 < bound.coupled_batch < bound.decode_batch
+    beta, plans = bound.coupled_batch, [p for b in batches for g in b for p in g]
+    device_s = sum(rollout_gpu_s(COST, p, beta, 4) + train_gpu_s(COST, p) for p in plans)
+    batch_s = sum(train_gpu_s(COST, p) for p in plans[:4])  # a batch's passes, on the one GPU
+    window_s = sum(shortest_wall_s(COST, p, beta) + batch_s for p in plans) / 4
+    assert device_s == pytest.approx(window_s, rel=1e-9)
+    assert bound.tok_s == pytest.approx(bound.trained_tokens / device_s, rel=1e-9)
+    assert bound.tok_s < min(bound.device_tok_s, bound.staleness_tok_s)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_a_decode_steps_fixed_part_and_its_share_per_token_are_convex_in_the_batch(model, gpu):
+    """Jensen's premise: any mix of decode batches costs at least its mean batch would."""
+    cost = CostModel(MODELS[model], GPUS[gpu])
+    for f in (cost.decode_fixed_s, lambda b: cost.decode_fixed_s(b) / b):
+        values = [f(b) for b in range(1, 1025)]
+        assert all(values[k - 1] + values[k + 1] >= 2 * values[k] * (1 - 1e-12)
+                   for k in range(1, len(values) - 1))
+
+
+@pytest.mark.parametrize(("env_s", "gpus"), [(0.0, 4), (0.0, 8), (2.0, 4), (20.0, 4)])
+def test_no_simulated_system_beats_the_bound(env_s, gpus):
+    """Every limit, the coupled one included (it binds at 0 s and at 2 s on 4 GPUs)."""
     scenario = SimScenario(
-        sim=SimConfig(workload="webshop+alfworld", gpus=4, rollout_ratio=0.5, seed=3,
+        sim=SimConfig(workload="webshop+alfworld", gpus=gpus, rollout_ratio=0.5, seed=3,
                       env_step_median_s=env_s),
         job=JobShape(steps=4, group_size=4, batch_groups=4, batch_min_groups=2))
     bound = scenario_bound(scenario)

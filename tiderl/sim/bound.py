@@ -1,8 +1,8 @@
 """An upper bound on goodput: the trained tokens per second no scheduler can beat on a scenario
 (docs/simulator.md, "The bound").
 
-It is the smaller of two limits, each computed on the scenario's own task stream (the groups
-every system is fed, and the evaluation groups the job rolls out):
+Two limits, each computed on the scenario's own task stream (the groups every system is fed, and
+the evaluation groups the job rolls out), and the bound that couples them:
 
     devices    every GPU-second of the cluster does required work and nothing else:
                    G_dev = N · T / (R + E + A)
@@ -10,11 +10,22 @@ every system is fed, and the evaluation groups the job rolls out):
                trajectories at each phase's best efficiency, E the evaluation rollouts' (also
                required, never trained), A the Ref and Actor passes' over T. No idle, no stale
                discards, no swaps, switches or weight syncs, no KV recompute.
-    staleness  a trajectory cannot be faster than its environment and its own decode, and at
-               most (s + 1)·b trajectories are started and not yet trained (the staleness
-               window of b tasks per step, tiderl.core.task_book); by Little's law
-                   G_stale = (s + 1) · b · t̄ / w̄
-               t̄ the mean trained tokens and w̄ the mean shortest wall time of a trajectory.
+    staleness  a trajectory cannot be faster than its environment and its own decode, it holds
+               its place in the window until its batch is trained (at least the batch's Ref
+               and Actor passes on all N GPUs, a_k = A_k / N), and at most (s + 1)·b
+               trajectories are started and not yet trained (the staleness window of b tasks
+               per step, tiderl.core.task_book); by Little's law
+                   G_stale = (s + 1) · b · t̄ / (w̄ + ā)
+               t̄ the mean trained tokens, w̄ the mean shortest wall time of a trajectory and ā
+               the mean a_k over trajectories.
+    coupled    both at once, at the decode batch β the run's trained tokens were decoded at
+               (their token-weighted mean): a token costs its rollout GPU fixed(β)/β and its
+               trajectory fixed(β) of wall time, so a batch large enough for the devices needs
+               many trajectories in flight, which the window caps. fixed(β) and fixed(β)/β are
+               convex, so by Jensen any mix of batches does no better than its mean β:
+                   G = T / min over β in [1, B] of max(dev(β), stale(β))
+               dev falls and stale rises with β: the minimum is where they cross (bisection).
+               At β = B it is G_dev, at β = 1 G_stale; it never exceeds either.
 
 The best efficiency of each phase, from :class:`~tiderl.sim.hardware.CostModel`:
 
@@ -29,7 +40,8 @@ The best efficiency of each phase, from :class:`~tiderl.sim.hardware.CostModel`:
   ``actor_fwd_s``, ``actor_bwd_s`` at the sequence's length), perfectly balanced.
 
 The shortest wall time of a trajectory is its reset and environment latencies, plus each turn's
-prefill alone on a GPU and its decode at batch 1.
+prefill alone on a GPU and its decode at batch 1 (at batch β in the coupled bound, each token
+reading at least its own context).
 """
 
 from __future__ import annotations
@@ -46,11 +58,12 @@ from tiderl.sim.workload import TaskPlan
 
 @dataclass(frozen=True)
 class GoodputBound:
-    tok_s: float  # the bound: min(device_tok_s, staleness_tok_s)
-    limit: str  # which limit binds: "devices" or "staleness"
+    tok_s: float  # the bound: the coupled limit (<= min(device_tok_s, staleness_tok_s))
+    limit: str  # what binds: "devices" (at batch B), "staleness" (at batch 1) or "coupled"
     device_tok_s: float
     staleness_tok_s: float
     decode_batch: int  # B
+    coupled_batch: float  # β where the coupled limits cross (B: devices; 1: staleness)
     trained_tokens: int  # T, over the run's batches
     rollout_gpu_s: float  # R
     eval_gpu_s: float  # E
@@ -105,15 +118,19 @@ def _prefills(plan: TaskPlan) -> list[tuple[int, int]]:
     return chunks
 
 
-def rollout_gpu_s(cost: CostModel, plan: TaskPlan, batch: int, group_size: int) -> float:
-    """The GPU-seconds of ``plan``'s rollout at the best efficiency (its share of the group's
-    prompt prefill)."""
+def _prefill_gpu_s(cost: CostModel, plan: TaskPlan, group_size: int) -> float:
+    """The GPU-seconds of ``plan``'s prefills at their best (its share of the group's prompt)."""
     (prompt, _), *turns = _prefills(plan)
     prefill = _prefill_compute_s(cost, prompt, 0) / group_size
-    prefill += sum(_prefill_compute_s(cost, new, cached) for new, cached in turns)
+    return prefill + sum(_prefill_compute_s(cost, new, cached) for new, cached in turns)
+
+
+def rollout_gpu_s(cost: CostModel, plan: TaskPlan, batch: float, group_size: int) -> float:
+    """The GPU-seconds of ``plan``'s rollout at the best efficiency (its share of the group's
+    prompt prefill), its tokens decoded at ``batch``."""
     tokens, context_sum = _decoded_context(plan)
     decode = tokens * cost.decode_fixed_s(batch) / batch + context_sum * cost.kv_read_s_per_token()
-    return prefill + decode
+    return _prefill_gpu_s(cost, plan, group_size) + decode
 
 
 def train_gpu_s(cost: CostModel, plan: TaskPlan) -> float:
@@ -122,17 +139,32 @@ def train_gpu_s(cost: CostModel, plan: TaskPlan) -> float:
                for n in plan.segment_tokens)
 
 
-def shortest_wall_s(cost: CostModel, plan: TaskPlan) -> float:
-    """The least wall time of ``plan``: its environment, each prefill alone, decode at batch 1."""
-    prompt, *chunks = _prefills(plan)
+def _undecoded_wall_s(cost: CostModel, plan: TaskPlan) -> float:
+    """The least wall time of ``plan`` outside decode: its environment and each prefill alone."""
     wall = plan.reset_latency_s + sum(turn.env_latency_s for turn in plan.turns)
-    wall += cost.prefill_s([prompt])
-    for chunk, context, turn in zip(chunks, plan.turn_contexts, plan.turns, strict=True):
-        n = turn.action_tokens
-        wall += cost.prefill_s([chunk])
-        wall += n * cost.decode_fixed_s(1) + _turn_context_sum(n, context) * \
-            cost.kv_read_s_per_token()
-    return wall
+    return wall + sum(cost.prefill_s([chunk]) for chunk in _prefills(plan))
+
+
+def shortest_wall_s(cost: CostModel, plan: TaskPlan, batch: float = 1) -> float:
+    """The least wall time of ``plan``: its environment, each prefill alone, decode at
+    ``batch`` (1: the fastest), each token reading at least its own context."""
+    tokens, context_sum = _decoded_context(plan)
+    return (_undecoded_wall_s(cost, plan) + tokens * cost.decode_fixed_s(batch)
+            + context_sum * cost.kv_read_s_per_token())
+
+
+def coupled_batch(device_s, stale_s, largest: int, rounds: int = 60) -> float:
+    """The β in [1, ``largest``] minimising max(device_s(β), stale_s(β)), the first
+    non-increasing and the second non-decreasing: where they cross, else an end."""
+    if device_s(1) <= stale_s(1):
+        return 1.0
+    if device_s(largest) >= stale_s(largest):
+        return float(largest)
+    lo, hi = 1.0, float(largest)
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if device_s(mid) > stale_s(mid) else (lo, mid)
+    return hi
 
 
 def goodput_bound(cost: CostModel, batches: list[list[tuple[TaskPlan, ...]]],
@@ -143,16 +175,36 @@ def goodput_bound(cost: CostModel, batches: list[list[tuple[TaskPlan, ...]]],
     plans = [plan for batch in batches for group in batch for plan in group]
     evals = [plan for group in eval_groups for plan in group]
     batch = best_decode_batch(cost, plans + evals)
-    rollout = sum(rollout_gpu_s(cost, p, batch, len(g)) for b in batches for g in b for p in g)
+    kv = cost.kv_read_s_per_token()
+    decoded = [_decoded_context(p) for p in plans]
+    tokens = sum(n for n, _ in decoded)
+    context_s = kv * sum(c for _, c in decoded)
+    prefill = sum(_prefill_gpu_s(cost, p, len(g)) for b in batches for g in b for p in g)
     evaluation = sum(rollout_gpu_s(cost, p, batch, len(g)) for g in eval_groups for p in g)
     train = sum(train_gpu_s(cost, p) for p in plans)
+    # a trajectory's least time in the window outside its decode: its environment, its
+    # prefills, and its batch's training on every GPU
+    undecoded = sum(_undecoded_wall_s(cost, p) for p in plans)
+    undecoded += sum(len(group_plans) * sum(train_gpu_s(cost, p) for p in group_plans)
+                     for group_plans in ([p for g in b for p in g] for b in batches)) / num_gpus
     trained = sum(sum(p.segment_tokens) for p in plans)
-    device = num_gpus * trained / (rollout + evaluation + train)
-    tasks_per_step = len(plans) / len(batches)
-    wall = sum(shortest_wall_s(cost, p) for p in plans) / len(plans)
-    stale = (max_staleness + 1) * tasks_per_step * (trained / len(plans)) / wall
-    return GoodputBound(min(device, stale), "devices" if device <= stale else "staleness",
-                        device, stale, batch, trained, rollout, evaluation, train, wall)
+    in_flight = (max_staleness + 1) * len(plans) / len(batches)  # the window, in trajectories
+
+    def device_s(beta: float) -> float:  # the run's least time on the devices, at batch β
+        decode = tokens * cost.decode_fixed_s(beta) / beta + context_s
+        return (prefill + decode + evaluation + train) / num_gpus
+
+    def stale_s(beta: float) -> float:  # ... and through the window (Little's law)
+        return (undecoded + tokens * cost.decode_fixed_s(beta) + context_s) / in_flight
+
+    beta = coupled_batch(device_s, stale_s, batch)
+    device, stale = trained / device_s(batch), trained / stale_s(1)
+    coupled = trained / max(device_s(beta), stale_s(beta))
+    limit = "devices" if beta >= batch else "staleness" if beta <= 1 else "coupled"
+    return GoodputBound(coupled, limit, device, stale, batch, beta, trained,
+                        (prefill + tokens * cost.decode_fixed_s(batch) / batch + context_s),
+                        evaluation, train,
+                        sum(shortest_wall_s(cost, p) for p in plans) / len(plans))
 
 
 def scenario_bound(scenario: SimScenario) -> GoodputBound:

@@ -13,6 +13,8 @@ and >= async at its best split (ratio of medians >= 1.0).
 ``--median-s``: the environment's lognormal step latency median in place of the workload's
 (sigma stays 1.0); ``--async-splits``: async at each of these rollout-rank counts, every round,
 and tiderl over the best of their medians (target with median 0.5 s: >= 1.15).
+``--variant NAME=OVERRIDE[,OVERRIDE]`` (repeatable): tiderl once more each round with these
+profile overrides (an A/B in turns), reported over tiderl, stream and the best async.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from jobs import run_job
 from machine import machine_info, write_result
 
 
-def modes(async_splits: list[int]) -> list[tuple[str, list[str]]]:
+def modes(async_splits: list[int], variants: dict[str, list[str]] | None = None
+          ) -> list[tuple[str, list[str]]]:
     """(name, overrides) of each job a round runs; async once per split (named by its rollout
-    ranks where there are several)."""
-    out = [("tiderl", ["runtime.system=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"]),
+    ranks where there are several); each variant is tiderl with its overrides."""
+    tiderl = ["runtime.system=tiderl", f"runtime.rollout_ranks={FIXED_SPLIT}"]
+    out = [("tiderl", tiderl),
            ("stream", ["runtime.system=stream", f"runtime.rollout_ranks={FIXED_SPLIT}"])]
+    out += [(name, [*tiderl, *extra]) for name, extra in (variants or {}).items()]
     for n in async_splits:
         name = "async" if async_splits == [FIXED_SPLIT] else f"async r{n}"
         out.append((name, ["runtime.system=async", f"runtime.rollout_ranks={n}"]))
@@ -49,11 +54,20 @@ def main() -> int:
                         default=str(Path(__file__).parent / "results" / "e2e_pairs.json"))
     parser.add_argument("--median-s", type=float, default=None)
     parser.add_argument("--async-splits", default=str(FIXED_SPLIT))
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=OVERRIDE[,OVERRIDE]: tiderl with these overrides too")
     args = parser.parse_args()
+    variants = {}
+    for spec in args.variant:
+        name, _, overrides = spec.partition("=")
+        if not name or not overrides or name in ("tiderl", "stream") or \
+                name.startswith("async"):
+            parser.error(f"--variant {spec!r}: expected NAME=OVERRIDE[,OVERRIDE] with a new name")
+        variants[name] = overrides.split(",")
     workload = list(WORKLOAD)
     if args.median_s is not None:
         workload.append(f"env.step_latency.median_s={args.median_s}")
-    runs = modes([int(n) for n in args.async_splits.split(",")])
+    runs = modes([int(n) for n in args.async_splits.split(",")], variants)
     goodput: dict[str, list[float]] = {name: [] for name, _ in runs}
     root = Path(tempfile.mkdtemp(prefix="tiderl-e2e-pairs-"))
     for n in range(args.rounds):
@@ -67,7 +81,13 @@ def main() -> int:
            "workload": workload, "goodput_tok_s": goodput, "median_tok_s": median,
            "tiderl_over_stream": round(median["tiderl"] / median["stream"], 3),
            "best_async": best, "tiderl_over_async": round(median["tiderl"] / median[best], 3),
-           "target": 1.15 if args.median_s == 0.5 else 1.0, "machine": machine_info(),
+           "target": 1.15 if args.median_s == 0.5 else 1.0,
+           "variants": {name: {"overrides": extra,
+                               "over_tiderl": round(median[name] / median["tiderl"], 3),
+                               "over_stream": round(median[name] / median["stream"], 3),
+                               "over_async": round(median[name] / median[best], 3)}
+                        for name, extra in variants.items()},
+           "machine": machine_info(),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     write_result(args.out, out)
     return 0

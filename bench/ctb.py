@@ -7,7 +7,8 @@ identical but for ``ctb.policy``, side by side in one run:
 
 - ``ctb``: budget admission, pins and pause/resume (``ctb.policy=ctb``), releasing tasks that
   wait for their environment longer than their context takes to recompute (the default);
-- ``ctb-pinned``: the same, each task's KV pinned for its whole wait (``ctb.release_waiting=false``);
+- ``ctb-pinned``: the same, each task's KV pinned for its whole wait
+  (``ctb.release_waiting=false``);
 - ``f-max``: request-level rollout at the engine's maximum concurrency
   (``ctb.policy=request``, ``ctb.request_concurrency`` = ``engine.max_num_seqs``), the paper's
   F10 (its engine's maximum, 1024);

@@ -3,10 +3,12 @@ numbered out of a total known from the start."""
 
 from __future__ import annotations
 
+import pytest
+
 from tiderl.core.job import JobShape
 from tiderl.sim.config import SimConfig
 from tiderl.sim.experiments import fig14, fig15
-from tiderl.sim.progress import run_all
+from tiderl.sim.progress import run_all, workers
 from tiderl.sim.runner import compare_policies
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.sweep import SweepGrid, run_sweep
@@ -78,3 +80,22 @@ def test_a_sweep_names_each_point_and_system():
                                          "env 0 s sigma 0, eta 2, switch 5 s")
         for name in ("sync", "async", "stream", "tiderl")]
     assert [(n, total) for _, n, total in calls] == [(n, 8) for n in range(1, 9)]
+
+
+def test_runs_in_worker_processes_give_the_same_results_announced_in_order():
+    """Two at a time in worker processes: each run is announced as it starts (the first two at
+    once, the third when one has finished), and every result equals the one-process run's."""
+    serial_calls, progress = heard()
+    serial = compare_policies(SMALL.with_sim(fixed_splits=[0.25]), ["async", "tiderl"], progress)
+    calls, progress = heard()
+    with workers(2):
+        parallel = compare_policies(SMALL.with_sim(fixed_splits=[0.25]), ["async", "tiderl"],
+                                    progress)
+    assert parallel.rows == serial.rows and parallel.headline == serial.headline
+    assert parallel.device_s == serial.device_s and parallel.series == serial.series
+    assert calls == serial_calls == [("async", 1, 3), ("tiderl", 2, 3), ("async 0.25", 3, 3)]
+
+
+def test_workers_must_be_at_least_one():
+    with pytest.raises(ValueError, match="workers must be >= 1"), workers(0):
+        pass

@@ -8,6 +8,7 @@ counts in k/M/G, and a table split by columns (the row's name repeated) where it
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.quote import short
 from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.sim.config import EXPERIMENTS, POLICIES
-from tiderl.sim.progress import Progress
+from tiderl.sim.progress import Progress, workers
 
 SWEEP_PROFILE = "sim/fig8-paper"
 HEADERS = {"goodput_tok_s": "goodput tok/s", "gen_tok_s": "gen tok/s", "kv_hit_rate": "KV hit",
@@ -56,6 +57,9 @@ def sim(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print each scenario's job and what each system runs on it "
                                  "(the effective configuration); simulate nothing."),
+    jobs: int = typer.Option(
+        0, "--jobs", help="Simulations run at once, in worker processes (each is independent "
+                          "and seeded: the same results); 0: one per CPU this process may use."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
@@ -63,8 +67,12 @@ def sim(
     from tiderl.profile.scenario import scenario_of
     from tiderl.sim.runner import run_scenario
 
+    if jobs < 0:
+        raise CLIError(f"tiderl sim: --jobs must be >= 0, got {jobs}", EXIT_USAGE)
+    num_workers = jobs or _cpus()
     if sweep:
-        _sweep(profile, experiment, overrides or [], out, results, Output(json_mode))
+        with workers(num_workers):
+            _sweep(profile, experiment, overrides or [], out, results, Output(json_mode))
         return
     names = _experiments(experiment, profile)
     chosen = _policies(policies)
@@ -83,8 +91,9 @@ def sim(
     for index, name in enumerate(names, start=1):
         resolved = load_profile(profile or f"sim/{name}", overrides or [])
         progress = clock.reporter(name or "policy comparison", index, len(names))
-        result = run_scenario(scenario_of(resolved), name if experiment else None, chosen,
-                              progress)
+        with workers(num_workers):
+            result = run_scenario(scenario_of(resolved), name if experiment else None, chosen,
+                                  progress)
         plots = _plots(result, out)
         headlines[result.name] = {**result.headline, "paper": result.paper,
                                   **({"device_s": result.device_s} if result.device_s else {})}
@@ -97,6 +106,13 @@ def sim(
     clock.done()
     output.result(payload if len(payload) > 1 else payload[0],
                   lambda console: _render(console, payload))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class _Progress:

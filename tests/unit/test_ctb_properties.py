@@ -24,6 +24,7 @@ def scenarios(draw) -> tuple[TaskBook, CTBConfig]:
     config = CTBConfig(
         max_env_sessions=draw(st.sampled_from([0, 0, 5, 20])),
         diversity_penalty_tokens=draw(st.sampled_from([0, 256, 1000])),
+        release_waiting=draw(st.booleans()),
     )
     book = config.new_book(
         max_staleness=draw(st.integers(0, 2)), tasks_per_step=draw(st.sampled_from([0, 0, 3, 8]))

@@ -10,7 +10,8 @@ from tiderl.core.step_control import RolloutControl
 from tiderl.core.task_book import WAIT_WINDOW, WaitSamples
 from tiderl.core.types import Admit, Group, Pause, Resume, Task
 
-CONFIG = CTBConfig(project_growth=False)  # fit by headroom alone: footprints below are exact
+# fit by headroom alone (footprints below are exact), releasing
+CONFIG = CTBConfig(project_growth=False, release_waiting=True)
 
 
 def book_with(budgets: list[int], rate: float | None = 1000.0, **window: int) -> TaskBook:
@@ -187,9 +188,8 @@ def test_a_task_paused_for_the_budget_resumes_while_its_environment_works():
     assert schedule(book) == [Resume("a0", 0)]
 
 
-def test_release_is_off_with_its_switch():
-    assert schedule(blocked_book(), CTBConfig(project_growth=False,
-                                              release_waiting=False)) == []
+def test_release_is_off_by_default():
+    assert schedule(blocked_book(), CTBConfig(project_growth=False)) == []
 
 
 # --------------------------------------------------------------------------- the step cycle

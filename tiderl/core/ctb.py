@@ -90,7 +90,7 @@ class CTBConfig:
     project_growth: bool = True
     # While work waits for room, pause tasks whose environment wait outlasts their recompute.
     # Off by default: where KV is scarce the released tasks come back to evicted blocks
-    # (bench/README.md, "CTB in real jobs": throughput -36%, hit rate 0.83 -> 0.39).
+    # (bench/README.md, "CTB in real jobs": throughput -34%, hit rate 0.83 -> 0.40).
     release_waiting: bool = False
 
     def __post_init__(self) -> None:

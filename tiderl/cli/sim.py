@@ -58,8 +58,9 @@ def sim(
         False, "--dry-run", help="Print each scenario's job and what each system runs on it "
                                  "(the effective configuration); simulate nothing."),
     jobs: int = typer.Option(
-        0, "--jobs", help="Simulations run at once, in worker processes (each is independent "
-                          "and seeded: the same results); 0: one per CPU this process may use."),
+        0, "--jobs", min=0, max=1024,
+        help="Simulations run at once, in worker processes (each is independent and seeded: the "
+             "same results); 0: one per CPU this process may use."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """Simulate a cluster run of each system (or a paper experiment) and compare goodput."""
@@ -67,8 +68,6 @@ def sim(
     from tiderl.profile.scenario import scenario_of
     from tiderl.sim.runner import run_scenario
 
-    if jobs < 0:
-        raise CLIError(f"tiderl sim: --jobs must be >= 0, got {jobs}", EXIT_USAGE)
     num_workers = jobs or _cpus()
     if sweep:
         with workers(num_workers):

@@ -15,7 +15,6 @@ the wall time.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +24,7 @@ from machine import machine_info, write_result
 from tiderl.profile import load_profile
 from tiderl.profile.scenario import scenario_of
 from tiderl.sim.experiments import device_shares
-from tiderl.sim.progress import workers
+from tiderl.sim.progress import usable_cpus, workers
 from tiderl.sim.runner import compare_policies
 
 PROFILES = ("sim/cluster32", "sim/coding", "sim/swe-long", "sim/eval-heavy")
@@ -59,7 +58,7 @@ def main() -> int:
     parser.add_argument("--out",
                         default=str(Path(__file__).parent / "results" / "sim_compare.json"))
     args = parser.parse_args()
-    with workers(len(os.sched_getaffinity(0))):  # as tiderl sim runs them
+    with workers(usable_cpus()):  # as tiderl sim runs them
         profiles = {p: compare(p) for p in args.profiles}
     out = {"targets": TARGETS, "profiles": profiles,
            "machine": machine_info(),

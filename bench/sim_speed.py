@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -23,7 +22,7 @@ from machine import machine_info, write_result
 from tiderl.profile import load_profile
 from tiderl.profile.scenario import scenario_of
 from tiderl.sim.cluster import simulate
-from tiderl.sim.progress import run_all, workers
+from tiderl.sim.progress import run_all, usable_cpus, workers
 from tiderl.sim.scenario import SYSTEMS
 
 TARGET_S = 30.0
@@ -47,7 +46,7 @@ def main() -> int:
                             "steps": len(result.steps),
                             "goodput_tok_s": round(result.goodput_tok_s, 1)}
     total = sum(p["wall_s"] for p in per_system.values())
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     t0 = time.perf_counter()
     with workers(cpus):
         parallel = run_all({n: functools.partial(simulate, SYSTEMS[n], scenario) for n in names})

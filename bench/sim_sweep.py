@@ -10,7 +10,6 @@ map next to the JSON (``sim_sweep.png``). Each point is a 20-step run (the paper
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -20,7 +19,7 @@ from machine import machine_info, write_result
 
 from tiderl.profile import load_profile
 from tiderl.profile.scenario import scenario_of
-from tiderl.sim.progress import workers
+from tiderl.sim.progress import usable_cpus, workers
 from tiderl.sim.report import write_sweep_heatmap
 from tiderl.sim.runner import run_scenario_sweep
 
@@ -31,7 +30,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_sweep.json"))
     args = parser.parse_args()
     t0 = time.perf_counter()
-    with workers(len(os.sched_getaffinity(0))):  # as tiderl sim --sweep runs them
+    with workers(usable_cpus()):  # as tiderl sim --sweep runs them
         payload = run_scenario_sweep(scenario_of(load_profile(args.profile, [])))
     plot = write_sweep_heatmap(payload.pop("result"), Path(args.out).with_suffix(".png"))
     payload.update({"profile": args.profile, "plot": plot.name,

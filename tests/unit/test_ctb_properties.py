@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook, priority, projected_peak
-from tiderl.core.task_book import RankRecord, TaskRecord, WaitSamples
+from tiderl.core.env_waits import WaitSamples
+from tiderl.core.task_book import RankRecord, TaskRecord
 from tiderl.core.types import Admit, Group, Pause, Resume, Task, TaskState
 
 ENVS = ("shop", "alf", "guess")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tiderl.core.ctb import CTBConfig, CTBPolicy, TaskBook
+from tiderl.core.env_waits import WAIT_WINDOW, WaitSamples
 from tiderl.core.step_control import RolloutControl
-from tiderl.core.task_book import WAIT_WINDOW, WaitSamples
 from tiderl.core.types import Admit, Group, Pause, Resume, Task
 
 # fit by headroom alone (footprints below are exact), releasing

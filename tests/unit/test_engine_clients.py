@@ -12,19 +12,17 @@ import pytest
 
 from tests.unit.test_engine_images import png
 from tiderl.core.types import ImageRef
+from tiderl.engine.client_metrics import ClientMetrics, metrics_from_prometheus, vllm_kv_capacity
 from tiderl.engine.clients import (
-    ClientMetrics,
     EmbeddedClient,
     EngineRequestError,
     NotSupported,
     SGLangClient,
     VLLMClient,
     completion_body,
-    metrics_from_prometheus,
     parse_completion,
     parse_sglang_generate,
     sglang_generate_body,
-    vllm_kv_capacity,
 )
 from tiderl.engine.metric_names import FRACTIONS, SGLANG_NAMINGS, TIDERL_NAMINGS, VLLM_NAMINGS
 from tiderl.engine.prometheus import info_labels, parse_prometheus

@@ -8,7 +8,6 @@ counts in k/M/G, and a table split by columns (the row's name repeated) where it
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from tiderl.cli.output import JsonFlag, Output, table
 from tiderl.core.quote import short
 from tiderl.core.system import ALIASES, SYSTEM_CHOICES
 from tiderl.sim.config import EXPERIMENTS, POLICIES
-from tiderl.sim.progress import Progress, workers
+from tiderl.sim.progress import Progress, usable_cpus, workers
 
 SWEEP_PROFILE = "sim/fig8-paper"
 HEADERS = {"goodput_tok_s": "goodput tok/s", "gen_tok_s": "gen tok/s", "kv_hit_rate": "KV hit",
@@ -68,7 +67,7 @@ def sim(
     from tiderl.profile.scenario import scenario_of
     from tiderl.sim.runner import run_scenario
 
-    num_workers = jobs or _cpus()
+    num_workers = jobs or usable_cpus()
     if sweep:
         with workers(num_workers):
             _sweep(profile, experiment, overrides or [], out, results, Output(json_mode))
@@ -105,13 +104,6 @@ def sim(
     clock.done()
     output.result(payload if len(payload) > 1 else payload[0],
                   lambda console: _render(console, payload))
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class _Progress:

@@ -129,8 +129,12 @@ class SchedulingPolicy(ABC):
     """A rollout scheduling policy: ``schedule(book)`` returns a plan and mutates no book."""
 
     pins_tasks: ClassVar[bool]  # whether the runtime pins an active task's KV on its rank
-    # whether it releases waiting tasks (then it reads prefill rates and environments' answers)
-    releases_waiting: bool = False
+
+    @property
+    def releases_waiting(self) -> bool:
+        """Whether it releases waiting tasks (then it reads prefill rates and environments'
+        answers)."""
+        return False
 
     @abstractmethod
     def schedule(self, book: TaskBook) -> list[Decision]: ...
@@ -337,13 +341,16 @@ class CTBPolicy(SchedulingPolicy):
 
     def __init__(self, config: CTBConfig):
         self.config = config
-        self.releases_waiting = config.release_waiting
+
+    @property
+    def releases_waiting(self) -> bool:
+        return self.config.release_waiting
 
     def schedule(self, book: TaskBook) -> list[Decision]:
         draft = _Draft(book, self.config.project_growth)
         pauses = self._pause_phase(book, draft)
         draft.refresh()
-        if self.config.release_waiting:
+        if self.releases_waiting:
             pauses += self._release_phase(book, draft, {d.task_id for d in pauses})
         resumes = self._resume_phase(book, draft)
         admits = self._admit_phase(book, draft)
@@ -480,11 +487,13 @@ def _resume_rank(task: TaskRecord, book: TaskBook, draft: _Draft) -> int | None:
     """Its group's rank, else its last rank, else the most expected headroom; a released task
     its last rank first (its context stays cached there until evicted); None when every rank's
     projected peak refuses it."""
-    at_last = task.rank in book.ranks and draft.fits(task.footprint, task.rank)
-    if task.is_released and at_last:
+    def fits_last() -> bool:
+        return task.rank in book.ranks and draft.fits(task.footprint, task.rank)
+
+    if task.is_released and fits_last():
         return task.rank
     rank = draft.sibling_rank(task)
-    if rank is None and at_last:
+    if rank is None and fits_last():
         rank = task.rank
     if rank is None:
         rank = draft.roomiest_rank(task, penalty=0)

@@ -19,13 +19,12 @@ then the group's probed first-turn footprint); an ACTIVE or PAUSED task's is its
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, bisect_right, insort
-from collections import deque
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
-from itertools import accumulate
 
 from tiderl.core.config import require_non_negative
+from tiderl.core.env_waits import WaitSamples
 from tiderl.core.quote import short
 from tiderl.core.types import (
     Admit,
@@ -39,7 +38,6 @@ from tiderl.core.types import (
 )
 
 FOOTPRINT_WINDOW = 256  # finished tasks the expected footprint averages over (a moving mean)
-WAIT_WINDOW = 64  # environment waits per environment that the expected wait is read from
 
 # The states as module constants: on Python 3.11 reading a member through its class
 # (TaskState.ACTIVE) goes through EnumType.__getattr__'s slow hook, about ten times a global's
@@ -173,40 +171,6 @@ def _bump(counts: dict, key: object, delta: int) -> None:
         counts[key] = value
     else:
         del counts[key]
-
-
-class WaitSamples:
-    """One environment's last ``WAIT_WINDOW`` waits (seconds from a generation's end to its
-    observation), and what a task that has waited ``age`` seconds can expect to wait more."""
-
-    __slots__ = ("_sorted", "_suffix", "waits")
-
-    def __init__(self) -> None:
-        self.waits: deque[float] = deque(maxlen=WAIT_WINDOW)
-        self._sorted: list[float] | None = None  # with suffix sums, rebuilt after an add
-        self._suffix: list[float] = []
-
-    def add(self, wait_s: float) -> None:
-        self.waits.append(wait_s)
-        self._sorted = None
-
-    def __eq__(self, other: object) -> bool:  # the samples; the sorted copy is a cache
-        return isinstance(other, WaitSamples) and self.waits == other.waits
-
-    __hash__ = None  # mutable
-
-    def remaining(self, age: float) -> float:
-        """E[W - age | W > age] over the samples: waits are heavy-tailed (a tool that has run
-        long tends to run longer), so the mean alone under-reads an old wait. With no sample
-        longer than ``age``, the mean wait (memoryless)."""
-        if self._sorted is None:
-            self._sorted = sorted(self.waits)
-            self._suffix = list(accumulate(reversed(self._sorted)))[::-1]
-        waits, n = self._sorted, len(self._sorted)
-        i = bisect_right(waits, age)
-        if i == n:
-            return self._suffix[0] / n
-        return self._suffix[i] / (n - i) - age
 
 
 @dataclass(slots=True)

@@ -23,9 +23,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import base64
-import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +32,13 @@ import httpx
 from tiderl.auth import ADMIN, bearer_headers, resolve_token
 from tiderl.core.quote import short
 from tiderl.core.types import ImageRef
+from tiderl.engine.client_metrics import (
+    ClientMetrics,
+    hit_rate,
+    metrics_from_prometheus,
+    per_second,
+    vllm_kv_capacity,
+)
 from tiderl.engine.config import SERVED_MODEL_NAME, VLLM_NO_IMAGES
 from tiderl.engine.kv_cache_manager import PinRefused
 from tiderl.engine.metric_names import (
@@ -41,11 +46,10 @@ from tiderl.engine.metric_names import (
     SGLANG_NAMINGS,
     SGLANG_PRIORITY,
     TIDERL_NAMINGS,
-    VLLM_CACHE_CONFIG,
     VLLM_NAMINGS,
     MetricNames,
 )
-from tiderl.engine.prometheus import info_labels, parse_prometheus
+from tiderl.engine.prometheus import parse_prometheus
 from tiderl.engine.request import Images, SamplingParams
 from tiderl.env.images import png_data_url
 
@@ -81,21 +85,6 @@ class GenerateResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     version: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ClientMetrics:
-    """Engine state; counters in tokens. SGLang exports a hit rate, not hit/query counters."""
-
-    prefix_cache_queries: float | None
-    prefix_cache_hits: float | None
-    kv_cache_usage_perc: float  # 0..1
-    num_requests_running: float
-    num_requests_waiting: float
-    num_preemptions: float | None = None
-    cache_hit_rate: float | None = None  # hits / queries (cumulative) or SGLang's gauge
-    kv_capacity_tokens: float | None = None  # what the KV cache holds (vLLM, SGLang)
-    prefill_tokens_per_s: float | None = None  # measured (ours); None: not measured
 
 
 class EngineClient(abc.ABC):
@@ -201,8 +190,9 @@ class EmbeddedClient(EngineClient):
         m = self.engine.metrics()
         return ClientMetrics(m.prefix_cache_queries, m.prefix_cache_hits, m.kv_cache_usage_perc,
                              m.num_requests_running, m.num_requests_waiting, m.num_preemptions,
-                             _rate(m.prefix_cache_hits, m.prefix_cache_queries),
-                             prefill_tokens_per_s=_per_s(m.prompt_tokens_computed, m.prefill_s))
+                             hit_rate(m.prefix_cache_hits, m.prefix_cache_queries),
+                             prefill_tokens_per_s=per_second(m.prompt_tokens_computed,
+                                                             m.prefill_s))
 
     async def close(self) -> None:
         await self.engine.close()
@@ -272,15 +262,6 @@ def _json_or_raise(response: httpx.Response, parse: bool = True) -> dict:
         raise error(f"{response.request.method} {response.request.url.path}: "
                     f"{response.status_code}: {message}")
     return response.json() if parse else {}
-
-
-def _rate(hits: float | None, queries: float | None) -> float | None:
-    return None if hits is None or not queries else hits / queries
-
-
-def _per_s(tokens: float | None, seconds: float | None) -> float | None:
-    """A rate from a token counter and a seconds counter; None until both have counted."""
-    return tokens / seconds if tokens and seconds else None
 
 
 # -- TideRL server -------------------------------------------------------------------------------
@@ -430,17 +411,6 @@ class VLLMClient(_HTTPClient):
         return replace(super()._metrics_of(text), kv_capacity_tokens=vllm_kv_capacity(text))
 
 
-def vllm_kv_capacity(text: str) -> float | None:
-    """``num_gpu_blocks × block_size`` from the labels of ``vllm:cache_config_info`` (summed
-    over its engines), None where the page has no such gauge."""
-    total = None
-    for labels in info_labels(text, VLLM_CACHE_CONFIG):
-        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-        if blocks.isdigit() and size.isdigit():
-            total = (total or 0.0) + int(blocks) * int(size)
-    return total
-
-
 def completion_body(prompt_ids: list[int], sampling: SamplingParams) -> dict:
     """An OpenAI /v1/completions body with a token-id prompt (vLLM and TideRL)."""
     body: dict[str, Any] = {"prompt": list(prompt_ids), "max_tokens": sampling.max_tokens,
@@ -581,26 +551,3 @@ def server_client(backend: str, base_url: str, timeout: float = 600.0,
     if backend == "sglang":
         return SGLangClient(base_url, timeout, flush_on_update=flush_on_update)
     raise ValueError(f"engine.backend {short(backend)} has no server")
-
-
-# -- Prometheus ----------------------------------------------------------------------------------
-
-def metrics_from_prometheus(values: dict[str, float],
-                            namings: Sequence[MetricNames]) -> ClientMetrics:
-    """A backend's values (:func:`~tiderl.engine.prometheus.parse_prometheus`) as ClientMetrics;
-    each field by the first of the backend's ``namings`` whose name for it is on the page. The
-    hit rate is hits / queries where the engine counts them, else its gauge."""
-
-    def get(field: str) -> float | None:
-        for names in namings:
-            value = values.get(getattr(names, field) or "")
-            if value is not None and not math.isnan(value):
-                return value
-        return None
-
-    queries, hits = get("queries"), get("hits")
-    rate = _rate(hits, queries) if queries is not None and hits is not None else get("hit_rate")
-    return ClientMetrics(queries, hits, get("usage") or 0.0, get("running") or 0.0,
-                         get("waiting") or 0.0, get("preemptions"), rate,
-                         get("capacity_tokens"),
-                         _per_s(get("prefilled_tokens"), get("prefill_seconds")))

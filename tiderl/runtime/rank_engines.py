@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from tiderl.engine.client_metrics import ClientMetrics
 from tiderl.engine.clients import (
-    ClientMetrics,
     EmbeddedClient,
     EngineClient,
     NotSupported,

@@ -181,31 +181,33 @@ def goodput_bound(cost: CostModel, batches: list[list[tuple[TaskPlan, ...]]],
     context_s = kv * sum(c for _, c in decoded)
     prefill = sum(_prefill_gpu_s(cost, p, len(g)) for b in batches for g in b for p in g)
     evaluation = sum(rollout_gpu_s(cost, p, batch, len(g)) for g in eval_groups for p in g)
-    train = sum(train_gpu_s(cost, p) for p in plans)
-    # a trajectory's least time in the window outside its decode: its environment, its
-    # prefills, and its batch's training on every GPU
-    undecoded = sum(_undecoded_wall_s(cost, p) for p in plans)
-    undecoded += sum(len(group_plans) * sum(train_gpu_s(cost, p) for p in group_plans)
-                     for group_plans in ([p for g in b for p in g] for b in batches)) / num_gpus
+    batch_train = [(sum(len(g) for g in b), sum(train_gpu_s(cost, p) for g in b for p in g))
+                   for b in batches]  # (trajectories, Ref and Actor GPU-seconds) per batch
+    train = sum(seconds for _, seconds in batch_train)
+    outside = sum(_undecoded_wall_s(cost, p) for p in plans)  # environments, prefills alone
+    # a trajectory holds its window place until its batch is trained, on every GPU at best
+    held = sum(n * seconds for n, seconds in batch_train) / num_gpus
     trained = sum(sum(p.segment_tokens) for p in plans)
     in_flight = (max_staleness + 1) * len(plans) / len(batches)  # the window, in trajectories
 
+    def rollout_s(beta: float) -> float:  # the trained trajectories' rollout GPU-seconds
+        return prefill + tokens * cost.decode_fixed_s(beta) / beta + context_s
+
     def device_s(beta: float) -> float:  # the run's least time on the devices, at batch β
-        decode = tokens * cost.decode_fixed_s(beta) / beta + context_s
-        return (prefill + decode + evaluation + train) / num_gpus
+        return (rollout_s(beta) + evaluation + train) / num_gpus
+
+    def decode_wall_s(beta: float) -> float:  # the trajectories' wall time decoding at β
+        return tokens * cost.decode_fixed_s(beta) + context_s
 
     def stale_s(beta: float) -> float:  # ... and through the window (Little's law)
-        return (undecoded + tokens * cost.decode_fixed_s(beta) + context_s) / in_flight
+        return (outside + held + decode_wall_s(beta)) / in_flight
 
     beta = coupled_batch(device_s, stale_s, batch)
     device, stale = trained / device_s(batch), trained / stale_s(1)
     coupled = trained / max(device_s(beta), stale_s(beta))
     limit = "devices" if beta >= batch else "staleness" if beta <= 1 else "coupled"
-    return GoodputBound(coupled, limit, device, stale, batch, beta, trained,
-                        (prefill + tokens * cost.decode_fixed_s(batch) / batch + context_s),
-                        evaluation, train,
-                        sum(shortest_wall_s(cost, p) for p in plans) / len(plans))
-
+    return GoodputBound(coupled, limit, device, stale, batch, beta, trained, rollout_s(batch),
+                        evaluation, train, (outside + decode_wall_s(1)) / len(plans))
 
 def scenario_bound(scenario: SimScenario) -> GoodputBound:
     """The bound on ``scenario``: its training groups of every step (the stream every system is

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import TypeVar
@@ -25,6 +26,13 @@ T = TypeVar("T")
 Progress = Callable[[str, int, int], None]  # (label of the run starting, its number, of N)
 
 _workers = 1  # runs at once in run_all (set by ``workers``)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

@@ -159,7 +159,7 @@ def run_ra2p(reps: int) -> dict:
     for i in range(reps):
         times = cases[i % len(cases)]
         t0 = time.perf_counter()
-        mode = choose_placement(times, TIMINGS, num_actor_ranks=8, max_aggregate=8, config=config)
+        mode = choose_placement(times, TIMINGS, max_aggregate=8, config=config)
         samples.append(time.perf_counter() - t0)
         modes.append(mode)
     return {"choose_mode_ms": summarize(samples),

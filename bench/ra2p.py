@@ -231,7 +231,7 @@ def predict(mode: str, times: list[float], timings: dict[str, Ra2pTimings],
     a time, VS without swaps."""
     col = timings["colocated"]
     if mode == "DM":
-        return cost_decoupled(times, timings["decoupled"], len(ACTOR_RANKS))
+        return cost_decoupled(times, timings["decoupled"])
     if mode == "CM":
         return cost_colocated(times, col, max_aggregate)
     if mode == "VSO":
@@ -280,13 +280,13 @@ def run_bench(quick: bool = False, note: Callable[[str], None] = print) -> dict:
         modes[mode] = {"measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
                        "error": round(abs(predicted - measured) / measured, 4)}
     chosen_all_ready = _placement_name(choose_placement(
-        all_ready, timings["decoupled"], len(ACTOR_RANKS), config.max_aggregate, ra2p,
+        all_ready, timings["decoupled"], config.max_aggregate, ra2p,
         colocated_timings=timings["colocated"]))
     grid = []
     for ras, tprm, times, cell in raw["cells"]:
-        chosen = _placement_name(choose_placement(times, timings["decoupled"], len(ACTOR_RANKS),
-                                        config.max_aggregate, ra2p,
-                                        colocated_timings=timings["colocated"]))
+        chosen = _placement_name(choose_placement(times, timings["decoupled"],
+                                                  config.max_aggregate, ra2p,
+                                                  colocated_timings=timings["colocated"]))
         fastest = min(cell, key=cell.get)
         predicted = {m: predict(m, times, timings, config.max_aggregate) for m in cell}
         errors = {m: abs(predicted[m] - s) / s for m, s in cell.items()}

@@ -300,7 +300,7 @@ def test_colocated_timings_set_the_break_even():
 
 
 def test_consumption_deficit_by_ras_at_the_break_even():
-    assert break_even_ras(NUM_MB, 10.0, T, 2, 8) == 11  # long TPRM: decoupled needs a backlog
+    assert break_even_ras(NUM_MB, 10.0, T, 8) == 11  # long TPRM: decoupled needs a backlog
     at_break_even = make_input("RRRRAA", ras=11, tprm=10.0, hol=1.0, volume=40)
     assert eager().plan(at_break_even) == plan((3, R, F), placement=DEC, batch=40, reason=CONS)
     below = make_input("RRRRAA", ras=10, tprm=10.0, hol=1.0, volume=40, trainer_idle_frac=0.5)
@@ -312,7 +312,7 @@ def test_consumption_deficit_by_ras_at_the_break_even():
 def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
     # TPRM 2 s < actor time 3 s: micro-batches arrive faster than the trainer consumes them, so
     # even with a young buffer head (HoL 1 s) a Ref rank comes first, then actors.
-    assert break_even_ras(NUM_MB, 2.0, T, 2, 8) == 0
+    assert break_even_ras(NUM_MB, 2.0, T, 8) == 0
     flowing = make_input("RRRRAA", ras=0, tprm=2.0, hol=1.0, volume=16)
     assert eager().plan(flowing) == plan((3, R, F), placement=DEC, batch=32, reason=CONS)
     flowing = make_input("RRRFAA", DEC, ras=0, tprm=2.0, hol=1.0, volume=16)
@@ -322,7 +322,7 @@ def test_short_tprm_asks_for_decoupled_and_more_trainer_ranks():
 def test_ras_at_the_break_even_without_a_backlog_only_provisions_the_ref_rank():
     # TPRM 3.5 s > actor time 3 s and HoL 1 s: no backlog; RAS 0 >= break-even 0 asks for the
     # decoupled placement only, so a Ref rank is provisioned once and nothing more moves.
-    assert break_even_ras(NUM_MB, 3.5, T, 2, 8) == 0
+    assert break_even_ras(NUM_MB, 3.5, T, 8) == 0
     paced = make_input("RRRRAA", ras=0, tprm=3.5, hol=1.0, volume=16)
     assert eager().plan(paced) == plan((3, R, F), placement=DEC, batch=32, reason=CONS)
     paced = make_input("RRRFAA", DEC, ras=0, tprm=3.5, hol=1.0, volume=16)

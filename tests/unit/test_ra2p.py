@@ -29,15 +29,10 @@ T = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)  # actor busy t
 # Written independently of tiderl.core.ra2p, straight from the definitions of App. A.
 
 
-def reference_decoupled(ready_times, timings, num_actor_ranks):
-    """C_dec: the fill-bubble sum, then two servers in tandem over explicit arrival events: the
-    Ref ranks (a FIFO, t_ref each) and the actors (a FIFO, t_act_f + t_act_b each), whose
-    backward cannot start before that micro-batch's Ref pass is done."""
-    n = len(ready_times)
-    m = min(num_actor_ranks, n)  # actor ranks that receive a micro-batch
-    fill = 0.0
-    for i in range(m):
-        fill += i * timings.t_ref
+def reference_decoupled(ready_times, timings):
+    """C_dec: two servers in tandem over explicit arrival events: the Ref ranks (a FIFO, t_ref
+    each) and the actors (a FIFO, t_act_f + t_act_b each), whose backward cannot start before
+    that micro-batch's Ref pass is done (every micro-batch is dealt over all actor ranks)."""
     ref_done, ref_clock = [], 0.0
     for arrival in sorted(ready_times):  # the Ref server
         ref_clock = (ref_clock if ref_clock > arrival else arrival) + timings.t_ref
@@ -56,7 +51,7 @@ def reference_decoupled(ready_times, timings, num_actor_ranks):
         j = queued.popleft()
         forward_done = clock + timings.t_act_f
         clock = (forward_done if forward_done > ref_done[j] else ref_done[j]) + timings.t_act_b
-    return fill + clock
+    return clock
 
 
 def reference_colocated(ready_times, timings, max_aggregate):
@@ -84,10 +79,10 @@ dyadic_timings = st.builds(
 
 
 @FAST
-@given(dyadic_times, dyadic_timings, st.integers(1, 12))
-def test_decoupled_cost_matches_reference(times, timings, num_actor_ranks):
-    expected = reference_decoupled(times, timings, num_actor_ranks)
-    assert cost_decoupled(times, timings, num_actor_ranks) == pytest.approx(expected, abs=1e-9)
+@given(dyadic_times, dyadic_timings)
+def test_decoupled_cost_matches_reference(times, timings):
+    expected = reference_decoupled(times, timings)
+    assert cost_decoupled(times, timings) == pytest.approx(expected, abs=1e-9)
 
 
 @FAST
@@ -99,24 +94,25 @@ def test_colocated_cost_matches_reference(times, timings, max_aggregate):
 
 def test_costs_by_hand():
     times = [5.0, -2.0, 6.0, 0.0, 1.0]  # N0 = 2 (-2 and 0); order does not matter
-    # fill: 0·1 + 1·1 = 1; queue: the two ready ones end at 6, the one at 1 at 9, 5 -> 12, 6 -> 15
-    assert cost_decoupled(times, T, num_actor_ranks=2) == 16.0
+    # the queue: the two ready ones end at 3 and 6, the one at 1 at 9, 5 -> 12, 6 -> 15
+    assert cost_decoupled(times, T) == 15.0
     # T=0: k=2 -> 0.5+2, 0.5+6 -> 9; k=3 (1, 5, 6 <= 9) -> 9+0.5+3+0.5+9 = 22
     assert cost_colocated(times, T, max_aggregate=8) == 22.0
     # cap 2: 9; k=2 -> 18; k=1 -> 18+0.5+1+0.5+3 = 23
     assert cost_colocated(times, T, max_aggregate=2) == 23.0
 
 
-def test_fill_bubble_counts_only_actors_with_work():
-    # N = 3 < 4 actor ranks: M = 3, fill = 0 + 1 + 2; the last arrives at 30 and takes 3
-    assert cost_decoupled([10.0, 20.0, 30.0], T, num_actor_ranks=4) == 3.0 + 33.0
-    assert cost_decoupled([], T, num_actor_ranks=4) == 0.0
+def test_decoupled_cost_has_no_separate_fill_bubble():
+    # every micro-batch is dealt over all actor ranks: the first one's backward waits for its
+    # Ref pass (done at 11) and ends at 13, which is all the pipeline's fill costs; the last
+    # arrives at 30 and ends at 33 (App. A's bubble, 0 + 1 + 2 for three actors, would add 3:
+    # bench/ra2p.py measured the step without it)
+    assert cost_decoupled([10.0, 20.0, 30.0], T) == 33.0
+    assert cost_decoupled([], T) == 0.0
     assert cost_colocated([], T, max_aggregate=4) == 0.0
 
 
-def test_costs_refuse_zero_ranks():
-    with pytest.raises(ValueError, match="num_actor_ranks"):
-        cost_decoupled([0.0], T, 0)
+def test_colocated_cost_refuses_zero_aggregate():
     with pytest.raises(ValueError, match="max_aggregate"):
         cost_colocated([0.0], T, 0)
 
@@ -127,66 +123,64 @@ PURE = RA2PConfig(decoupled_margin=0.0)
 
 
 def test_choose_placement_by_hand():
-    times = [5.0, -2.0, 6.0, 0.0, 1.0]  # C_dec 16 < C_col 22
-    assert choose_placement(times, T, 2, 8, PURE) is Placement.DECOUPLED
-    assert choose_placement(times, T, 2, 8) is Placement.DECOUPLED
-    # long gaps, 2 actors: C_dec = 1 + 33 = 34 < C_col = 30 + 0.5 + 1 + 0.5 + 3 = 35, not by 10%
-    assert choose_placement([10.0, 20.0, 30.0], T, 2, 8, PURE) is Placement.DECOUPLED
-    assert choose_placement([10.0, 20.0, 30.0], T, 2, 8) is Placement.COLOCATED
-    # 4 actors fill a longer bubble (0 + 1 + 2): C_dec = 36 > 35
-    assert choose_placement([10.0, 20.0, 30.0], T, 4, 8, PURE) is Placement.COLOCATED
+    times = [5.0, -2.0, 6.0, 0.0, 1.0]  # C_dec 15 < C_col 22
+    assert choose_placement(times, T, 8, PURE) is Placement.DECOUPLED
+    assert choose_placement(times, T, 8) is Placement.DECOUPLED
+    # long gaps: C_dec = 33 < C_col = 30 + 0.5 + 1 + 0.5 + 3 = 35, but not by 10%
+    assert choose_placement([10.0, 20.0, 30.0], T, 8, PURE) is Placement.DECOUPLED
+    assert choose_placement([10.0, 20.0, 30.0], T, 8) is Placement.COLOCATED
 
 
 def test_tie_goes_to_colocated():
     no_swap = Ra2pTimings(t_ref=0.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.0)
-    assert cost_decoupled([0.0], no_swap, 1) == cost_colocated([0.0], no_swap, 1) == 3.0
-    assert choose_placement([0.0], no_swap, 1, 1, PURE) is Placement.COLOCATED
-    assert choose_placement([], T, 1, 1, PURE) is Placement.COLOCATED
+    assert cost_decoupled([0.0], no_swap) == cost_colocated([0.0], no_swap, 1) == 3.0
+    assert choose_placement([0.0], no_swap, 1, PURE) is Placement.COLOCATED
+    assert choose_placement([], T, 1, PURE) is Placement.COLOCATED
 
 
 def test_fixed_placement_is_honoured():
     times = [5.0, -2.0, 6.0, 0.0, 1.0]
     colocated, decoupled = RA2PConfig(placement="colocated"), RA2PConfig(placement="decoupled")
-    assert choose_placement(times, T, 2, 8, colocated) is Placement.COLOCATED
-    assert choose_placement([0.0], T, 1, 1, decoupled) is Placement.DECOUPLED
+    assert choose_placement(times, T, 8, colocated) is Placement.COLOCATED
+    assert choose_placement([0.0], T, 1, decoupled) is Placement.DECOUPLED
 
 
 @FAST
-@given(dyadic_times, dyadic_timings, st.integers(1, 8), st.integers(1, 8))
-def test_choose_placement_picks_the_lower_cost(times, timings, num_actor_ranks, max_aggregate):
-    c_dec = reference_decoupled(times, timings, num_actor_ranks)
+@given(dyadic_times, dyadic_timings, st.integers(1, 8))
+def test_choose_placement_picks_the_lower_cost(times, timings, max_aggregate):
+    c_dec = reference_decoupled(times, timings)
     c_col = reference_colocated(times, timings, max_aggregate)
-    mode = choose_placement(times, timings, num_actor_ranks, max_aggregate, PURE)
+    mode = choose_placement(times, timings, max_aggregate, PURE)
     assert mode is (Placement.DECOUPLED if c_dec < c_col else Placement.COLOCATED)
 
 
 def test_break_even_by_hand():
     timings = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
-    # fill 0+1+2 = 3. N0=0: [8,16,24] dec 3+27=30, col 29; N0=1: [0,8,16] dec 3+19=22, col 21;
-    # N0=2: [0,0,8] dec 3+11=14, col 9+5=14 (tie -> colocated); N0=3: [0,0,0] dec 3+9=12,
-    # col 0.5+3+0.5+9=13 -> decoupled, but not by 10%.
-    assert break_even_ras(3, 8.0, timings, 3, 8, margin=0.0) == 3
-    assert break_even_ras(3, 8.0, timings, 3, 8, margin=0.1) is None
+    # N0=0: [8,16,24] dec 27 < col 29, not by 10%; N0=1: [0,8,16] dec 19, col 21, not by 10%
+    # (18.9); N0=2: [0,0,8] dec 11 < 0.9 x col 14 -> decoupled.
+    assert break_even_ras(3, 8.0, timings, 8, margin=0.0) == 0
+    assert break_even_ras(3, 8.0, timings, 8, margin=0.1) == 2
     assert synthetic_ready_times(3, 1, 8.0) == [0.0, 8.0, 16.0]
 
 
 def test_a_slow_ref_queue_bounds_the_decoupled_step():
     # One Ref rank for many actors: a Ref pass of 4 s against 3 s of actor work. The Ref queue
-    # ends at 4, 8, 12 and each backward (2 s) waits for it: 6, 10, 14; fill 0+4+8 = 12.
+    # ends at 4, 8, 12 and each backward (2 s) waits for it: 6, 10, 14.
     slow_ref = Ra2pTimings(t_ref=4.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
-    assert cost_decoupled([0.0, 0.0, 0.0], slow_ref, num_actor_ranks=3) == 12.0 + 14.0
-    # the colocated layout runs the Ref pass on every actor: 1 s each, one swap pair
+    assert cost_decoupled([0.0, 0.0, 0.0], slow_ref) == 14.0
+    # the colocated layout runs the Ref pass on every actor: 1 s each, one swap pair (29, 21, 14
+    # and 13 s with 0..3 ready, against the decoupled 30, 22, 14 and 14: a tie at best)
     colocated = Ra2pTimings(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
-    assert break_even_ras(3, 8.0, slow_ref, 3, 8, margin=0.0,
+    assert break_even_ras(3, 8.0, slow_ref, 8, margin=0.0,
                           colocated_timings=colocated) is None
 
 
 def test_break_even_follows_tprm():
     # margin 0.1: short TPRM keeps the decoupled pipeline fed from the start; long TPRM needs
     # nearly the whole batch ready.
-    assert break_even_ras(16, 0.5, T, 2, 8) == 0
-    assert break_even_ras(16, 10.0, T, 2, 8) == 11
-    assert break_even_ras(16, 30.0, T, 2, 8) == 15
+    assert break_even_ras(16, 0.5, T, 8) == 0
+    assert break_even_ras(16, 10.0, T, 8) == 11
+    assert break_even_ras(16, 30.0, T, 8) == 15
 
 
 @FAST
@@ -194,17 +188,16 @@ def test_break_even_follows_tprm():
     st.integers(0, 24),
     st.integers(0, 80).map(lambda x: x / 4),
     dyadic_timings,
-    st.integers(1, 6),
     st.integers(1, 8),
     st.sampled_from([0.0, 0.1, 0.25]),
 )
-def test_break_even_is_consistent_with_costs(n, tprm, timings, actors, cap, margin):
+def test_break_even_is_consistent_with_costs(n, tprm, timings, cap, margin):
     def dec_wins(n0):
         times = synthetic_ready_times(n, n0, tprm)
-        c_dec = reference_decoupled(times, timings, actors)
+        c_dec = reference_decoupled(times, timings)
         return is_decoupled_cheaper(c_dec, reference_colocated(times, timings, cap), margin)
 
-    result = break_even_ras(n, tprm, timings, actors, cap, margin)
+    result = break_even_ras(n, tprm, timings, cap, margin)
     if result is None:
         assert not any(dec_wins(n0) for n0 in range(n + 1))
     else:

@@ -164,12 +164,10 @@ class ERSInput:
 def decoupled_break_even(inp: ERSInput, ra2p: RA2PConfig) -> int | None:
     """``ra2p.break_even_ras`` for this step; an unknown TPRM counts as one gap per step."""
     tprm = inp.signals.tprm_s if inp.signals.tprm_s is not None else inp.step_duration_s
-    num_actors = max(1, inp.roles.count(Role.ACTOR))
     return break_even_ras(
         inp.num_micro_batches,
         tprm,
         inp.timings,
-        num_actors,
         ra2p.max_aggregate,
         ra2p.decoupled_margin,
         inp.colocated_timings,

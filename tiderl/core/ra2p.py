@@ -3,32 +3,34 @@
 Cost models over the sorted ready times ``a_1..a_N`` of a step's micro-batches, relative to the
 step start (``a_i <= 0``: ready at the start; N0 of them is the RAS):
 
-    C_dec = Σ_{i=0}^{M-1} i·t_ref  +  c_N,   c_0 = 0,
+    C_dec = c_N,  c_0 = 0,
             c_i = max(max(c_{i-1}, a_i) + t_act_f + t_act_b,  r_i + t_act_b),
             r_i = max(r_{i-1}, a_i) + t_ref               (the Ref ranks' own queue)
     C_col = the clock after stepping App. A's aggregation loop (``cost_colocated``)
 
-App. A writes the second term as the closed sum Σ_i max(δ_i, t_act_f + t_act_b) with δ_i = 0 for
-the N0 micro-batches ready at the start and δ_{N0+1} = a_{N0+1}. That sum charges the wait for the
-first later micro-batch on top of the N0·(t_act_f + t_act_b) the actors spend on the ready ones,
-although the two overlap, and it leaves out the last micro-batch's own actor time when the gaps
-are long. Stepping the queue (the recurrence above) counts each exactly once; the two agree when
-every micro-batch is ready at the start. On four CPU ranks the closed
-sum overestimated the measured decoupled step by up to 43% (RAS 4 of 8, TPRM 0.6 s), the
-recurrence by at most 14% in any cell (``bench/ra2p.py``). App. A leaves out that the Ref ranks
-are a queue of their own: an actor's backward waits for its micro-batch's Ref pass (the deferred
-loss), so when a Ref pass is longer than the actor's work (few Ref ranks for many actors: a
-micro-batch of 24 ranks' tokens on one Ref GPU) the step is the Ref queue, ``r_N + t_act_b``.
-The ``r_i`` term changes nothing while ``t_ref <= t_act_f``.
+App. A writes C_dec as a fill bubble Σ_{i<M} i·t_ref (M actor ranks, each waiting for its own
+micro-batch's Ref pass in turn) plus the closed sum Σ_i max(δ_i, t_act_f + t_act_b) with δ_i = 0
+for the N0 micro-batches ready at the start and δ_{N0+1} = a_{N0+1}. Here every micro-batch is
+dealt over all actor ranks and its Ref pass is what their backward waits for, so the first
+pass's wait is ``r_1 + t_act_b`` in the recurrence and a separate bubble counts it again: on four
+CPU ranks (``bench/ra2p.py``, 1 Ref and 3 actor ranks, 16 RAS x TPRM cells) the bubble made
+C_dec overestimate the measured decoupled step by 3-14% in every cell; without it the error is
+at most 3.2% in any cell, and the mode chosen is the faster one measured in all 16 (15 before).
+The closed sum charges the wait for the first later micro-batch on top of the N0·(t_act_f +
+t_act_b) the actors spend on the ready ones, although the two overlap, and it leaves out the last
+micro-batch's own actor time when the gaps are long: stepping the queue counts each exactly once,
+and the two agree when every micro-batch is ready at the start. App. A also leaves out that the
+Ref ranks are a queue of their own: an actor's backward waits for its micro-batch's Ref pass (the
+deferred loss), so when a Ref pass is longer than the actor's work (few Ref ranks for many
+actors: a micro-batch of 24 ranks' tokens on one Ref GPU) the step is the Ref queue,
+``r_N + t_act_b``. The ``r_i`` term changes nothing while ``t_ref <= t_act_f``.
 
-M is the number of actor ranks that receive work: ``min(num_actor_ranks, N)``; an actor rank
-without a micro-batch never waits for Ref, so it adds no fill bubble. Decoupled needs a dedicated
-Ref GPU, so it wins only when ``C_dec < (1 - margin)·C_col``; ties go to colocated. With margin 0
-(pure latency) decoupled wins at almost any RAS once TPRM exceeds the actor time, because after
-the final arrival C_col pays two swaps and a Ref pass besides the actor time; the paper calls the
-two latencies "comparable" there and prefers colocated for its smaller footprint. The default
-margin of 0.1 (decoupled must save 10% of the step) restores that: the break-even RAS is then 0
-for short TPRM and near N for long TPRM.
+Decoupled needs a dedicated Ref GPU, so it wins only when ``C_dec < (1 - margin)·C_col``; ties go
+to colocated. With margin 0 (pure latency) decoupled wins at almost any RAS once TPRM exceeds
+the actor time, because after the final arrival C_col pays two swaps and a Ref pass besides the
+actor time; the paper calls the two latencies "comparable" there and prefers colocated for its
+smaller footprint. The default margin of 0.1 (decoupled must save 10% of the step) restores
+that: the break-even RAS is then 0 for short TPRM and near N for long TPRM.
 
 Micro-batches: early ones are filled, in ready order, to ``tokens_per_rank · num_dp_ranks`` tokens
 and at least one sequence per DP rank, so that every DP rank is saturated (with sequences longer
@@ -81,22 +83,16 @@ def _require_at_least_one(value: int, name: str) -> None:
         raise ValueError(f"{name} must be >= 1, got {short(value)}")
 
 
-def cost_decoupled(
-    ready_times: Iterable[float], timings: Ra2pTimings, num_actor_ranks: int
-) -> float:
-    """C_dec for these ready times (relative to the step start, any order): App. A's fill bubble
-    plus its per-micro-batch max(ready gap, actor time), stepped as a queue (see the module
-    docstring for where this departs from App. A's closed sum)."""
-    _require_at_least_one(num_actor_ranks, "num_actor_ranks")
-    times = sorted(ready_times)
-    num_filled = min(num_actor_ranks, len(times))
-    fill_bubble = sum(i * timings.t_ref for i in range(num_filled))
+def cost_decoupled(ready_times: Iterable[float], timings: Ra2pTimings) -> float:
+    """C_dec for these ready times (relative to the step start, any order): the actors' and the
+    Ref ranks' queues stepped micro-batch by micro-batch (see the module docstring for where
+    this departs from App. A)."""
     busy = timings.t_act_f + timings.t_act_b
     clock = ref_done = 0.0
-    for ready in times:
+    for ready in sorted(ready_times):
         ref_done = max(ref_done, ready) + timings.t_ref
         clock = max(max(clock, ready) + busy, ref_done + timings.t_act_b)
-    return fill_bubble + clock
+    return clock
 
 
 def cost_colocated(ready_times: Iterable[float], timings: Ra2pTimings, max_aggregate: int) -> float:
@@ -124,7 +120,6 @@ def is_decoupled_cheaper(
 def choose_placement(
     ready_times: Iterable[float],
     timings: Ra2pTimings,
-    num_actor_ranks: int,
     max_aggregate: int,
     config: RA2PConfig | None = None,
     colocated_timings: Ra2pTimings | None = None,
@@ -138,7 +133,7 @@ def choose_placement(
     if config.placement != "auto":
         return Placement(config.placement)
     times = list(ready_times)
-    c_dec = cost_decoupled(times, timings, num_actor_ranks)
+    c_dec = cost_decoupled(times, timings)
     c_col = cost_colocated(times, colocated_timings or timings, max_aggregate)
     cheaper = is_decoupled_cheaper(c_dec, c_col, config.decoupled_margin)
     return Placement.DECOUPLED if cheaper else Placement.COLOCATED
@@ -154,7 +149,6 @@ def break_even_ras(
     num_micro_batches: int,
     tprm_s: float,
     timings: Ra2pTimings,
-    num_actor_ranks: int,
     max_aggregate: int,
     margin: float = DEFAULT_DECOUPLED_MARGIN,
     colocated_timings: Ra2pTimings | None = None,
@@ -171,7 +165,7 @@ def break_even_ras(
         raise ValueError(f"need N >= 0 and tprm_s >= 0, got {num_micro_batches}, {tprm_s}")
     for num_at_start in range(num_micro_batches + 1):
         times = synthetic_ready_times(num_micro_batches, num_at_start, tprm_s)
-        c_dec = cost_decoupled(times, timings, num_actor_ranks)
+        c_dec = cost_decoupled(times, timings)
         c_col = cost_colocated(times, colocated_timings or timings, max_aggregate)
         if is_decoupled_cheaper(c_dec, c_col, margin):
             return num_at_start

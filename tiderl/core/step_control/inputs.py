@@ -187,5 +187,4 @@ def step_placement(config: RA2PConfig, signals: ReadinessSignals,
     num = max(1, signals.ras, last_num_micro_batches(records))
     tprm = signals.tprm_s if signals.tprm_s is not None else mean_step_s(records) / num
     times = synthetic_ready_times(num, min(signals.ras, num), tprm)
-    return choose_placement(times, dec, max(1, num_actors), config.max_aggregate, config,
-                       colocated_timings=col)
+    return choose_placement(times, dec, config.max_aggregate, config, colocated_timings=col)

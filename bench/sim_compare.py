@@ -6,7 +6,8 @@
 Each profile runs ``tiderl sim PROFILE`` (its systems, and async at each of its
 ``sim.fixed_splits``) on one task stream. Per profile: goodput of every run, TideRL over the best
 and the median fixed split and its rank among them, the goodput bound and each run's fraction of
-it, the share of generated tokens discarded as stale, and where every GPU-second went. Beside
+it, the share of generated tokens discarded as stale, where every GPU-second went, and where a
+trained task's place in the staleness window went (and how full the window was). Beside
 them, issue 41's targets: TideRL >= 0.90 of the bound, >= the best fixed split, >= 1.25x the
 median fixed split, discarded tokens <= 3% of generated. Simulated H100s: the machine sets only
 the wall time.
@@ -46,7 +47,8 @@ def compare(profile: str) -> dict:
     met = {key: (tiderl[key] <= target if key == "discarded_share" else tiderl[key] >= target)
            for key, target in TARGETS.items()}
     return {"tiderl": tiderl, "met": met, "headline": head, "discarded_share": discarded,
-            "device_shares_pct": device_shares(result.device_s), "rows": result.rows,
+            "device_shares_pct": device_shares(result.device_s),
+            "window_places_s": result.window_s, "rows": result.rows,
             "steps": scenario.job.steps, "gpus": scenario.sim.gpus,
             "workload": scenario.sim.workload, "model": scenario.sim.model,
             "wall_s": round(time.perf_counter() - t0, 1)}

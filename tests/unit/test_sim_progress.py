@@ -93,6 +93,7 @@ def test_runs_in_worker_processes_give_the_same_results_announced_in_order():
                                     progress)
     assert parallel.rows == serial.rows and parallel.headline == serial.headline
     assert parallel.device_s == serial.device_s and parallel.series == serial.series
+    assert parallel.window_s == serial.window_s and parallel.window_s
     assert calls == serial_calls == [("async", 1, 3), ("tiderl", 2, 3), ("async 0.25", 3, 3)]
 
 

@@ -94,10 +94,12 @@ def sim(
                                   progress)
         plots = _plots(result, out)
         headlines[result.name] = {**result.headline, "paper": result.paper,
-                                  **({"device_s": result.device_s} if result.device_s else {})}
+                                  **({"device_s": result.device_s} if result.device_s else {}),
+                                  **({"window_s": result.window_s} if result.window_s else {})}
         payload.append({"experiment": result.name, "headline": result.headline,
                         "paper": result.paper, "rows": result.rows,
-                        "device_s": result.device_s, "plots": [str(p) for p in plots]})
+                        "device_s": result.device_s, "window_s": result.window_s,
+                        "plots": [str(p) for p in plots]})
     if results is not None:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(headlines, indent=2) + "\n")
@@ -219,6 +221,12 @@ def _render(console: Console, payload: list[dict]) -> None:
             for title, columns, rows in _row_tables(
                     f"{item['experiment']}: GPU-seconds by what they did, % of gpus x wall",
                     device_shares(item["device_s"]), console.width):
+                console.print(table(title, columns, rows))
+        if item.get("window_s"):
+            places = [{"run": run, **parts} for run, parts in item["window_s"].items()]
+            for title, columns, rows in _row_tables(
+                    f"{item['experiment']}: a trained task's place in the staleness window, s",
+                    places, console.width):
                 console.print(table(title, columns, rows))
         figures, notes = _headline_rows(item["headline"], item["paper"])
         console.print(table(f"{item['experiment']}: simulated vs paper",

@@ -45,11 +45,12 @@ from tiderl.core.step_control import (
     initial_roles,
 )
 from tiderl.core.system import SystemSpec
+from tiderl.core.task_book import StalenessWindow
 from tiderl.core.types import Group, Role
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import GPUS, MODELS, CostModel
-from tiderl.sim.results import RolloutResult, SimResult
+from tiderl.sim.results import RolloutResult, SimResult, WindowSlots
 from tiderl.sim.rollout import RolloutPool, SimGroup, group_of
 from tiderl.sim.scenario import SimScenario
 from tiderl.sim.single_gpu import simulate_rollout_step, simulate_trainer_step
@@ -125,6 +126,10 @@ class Cluster:
         self._trained_groups: set[str] = set()
         self._dropped_groups: set[str] = set()
         self._device_s: dict[str, float] = {}
+        # where the window's places go: ready groups until a step trains them, its groups
+        self._ready: dict[str, SimGroup] = {}
+        self._step_groups: set[str] = set()
+        self._window = WindowSlots()
 
     # ---- the run ----
 
@@ -174,9 +179,11 @@ class Cluster:
                     task = task_of(seq.seq_id)
                     self._step_rewards[task] = self._rewards[task]
                     self._trained_groups.add(group_of_task(task))
+                    self._step_groups.add(group_of_task(task))
                 self.executor.add(command.mb)
             elif isinstance(command, GroupDropped):
                 self._dropped_groups.add(command.group_id)
+                self._ready.pop(command.group_id, None)
             elif isinstance(command, CloseStep):
                 self.executor.close()
             elif isinstance(command, Boundary) and not command.is_final:
@@ -191,6 +198,7 @@ class Cluster:
     def _on_group_ready(self, group: SimGroup) -> None:
         if not group.is_eval:
             self._rewards.update(group.rewards)
+            self._ready[group.group_id] = group
         ready = None if group.is_eval else group
         self._apply(self.controller.group_ready(group.group_id, ready, self.loop.now))
 
@@ -210,6 +218,11 @@ class Cluster:
         executor, start = self.executor, self.start
         self.executor = self.start = None
         self._spend(executor.gpu_s)
+        for group_id in self._step_groups:
+            if (group := self._ready.pop(group_id, None)) is not None:
+                group.window.train_s = len(group.tasks) * (now - group.ready_time)
+                self._window.add(group.window)
+        self._step_groups.clear()
         query, hit = self.pool.kv_counters()
         reward_mean, solved_frac = reward_summary(list(self._step_rewards.values()))
         for task in self._step_rewards:
@@ -308,7 +321,13 @@ class Cluster:
             gen_tok_s=decoded / wall if wall else 0.0,
             kv_hit_rate=hit / query if query else 0.0, rwt_s=c.rollout.rwt.total,
             twt_s=sum(r.twt_s for r in records), num_events=self.loop.num_events,
-            num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies)
+            num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies,
+            window=self._window, window_places=_places(c.rollout.book.window))
+
+
+def _places(window: StalenessWindow) -> int:
+    """The staleness window's places, in tasks (0: it does not throttle)."""
+    return (window.max_staleness + 1) * window.tasks_per_step
 
 
 DEVICE_KEYS = ("rollout_trained", "rollout_discarded", "rollout_eval", "rollout_unfinished",

@@ -68,6 +68,8 @@ class ExperimentResult:
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # plot -> label -> ys
     # run -> every GPU-second by what it did (SimResult.device_s)
     device_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    # run -> where a trained task's staleness-window place went, seconds (SimResult.window)
+    window_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def device_shares(device_s: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -78,6 +80,20 @@ def device_shares(device_s: dict[str, dict[str, float]]) -> list[dict[str, Any]]
         total = sum(seconds.values()) or 1.0
         rows.append({"run": run, **{k: round(100 * v / total, 1) for k, v in seconds.items()}})
     return rows
+
+
+def window_means(results: dict[str, SimResult]) -> dict[str, dict[str, float]]:
+    """Each run's window place per trained task, by part (``WindowSlots.means``), seconds, and
+    ``occupancy``: the share of the window's places (x the run's wall time) that trained tasks
+    held (absent without a window)."""
+    out = {}
+    for label, r in results.items():
+        means = r.window.means()
+        out[label] = {k: round(v, 2) for k, v in means.items()}
+        if r.window_places and r.wall_s:
+            held = means["slot_s"] * r.window.tasks
+            out[label]["occupancy"] = round(held / (r.window_places * r.wall_s), 3)
+    return out
 
 
 def bounded(headline: dict[str, Any], scenario: SimScenario,

@@ -10,6 +10,33 @@ from tiderl.sim.scenario import SimScenario
 
 
 @dataclass
+class WindowSlots:
+    """Where the staleness window's places went: each trained task holds one from its group's
+    first admission (which reserves the whole group's) to the end of the step that trained it
+    (docs/simulator.md, "Where the window's places go"). Seconds summed over trained tasks;
+    ``means()`` per task."""
+
+    tasks: int = 0
+    spread_s: float = 0.0  # its group's first admission -> its own
+    env_s: float = 0.0  # its environment: the reset and every step
+    engine_s: float = 0.0  # its turns on a rank: queued, prefilled, decoded, stalled
+    held_s: float = 0.0  # its environment had answered, CTB held it paused
+    sibling_s: float = 0.0  # done, waiting for the rest of its group
+    train_s: float = 0.0  # its group ready -> the end of the step that trained it
+
+    def add(self, other: WindowSlots) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def means(self) -> dict[str, float]:
+        """Seconds per trained task of each part and of the whole place (``slot_s``)."""
+        n = self.tasks or 1
+        parts = {name: getattr(self, name) / n for name in self.__dataclass_fields__
+                 if name != "tasks"}
+        return {**parts, "slot_s": sum(parts.values())}
+
+
+@dataclass
 class SimResult:
     """A whole run. Token counters are trajectory tokens (what the trainer processes), except
     ``decoded_tokens`` (model output tokens); at the end of a run
@@ -34,6 +61,8 @@ class SimResult:
     num_ctb_rounds: int = 0
     steps: list[StepRecord] = field(default_factory=list)
     policies: dict[str, object] = field(default_factory=dict)
+    window: WindowSlots = field(default_factory=WindowSlots)
+    window_places: int = 0  # the places of the staleness window, in tasks (0: none)
 
 
 @dataclass(frozen=True)

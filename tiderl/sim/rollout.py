@@ -31,6 +31,7 @@ from tiderl.sim.engine import RolloutEngine, SimRequest
 from tiderl.sim.events import EventLoop
 from tiderl.sim.hardware import CostModel
 from tiderl.sim.kvcache import SimKVCache
+from tiderl.sim.results import WindowSlots
 from tiderl.sim.workload import TaskPlan
 
 
@@ -45,6 +46,9 @@ class SimTask:
     request: SimRequest | None = None
     version: int | None = None  # policy version of its first turn (its oldest tokens)
     rank_next: int | None = None  # resumed elsewhere while a turn ran: move after the turn
+    admitted_s: float | None = None  # when CTB first admitted it
+    held_since: float | None = None  # its environment answered while it was paused
+    held_s: float = 0.0  # summed: environment answered -> its turn started
     task_id: str = field(init=False)  # the plan's (a field: it is read several times a turn)
 
     def __post_init__(self) -> None:
@@ -59,6 +63,9 @@ class SimGroup:
     num_open: int = 0
     ready_time: float = 0.0
     plans: list[TaskPlan] = field(default_factory=list)
+    first_admit_s: float | None = None  # its first task's admission: its window places' start
+    window: WindowSlots = field(default_factory=WindowSlots)  # its finished tasks' places so far
+    finish_sum_s: float = 0.0  # Σ over its finished tasks of when each finished
     # the sequences, built on first use: the buffer reads them several times per group
     _sequences: tuple[SeqRef, ...] | None = field(default=None, init=False, repr=False)
 
@@ -215,6 +222,11 @@ class RolloutPool:
                 self._admit(task, decision.rank)
 
     def _admit(self, task: SimTask, rank: int) -> None:
+        now = self.loop.now
+        task.admitted_s = now
+        group = self.groups[task.plan.group_id]
+        if group.first_admit_s is None:
+            group.first_admit_s = now
         task.rank = rank
         task.is_waiting_env = True
         self.loop.after(task.plan.reset_latency_s, self._on_env_done, task)
@@ -250,6 +262,7 @@ class RolloutPool:
         elif not task.is_paused and task.rank is not None:
             self._start_turn(task)
         else:  # held until a Resume starts its turn; CTB learns it is ready
+            task.held_since = self.loop.now
             self.rollout.turn_started(task.task_id, self.loop.now)
             if self.releases:
                 self.mark_dirty()
@@ -259,6 +272,9 @@ class RolloutPool:
         turn = plan.turns[k]
         if task.version is None:
             task.version = self.version
+        if task.held_since is not None:
+            task.held_s += self.loop.now - task.held_since
+            task.held_since = None
         base = plan.prompt_tokens if k == 0 else task.context
         context = base + turn.context_add - turn.pruned_tokens
         task.context = context
@@ -298,6 +314,7 @@ class RolloutPool:
         self.rollout.task_finished(task.task_id, self.loop.now)
         del self.tasks[task.task_id]
         group = self.groups[task.plan.group_id]
+        self._account(task, group)
         tokens = trajectory_tokens(task.plan)
         if group.is_eval:
             self.eval_tokens += tokens
@@ -306,9 +323,23 @@ class RolloutPool:
         group.num_open -= 1
         if group.num_open == 0:
             del self.groups[group.group_id]
-            group.ready_time = self.loop.now
+            group.ready_time = now = self.loop.now
+            group.window.sibling_s = len(group.tasks) * now - group.finish_sum_s
             self.on_group_ready(group)
         self.mark_dirty()
+
+    def _account(self, task: SimTask, group: SimGroup) -> None:
+        """A finished task's window place so far (the cluster adds its training wait)."""
+        now, plan, slots = self.loop.now, task.plan, group.window
+        admitted = now if task.admitted_s is None else task.admitted_s
+        first = admitted if group.first_admit_s is None else group.first_admit_s
+        env = plan.reset_latency_s + sum(turn.env_latency_s for turn in plan.turns)
+        slots.tasks += 1
+        slots.spread_s += admitted - first
+        slots.env_s += env
+        slots.held_s += task.held_s
+        slots.engine_s += now - admitted - env - task.held_s
+        group.finish_sum_s += now
 
     # ---- metrics ----
 

@@ -15,6 +15,7 @@ from tiderl.sim.experiments import (
     bounded,
     fixed_split,
     run_experiment,
+    window_means,
 )
 from tiderl.sim.progress import Progress, run_all
 from tiderl.sim.scenario import SimScenario
@@ -59,7 +60,8 @@ def compare_policies(scenario: SimScenario, policies: list[str],
     series = {"trained_tokens": {name: [float(s.trained_tokens) for s in r.steps]
                                  for name, r in results.items()}}
     paper = COMPARE_PAPER if "tiderl" in results else {}
-    return ExperimentResult("compare", headline, paper, rows, series, device_s)
+    return ExperimentResult("compare", headline, paper, rows, series, device_s,
+                            window_means(results))
 
 
 def against_splits(tiderl_tok_s: float, fixed: dict[float, float]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ class WindowSlots:
     tasks: int = 0
     spread_s: float = 0.0  # its group's first admission -> its own
     env_s: float = 0.0  # its environment: the reset and every step
-    engine_s: float = 0.0  # its turns on a rank: queued, prefilled, decoded, stalled
+    engine_s: float = 0.0  # its turns on a rank: queued, prefilled, decoded, stalled, restarted
     held_s: float = 0.0  # its environment had answered, CTB held it paused
     sibling_s: float = 0.0  # done, waiting for the rest of its group
     train_s: float = 0.0  # its group ready -> the end of the step that trained it

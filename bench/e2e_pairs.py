@@ -14,7 +14,8 @@ and >= async at its best split (ratio of medians >= 1.0).
 (sigma stays 1.0); ``--async-splits``: async at each of these rollout-rank counts, every round,
 and tiderl over the best of their medians (target with median 0.5 s: >= 1.15).
 ``--variant NAME=OVERRIDE[,OVERRIDE]`` (repeatable): tiderl once more each round with these
-profile overrides (an A/B in turns), reported over tiderl, stream and the best async.
+profile overrides (an A/B in turns), reported over tiderl, stream and the best async; a list
+value keeps its commas (``env.envs=[guess,shop]``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from e2e import FIXED_SPLIT, WORKLOAD
 from jobs import run_job
 from machine import machine_info, write_result
+
+
+def split_overrides(text: str) -> list[str]:
+    """``a=1,b=[x,y]`` -> ``["a=1", "b=[x,y]"]``: commas inside brackets belong to a list value."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [part for part in parts if part]
 
 
 def modes(async_splits: list[int], variants: dict[str, list[str]] | None = None
@@ -63,7 +76,7 @@ def main() -> int:
         if not name or not overrides or name in ("tiderl", "stream") or \
                 name.startswith("async"):
             parser.error(f"--variant {spec!r}: expected NAME=OVERRIDE[,OVERRIDE] with a new name")
-        variants[name] = overrides.split(",")
+        variants[name] = split_overrides(overrides)
     workload = list(WORKLOAD)
     if args.median_s is not None:
         workload.append(f"env.step_latency.median_s={args.median_s}")

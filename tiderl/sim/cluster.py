@@ -15,6 +15,7 @@ the commands: how long a sync, a role switch or a micro-batch takes (``CostModel
 
 from __future__ import annotations
 
+from collections import deque
 from functools import lru_cache
 
 from tiderl.core.commands import (
@@ -29,6 +30,7 @@ from tiderl.core.commands import (
     GroupSpec,
     JoinRollout,
     LeaveRollout,
+    Retire,
     StartStep,
     StepOutcome,
 )
@@ -126,9 +128,13 @@ class Cluster:
         self._trained_groups: set[str] = set()
         self._dropped_groups: set[str] = set()
         self._device_s: dict[str, float] = {}
-        # where the window's places go: ready groups until a step trains them, its groups
+        # where the window's places go: ready groups until a step trains them, the open step's
+        # (in dispatch order), trained groups until the window moves past them, and the samples
+        # of dropped groups whose Retire is still to come
         self._ready: dict[str, SimGroup] = {}
-        self._step_groups: set[str] = set()
+        self._step_groups: dict[str, None] = {}
+        self._unretired: deque[tuple[SimGroup, float]] = deque()  # (group, when it trained)
+        self._dropped_samples = 0
         self._window = WindowSlots()
 
     # ---- the run ----
@@ -179,11 +185,14 @@ class Cluster:
                     task = task_of(seq.seq_id)
                     self._step_rewards[task] = self._rewards[task]
                     self._trained_groups.add(group_of_task(task))
-                    self._step_groups.add(group_of_task(task))
+                    self._step_groups[group_of_task(task)] = None
                 self.executor.add(command.mb)
             elif isinstance(command, GroupDropped):
                 self._dropped_groups.add(command.group_id)
                 self._ready.pop(command.group_id, None)
+                self._dropped_samples += self.scenario.job.group_size  # its Retire follows
+            elif isinstance(command, Retire):
+                self._retire(command.num_tasks)
             elif isinstance(command, CloseStep):
                 self.executor.close()
             elif isinstance(command, Boundary) and not command.is_final:
@@ -221,7 +230,7 @@ class Cluster:
         for group_id in self._step_groups:
             if (group := self._ready.pop(group_id, None)) is not None:
                 group.window.train_s = len(group.tasks) * (now - group.ready_time)
-                self._window.add(group.window)
+                self._unretired.append((group, now))
         self._step_groups.clear()
         query, hit = self.pool.kv_counters()
         reward_mean, solved_frac = reward_summary(list(self._step_rewards.values()))
@@ -230,6 +239,19 @@ class Cluster:
         outcome = StepOutcome(start.step, executor.reports(start), kv_queries=query,
                               kv_hits=hit, reward_mean=reward_mean, solved_frac=solved_frac)
         self._apply(self.controller.step_done(outcome, now))
+
+    def _retire(self, num_samples: int) -> None:
+        """The window moved past ``num_samples`` samples: a dropped group's first (its Retire
+        follows its GroupDropped), then trained groups in the order they trained; each trained
+        one's place ends now."""
+        dropped = min(num_samples, self._dropped_samples)
+        self._dropped_samples -= dropped
+        left = num_samples - dropped
+        while left > 0 and self._unretired:
+            group, trained_at = self._unretired.popleft()
+            group.window.boundary_s = group.num_samples * (self.loop.now - trained_at)
+            self._window.add(group.window)
+            left -= group.num_samples
 
     # ---- the boundary ----
 
@@ -303,6 +325,9 @@ class Cluster:
         c = self.controller
         records = c.ledger.records
         wall = records[-1].end_s if records else self.loop.now
+        while self._unretired:  # the last step's: the run ends with it
+            group, _ = self._unretired.popleft()
+            self._window.add(group.window)
         query, hit = self.pool.kv_counters()
         decoded = sum(e.decoded_tokens for e in self.pool.all_engines())
         open_step = c.steps.current.tokens if c.steps.current is not None else 0

@@ -12,17 +12,18 @@ from tiderl.sim.scenario import SimScenario
 @dataclass
 class WindowSlots:
     """Where the staleness window's places went: each trained task holds one from its group's
-    first admission (which reserves the whole group's) to the end of the step that trained it
-    (docs/simulator.md, "Where the window's places go"). Seconds summed over trained tasks;
-    ``means()`` per task."""
+    first admission (which reserves the whole group's) until the window moves past it, once every
+    rollout rank has the weights its step made (docs/simulator.md, "Where the window's places
+    go"). Seconds summed over trained tasks; ``means()`` per task."""
 
     tasks: int = 0
     spread_s: float = 0.0  # its group's first admission -> its own
     env_s: float = 0.0  # its environment: the reset and every step
-    engine_s: float = 0.0  # its turns on a rank: queued, prefilled, decoded, stalled, restarted
-    held_s: float = 0.0  # its environment had answered, CTB held it paused
+    engine_s: float = 0.0  # its turns on a rank: queued, prefilled, decoded, stalled
+    held_s: float = 0.0  # ready for its next turn (or to restart one) while CTB held it paused
     sibling_s: float = 0.0  # done, waiting for the rest of its group
     train_s: float = 0.0  # its group ready -> the end of the step that trained it
+    boundary_s: float = 0.0  # that step's end -> the window moved past it (sync, evaluation)
 
     def add(self, other: WindowSlots) -> None:
         for name in self.__dataclass_fields__:

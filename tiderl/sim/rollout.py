@@ -153,11 +153,13 @@ class RolloutPool:
         a turn in flight is abandoned (it restarts, with a fresh prefill, where the task
         resumes)."""
         engine = self.engines.pop(rank)
+        abandoned = []
         for request in engine.close():
             self._spent(request)  # an abandoned turn's work is its group's all the same
             task = request.payload
             task.request = None
             task.context = _context_before(task)  # the turn restarts from its start
+            abandoned.append(task)
         for task in self.tasks.values():
             if task.rank_next == rank:
                 task.rank_next = None
@@ -165,6 +167,9 @@ class RolloutPool:
             if task.rank == rank:
                 task.rank = None
                 task.is_paused = not self._is_active_in_book(task)
+        for task in abandoned:  # it waits to be placed again, as one held after its environment
+            if task.is_paused and task.held_since is None:
+                task.held_since = self.loop.now
         self.closed.append(engine)
         self.mark_dirty()
 

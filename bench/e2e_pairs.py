@@ -34,10 +34,11 @@ from machine import machine_info, write_result
 
 
 def split_overrides(text: str) -> list[str]:
-    """``a=1,b=[x,y]`` -> ``["a=1", "b=[x,y]"]``: commas inside brackets belong to a list value."""
+    """``a=1,b=[x,y]`` -> ``["a=1", "b=[x,y]"]``: commas inside brackets or braces belong to a
+    list or mapping value."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(char, 0)
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
         if char == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1

@@ -13,3 +13,4 @@ def test_overrides_split_at_commas_outside_brackets():
     assert split_overrides("a=1,env.envs=[guess,shop],b=[x,[y,z]]") == [
         "a=1", "env.envs=[guess,shop]", "b=[x,[y,z]]"]
     assert split_overrides("a=1,,b=2,") == ["a=1", "b=2"]
+    assert split_overrides("env.options={a: 1, b: 2},c=3") == ["env.options={a: 1, b: 2}", "c=3"]

@@ -15,7 +15,7 @@ dealt over all actor ranks and its Ref pass is what their backward waits for, so
 pass's wait is ``r_1 + t_act_b`` in the recurrence and a separate bubble counts it again: on four
 CPU ranks (``bench/ra2p.py``, 1 Ref and 3 actor ranks, 16 RAS x TPRM cells) the bubble made
 C_dec overestimate the measured decoupled step by 3-14% in every cell; without it the error is
-at most 3.2% in any cell, and the mode chosen is the faster one measured in all 16 (15 before).
+at most 3.2% in any cell.
 The closed sum charges the wait for the first later micro-batch on top of the N0·(t_act_f +
 t_act_b) the actors spend on the ready ones, although the two overlap, and it leaves out the last
 micro-batch's own actor time when the gaps are long: stepping the queue counts each exactly once,

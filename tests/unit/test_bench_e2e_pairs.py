@@ -1,14 +1,16 @@
 """`bench/e2e_pairs.py --variant NAME=OVERRIDES`: a list value's commas stay in its override."""
 
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-
-from e2e_pairs import split_overrides
+_PATH = Path(__file__).parents[2] / "bench" / "e2e_pairs.py"
+_SPEC = importlib.util.spec_from_file_location("bench_e2e_pairs", _PATH)
+e2e_pairs = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(e2e_pairs)  # the script puts bench/ on sys.path for its own imports
 
 
 def test_overrides_split_at_commas_outside_brackets():
+    split_overrides = e2e_pairs.split_overrides
     assert split_overrides("ctb.release_waiting=true") == ["ctb.release_waiting=true"]
     assert split_overrides("a=1,env.envs=[guess,shop],b=[x,[y,z]]") == [
         "a=1", "env.envs=[guess,shop]", "b=[x,[y,z]]"]

@@ -188,11 +188,16 @@ class StalenessWindow:
     num_admitted: int = 0  # training tasks admitted (a group's whole count at its probe)
 
     @property
+    def places(self) -> int:
+        """The tasks that may be admitted and not yet retired at once (0: unthrottled)."""
+        return (self.max_staleness + 1) * self.tasks_per_step
+
+    @property
     def limit(self) -> int | None:
         """How many non-eval tasks may have been admitted in total; None when unthrottled."""
         if self.tasks_per_step == 0:
             return None
-        return self.num_retired + (self.max_staleness + 1) * self.tasks_per_step
+        return self.num_retired + self.places
 
 
 @dataclass(slots=True)

@@ -47,7 +47,6 @@ from tiderl.core.step_control import (
     initial_roles,
 )
 from tiderl.core.system import SystemSpec
-from tiderl.core.task_book import StalenessWindow
 from tiderl.core.types import Group, Role
 from tiderl.sim.costcache import CachedCostModel
 from tiderl.sim.events import EventLoop
@@ -229,7 +228,7 @@ class Cluster:
         self._spend(executor.gpu_s)
         for group_id in self._step_groups:
             if (group := self._ready.pop(group_id, None)) is not None:
-                group.window.train_s = len(group.tasks) * (now - group.ready_time)
+                group.window.train_s = group.num_samples * (now - group.ready_time)
                 self._unretired.append((group, now))
         self._step_groups.clear()
         query, hit = self.pool.kv_counters()
@@ -347,12 +346,7 @@ class Cluster:
             kv_hit_rate=hit / query if query else 0.0, rwt_s=c.rollout.rwt.total,
             twt_s=sum(r.twt_s for r in records), num_events=self.loop.num_events,
             num_ctb_rounds=self.pool.num_rounds, steps=records, policies=policies,
-            window=self._window, window_places=_places(c.rollout.book.window))
-
-
-def _places(window: StalenessWindow) -> int:
-    """The staleness window's places, in tasks (0: it does not throttle)."""
-    return (window.max_staleness + 1) * window.tasks_per_step
+            window=self._window, window_places=c.rollout.book.window.places)
 
 
 DEVICE_KEYS = ("rollout_trained", "rollout_discarded", "rollout_eval", "rollout_unfinished",

@@ -91,8 +91,8 @@ def window_means(results: dict[str, SimResult]) -> dict[str, dict[str, float]]:
         means = r.window.means()
         out[label] = {k: round(v, 2) for k, v in means.items()}
         if r.window_places and r.wall_s:
-            held = means["slot_s"] * r.window.tasks
-            out[label]["occupancy"] = round(held / (r.window_places * r.wall_s), 3)
+            place_s = means["slot_s"] * r.window.tasks
+            out[label]["occupancy"] = round(place_s / (r.window_places * r.wall_s), 3)
     return out
 
 

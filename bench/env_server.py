@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,15 +40,10 @@ from machine import machine_info, write_result
 
 from tiderl.env.client import HTTPEnvClient
 from tiderl.env.guess import GuessEnv
+from tiderl.ports import free_port
 
 TARGET_STEPS_S = 2000.0
 WARMUP_S = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,11 @@ from pathlib import Path
 import httpx
 from machine import machine_info, write_result
 
+from tiderl.ports import free_port
+
 REPEATS = 5
 TIDERL = [str(Path(sys.executable).parent / "tiderl")]  # the console script, as a user runs it
 TARGETS = {"help_s": 0.5, "model_init_s": 5.0, "serve_answers_s": 2.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _timed(argv: list[str]) -> float:
@@ -49,7 +44,7 @@ def _timed(argv: list[str]) -> float:
 def _serve(model: Path) -> tuple[float, float]:
     """Seconds until the port answers, and until /health says 200; fails when the server
     exits first."""
-    port = _free_port()
+    port = free_port()
     start, answered = time.perf_counter(), None
     proc = subprocess.Popen([*TIDERL, "engine", "serve", "--model", str(model), "--port",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

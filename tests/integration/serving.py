@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,11 +18,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tiderl.ports import free_port
 
 
 def tiderl_command() -> list[str]:

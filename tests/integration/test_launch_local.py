@@ -101,7 +101,7 @@ def test_a_jobs_ports_are_distinct_free_and_outside_the_ephemeral_range():
     import socket
     from pathlib import Path
 
-    from tiderl.launch.job import listen_ports
+    from tiderl.ports import listen_ports
 
     low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
                  .split())
@@ -110,3 +110,19 @@ def test_a_jobs_ports_are_distinct_free_and_outside_the_ephemeral_range():
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # free to listen on
+
+
+def test_a_remote_nodes_ports_come_from_nodectl_as_one_json_line(capsys):
+    """What the launcher runs over SSH on a node to pick its daemons' ports; more than the
+    node has is a one-line error, exit 2."""
+    import json
+
+    from tiderl.launch.nodectl import main
+    from tiderl.ports import ephemeral_range
+
+    low, high = ephemeral_range()
+    assert main(["ports", "5", "--host", "127.0.0.1"]) == 0
+    ports = json.loads(capsys.readouterr().out)
+    assert len(set(ports)) == 5 and not any(low <= p <= high for p in ports)
+    assert main(["ports", "70000", "--host", "127.0.0.1"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"].startswith("no 70000 free ports")

@@ -72,9 +72,9 @@ async def _play(daemon: RankDaemon, feeds: list[str]) -> None:
 
 
 def agreed_port() -> int:
-    """A free port every rank of the live world agrees on, for the next world's store. Picked
-    while this world's connections hold their ports: a port picked before a world opens can be
-    handed to one of its gloo connections before the next store binds it."""
+    """A free port every rank of the live world agrees on, for the next world's store (outside
+    the ephemeral range: no gloo connection of this world or of a test beside it can take it
+    before the store binds it)."""
     port = [free_port() if dist.get_rank() == 0 else 0]
     dist.broadcast_object_list(port, src=0)
     return port[0]

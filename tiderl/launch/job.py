@@ -24,9 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +58,7 @@ from tiderl.launch.resume import prepare_resume
 from tiderl.launch.run_folders import kept_if_used, last_stop, new_run_dir
 from tiderl.models.config import EMBEDDED_MODEL_TYPES, VL_MODEL_TYPES, model_type
 from tiderl.models.hub import HubError, Resolved, is_hub_id, resolve_model
+from tiderl.ports import NoFreePorts, listen_ports
 from tiderl.profile import Profile, profile_to_dict
 from tiderl.runtime.bus import Snapshot, Subscriber, load_job_keys, make_job_keys
 from tiderl.runtime.log_backends import missing_backends, missing_line
@@ -140,30 +139,6 @@ def local_endpoints(profile: Profile, ports: Mapping[str, int | str]) -> Endpoin
 
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # a folder per GPU the driver sees
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
-def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports free to listen on now, outside the kernel's ephemeral range: a
-    port from that range could be taken by an outgoing connection (the launcher's own health
-    polls) between this pick and the bind of the daemon it is given."""
-    try:
-        low, high = (int(x) for x in EPHEMERAL_RANGE.read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    candidates = [p for p in range(10000, 65536) if not low <= p <= high]
-    random.shuffle(candidates)
-    found: list[int] = []
-    for port in candidates:
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == count:
-            return found
-    raise LaunchError(f"no {count} free ports to listen on outside {low}-{high}")
 
 
 def with_model_resolved(profile: Profile,
@@ -305,7 +280,10 @@ def local_ports(profile: Profile) -> dict[str, int | str]:
     the launcher's system image: the same probe stands for them, and a port taken on a node
     fails the job at start with its process's log naming it)."""
     names = port_names(profile)
-    return dict(zip(names, listen_ports(len(names)), strict=True))
+    try:
+        return dict(zip(names, listen_ports(len(names)), strict=True))
+    except NoFreePorts as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def local_plan(profile: Profile, run_dir: Path, ports: Mapping[str, int | str]) -> LaunchPlan:

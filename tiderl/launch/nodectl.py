@@ -5,6 +5,10 @@ a hub id to the node's cache (``tiderl.models.hub``, downloading what is missing
     python -m tiderl.launch.nodectl stop [--grace S] PID...  {"PID": "terminated" | ...}
     python -m tiderl.launch.nodectl model ID [--revision R]  {"folder", "repo_id", "revision"}
                                                              or {"error": LINE}, exit 2
+    python -m tiderl.launch.nodectl ports N [--host H]       [port, ...] or {"error": LINE},
+                                                             exit 2 (``tiderl.ports``: free
+                                                             ones outside the node's ephemeral
+                                                             range)
 
 One JSON line on stdout. And, as a Slurm job step's one task (:mod:`tiderl.launch.slurm`), the
 supervisor of a node's processes::
@@ -38,6 +42,7 @@ from pathlib import Path
 
 from tiderl.launch.local import ProcessRecord, stop_together
 from tiderl.models.hub import HubError, Resolved, resolve_model
+from tiderl.ports import NoFreePorts, listen_ports
 
 
 def read_model_answer(stdout: str, node: str) -> Resolved | None:
@@ -124,7 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--revision", default="")
     supervised = sub.add_parser("supervise")
     supervised.add_argument("spec")
+    ports = sub.add_parser("ports")
+    ports.add_argument("count", type=int)
+    ports.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args(argv)
+    if args.command == "ports":
+        try:
+            print(json.dumps(listen_ports(args.count, args.host)))
+        except NoFreePorts as exc:
+            print(json.dumps({"error": str(exc)}))
+            return 2
+        return 0
     if args.command == "supervise":
         return supervise(args.spec)
     if args.command == "model":

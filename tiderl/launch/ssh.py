@@ -45,9 +45,6 @@ _CHECK = ("import json, os, sys\n"
           "except ImportError:\n    v = None\n"
           "print(json.dumps({'python': list(sys.version_info[:2]), 'tiderl': v, "
           "'workdir': os.getcwd()}))")
-_FREE_PORTS = ("import json, socket\nsocks = [socket.socket() for _ in range({n})]\n"
-               "for s in socks: s.bind(('{host}', 0))\n"
-               "print(json.dumps([s.getsockname()[1] for s in socks]))")
 
 
 class NodeError(LaunchError):
@@ -155,9 +152,18 @@ class NodeSession:
         return resolved
 
     def free_ports(self, count: int) -> list[int]:
+        """``count`` distinct ports free to listen on at this node, outside its ephemeral range
+        (``tiderl.ports``); NodeError naming the node when it has too few."""
         host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"
-        code = _FREE_PORTS.format(n=count, host=host)
-        return json.loads(self.python(f"-c {shlex.quote(code)}").strip().splitlines()[-1])
+        _, out, err = self.run(f"{shlex.quote(self.node.python)} -m tiderl.launch.nodectl "
+                               f"ports {count} --host {shlex.quote(host)}", check=False)
+        lines = out.strip().splitlines()
+        answer = json.loads(lines[-1]) if lines and lines[-1].startswith(("[", "{")) else None
+        if not isinstance(answer, list):
+            why = answer.get("error") if isinstance(answer, dict) else None
+            last = err.strip().splitlines()
+            raise self.fail(f"no free ports: {why or (last[-1] if last else 'no output')}")
+        return answer
 
     def push(self, files: Mapping[str, tuple[bytes, int]], dirs: Sequence[str] = ()) -> None:
         """Write ``{remote path: (content, mode)}`` (folders in ``dirs`` are made 0700, as

@@ -17,7 +17,6 @@ import os
 import pickle
 import queue
 import random
-import socket
 import sys
 import time
 import traceback
@@ -29,6 +28,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tiderl.ports import free_port
 
 T = TypeVar("T")
 
@@ -45,12 +46,6 @@ class RankContext:
 
 class RankError(RuntimeError):
     """A rank process raised, died or did not finish in time; the message says which."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_backend(device: torch.device) -> str:

@@ -13,11 +13,11 @@ and the layers stand in this order (:data:`LAYERS`, highest first):
     engine    trainer
     models    examples      (examples: agents written against the API, above the env they use)
     env       sim       examples    (examples: agents written against the API, env's users)
-    tiderl    auth          the package root (its version string), the HTTP tokens and
-              serving       what the HTTP servers share (connection bounds, uvicorn): they
-                            import only core (auth its error-line bound), and env, engine and
-                            launch use them; below env, and not core, which does no I/O (auth
-                            reads key files)
+    tiderl    auth          the package root (its version string), the HTTP tokens,
+              serving       what the HTTP servers share (connection bounds, uvicorn) and the
+              ports         ports picked to listen on: they import only core (auth its
+                            error-line bound), and env, engine, trainer and launch use them;
+                            below env, and not core, which does no I/O (auth reads key files)
     core
 
 A module may import its own layer's package and any lower layer; never a higher one, nor the
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: tuple[tuple[str, ...], ...] = (  # lowest first
     ("core",),
-    ("tiderl", "auth", "serving"),
+    ("tiderl", "auth", "serving", "ports"),
     ("env", "sim"),
     ("models", "examples"),
     ("engine", "trainer"),

@@ -50,10 +50,15 @@ def test_trajectory_rebuilds_every_turns_prompt_and_reports_each_turn():
             assert turn.context_ids and 1 <= len(turn.output_ids) <= SAMPLING.max_tokens
             assert len(turn.logprobs) == len(turn.output_ids)
             assert all(lp <= 0.0 for lp in turn.logprobs)
+            # the previous turn's context, to its last token, in whole 16-token blocks: all of
+            # it still cached (three short tasks in a 4,096-token pool)
+            kept = max(0, context - 1) // 16 * 16
+            assert (event.reused_tokens, event.reusable_tokens) == (kept, kept)
             context += len(turn.context_ids) + len(turn.output_ids)
             assert event.context_tokens == context  # the whole context after this turn
         ids, mask, _, _ = trajectory.flatten()
         assert len(ids) == context and sum(mask) == trajectory.num_output_tokens
+    assert any(e.reusable_tokens for e in events)  # some task played a second turn
 
 
 def test_pause_holds_the_task_at_its_turn_boundary_until_resume():

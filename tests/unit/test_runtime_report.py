@@ -19,6 +19,7 @@ REWARDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
 EVALS = {2: 0.35, 5: 0.55}
 MODES = ["colocated", "colocated", "decoupled", "decoupled", "decoupled", "decoupled"]
 KV = [None, 0.5, 0.6, 0.7, 0.8, 0.9]
+KEPT = [None, None, 1.0, 0.9, 0.8, 0.9]
 TPRM = [None, None, 1.5, 1.2, 0.9, 0.8]
 STALENESS = [0, 1, 1, 2, 3, 1]
 # Rank 1 goes rollout -> actor at step 3, rank 0 rollout -> ref at step 5.
@@ -39,7 +40,7 @@ def _metrics() -> list[StepRecord]:
             num_trainer=ROLES[i].count("actor"), num_micro_batches=2, kv_hit_rate=KV[i],
             staleness_max=STALENESS[i], reward_mean=REWARDS[i], solved_frac=0.0,
             eval_reward=EVALS.get(i), loss=1.0 / (i + 1), grad_norm=0.3, batch_size=4,
-            ers_reason=None))
+            ers_reason=None, kv_retention=KEPT[i]))
     return rows
 
 
@@ -77,6 +78,7 @@ def test_summarize_computes_the_table_numbers():
     assert (s["eval_reward_first"], s["eval_reward_last"]) == (0.35, 0.55)
     assert s["staleness_max"] == 3
     assert s["kv_hit_rate_mean"] == pytest.approx(0.7)
+    assert s["kv_retention_mean"] == pytest.approx(0.9)
     assert (s["rwt_total_s"], s["twt_total_s"]) == (6.0, 3.0)
     assert s["modes"] == {"colocated": 2, "decoupled": 4}
     assert s["num_role_changes"] == 2

@@ -101,6 +101,14 @@ def test_systems_use_their_trainers(results):
     assert {s.step_mode for s in fixed.steps} == {StepMode.COLOCATED}
 
 
+def test_every_step_reports_its_kv_retention(results):
+    """Every step's turns include second turns at one version (the by-hand count is in
+    test_sim_engine)."""
+    for label in ("tiderl", "async", "stream"):
+        retention = [s.kv_retention for s in results[label].steps]
+        assert all(r is not None and 0.9 <= r <= 1.0 for r in retention), (label, retention)
+
+
 def test_rollout_step_ctb_and_request_level():
     scenario = SMALL.with_sim(workload="webshop")
     ctb = simulate_rollout_step(scenario, 32, ctb=True, concurrency=None)

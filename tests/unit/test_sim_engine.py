@@ -155,7 +155,8 @@ def test_two_tasks_on_one_rank_by_hand():
     computes 16 (to 0.164); both decode from 0.164: a's 10 tokens end at 0.264, b's 20 at 0.364.
     b's env (0.2) ends it at 0.564. a's env (1.0) returns at 1.264: context 48 + 10 + 6 = 64
     hits the prompt and a's one full own block (48), computes 16 (to 1.280), decodes 4 (1.320),
-    and its env (0.5) finishes the group at 1.820. Hits: 0 + 32 + 48 of 48 + 48 + 64 queried."""
+    and its env (0.5) finishes the group at 1.820. Hits: 0 + 32 + 48 of 48 + 48 + 64 queried.
+    a's first turn left 58 tokens, 48 in whole blocks: its second found all 48 (retention)."""
     loop, ready = EventLoop(), []
     policy = RequestLevelPolicy(CTBConfig(policy="request", request_concurrency=8))
     rollout = RolloutControl(policy, policy.config.new_book(), budget=1 << 20, max_new_tokens=32)
@@ -170,6 +171,7 @@ def test_two_tasks_on_one_rank_by_hand():
     assert len(ready) == 1 and ready[0].ready_time == pytest.approx(1.820)
     kv = pool.engines[0].kv
     assert (kv.query_tokens, kv.hit_tokens) == (160, 80)
+    assert (rollout.reused_tokens, rollout.reusable_tokens) == (48, 48)
     assert pool.generated_tokens == (32 + 16 + 10 + 6 + 4) + (32 + 16 + 20)
 
 

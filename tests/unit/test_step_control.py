@@ -518,6 +518,26 @@ def test_footprints_are_the_context_plus_a_whole_generation():
     assert c.rollout.book.tasks[probe.task_id].is_running
 
 
+def test_a_steps_kv_retention_is_what_its_turns_found_of_what_they_left():
+    c = make(System.SYNC, (R, R))
+    c.launch(0.0)
+    c.schedule(0.0)
+    c.rollout.turn_done(task_id("g0", 0), 100, 4, 0.5, reused=48, reusable=64)
+    c.rollout.turn_done(task_id("g0", 0), 120, 4, 0.6, reused=64, reusable=96)
+    c.rollout.turn_done("nowhere.0", 50, 4, 0.7, reused=0, reusable=32)  # not placed
+    with pytest.raises(ValueError, match="reused 65 of 64"):
+        c.rollout.turn_done(task_id("g0", 0), 130, 4, 0.8, reused=65, reusable=64)
+    c.group_ready("g0", Ready("g0", 0), 1.0)
+    c.group_ready("g1", Ready("g1", 0), 2.0)
+    assert record_of(c.step_done(outcome(0, 0, 1), 5.0)).kv_retention == 112 / 160
+    c.boundary_acked(0, 1, 6.0)
+    c.boundary_acked(1, 1, 6.5)
+    c.schedule(6.5)
+    for g in ("g2", "g3"):
+        c.group_ready(g, Ready(g, 1), 7.0)
+    assert record_of(c.step_done(outcome(1, 0, 1), 8.0)).kv_retention is None  # none since
+
+
 def test_rwt_counts_idle_rollout_only_while_the_throttle_holds_tasks_back():
     c = make(System.STREAM, (R, A), batch=2, staleness=0)  # one group fits the window
     c.launch(0.0)

@@ -53,6 +53,9 @@ class StepRecord:
     ctb_releases: int | None = None  # of them, tasks released for their environment's wait
     is_trained: bool = True  # False: no optimizer step ran on the batch (runtime.train false)
     recorded_loss: float | None = None  # a replayed step's loss in its recording (runtime.replay)
+    kv_retention: float | None = None  # of the context turns left in their rank's KV (whole
+    # blocks, at the version served), the share their task's next prompt found cached, since the
+    # previous record (None: no such turn, or a substrate that does not report it)
 
     @property
     def time_s(self) -> float:

@@ -93,6 +93,11 @@ class TurnEvent:
     version: int
     done: bool
     running: bool
+    # after a generation: of the context the task's previous turn left in this engine's KV at
+    # this version, its full blocks (``reusable_tokens``), what the engine found cached
+    # (``reused_tokens``); 0 and 0 on a first turn, after a weight update or a move
+    reused_tokens: int = 0
+    reusable_tokens: int = 0
 
 
 @dataclass
@@ -139,12 +144,13 @@ class AgentLoop:
                  on_turn: Callable[[TurnEvent], None] | None = None, pin: bool = False,
                  record: bool = False, placer: ImagePlacer | None = None,
                  image_window: ImageWindow | None = None, agents: Collection[str] = (),
-                 agent_wait_s: float = 600.0):
+                 agent_wait_s: float = 600.0, block_size: int = 16):
         """``placer``: the model reads images (else an observation's images stay out of its
         context: their text marker is all it sees); ``image_window``: the screenshot sliding
         window applied to the context before each turn (:mod:`tiderl.core.segments`);
         ``agents``: the envs that are agents (``env.agents``), whose start and steps may take
-        up to ``agent_wait_s`` (their agent thinks and runs its tools meanwhile)."""
+        up to ``agent_wait_s`` (their agent thinks and runs its tools meanwhile);
+        ``block_size``: the engine's KV block, the unit its prefix cache keeps a context in."""
         self.agents = frozenset(agents)
         self.agent_wait_s = agent_wait_s
         self.engine, self.env, self.encoder = engine, env, encoder
@@ -154,6 +160,7 @@ class AgentLoop:
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
         self.version = version  # for backends that do not report the version they sampled with
+        self.block_size = block_size
         self.on_turn = on_turn
         self.pin = pin  # keep each task's KV pinned between its turns (CTB)
         self._running: dict[str, asyncio.Event] = {}
@@ -262,9 +269,10 @@ class AgentLoop:
         return self.transcripts.pop(task_id, [])
 
     def _report(self, task_id: str, context: int, output: int, version: int, done: bool,
-                running: bool) -> None:
+                running: bool, reused: int = 0, reusable: int = 0) -> None:
         if self.on_turn is not None:
-            self.on_turn(TurnEvent(task_id, context, output, version, done, running))
+            self.on_turn(TurnEvent(task_id, context, output, version, done, running, reused,
+                                   reusable))
 
     async def run(self, task: AgentTask, carry: TaskCarry | None = None) -> Trajectory:
         """Play the task to its end (done, the turn cap or the context cap; the last two score
@@ -292,6 +300,7 @@ class AgentLoop:
         new_context, new_images = list(carry.next_context), list(carry.next_images)
         restart, asked = carry.next_restart, carry.next_sampling
         ended, engine_gone = True, False
+        kept_version: int | None = None  # the version `context` was computed at, here
         try:
             while len(trajectory.turns) < self.max_turns:
                 resumed = await self._wait_if_paused(task.task_id, session)
@@ -329,9 +338,15 @@ class AgentLoop:
                                                  tuple(new_images), restart))
                     self._note(task.task_id, turn=len(trajectory.turns) - 1,
                                prompt_tokens=out.num_prompt_tokens, output_ids=output_ids)
+                    # the previous context's KV ends before its last token (sampled, never
+                    # fed back): its full blocks up to there are what the engine could keep
+                    reusable = max(0, len(context) - 1) // self.block_size * self.block_size \
+                        if kept_version == version and not drop else 0
+                    reused = min(out.num_cached_tokens, reusable)
                     context, live, restart = prompt + output_ids, images, False
+                    kept_version = version
                     self._report(task.task_id, len(context), len(output_ids), version,
-                                 False, False)
+                                 False, False, reused, reusable)
                     completion = Completion(
                         output_ids, logprobs, "length" if not stop and "length" in
                         out.finish_reason.lower() else "stop", out.num_prompt_tokens,

@@ -191,7 +191,8 @@ class Coordinator:
             if msg.running:  # the observation came back: the next generation starts
                 ctl.rollout.turn_started(msg.task_id, now)
             elif not msg.done:  # the generation ended: the task waits for its environment
-                ctl.rollout.turn_done(msg.task_id, msg.context_tokens, msg.tokens, now)
+                ctl.rollout.turn_done(msg.task_id, msg.context_tokens, msg.tokens, now,
+                                      reused=msg.reused_tokens, reusable=msg.reusable_tokens)
         elif isinstance(msg, b.TaskFinished):
             self._on_finished(msg, now)
         elif isinstance(msg, b.TaskDetached):

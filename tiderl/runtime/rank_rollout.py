@@ -116,7 +116,8 @@ class RolloutSide:
                                version=lambda: engine.version, on_turn=self._on_turn,
                                placer=kit.placer, image_window=env_cfg.image_window,
                                agents=env_cfg.agents,
-                               agent_wait_s=env_cfg.agent_timeout_s + AGENT_WAIT_SLACK_S)
+                               agent_wait_s=env_cfg.agent_timeout_s + AGENT_WAIT_SLACK_S,
+                               block_size=engine_cfg.block_size)
 
     async def join(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Join rollout serving ``version`` (``state``: its weights, None for the initial
@@ -273,7 +274,9 @@ class RolloutSide:
     def _on_turn(self, event: TurnEvent) -> None:
         self.send(TurnReport(rank=self.rank, task_id=event.task_id, tokens=event.output_tokens,
                              context_tokens=event.context_tokens, done=event.done,
-                             version=event.version, running=event.running))
+                             version=event.version, running=event.running,
+                             reused_tokens=event.reused_tokens,
+                             reusable_tokens=event.reusable_tokens))
 
 
 def _exit(message: str, code: int) -> None:

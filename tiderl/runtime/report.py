@@ -67,6 +67,7 @@ def summarize(metrics: list[StepRecord]) -> Row:
     half = metrics[len(metrics) // 2 :]
     evals = [m.eval_reward for m in metrics if m.eval_reward is not None]
     kv = [m.kv_hit_rate for m in metrics if m.kv_hit_rate is not None]
+    kept = [m.kv_retention for m in metrics if m.kv_retention is not None]
     tail = metrics[-3:]
     return {
         "num_steps": len(metrics),
@@ -82,6 +83,7 @@ def summarize(metrics: list[StepRecord]) -> Row:
         "eval_reward_last": evals[-1] if evals else None,
         "staleness_max": max(m.staleness_max for m in metrics),
         "kv_hit_rate_mean": _mean(kv),
+        "kv_retention_mean": _mean(kept),
         "rwt_total_s": sum(m.rwt_s for m in metrics),
         "twt_total_s": sum(m.twt_s for m in metrics),
         "modes": dict(Counter(m.step_mode.value for m in metrics)),
@@ -216,6 +218,7 @@ def _summary_section(s: Row) -> list[str]:
          f"{_fmt(s['eval_reward_first'])} / {_fmt(s['eval_reward_last'])}"),
         ("max staleness", s["staleness_max"]),
         ("mean KV hit rate", _fmt(s["kv_hit_rate_mean"])),
+        ("mean KV retention", _fmt(s["kv_retention_mean"])),
         ("total RWT / TWT (s)", f"{_fmt(s['rwt_total_s'], 2)} / {_fmt(s['twt_total_s'], 2)}"),
         ("modes (steps)", modes),
         ("role changes (rank-steps)", s["num_role_changes"]),

@@ -52,6 +52,8 @@ class SimRequest:
     fresh: int  # context tokens never computed before for this task (the rest is recompute)
     kept_prefix: int | None = None
     pin: bool = False  # CTB: keep the task's KV referenced across turns
+    reusable: int = 0  # of its context, what its task's previous turn left here (whole blocks,
+    reused: int | None = None  # since the last flush), and of that what its admission found
     seq: int = 0  # admission order on the rank
     arrival: int = 0  # submission order on the rank (only a newer request may be preempted)
     v_start: float = 0.0
@@ -247,6 +249,8 @@ class RolloutEngine:
             if request.pin:
                 kv.pin(request.task_id)
             hit, compute = alloc
+            if request.reused is None:  # its first admission (not one after a preemption)
+                request.reused = min(hit, request.reusable)
             recomputed = compute - request.fresh if compute > request.fresh else 0
             admitted.append((request, (compute, hit), recomputed))
             self.prefill_tokens += compute

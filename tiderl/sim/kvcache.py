@@ -85,6 +85,7 @@ class SimKVCache:
         self.evicted_tokens = 0  # dropped by LRU eviction under memory pressure
         self.preempted_tokens = 0
         self.flushed_tokens = 0
+        self.num_flushes = 0  # weight updates so far: KV from before the last one is stale
 
     # ---- sizes ----
 
@@ -230,6 +231,7 @@ class SimKVCache:
 
     def flush(self) -> int:
         """After a weight update: drop every cached block, mark referenced content stale."""
+        self.num_flushes += 1
         dropped = self._cached
         for entry in self._lru:
             entry.blocks = entry.valid = 0

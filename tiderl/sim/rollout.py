@@ -49,6 +49,7 @@ class SimTask:
     admitted_s: float | None = None  # when CTB first admitted it
     held_since: float | None = None  # its environment answered while it was paused
     held_s: float = 0.0  # summed: environment answered -> its turn started
+    kept: tuple[int, int] | None = None  # (rank, its KV's flushes) where its last turn ended
     task_id: str = field(init=False)  # the plan's (a field: it is read several times a turn)
 
     def __post_init__(self) -> None:
@@ -285,9 +286,14 @@ class RolloutPool:
         task.context = context
         self.rollout.turn_started(task.task_id, self.loop.now)
         engine = self.engines[task.rank]
+        kept = 0
+        if k > 0 and task.kept == (task.rank, engine.kv.num_flushes):
+            kept = base if turn.kept_prefix is None else min(base, turn.kept_prefix)
         request = SimRequest(task.task_id, plan.group_id, plan.prompt_tokens, context,
                           turn.action_tokens, context if k == 0 else turn.context_add,
                           turn.kept_prefix, pin=self.pins_tasks and not task.is_paused,
+                          reusable=max(0, kept - 1) // engine.kv.block_size
+                          * engine.kv.block_size,
                           payload=task)
         task.request = request
         engine.submit(request)
@@ -306,10 +312,13 @@ class RolloutPool:
         turn = task.plan.turns[task.turn]
         task.context += turn.action_tokens
         task.turn += 1
+        task.kept = (task.rank, self.engines[task.rank].kv.num_flushes) \
+            if task.rank in self.engines else None
         if task.rank_next is not None:
             self._move(task, task.rank_next)
             task.rank_next = None
-        self.rollout.turn_done(task.task_id, task.context, turn.action_tokens, self.loop.now)
+        self.rollout.turn_done(task.task_id, task.context, turn.action_tokens, self.loop.now,
+                               reused=request.reused or 0, reusable=request.reusable)
         task.is_waiting_env = True
         self.loop.after(turn.env_latency_s, self._on_env_done, task)
 

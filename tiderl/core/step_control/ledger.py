@@ -19,6 +19,7 @@ class Ledger:
     trained_samples: int = 0
     kv_mark: tuple[int, int] = (0, 0)  # the prefix-cache counters (queries, hits) last recorded
     pause_mark: tuple[int, int] = (0, 0)  # CTB's (pauses, releases) last recorded
+    reuse_mark: tuple[int, int] = (0, 0)  # rollout's (reused, reusable) tokens last recorded
 
     def record(self, current: OpenStep, outcome: StepOutcome, now: float, *, state: CycleState,
                rollout: RolloutControl, buffer: ReadyBuffer, tprm_s: float | None,
@@ -35,6 +36,9 @@ class Ledger:
         self.kv_mark = (outcome.kv_queries, outcome.kv_hits)
         pauses, releases = rollout.num_pauses, rollout.num_releases
         pause_mark, self.pause_mark = self.pause_mark, (pauses, releases)
+        reused = rollout.reused_tokens - self.reuse_mark[0]
+        reusable = rollout.reusable_tokens - self.reuse_mark[1]
+        self.reuse_mark = (rollout.reused_tokens, rollout.reusable_tokens)
         record = StepRecord(
             step=start.step, start_s=current.opened_at - state.t0, end_s=now - state.t0,
             trained_tokens=current.tokens, trained_tokens_total=self.trained_tokens,
@@ -54,6 +58,7 @@ class Ledger:
             trained_loss_tokens=loss_tokens, rollout_saturated_s=saturated,
             generating_share=generating_share, ctb_pauses=pauses - pause_mark[0],
             ctb_releases=releases - pause_mark[1], is_trained=outcome.is_trained,
-            recorded_loss=outcome.recorded_loss)
+            recorded_loss=outcome.recorded_loss,
+            kv_retention=reused / reusable if reusable > 0 else None)
         self.records.append(record)
         return record

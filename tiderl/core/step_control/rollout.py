@@ -10,6 +10,7 @@ the book's counts (idle ranks, tasks waiting for admission) only change through 
 from __future__ import annotations
 
 from tiderl.core.ctb import CTBConfig, SchedulingPolicy, TaskBook, make_policy
+from tiderl.core.quote import short
 from tiderl.core.types import Admit, Decision, Group, Resume, TaskState
 
 _NEW = TaskState.NEW  # a module constant: a read through the class is slow on Python 3.11
@@ -58,6 +59,8 @@ class RolloutControl:
         self.is_parked = False  # a synchronous system's ranks are training, not rolling out
         self.num_pauses = 0  # CTB pauses so far ...
         self.num_releases = 0  # ... of them, releases of tasks waiting for their environment
+        self.reused_tokens = 0  # of the context turns left cached for their task's next turn,
+        self.reusable_tokens = 0  # what the next turn found (TaskBook.report_turn)
 
     @classmethod
     def of(cls, ctb: CTBConfig, *, budget: int, max_new_tokens: int, max_staleness: int = 0,
@@ -173,15 +176,22 @@ class RolloutControl:
             self.book.wait_ended(task, now)
             self.book.set_running(task, True)
 
-    def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float) -> None:
+    def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float, *,
+                  reused: int = 0, reusable: int = 0) -> None:
         """A generation ended with the task's whole context at ``context_tokens``; the task now
-        waits for its environment."""
+        waits for its environment. ``reused`` of ``reusable``: what its prompt found cached of
+        the context its previous turn left on the rank (KV retention)."""
+        if not 0 <= reused <= reusable:
+            raise ValueError(f"a turn of task {short(task)} reused {reused!r} of {reusable!r} "
+                             "tokens")
         self.advance(now)
         if not self.is_admitted(task):
             return
         self.generated_tokens += output_tokens
         self.book.report_turn(task, self.footprint(context_tokens), context_tokens,
                               is_running=False)
+        self.reused_tokens += reused
+        self.reusable_tokens += reusable
         self.book.wait_started(task, now)
 
     def task_finished(self, task: str, now: float) -> bool:

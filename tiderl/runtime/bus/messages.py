@@ -78,6 +78,8 @@ class TurnReport(Message, kw_only=True):
     done: bool
     version: int
     running: bool = True  # False: the turn's generation is done, the task waits for its env
+    reused_tokens: int = 0  # after a generation: its prompt's tokens found cached, of
+    reusable_tokens: int = 0  # the previous turn's context in whole blocks (agent.TurnEvent)
 
 
 class ImageRefData(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

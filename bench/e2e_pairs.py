@@ -16,6 +16,9 @@ and tiderl over the best of their medians (target with median 0.5 s: >= 1.15).
 ``--variant NAME=OVERRIDE[,OVERRIDE]`` (repeatable): tiderl once more each round with these
 profile overrides (an A/B in turns), reported over tiderl, stream and the best async; a list
 value keeps its commas (``env.envs=[guess,shop]``).
+
+Each job's first step's end and its mean step after it are recorded too (``first_step_end_s``,
+``later_step_s``, and their medians): a 10-step job's goodput counts its cold start.
 """
 
 from __future__ import annotations
@@ -83,16 +86,27 @@ def main() -> int:
         workload.append(f"env.step_latency.median_s={args.median_s}")
     runs = modes([int(n) for n in args.async_splits.split(",")], variants)
     goodput: dict[str, list[float]] = {name: [] for name, _ in runs}
+    # where the time goes: the first step's end (a cold start: admission before any task
+    # finished) and the mean step after it
+    first: dict[str, list[float]] = {name: [] for name, _ in runs}
+    later: dict[str, list[float]] = {name: [] for name, _ in runs}
     root = Path(tempfile.mkdtemp(prefix="tiderl-e2e-pairs-"))
     for n in range(args.rounds):
         for name, overrides in runs:
             job = run_job(f"{name.replace(' ', '-')}-{n}", [*workload, *overrides], args.steps,
                           root, lambda line: print(line, file=sys.stderr))
             goodput[name].append(job.summary["goodput_end_tok_s"])
+            head, tail = job.metrics[0], job.metrics[-1]
+            first[name].append(round(head.end_s, 2))
+            later[name].append(round((tail.end_s - head.end_s) / max(1, len(job.metrics) - 1),
+                                     3))
     median = {name: statistics.median(values) for name, values in goodput.items()}
     best = max((name for name in median if name.startswith("async")), key=median.__getitem__)
     out = {"steps": args.steps, "rounds": args.rounds, "split": f"{FIXED_SPLIT} of 4 ranks",
            "workload": workload, "goodput_tok_s": goodput, "median_tok_s": median,
+           "first_step_end_s": first, "later_step_s": later,
+           "median_first_step_end_s": {n: statistics.median(v) for n, v in first.items()},
+           "median_later_step_s": {n: statistics.median(v) for n, v in later.items()},
            "tiderl_over_stream": round(median["tiderl"] / median["stream"], 3),
            "best_async": best, "tiderl_over_async": round(median["tiderl"] / median[best], 3),
            "target": 1.15 if args.median_s == 0.5 else 1.0,

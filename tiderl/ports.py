@@ -16,10 +16,11 @@ from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000  # below it sit the well-known and registered services people run
+FLOOR = 1024  # where a range reaching below LOWEST leaves too few, the search goes down to here
 
 
 class NoFreePorts(OSError):
-    """Fewer free ports than asked for outside the ephemeral range; the message says how many."""
+    """Fewer free ports than asked for; the message says why."""
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -32,23 +33,50 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def listen_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports free to listen on at ``host`` now, outside the ephemeral range,
-    in random order (two callers at once rarely pick the same)."""
+    """``count`` distinct ports free to listen on at ``host`` (an address or a name) now, in
+    random order (two callers at once rarely pick the same): outside the ephemeral range, from
+    10000 up, then from 1024 up; from the ephemeral range itself (``bind(0)``) only where the
+    rest has too few, as a machine whose range starts low leaves."""
+    if count <= 0:
+        return []
+    if count > 65536 - FLOOR:
+        raise NoFreePorts(f"no {count} free ports to listen on: there are {65536 - FLOOR} "
+                          f"from {FLOOR} up")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        raise NoFreePorts(f"no ports to listen on at {host}: it does not resolve ({exc})") \
+            from None
     low, high = ephemeral_range()
-    candidates = [p for p in range(LOWEST, 65536) if not low <= p <= high]
-    random.shuffle(candidates)
+    shuffle = random.SystemRandom().shuffle  # not the process's seeded stream: forks share it
+    upper = [p for p in range(LOWEST, 65536) if not low <= p <= high]
+    lower = [p for p in range(FLOOR, LOWEST) if not low <= p <= high]
+    shuffle(upper)
+    shuffle(lower)
     found: list[int] = []
-    for port in candidates:
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
+    for port in [*upper, *lower]:
+        if _is_free(family, address, port):
+            found.append(port)
+            if len(found) == count:
+                return found
+    while len(found) < count:  # the ephemeral range: the kernel's pick
+        port = _is_free(family, address, 0)
+        if not port or port in found:
+            break
         found.append(port)
-        if len(found) == count:
-            return found
-    raise NoFreePorts(f"no {count} free ports to listen on at {host} outside {low}-{high} "
-                      f"(found {len(found)})")
+    if len(found) == count:
+        return found
+    raise NoFreePorts(f"no {count} free ports to listen on at {host} (found {len(found)})")
+
+
+def _is_free(family: int, address: tuple, port: int) -> int:
+    """The port, bound and released at once (the kernel's pick for 0); 0 when it is taken."""
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address[0], port, *address[2:]))
+        except OSError:
+            return 0
+        return sock.getsockname()[1]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -126,3 +126,12 @@ def test_a_remote_nodes_ports_come_from_nodectl_as_one_json_line(capsys):
     assert len(set(ports)) == 5 and not any(low <= p <= high for p in ports)
     assert main(["ports", "70000", "--host", "127.0.0.1"]) == 2
     assert json.loads(capsys.readouterr().out)["error"].startswith("no 70000 free ports")
+    assert main(["ports", "1", "--host", "no-such-host.invalid"]) == 2
+    assert "does not resolve" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_ports_are_picked_by_host_name_too_and_none_asked_is_none():
+    from tiderl.ports import free_port, listen_ports
+
+    assert listen_ports(0) == []
+    assert free_port("localhost") >= 1024

@@ -75,22 +75,22 @@ class Recorder:
     its arguments and what it returned; ``extra(name, args)`` adds what the replay needs."""
 
     def __init__(self, controller, extra=None) -> None:
-        self.calls: list[tuple[str, tuple, object, object]] = []
+        self.calls: list[tuple[str, tuple, dict, object, object]] = []
         for target, names in ((controller, CONTROLLER_EVENTS),
                               (controller.rollout, ROLLOUT_EVENTS)):
             for name in names:
                 setattr(target, name, self._wrap(name, getattr(target, name), extra))
 
     def _wrap(self, name, method, extra):
-        def recorded(*args):
+        def recorded(*args, **kwargs):
             info = extra(name, args) if extra is not None else None
-            result = method(*args)
-            self.calls.append((name, args, result, info))
+            result = method(*args, **kwargs)
+            self.calls.append((name, args, kwargs, result, info))
             return result
         return recorded
 
     def answers(self) -> list[tuple[str, object]]:
-        return [(name, _without_loss(result)) for name, _, result, _ in self.calls]
+        return [(name, _without_loss(result)) for name, _, _, result, _ in self.calls]
 
 
 def _without_loss(result):
@@ -128,7 +128,7 @@ def finished(rank: int, plan: TaskPlan, version: int) -> TaskFinished:
 
 def replay(calls, ranks: Ranks, coordinator: Coordinator, clock: Clock) -> None:
     controller = coordinator.controller
-    for name, args, _, info in calls:
+    for name, args, kwargs, _, info in calls:
         clock.now = args[-1] if name != "stalled" else args[0]
         rank = coordinator.router.task_rank.get(args[0], 0) if isinstance(args[0], str) else 0
         if name == "schedule":
@@ -137,7 +137,9 @@ def replay(calls, ranks: Ranks, coordinator: Coordinator, clock: Clock) -> None:
             context, output = args[1:3] if name == "turn_done" else (0, 0)
             ranks.send(rank, TurnReport(rank=rank, task_id=args[0], tokens=output,
                                         context_tokens=context, done=False, version=0,
-                                        running=name == "turn_started"))
+                                        running=name == "turn_started",
+                                        reused_tokens=kwargs.get("reused", 0),
+                                        reusable_tokens=kwargs.get("reusable", 0)))
         elif name == "task_finished":
             ranks.send(rank, finished(rank, *info))
         elif name == "stalled":
@@ -170,7 +172,7 @@ def test_the_simulator_and_the_runtime_drive_the_controller_alike(tmp_path, job)
         cluster.system, scenario, cluster.cost)  # the same job on both substrates
     names = [name for name, *_ in sim.calls]
     assert names.count("step_done") == 3 and names.count("boundary_acked") >= 6
-    decisions = {type(d).__name__ for name, _, out, _ in sim.calls if name == "schedule"
+    decisions = {type(d).__name__ for name, _, _, out, _ in sim.calls if name == "schedule"
                  for d in out}
     # roomy: the cold start's loan comes back when batch 0 is ready, and the tasks the lent
     # rank held resume on the other; tight: CTB pauses and resumes all the time

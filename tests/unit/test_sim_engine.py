@@ -175,6 +175,29 @@ def test_two_tasks_on_one_rank_by_hand():
     assert pool.generated_tokens == (32 + 16 + 10 + 6 + 4) + (32 + 16 + 20)
 
 
+@pytest.mark.parametrize("flush_s", [0.2, 0.5])
+def test_a_context_from_before_a_weight_update_is_not_counted_as_reusable(flush_s):
+    """As above, with the cache flushed while a's first turn decodes (0.2) or while its
+    environment works (0.5): its second turn finds nothing of a's own, and counts nothing."""
+    loop = EventLoop()
+    policy = RequestLevelPolicy(CTBConfig(policy="request", request_concurrency=8))
+    rollout = RolloutControl(policy, policy.config.new_book(), budget=1 << 20, max_new_tokens=32)
+    pool = RolloutPool(loop, FakeCostModel(), rollout, round_interval_s=0.5, block_size=16,
+                       max_running=None, on_group_ready=lambda group: None)
+    rollout.add_rank(0, 0.0)
+    pool.add_rank(0)
+    plans = [_plan("a", [(16, 10, 1.0), (6, 4, 0.5)])]
+    rollout.add_group(group_of(plans), 0.0)
+    pool.add_group(plans)
+
+    def flush(_) -> None:
+        pool.engines[0].kv.flush()
+
+    loop.at(flush_s, flush)
+    loop.run()
+    assert (rollout.reused_tokens, rollout.reusable_tokens) == (0, 0)
+
+
 # --------------------------------------------------------------------------- trainer
 
 

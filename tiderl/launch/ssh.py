@@ -155,15 +155,21 @@ class NodeSession:
         """``count`` distinct ports free to listen on at this node, outside its ephemeral range
         (``tiderl.ports``); NodeError naming the node when it has too few."""
         host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"
-        _, out, err = self.run(f"{shlex.quote(self.node.python)} -m tiderl.launch.nodectl "
+        _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
+                               f"{shlex.quote(self.node.python)} -m tiderl.launch.nodectl "
                                f"ports {count} --host {shlex.quote(host)}", check=False)
         lines = out.strip().splitlines()
-        answer = json.loads(lines[-1]) if lines and lines[-1].startswith(("[", "{")) else None
-        if not isinstance(answer, list):
-            why = answer.get("error") if isinstance(answer, dict) else None
-            last = err.strip().splitlines()
-            raise self.fail(f"no free ports: {why or (last[-1] if last else 'no output')}")
-        return answer
+        try:
+            answer = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            answer = None
+        if isinstance(answer, list):
+            return answer
+        if isinstance(answer, dict) and answer.get("error"):
+            raise self.fail(str(answer["error"]))
+        last = err.strip().splitlines()
+        raise self.fail(f"`nodectl ports` gave no answer (is the node's tiderl this one's?): "
+                        f"{last[-1] if last else 'no output'}")
 
     def push(self, files: Mapping[str, tuple[bytes, int]], dirs: Sequence[str] = ()) -> None:
         """Write ``{remote path: (content, mode)}`` (folders in ``dirs`` are made 0700, as

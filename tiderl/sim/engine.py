@@ -54,6 +54,7 @@ class SimRequest:
     pin: bool = False  # CTB: keep the task's KV referenced across turns
     reusable: int = 0  # of its context, what its task's previous turn left here (whole blocks,
     reused: int | None = None  # since the last flush), and of that what its admission found
+    flushes: int = 0  # the cache's flushes at its submission, then at its first admission
     seq: int = 0  # admission order on the rank
     arrival: int = 0  # submission order on the rank (only a newer request may be preempted)
     v_start: float = 0.0
@@ -250,6 +251,8 @@ class RolloutEngine:
                 kv.pin(request.task_id)
             hit, compute = alloc
             if request.reused is None:  # its first admission (not one after a preemption)
+                if kv.num_flushes != request.flushes:  # a weight update while it queued
+                    request.reusable, request.flushes = 0, kv.num_flushes
                 request.reused = min(hit, request.reusable)
             recomputed = compute - request.fresh if compute > request.fresh else 0
             admitted.append((request, (compute, hit), recomputed))

@@ -166,7 +166,7 @@ class RolloutPool:
                 task.rank_next = None
                 task.is_paused = not self._is_active_in_book(task)
             if task.rank == rank:
-                task.rank = None
+                task.rank, task.kept = None, None  # a rank added back has a new cache
                 task.is_paused = not self._is_active_in_book(task)
         for task in abandoned:  # it waits to be placed again, as one held after its environment
             if task.is_paused and task.held_since is None:
@@ -255,8 +255,10 @@ class RolloutPool:
 
     def _move(self, task: SimTask, rank: int) -> None:
         """Put the task's KV home on ``rank``; leaving a rank frees its blocks there."""
-        if task.rank != rank and task.rank in self.engines:
-            self.engines[task.rank].kv.release(task.task_id)
+        if task.rank != rank:
+            if task.rank in self.engines:
+                self.engines[task.rank].kv.release(task.task_id)
+            task.kept = None  # its context is not in the new rank's cache
         task.rank = rank
 
     # ---- turns ----
@@ -286,14 +288,15 @@ class RolloutPool:
         task.context = context
         self.rollout.turn_started(task.task_id, self.loop.now)
         engine = self.engines[task.rank]
-        kept = 0
-        if k > 0 and task.kept == (task.rank, engine.kv.num_flushes):
-            kept = base if turn.kept_prefix is None else min(base, turn.kept_prefix)
+        kept = 0  # as the runtime counts: not after a weight update, a move or a pruning
+        if k > 0 and turn.kept_prefix is None and task.kept == (task.rank,
+                                                                  engine.kv.num_flushes):
+            kept = base
         request = SimRequest(task.task_id, plan.group_id, plan.prompt_tokens, context,
                           turn.action_tokens, context if k == 0 else turn.context_add,
                           turn.kept_prefix, pin=self.pins_tasks and not task.is_paused,
                           reusable=max(0, kept - 1) // engine.kv.block_size
-                          * engine.kv.block_size,
+                          * engine.kv.block_size, flushes=engine.kv.num_flushes,
                           payload=task)
         task.request = request
         engine.submit(request)
@@ -312,8 +315,8 @@ class RolloutPool:
         turn = task.plan.turns[task.turn]
         task.context += turn.action_tokens
         task.turn += 1
-        task.kept = (task.rank, self.engines[task.rank].kv.num_flushes) \
-            if task.rank in self.engines else None
+        # its context as of the cache this turn began in: a flush since leaves it stale
+        task.kept = (task.rank, request.flushes) if task.rank in self.engines else None
         if task.rank_next is not None:
             self._move(task, task.rank_next)
             task.rank_next = None

@@ -1,14 +1,15 @@
 """What the launcher and ``tiderl stop`` run on a node over SSH: stopping processes (the same
-code the local executor uses; states are read from ``/proc/PID/stat`` over SFTP), and resolving
-a hub id to the node's cache (``tiderl.models.hub``, downloading what is missing)::
+code the local executor uses; states are read from ``/proc/PID/stat`` over SFTP), resolving a
+hub id to the node's cache (``tiderl.models.hub``, downloading what is missing), and picking the
+ports its daemons listen on::
 
     python -m tiderl.launch.nodectl stop [--grace S] PID...  {"PID": "terminated" | ...}
     python -m tiderl.launch.nodectl model ID [--revision R]  {"folder", "repo_id", "revision"}
                                                              or {"error": LINE}, exit 2
     python -m tiderl.launch.nodectl ports N [--host H]       [port, ...] or {"error": LINE},
                                                              exit 2 (``tiderl.ports``: free
-                                                             ones outside the node's ephemeral
-                                                             range)
+                                                             ones, outside the node's ephemeral
+                                                             range where it leaves enough)
 
 One JSON line on stdout. And, as a Slurm job step's one task (:mod:`tiderl.launch.slurm`), the
 supervisor of a node's processes::

@@ -153,7 +153,8 @@ class NodeSession:
 
     def free_ports(self, count: int) -> list[int]:
         """``count`` distinct ports free to listen on at this node, outside its ephemeral range
-        (``tiderl.ports``); NodeError naming the node when it has too few."""
+        where it leaves enough (``tiderl.ports``); NodeError naming the node when it has too
+        few or its tiderl gives no answer."""
         host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"
         _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
                                f"{shlex.quote(self.node.python)} -m tiderl.launch.nodectl "

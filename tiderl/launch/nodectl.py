@@ -46,12 +46,19 @@ from tiderl.models.hub import HubError, Resolved, resolve_model
 from tiderl.ports import NoFreePorts, listen_ports
 
 
+def last_answer(stdout: str) -> object | None:
+    """The JSON value on the last line a command of this module printed; None without one."""
+    try:
+        return json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
 def read_model_answer(stdout: str, node: str) -> Resolved | None:
     """What ``nodectl model`` said on ``node``: the resolved model (HubError naming the node for
     its error line; None when it printed no answer)."""
-    try:
-        answer = json.loads(stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+    answer = last_answer(stdout)
+    if answer is None:
         return None
     if "error" in answer:
         raise HubError(f"node {node}: {answer['error']}")

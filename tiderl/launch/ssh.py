@@ -33,7 +33,7 @@ from invoke.exceptions import CommandTimedOut
 from tiderl import __version__
 from tiderl.launch.hosts import Node
 from tiderl.launch.local import LaunchError, stat_state
-from tiderl.launch.nodectl import read_model_answer
+from tiderl.launch.nodectl import last_answer, read_model_answer
 from tiderl.models.hub import MODEL_TIMEOUT_S, Resolved
 
 CONNECT_TIMEOUT_S = 10
@@ -136,19 +136,23 @@ class NodeSession:
                             f"{'.'.join(map(str, here))}, tiderl {__version__})")
         return info["workdir"]
 
+    def nodectl(self, args: str, timeout_s: float = COMMAND_TIMEOUT_S) -> tuple[str, str]:
+        """``python -m tiderl.launch.nodectl ARGS`` in the node's workdir, whatever its exit
+        code: its stdout (the answer on its last line) and the last line of its stderr."""
+        _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
+                               f"{shlex.quote(self.node.python)} -m tiderl.launch.nodectl "
+                               f"{args}", timeout_s, check=False)
+        last = err.strip().splitlines()
+        return out, last[-1] if last else "no output"
+
     def resolve_model(self, path: str, revision: str) -> Resolved:
         """A hub id resolved on this node, into its own cache (downloaded there when missing,
         ``MODEL_TIMEOUT_S`` at most); HubError naming the node."""
-        args = f"-m tiderl.launch.nodectl model {shlex.quote(path)} --revision " \
-               f"{shlex.quote(revision)}"
-        _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
-                               f"{shlex.quote(self.node.python)} {args}", MODEL_TIMEOUT_S,
-                               check=False)
+        out, why = self.nodectl(f"model {shlex.quote(path)} --revision {shlex.quote(revision)}",
+                                MODEL_TIMEOUT_S)
         resolved = read_model_answer(out, self.node.name)
         if resolved is None:
-            last = err.strip().splitlines()
-            raise self.fail(f"could not resolve model.path {path}: "
-                            f"{last[-1] if last else 'no output'}")
+            raise self.fail(f"could not resolve model.path {path}: {why}")
         return resolved
 
     def free_ports(self, count: int) -> list[int]:
@@ -156,21 +160,14 @@ class NodeSession:
         where it leaves enough (``tiderl.ports``); NodeError naming the node when it has too
         few or its tiderl gives no answer."""
         host = self.node.reach if _is_ip(self.node.reach) else "0.0.0.0"
-        _, out, err = self.run(f"cd {shlex.quote(self.node.workdir)} && "
-                               f"{shlex.quote(self.node.python)} -m tiderl.launch.nodectl "
-                               f"ports {count} --host {shlex.quote(host)}", check=False)
-        lines = out.strip().splitlines()
-        try:
-            answer = json.loads(lines[-1]) if lines else None
-        except ValueError:
-            answer = None
+        out, why = self.nodectl(f"ports {count} --host {shlex.quote(host)}")
+        answer = last_answer(out)
         if isinstance(answer, list):
             return answer
         if isinstance(answer, dict) and answer.get("error"):
             raise self.fail(str(answer["error"]))
-        last = err.strip().splitlines()
         raise self.fail(f"`nodectl ports` gave no answer (is the node's tiderl this one's?): "
-                        f"{last[-1] if last else 'no output'}")
+                        f"{why}")
 
     def push(self, files: Mapping[str, tuple[bytes, int]], dirs: Sequence[str] = ()) -> None:
         """Write ``{remote path: (content, mode)}`` (folders in ``dirs`` are made 0700, as

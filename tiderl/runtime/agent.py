@@ -58,6 +58,7 @@ import httpx
 import msgspec
 
 from tiderl.core.segments import ImageWindow, drop_images
+from tiderl.core.step_control import reusable_tokens
 from tiderl.core.types import ImageRef, Trajectory, Turn
 from tiderl.engine.clients import EngineClient, PinRefused
 from tiderl.engine.request import SamplingParams
@@ -338,9 +339,7 @@ class AgentLoop:
                                                  tuple(new_images), restart))
                     self._note(task.task_id, turn=len(trajectory.turns) - 1,
                                prompt_tokens=out.num_prompt_tokens, output_ids=output_ids)
-                    # the previous context's KV ends before its last token (sampled, never
-                    # fed back): its full blocks up to there are what the engine could keep
-                    reusable = max(0, len(context) - 1) // self.block_size * self.block_size \
+                    reusable = reusable_tokens(len(context), self.block_size) \
                         if kept_version == version and not drop else 0
                     reused = min(out.num_cached_tokens, reusable)
                     context, live, restart = prompt + output_ids, images, False

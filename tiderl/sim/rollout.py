@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiderl.core.segments import segment_id
-from tiderl.core.step_control import RolloutControl
+from tiderl.core.step_control import RolloutControl, reusable_tokens
 from tiderl.core.types import Admit, Group, Pause, Resume, SeqRef, Task
 from tiderl.sim.engine import RolloutEngine, SimRequest
 from tiderl.sim.events import EventLoop
@@ -49,7 +49,7 @@ class SimTask:
     admitted_s: float | None = None  # when CTB first admitted it
     held_since: float | None = None  # its environment answered while it was paused
     held_s: float = 0.0  # summed: environment answered -> its turn started
-    kept: tuple[int, int] | None = None  # (rank, its KV's flushes) where its last turn ended
+    kept: tuple[int, int] | None = None  # (rank, its KV's flushes) its last turn's KV was made at
     task_id: str = field(init=False)  # the plan's (a field: it is read several times a turn)
 
     def __post_init__(self) -> None:
@@ -295,8 +295,8 @@ class RolloutPool:
         request = SimRequest(task.task_id, plan.group_id, plan.prompt_tokens, context,
                           turn.action_tokens, context if k == 0 else turn.context_add,
                           turn.kept_prefix, pin=self.pins_tasks and not task.is_paused,
-                          reusable=max(0, kept - 1) // engine.kv.block_size
-                          * engine.kv.block_size, flushes=engine.kv.num_flushes,
+                          reusable=reusable_tokens(kept, engine.kv.block_size),
+                          flushes=engine.kv.num_flushes,
                           payload=task)
         task.request = request
         engine.submit(request)

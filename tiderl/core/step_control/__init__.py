@@ -59,10 +59,10 @@ from tiderl.core.step_control.config import (
 )
 from tiderl.core.step_control.controller import StepController
 from tiderl.core.step_control.resume import ResumePoint, restore, resume_point
-from tiderl.core.step_control.rollout import RolloutControl, RolloutWait
+from tiderl.core.step_control.rollout import RolloutControl, RolloutWait, reusable_tokens
 from tiderl.core.step_control.state import Hold, Phase
 
 __all__ = ["Hold", "LayoutLimits", "Phase", "ResumePoint", "RolloutControl", "RolloutWait",
            "StepControlConfig", "StepControlError", "StepController", "Substrate",
            "effective_config", "effective_ctb", "effective_view", "group_of_task",
-           "initial_roles", "restore", "resume_point", "task_id"]
+           "initial_roles", "restore", "resume_point", "reusable_tokens", "task_id"]

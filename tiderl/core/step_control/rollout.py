@@ -16,6 +16,12 @@ from tiderl.core.types import Admit, Decision, Group, Resume, TaskState
 _NEW = TaskState.NEW  # a module constant: a read through the class is slow on Python 3.11
 
 
+def reusable_tokens(context_tokens: int, block_size: int) -> int:
+    """What a turn's context leaves its engine to reuse on the task's next turn: its full KV
+    blocks up to its last token (sampled, never fed back: its KV is never computed)."""
+    return max(0, context_tokens - 1) // block_size * block_size
+
+
 class RolloutWait:
     """RWT in rank-seconds: rollout ranks with no generation in flight while no task waits for
     admission (the staleness throttle holds rollout back), plus stalls a substrate reports whole
@@ -59,8 +65,8 @@ class RolloutControl:
         self.is_parked = False  # a synchronous system's ranks are training, not rolling out
         self.num_pauses = 0  # CTB pauses so far ...
         self.num_releases = 0  # ... of them, releases of tasks waiting for their environment
-        self.reused_tokens = 0  # of the context turns left cached for their task's next turn,
-        self.reusable_tokens = 0  # what the next turn found (TaskBook.report_turn)
+        self.reused_tokens = 0  # of the context turns left for their task's next turn
+        self.reusable_tokens = 0  # (reusable_tokens), what the next turn found cached
 
     @classmethod
     def of(cls, ctb: CTBConfig, *, budget: int, max_new_tokens: int, max_staleness: int = 0,

@@ -281,6 +281,34 @@ def test_first_turn_probing():
     assert book.group_of(book.task("g0")).probed_footprint == 700
 
 
+def test_unprobed_tasks_are_admitted_at_their_environments_mean_probed_first_turn():
+    book = make_book([1000])
+    for group_id in "abcd":
+        add(book, group_id, size=2)
+    add(book, "w", size=2, env="web")
+    add(book, "h", hint=300)
+
+    # before any probe reported: the default, one probe fits (then h's hint, 300 of 488 left)
+    assert schedule(book, NO_GROWTH) == [Admit("a0", 0), Admit("h0", 0)]
+    book.apply([Admit("a0", 0)])
+    book.report_turn("a0", 200, 150)  # shop's first turns: 200 tokens
+    assert book.first_turn_estimate("shop") == 200
+    assert [book.task(f"{g}{i}").footprint for g in "bcd" for i in range(2)] == [200] * 6
+    assert (book.task("w0").footprint, book.task("h0").footprint) == (512, 300)  # web: no probe
+
+    # a's sibling at a's own 200, then three probes at 200: 1,000 tokens; w0's 512 waits
+    assert schedule(book, NO_GROWTH) == [
+        Admit("a1", 0), Admit("b0", 0), Admit("c0", 0), Admit("d0", 0)]
+    book.apply([Admit("b0", 0)])
+    book.report_turn("b0", 400, 350)  # mean of 200 and 400
+    assert [book.task(t).footprint for t in ("b1", "c0", "c1", "d0", "d1")] == [
+        400, 300, 300, 300, 300]
+    add(book, "e")
+    assert book.task("e0").footprint == 300
+    book.report_turn("b0", 900, 850)  # a probe's later turns are not first turns
+    assert book.first_turn_estimate("shop") == 300
+
+
 def test_a_group_skips_its_probe_when_the_headroom_holds_it_grown_to_the_measured_footprint():
     # F = 1000 measured (a task finished there); two ranks of 2,600 hold 2 + 2 tasks grown to F
     book = make_book([2_600, 2_600])
@@ -290,7 +318,8 @@ def test_a_group_skips_its_probe_when_the_headroom_holds_it_grown_to_the_measure
     add(book, "g", size=4)
     add(book, "h", size=4)
 
-    # g's probe and its siblings together, at the default footprint, by expected headroom;
+    # g's probe and its siblings together, at the 1,000 tokens done's probe measured, by
+    # expected headroom;
     # then h does not fit grown to F (no rank keeps 1,000 over 2 x F): it probes, and its probe
     # alone fits neither rank's projected peak
     assert schedule(book) == [Admit("g0", 0), Admit("g1", 1), Admit("g2", 0), Admit("g3", 1)]
@@ -328,7 +357,7 @@ def test_environment_session_cap_counts_active_and_paused_tasks():
     run(book, "p0", 0, 20_000)
     book.apply([Pause("p0")])
     for group_id in ["n", "m", "o"]:
-        add(book, group_id)
+        add(book, group_id, hint=512)
 
     assert schedule(book, config) == [Admit("n0", 0)]
 

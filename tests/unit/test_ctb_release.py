@@ -23,8 +23,9 @@ def book_with(budgets: list[int], rate: float | None = 1000.0, **window: int) ->
     return book
 
 
-def add(book: TaskBook, group_id: str, size: int = 1, env: str = "shop") -> list[str]:
-    tasks = tuple(Task(f"{group_id}{i}", group_id, env) for i in range(size))
+def add(book: TaskBook, group_id: str, size: int = 1, env: str = "shop",
+        hint: int | None = None) -> list[str]:
+    tasks = tuple(Task(f"{group_id}{i}", group_id, env, footprint_hint=hint) for i in range(size))
     book.add_group(Group(group_id, tasks))
     return [t.task_id for t in tasks]
 
@@ -152,13 +153,13 @@ def test_released_task_waits_for_its_environment_then_resumes_before_any_admissi
     book = blocked_book()
     schedule(book)  # a0, a1 released; n1 admitted
     book.report_turn("n1", 150, 100, is_running=True)
-    add(book, "m")  # unprobed: 512 tokens
+    add(book, "m", hint=512)
     book.now = 0.5
     assert schedule(book) == [Admit("m0", 0)]  # the released tasks hold no room as they wait
     book.report_turn("m0", 512, 400, is_running=True)
     book.wait_ended("a0", 1.0)  # a0's environment answered (a1's works on)
     book.now = 1.0
-    add(book, "k")
+    add(book, "k", hint=512)
     book.finish_task("n0")
     assert schedule(book) == []  # a0's 400 tokens do not fit in 338, and k waits behind it
     book.finish_task("n1")

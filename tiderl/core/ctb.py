@@ -77,7 +77,7 @@ class CTBConfig:
     weights: PriorityWeights = field(default_factory=PriorityWeights)
     context_norm_tokens: int = 8192  # context length at which L_context saturates at 1
     budget_fraction: float = 0.9  # B_r = budget_fraction x the rank's KV capacity
-    default_footprint_tokens: int = 512  # a probe's footprint when its task has no hint
+    default_footprint_tokens: int = 512  # a task's, before a probe of its env measured one
     max_env_sessions: int = 0  # cap on open sessions (active + paused); 0 = unlimited
     diversity_penalty_tokens: int = 256  # per active task of the same env on a rank
     policy: str = "ctb"  # "ctb" | "request"

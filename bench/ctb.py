@@ -1,6 +1,7 @@
 """CTB vs request-level rollout at fixed concurrency (paper Fig. 12/13) on the embedded engine.
 
     python bench/ctb.py [--out bench/results/ctb.json] [--steps N] [--quick]
+                        [--variant NAME=OVERRIDE[,OVERRIDE]]...
 
 Real jobs (``tiderl.launch.job.run_local``: environment server, coordinator, rank processes),
 identical but for ``ctb.policy``, side by side in one run:
@@ -12,7 +13,9 @@ identical but for ``ctb.policy``, side by side in one run:
 - ``f-max``: request-level rollout at the engine's maximum concurrency
   (``ctb.policy=request``, ``ctb.request_concurrency`` = ``engine.max_num_seqs``), the paper's
   F10 (its engine's maximum, 1024);
-- ``f-half``: the same at half of it, the paper's F9 (512).
+- ``f-half``: the same at half of it, the paper's F9 (512);
+- each ``--variant NAME=OVERRIDE[,OVERRIDE]``: ``ctb`` with these profile overrides too,
+  reported over ``ctb``, ``f-max`` and ``f-half`` (an A/B in the same run).
 
 Workload: KV is scarce and contexts grow: the shop environment (long observations: result pages
 and product pages), up to 10 turns, a lognormal environment pause per turn, one rollout rank
@@ -34,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jobs import run_job
+from jobs import parse_variants, run_job
 from machine import machine_info, write_result
 
 MAX_NUM_SEQS = 32
@@ -54,9 +57,11 @@ POLICIES = {
 PAPER = {"hit_rate_ratio": 1.58, "throughput_ratio": 1.15, "step_time_reduction": 0.156}
 
 
-def run_bench(steps: int, root: Path, note) -> dict:
+def run_bench(steps: int, root: Path, note, variants: dict[str, list[str]] | None = None) -> dict:
     results: dict[str, dict] = {}
-    for name, overrides in POLICIES.items():
+    policies = {**POLICIES, **{name: [*POLICIES["ctb"], *extra]
+                               for name, extra in (variants or {}).items()}}
+    for name, overrides in policies.items():
         job = run_job(name, [*WORKLOAD, *overrides], steps, root, note)
         results[name] = policy_figures(job)
         note(f"{name}: hit rate {results[name]['kv_hit_rate']}, "
@@ -73,7 +78,14 @@ def run_bench(steps: int, root: Path, note) -> dict:
         "release_hit_rate_ratio": ratio_of(results["ctb-release"]["kv_hit_rate"],
                                            ctb["kv_hit_rate"]),
     }
-    return {"policies": results, "ratios": ratios, "paper": PAPER,
+    by_variant = {
+        name: {"overrides": extra, **{
+            f"{figure}_over_{base}": ratio_of(results[name][key], results[base][key])
+            for figure, key in (("throughput", "gen_tok_s"), ("hit_rate", "kv_hit_rate"),
+                                ("step_s", "step_s_mean"))
+            for base in ("ctb", "f-max", "f-half")}}
+        for name, extra in (variants or {}).items()}
+    return {"policies": results, "ratios": ratios, "variants": by_variant, "paper": PAPER,
             "meets_target": (ratios["hit_rate_ratio"] or 0) >= PAPER["hit_rate_ratio"]
             and (ratios["throughput_ratio"] or 0) >= PAPER["throughput_ratio"],
             # the paper's CTB also beats the half concurrency (F9) on both
@@ -137,10 +149,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ctb.json"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="2 steps per policy (a check)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=OVERRIDE[,OVERRIDE]: ctb with these overrides too")
     args = parser.parse_args()
+    try:
+        variants = parse_variants(args.variant, POLICIES.__contains__)
+    except ValueError as error:
+        parser.error(str(error))
     steps = 2 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="tiderl-ctb-") as tmp:
-        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr))
+        result = run_bench(steps, Path(tmp), lambda line: print(line, file=sys.stderr), variants)
     write_result(args.out, result)
     plot(result, Path(args.out).with_suffix(".png"))
 

@@ -32,21 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e import FIXED_SPLIT, WORKLOAD
-from jobs import run_job
+from jobs import parse_variants, run_job
 from machine import machine_info, write_result
-
-
-def split_overrides(text: str) -> list[str]:
-    """``a=1,b=[x,y]`` -> ``["a=1", "b=[x,y]"]``: commas inside brackets or braces belong to a
-    list or mapping value."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [part for part in parts if part]
 
 
 def modes(async_splits: list[int], variants: dict[str, list[str]] | None = None
@@ -74,13 +61,11 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=OVERRIDE[,OVERRIDE]: tiderl with these overrides too")
     args = parser.parse_args()
-    variants = {}
-    for spec in args.variant:
-        name, _, overrides = spec.partition("=")
-        if not name or not overrides or name in ("tiderl", "stream") or \
-                name.startswith("async"):
-            parser.error(f"--variant {spec!r}: expected NAME=OVERRIDE[,OVERRIDE] with a new name")
-        variants[name] = split_overrides(overrides)
+    try:
+        variants = parse_variants(args.variant, lambda name: name in ("tiderl", "stream")
+                                  or name.startswith("async"))
+    except ValueError as error:
+        parser.error(str(error))
     workload = list(WORKLOAD)
     if args.median_s is not None:
         workload.append(f"env.step_latency.median_s={args.median_s}")

@@ -43,13 +43,20 @@ def ctb(
     steps: int = count_option(3, "--steps", minimum=1, help="Training steps of each job."),
     quick: bool = typer.Option(False, "--quick",
                                help="2 steps per job (a check that it runs, not a measurement)."),
+    variant: list[str] = typer.Option(
+        [], "--variant", metavar="NAME=OVERRIDES",
+        help="NAME=OVERRIDE[,OVERRIDE]: one more CTB job with these profile overrides, reported "
+        "over CTB and the request-level runs (repeatable)."),
     json_mode: bool = JsonFlag,
 ) -> None:
     """CTB vs request-level rollout at fixed concurrency (paper Fig. 12/13): real jobs on the
     embedded engine where KV is scarce; KV hit rate, generation throughput, step time."""
     output = Output(json_mode)
-    output.note("running bench/ctb.py: 3 jobs of 2 ranks each (minutes on 2 cores) ...")
-    result = _run_script("ctb", out, ["--steps", str(steps)] + ["--quick"] * quick, output)
+    output.note(f"running bench/ctb.py: {4 + len(variant)} jobs of 2 ranks each "
+                "(minutes on 2 cores) ...")
+    args = ["--steps", str(steps)] + ["--quick"] * quick
+    args += [arg for spec in variant for arg in ("--variant", spec)]
+    result = _run_script("ctb", out, args, output)
     output.result(result, lambda console: _render_ctb(console, result))
 
 
@@ -170,6 +177,10 @@ def _render_ctb(console: Console, result: dict) -> None:
     paper = result["paper"]
     console.print(table("CTB / request-level at max concurrency", ("ratio", "measured", "paper"),
                         [(k, v, paper.get(k, "-")) for k, v in result["ratios"].items()]))
+    for name, ratios in result.get("variants", {}).items():
+        console.print(table(f"{name} ({', '.join(ratios['overrides'])}) over the runs beside it",
+                            ("ratio", "measured"),
+                            [(k, v) for k, v in ratios.items() if k != "overrides"]))
 
 
 def _render_ra2p(console: Console, result: dict) -> None:

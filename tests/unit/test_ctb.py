@@ -329,6 +329,26 @@ def test_a_group_skips_its_probe_when_the_headroom_holds_it_grown_to_the_measure
     assert schedule(fresh) == [Admit("g0", 0)]
 
 
+def test_a_group_may_skip_its_probe_once_its_first_turn_and_growth_are_measured():
+    book = make_book([1000])
+    add(book, "done")
+    run(book, "done0", 0, 100)  # shop's first turns: 100 tokens
+    book.report_turn("done0", 300, 250)
+    book.finish_task("done0")  # F = 300
+    add(book, "g", size=4)
+    add(book, "w", size=2, env="web")
+
+    # The headroom does not hold g grown to F (4 x 300 > 1,000), yet its tasks need no probe:
+    # each is placed by the projected peak (3 x 300 <= 1,000). web's first turn is unmeasured:
+    # w's probe goes alone, at the default 512 (the projected peak 900, w0 at F already).
+    skip = CTBConfig(probe_when_measured=False)
+    assert schedule(book, skip) == [Admit("g0", 0), Admit("g1", 0), Admit("g2", 0), Admit("w0", 0)]
+    # by default, and without the projection (the probe is what protects the budget), g probes
+    assert schedule(book) == [Admit("g0", 0), Admit("w0", 0)]
+    no_growth = CTBConfig(project_growth=False, probe_when_measured=False)
+    assert schedule(book, no_growth) == [Admit("g0", 0), Admit("w0", 0)]
+
+
 def test_probe_uses_its_hint_and_is_skipped_when_it_does_not_fit():
     book = make_book([1000])
     add(book, "x")

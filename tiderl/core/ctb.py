@@ -92,6 +92,10 @@ class CTBConfig:
     # Off by default: where KV is scarce the released tasks come back to evicted blocks
     # (bench/README.md, "CTB in real jobs": throughput -34%, hit rate 0.83 -> 0.40).
     release_waiting: bool = False
+    # Probe a group's first turn even once its environment's first turn and F are measured
+    # (false: its tasks are placed by the projected peak at once, with project_growth; measured
+    # in bench/README.md, "CTB in real jobs").
+    probe_when_measured: bool = True
 
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
@@ -241,6 +245,13 @@ class _Draft:
         room = sum(max(0.0, self.budget[r] - max(self.usage[r], n * grown)) // grown
                    for r, n in self.num_active.items())
         return room >= num_tasks
+
+    def projects(self, task: TaskRecord) -> bool:
+        """Whether each task placed is judged grown to a measured F (some task finished) from a
+        measured first turn (its hint, or its environment's probes): then a group's probe
+        measures nothing its siblings' placement needs, and waiting for it only delays them."""
+        return (self.final is not None and self.book.num_finished > 0
+                and (task.footprint_hint is not None or task.env in self.book.first_turns))
 
     def largest_fit(self) -> float:
         """The largest footprint within the headroom of some rank."""
@@ -451,8 +462,8 @@ class CTBPolicy(SchedulingPolicy):
     def _admit_group(self, book: TaskBook, group: GroupRecord, draft: _Draft) -> list[Decision]:
         plan: list[Decision] = []
         tasks = book.admissible(group)
-        if not group.is_probed and draft.holds(len(group.pending)):
-            tasks = [book.tasks[task_id] for task_id in group.pending]  # no probe needed
+        if not group.is_probed and not self._probes(book, group, draft):
+            tasks = [book.tasks[task_id] for task_id in group.pending]
         for task in tasks:
             if self._is_env_full(draft) or not draft.fits_somewhere(task.footprint):
                 break
@@ -472,6 +483,15 @@ class CTBPolicy(SchedulingPolicy):
                 draft.reserved.add(group.group_id)
             plan.append(Admit(task.task_id, rank))
         return plan
+
+    def _probes(self, book: TaskBook, group: GroupRecord, draft: _Draft) -> bool:
+        """Whether an unprobed group offers its probe alone: not where probing protects no
+        budget, as the headroom holds the group grown to F, or (``probe_when_measured`` off)
+        each of its tasks is placed by the projected peak from measured figures."""
+        if draft.holds(len(group.pending)):
+            return False
+        return self.config.probe_when_measured or not draft.projects(
+            book.tasks[group.probe_task_id])
 
     def _is_env_full(self, draft: _Draft) -> bool:
         cap = self.config.max_env_sessions

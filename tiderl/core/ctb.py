@@ -44,15 +44,9 @@ from operator import add, mul, sub
 from typing import ClassVar
 
 from tiderl.core.config import require, require_choice, require_int
+from tiderl.core.priority import PriorityWeights, priority
 from tiderl.core.quote import short
-from tiderl.core.task_book import (
-    GroupRecord,
-    PriorityWeights,
-    StalenessWindow,
-    TaskBook,
-    TaskRecord,
-    priority,
-)
+from tiderl.core.task_book import GroupRecord, StalenessWindow, TaskBook, TaskRecord
 from tiderl.core.types import Admit, Decision, Pause, Resume
 
 __all__ = [

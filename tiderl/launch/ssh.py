@@ -23,6 +23,7 @@ import shlex
 import socket
 import stat
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from tiderl.models.hub import MODEL_TIMEOUT_S, Resolved
 
 CONNECT_TIMEOUT_S = 10
 COMMAND_TIMEOUT_S = 60
+STATE_READS, STATE_REREAD_S = 3, 0.05  # a process state read SFTP failed is read again
 
 # what the node's python reports: its version, tiderl's, and the absolute workdir
 _CHECK = ("import json, os, sys\n"
@@ -210,15 +212,24 @@ class NodeSession:
         return {pid: self._state(int(pid)) for pid in pids}
 
     def _state(self, pid: int) -> str | None:
-        try:
-            with self.conn.sftp().open(f"/proc/{pid}/stat", "rb") as handle:
-                stat = handle.read().decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError):  # gone (before or while it was read)
-            return None
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            raise self.fail(f"could not read /proc/{pid}/stat over SFTP ({_reason(exc)})"
-                            ) from None
-        return stat_state(stat) if stat.strip() else None
+        path = f"/proc/{pid}/stat"
+        for attempt in range(STATE_READS):
+            if attempt:
+                time.sleep(STATE_REREAD_S)
+            try:
+                with self.conn.sftp().open(path, "rb") as handle:
+                    stat = handle.read().decode(errors="replace")
+                return stat_state(stat) if stat.strip() else None
+            except (FileNotFoundError, ProcessLookupError):  # gone (before or while it was read)
+                return None
+            except paramiko.SSHException as exc:
+                raise self.fail(f"could not read {path} over SFTP ({_reason(exc)})") from None
+            except (OSError, EOFError) as exc:
+                # SFTP's generic "Failure": the node's sftp-server maps every errno but ENOENT and
+                # EACCES to it, and a process being reaped as its stat is read gives ESRCH. Read
+                # again: a process that is gone is then not found.
+                error = exc
+        raise self.fail(f"could not read {path} over SFTP ({_reason(error)})") from None
 
     def stop(self, pids: Sequence[int], grace_s: float) -> dict[int, str]:
         """SIGTERM each process group, SIGKILL after ``grace_s``: how each ended."""

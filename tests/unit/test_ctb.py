@@ -292,7 +292,7 @@ def test_unprobed_tasks_are_admitted_at_their_environments_mean_probed_first_tur
     assert schedule(book, NO_GROWTH) == [Admit("a0", 0), Admit("h0", 0)]
     book.apply([Admit("a0", 0)])
     book.report_turn("a0", 200, 150)  # shop's first turns: 200 tokens
-    assert book.first_turn_estimate("shop") == 200
+    assert book.footprints.first_turn("shop") == 200
     assert [book.task(f"{g}{i}").footprint for g in "bcd" for i in range(2)] == [200] * 6
     assert (book.task("w0").footprint, book.task("h0").footprint) == (512, 300)  # web: no probe
 
@@ -306,7 +306,7 @@ def test_unprobed_tasks_are_admitted_at_their_environments_mean_probed_first_tur
     add(book, "e")
     assert book.task("e0").footprint == 300
     book.report_turn("b0", 900, 850)  # a probe's later turns are not first turns
-    assert book.first_turn_estimate("shop") == 300
+    assert book.footprints.first_turn("shop") == 300
 
 
 def test_a_group_skips_its_probe_when_the_headroom_holds_it_grown_to_the_measured_footprint():
@@ -341,10 +341,10 @@ def test_a_group_may_skip_its_probe_once_its_first_turn_and_growth_are_measured(
     # The headroom does not hold g grown to F (4 x 300 > 1,000), yet its tasks need no probe:
     # each is placed by the projected peak (3 x 300 <= 1,000). web's first turn is unmeasured:
     # w's probe goes alone, at the default 512 (the projected peak 900, w0 at F already).
-    skip = CTBConfig(probe_when_measured=False)
-    assert schedule(book, skip) == [Admit("g0", 0), Admit("g1", 0), Admit("g2", 0), Admit("w0", 0)]
-    # by default, and without the projection (the probe is what protects the budget), g probes
-    assert schedule(book) == [Admit("g0", 0), Admit("w0", 0)]
+    assert schedule(book) == [Admit("g0", 0), Admit("g1", 0), Admit("g2", 0), Admit("w0", 0)]
+    # with probe_when_measured, and without the projection (the probe is what protects the
+    # budget), g probes
+    assert schedule(book, CTBConfig(probe_when_measured=True)) == [Admit("g0", 0), Admit("w0", 0)]
     no_growth = CTBConfig(project_growth=False, probe_when_measured=False)
     assert schedule(book, no_growth) == [Admit("g0", 0), Admit("w0", 0)]
 
@@ -651,7 +651,7 @@ def test_config_helpers():
     assert config.weights == PriorityWeights(eval=1000.0)
     assert config.rank_budget(10_001) == 5000
     book = config.new_book(max_staleness=2, tasks_per_step=8)
-    assert (book.weights, book.default_footprint_tokens) == (config.weights, 64)
+    assert (book.weights, book.footprints.default_tokens) == (config.weights, 64)
     assert book.train_admission_limit == 24
     assert isinstance(make_policy(CTBConfig()), CTBPolicy)
 

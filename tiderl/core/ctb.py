@@ -44,6 +44,7 @@ from operator import add, mul, sub
 from typing import ClassVar
 
 from tiderl.core.config import require, require_choice, require_int
+from tiderl.core.footprints import FootprintModel
 from tiderl.core.priority import PriorityWeights, priority
 from tiderl.core.quote import short
 from tiderl.core.task_book import GroupRecord, StalenessWindow, TaskBook, TaskRecord
@@ -87,9 +88,12 @@ class CTBConfig:
     # (bench/README.md, "CTB in real jobs": throughput -34%, hit rate 0.83 -> 0.40).
     release_waiting: bool = False
     # Probe a group's first turn even once its environment's first turn and F are measured
-    # (false: its tasks are placed by the projected peak at once, with project_growth; measured
-    # in bench/README.md, "CTB in real jobs").
-    probe_when_measured: bool = True
+    # (false, the default: its tasks are placed by the projected peak at once, with
+    # project_growth; measured in bench/README.md, "CTB in real jobs").
+    probe_when_measured: bool = False
+    # Before any task finished, take F as the growth bound where that is below the default:
+    # the environments' first turns plus their growth per turn up to their turn limit.
+    growth_bound: bool = True
 
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
@@ -115,7 +119,7 @@ class CTBConfig:
         return TaskBook(
             weights=self.weights,
             context_norm_tokens=self.context_norm_tokens,
-            default_footprint_tokens=self.default_footprint_tokens,
+            footprints=FootprintModel(self.default_footprint_tokens, self.growth_bound),
             window=StalenessWindow(max_staleness, tasks_per_step),
         )
 
@@ -244,8 +248,9 @@ class _Draft:
         """Whether each task placed is judged grown to a measured F (some task finished) from a
         measured first turn (its hint, or its environment's probes): then a group's probe
         measures nothing its siblings' placement needs, and waiting for it only delays them."""
-        return (self.final is not None and self.book.num_finished > 0
-                and (task.footprint_hint is not None or task.env in self.book.first_turns))
+        book = self.book
+        return (self.final is not None and book.num_finished > 0
+                and (task.footprint_hint is not None or task.env in book.footprints.first_turns))
 
     def largest_fit(self) -> float:
         """The largest footprint within the headroom of some rank."""

@@ -14,7 +14,8 @@ The book keeps per-rank indexes so a scheduling round only looks at the tasks it
 Only tasks in flight live here: a finished or dropped task is forgotten, and so is a group once
 none of its tasks is left. A NEW task's ``footprint`` is its admission estimate (its hint, else its
 environment's mean probed first turn, ``default_footprint_tokens`` before any; then the group's
-probed first-turn footprint); an ACTIVE or PAUSED task's is its last report.
+probed first-turn footprint); an ACTIVE or PAUSED task's is its last report. The estimates live in
+a :class:`~tiderl.core.footprints.FootprintModel` the book feeds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tiderl.core.env_waits import WaitSamples
+from tiderl.core.footprints import FootprintModel
 from tiderl.core.priority import PriorityWeights, priority
 from tiderl.core.quote import short
 from tiderl.core.types import (
@@ -37,8 +39,6 @@ from tiderl.core.types import (
     TaskId,
     TaskState,
 )
-
-FOOTPRINT_WINDOW = 256  # tasks a footprint estimate averages over (a moving mean)
 
 # The states as module constants: on Python 3.11 reading a member through its class
 # (TaskState.ACTIVE) goes through EnumType.__getattr__'s slow hook, about ten times a global's
@@ -130,19 +130,6 @@ def _bump(counts: dict, key: object, delta: int) -> None:
 
 
 @dataclass(slots=True)
-class MovingMean:
-    """The mean of the values added, over about the last ``FOOTPRINT_WINDOW`` of them (exact
-    while fewer were added)."""
-
-    value: float = 0.0
-    count: int = 0
-
-    def add(self, x: float) -> None:
-        self.count += 1
-        self.value += (x - self.value) / min(self.count, FOOTPRINT_WINDOW)
-
-
-@dataclass(slots=True)
 class StalenessWindow:
     """The staleness throttle: non-eval admissions stop at
     ``num_retired + (max_staleness + 1) * tasks_per_step``, where ``num_retired`` counts the
@@ -182,7 +169,6 @@ class TaskBook:
 
     weights: PriorityWeights = field(default_factory=PriorityWeights)
     context_norm_tokens: int = 8192
-    default_footprint_tokens: int = 512
     window: StalenessWindow = field(default_factory=StalenessWindow)
     ranks: dict[int, RankRecord] = field(default_factory=dict)  # sorted by rank id
     tasks: dict[TaskId, TaskRecord] = field(default_factory=dict)
@@ -193,9 +179,7 @@ class TaskBook:
     num_new: int = 0
     num_idle_ranks: int = 0  # rollout ranks with no generation in flight
     num_generating: int = 0  # active tasks with a generation in flight, on every rank
-    finished: MovingMean = field(default_factory=MovingMean)  # finished tasks' last footprints
-    # per environment, its probes' first-turn footprints (what its unprobed tasks are admitted at)
-    first_turns: dict[str, MovingMean] = field(default_factory=dict)
+    footprints: FootprintModel = field(default_factory=FootprintModel)  # F and first turns
     # the instant of the latest event (a wait's age is measured to it), each environment's
     # waits, and each rank's measured prefill rate (what recomputing a context costs there)
     now: float = 0.0
@@ -246,23 +230,12 @@ class TaskBook:
     @property
     def num_finished(self) -> int:
         """Tasks finished so far."""
-        return self.finished.count
+        return self.footprints.finished.count
 
     @property
     def expected_footprint(self) -> float:
-        """What an admitted task's footprint grows to: the mean last footprint of the tasks that
-        finished recently (``default_footprint_tokens`` before any did)."""
-        finished = self.finished
-        return finished.value if finished.count else float(self.default_footprint_tokens)
-
-    def first_turn_estimate(self, env: str) -> int:
-        """What a task of ``env`` with no hint is admitted at before its group's probe reports:
-        the mean first-turn footprint of that environment's recent probes
-        (``default_footprint_tokens`` before any reported). No fixed default suits every
-        workload: on ``bench e2e``'s text workload first turns measure 44 tokens (guess) and 70
-        (shop), and at 512 a rank admits a seventh of the probes it has room for."""
-        probes = self.first_turns.get(env)
-        return max(1, round(probes.value)) if probes else self.default_footprint_tokens
+        """F, what an admitted task's footprint grows to (:meth:`FootprintModel.expected`)."""
+        return self.footprints.expected()
 
     def expected_wait(self, task: TaskRecord) -> float | None:
         """How much longer a task waiting for its environment can expect to wait, from its
@@ -368,9 +341,11 @@ class TaskBook:
         if self.tasks.keys() & task_ids:
             raise ValueError(f"group {short(group_id)} needs tasks with new ids")
         group = GroupRecord(group_id, task_ids, new_group.is_eval, task_ids[0])
+        footprints = self.footprints
         for spec in specs:
+            footprints.task_added(spec.env, spec.max_turns)
             hint = spec.footprint_hint
-            footprint = self.first_turn_estimate(spec.env) if hint is None else hint
+            footprint = footprints.first_turn(spec.env) if hint is None else hint
             self.tasks[spec.task_id] = TaskRecord(
                 spec.task_id, group_id, spec.env, spec.is_eval, footprint, hint
             )
@@ -390,6 +365,8 @@ class TaskBook:
         if task.state is _NEW:
             raise ValueError(f"task {short(task_id)} reported a turn before it was admitted")
         _check_tokens(footprint, "footprint")
+        if task.num_turns and not self.footprints.finished.count:  # F not measured yet
+            self.footprints.turn_reported(task.env, task.footprint, footprint)
         if task.state is _ACTIVE:
             record = self.ranks[task.rank]
             record.usage += footprint - task.footprint
@@ -409,8 +386,8 @@ class TaskBook:
     def _probe_reported(self, env: str, footprint: int) -> None:
         """A probe of ``env`` measured its first turn: the unprobed groups' NEW tasks of ``env``
         without a hint are admitted at the new mean (O(those tasks), once per group probed)."""
-        self.first_turns.setdefault(env, MovingMean()).add(footprint)
-        estimate = self.first_turn_estimate(env)
+        self.footprints.probe_reported(env, footprint)
+        estimate = self.footprints.first_turn(env)
         for group in self.pending_groups.values():
             if group.is_probed:
                 continue
@@ -451,7 +428,7 @@ class TaskBook:
             raise ValueError(f"task {short(task_id)} finished before it was admitted")
         group = self.groups[task.group_id]
         group.num_finished += 1
-        self.finished.add(task.footprint)
+        self.footprints.task_finished(task.footprint)
         self._forget(task)
         for sibling_id in group.task_ids:  # their G_completion, hence priority, went up
             sibling = self.tasks.get(sibling_id)

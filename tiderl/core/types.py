@@ -60,7 +60,8 @@ class GroupState(str, Enum):
 class Task:
     """One agentic trajectory to run: an episode of environment ``env`` (its task type) drawn with
     ``seed``, in GRPO group ``group_id``. ``footprint_hint`` is its first-turn KV footprint in
-    tokens when known in advance (e.g. the prompt's length)."""
+    tokens when known in advance (e.g. the prompt's length); ``max_turns`` the most turns its
+    episode runs, when known (its environment's turn limit)."""
 
     task_id: TaskId
     group_id: GroupId
@@ -68,6 +69,7 @@ class Task:
     is_eval: bool = False
     footprint_hint: int | None = None
     seed: int = 0
+    max_turns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

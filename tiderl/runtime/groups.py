@@ -78,8 +78,9 @@ class Dataset:
                 + (500_009 if spec.is_eval else 0))
         job = self.profile.job
         size = job.eval_size if spec.is_eval else job.group_size
-        tasks = tuple(Task(task_id(spec.group_id, i), spec.group_id, env, spec.is_eval, None, seed)
-                      for i in range(size))
+        max_turns = self.profile.env.max_turns  # the rollout rank's agent loop stops there
+        tasks = tuple(Task(task_id(spec.group_id, i), spec.group_id, env, spec.is_eval, None, seed,
+                           max_turns) for i in range(size))
         return Group(spec.group_id, tasks)
 
     def run(self, spec: GroupSpec) -> GroupRun:

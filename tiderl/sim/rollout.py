@@ -99,8 +99,8 @@ class SimGroup:
 def group_of(plans: list[TaskPlan] | tuple[TaskPlan, ...]) -> Group:
     """The tasks of a group of plans, as CTB's book holds them (no footprint hint: a task's
     first footprint is probed, as on a real rollout rank)."""
-    return Group(plans[0].group_id, tuple(Task(p.task_id, p.group_id, p.env, p.is_eval)
-                                          for p in plans))
+    return Group(plans[0].group_id, tuple(
+        Task(p.task_id, p.group_id, p.env, p.is_eval, max_turns=p.max_turns) for p in plans))
 
 
 def trajectory_tokens(plan: TaskPlan) -> int:

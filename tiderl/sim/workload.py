@@ -188,6 +188,7 @@ class TaskPlan:
     turns: tuple[TurnPlan, ...]
     reward: float  # in [0, 1], for reporting only
     is_finished: bool = True  # False: cut by max_turns or the context cap (reward 0)
+    max_turns: int | None = None  # its environment's turn limit
 
     @property
     def num_turns(self) -> int:
@@ -420,4 +421,4 @@ class WorkloadSampler:
         finished = fits and wanted <= spec.max_turns
         reward = 0.5 + 0.5 * rng.random() if finished else 0.0
         return TaskPlan(task_id, group_id, spec.name, is_eval, spec.prompt_tokens, reset, turns,
-                        reward, finished)
+                        reward, finished, spec.max_turns)

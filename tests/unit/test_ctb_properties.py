@@ -28,7 +28,8 @@ def scenarios(draw) -> tuple[TaskBook, CTBConfig]:
         release_waiting=draw(st.booleans()),
     )
     book = config.new_book(
-        max_staleness=draw(st.integers(0, 2)), tasks_per_step=draw(st.sampled_from([0, 0, 3, 8]))
+        max_staleness=draw(st.integers(0, 2)), tasks_per_step=draw(st.sampled_from([0, 0, 3, 8])),
+        block_tokens=draw(st.sampled_from([0, 1, 16])),  # 0: no prompt shared
     )
     for rank in range(draw(st.integers(1, 6))):
         book.add_rank(rank, draw(st.integers(0, 4000)))
@@ -51,14 +52,16 @@ def _add_group(draw, book: TaskBook, group_id: str, size: int) -> None:
     hint = draw(st.none() | st.integers(0, 2000))
     specs = [Task(f"{group_id}-{i}", group_id, env, is_eval, hint) for i in range(size)]
     book.add_group(Group(group_id, tuple(specs)))
+    prompt = draw(st.integers(0, 600))  # every task's context starts with the group's prompt
     for spec in specs:
         fate = draw(st.sampled_from(["new", "active", "active", "paused", "finished"]))
         if fate == "new":
             continue
         book.apply([Admit(spec.task_id, draw(st.sampled_from(book.rank_ids)))])
-        footprint, context = draw(st.integers(0, 2500)), draw(st.integers(0, 10_000))
+        footprint, context = draw(st.integers(prompt, 2500)), draw(st.integers(0, 10_000))
         is_running = draw(st.booleans())
-        book.report_turn(spec.task_id, footprint, context, is_running=is_running)
+        book.report_turn(spec.task_id, footprint, context, is_running=is_running,
+                         prompt_tokens=draw(st.sampled_from([None, prompt])))
         if not is_running and draw(st.booleans()):  # its environment works on its action
             book.wait_started(spec.task_id, draw(st.floats(0.0, 10.0)))
         if fate == "paused":
@@ -67,14 +70,26 @@ def _add_group(draw, book: TaskBook, group_id: str, size: int) -> None:
             book.finish_task(spec.task_id)
 
 
-def fits(book: TaskBook, rank: RankRecord, footprint: int) -> bool:
-    """The policy's notion of fitting: within headroom with the projected peak within the
-    budget, or alone on an empty rank with a budget."""
+def fits(book: TaskBook, rank: RankRecord, task: TaskRecord) -> bool:
+    """The policy's notion of fitting a task not active: within headroom (less the prompt its
+    group's tasks there share) with the projected peak within the budget, or alone on an empty
+    rank with a budget."""
+    footprint, group = task.footprint, book.group_of(task)
+    cost = footprint - (group.prompt_tokens if rank.rank in group.num_active_on else 0)
     if not rank.active:
-        return footprint <= rank.headroom or rank.budget > 0
+        return cost <= rank.headroom or rank.budget > 0
     footprints = sorted([*(t.footprint for t in rank.active.values()), footprint])
-    return (footprint <= rank.headroom
-            and projected_peak(footprints, book.expected_footprint) <= rank.budget)
+    shared_now = sum(footprints) - rank.usage - cost  # what the rank's tasks share, with it
+    return (cost <= rank.headroom
+            and projected_peak(footprints, book.expected_footprint) - shared_now <= rank.budget)
+
+
+def held(book: TaskBook, rank: RankRecord) -> int:
+    """What a rank's active tasks hold: their footprints, each group's prompt once."""
+    groups = {t.group_id for t in rank.active.values()}
+    return (sum(t.footprint for t in rank.active.values())
+            - sum(book.groups[g].prompt_tokens * (book.groups[g].num_active_on[rank.rank] - 1)
+                  for g in groups))
 
 
 def is_resumable(task: TaskRecord) -> bool:
@@ -95,6 +110,7 @@ def test_no_rank_ends_over_budget_unless_it_holds_a_single_task(scenario):
     after = applied(book, CTBPolicy(config).schedule(book))
     for rank in after.ranks.values():
         assert rank.usage <= rank.budget or len(rank.active) == 1
+        assert rank.usage == held(after, rank)
 
 
 @PROPERTY
@@ -106,7 +122,7 @@ def test_every_task_left_paused_fits_nowhere_once_resumes_are_done(scenario):
     paused_this_round = {d.task_id for d in plan if isinstance(d, Pause)}
     for task in after_resumes.paused.values():
         if task.task_id not in paused_this_round and is_resumable(task):
-            assert not any(fits(after_resumes, rank, task.footprint)
+            assert not any(fits(after_resumes, rank, task)
                            for rank in after_resumes.ranks.values())
 
 
@@ -130,10 +146,10 @@ def test_pauses_follow_priority_and_spare_eval_tasks(scenario):
         order = sorted(
             rank.active.values(), key=lambda t: (_priority(book, t), t.footprint, t.task_id)
         )
-        usage, expected = rank.usage, []
-        while usage > rank.budget and len(order) - len(expected) > 1:
+        state, expected = copy.deepcopy(book), []  # a pause frees what its task holds alone
+        while state.ranks[rank.rank].usage > rank.budget and len(order) - len(expected) > 1:
             expected.append(order[len(expected)].task_id)
-            usage -= book.task(expected[-1]).footprint
+            state.apply([Pause(expected[-1])])
         assert [t for t in paused if book.task(t).rank == rank.rank] == expected
         kept = [t for t in order if t.task_id not in expected]
         if any(book.task(t).is_eval for t in expected):
@@ -153,13 +169,13 @@ def test_placements_honour_group_affinity(scenario):
             task = state.task(decision.task_id)
             counts = state.group_of(task).num_active_on
             last = state.ranks.get(task.rank) if task.rank is not None else None
-            if task.is_released and last is not None and fits(state, last, task.footprint):
+            if task.is_released and last is not None and fits(state, last, task):
                 assert decision.rank == task.rank  # its own context is cached there
             elif counts:
                 preferred = min(counts, key=lambda r: (-counts[r], r))
-                if fits(state, state.ranks[preferred], task.footprint):
+                if fits(state, state.ranks[preferred], task):
                     assert decision.rank == preferred
-            assert fits(state, state.ranks[decision.rank], task.footprint)
+            assert fits(state, state.ranks[decision.rank], task)
         state.apply([decision])
 
 
@@ -173,8 +189,8 @@ def test_admissions_respect_probing_sessions_and_staleness(scenario):
         if isinstance(decision, Admit):
             group = book.group_of(book.task(decision.task_id))
             if not group.is_probed and decision.task_id != group.probe_task_id:
-                # a group skips its probe only once F is measured (CTB's _Draft.holds)
-                assert book.num_finished > 0 and book.expected_footprint > 0
+                # a group skips its probe only once F is measured (CTB's Draft.holds)
+                assert book.is_footprint_measured and book.expected_footprint > 0
     if config.max_env_sessions:
         assert after.num_open_sessions <= max(config.max_env_sessions, book.num_open_sessions)
     if book.train_admission_limit is not None:
@@ -217,7 +233,7 @@ def test_schedule_is_pure_and_deterministic(scenario):
 def test_book_indexes_match_a_recount(scenario):
     book, _ = scenario
     for rank in book.ranks.values():
-        assert rank.usage == sum(t.footprint for t in rank.active.values())
+        assert rank.usage == held(book, rank)
         assert rank.footprints == sorted(t.footprint for t in rank.active.values())
         assert all(
             t.state is TaskState.ACTIVE and t.rank == rank.rank for t in rank.active.values()

@@ -99,3 +99,39 @@ def test_the_growth_bound_admits_by_what_tasks_grow_to_before_any_finished():
     book.report_turn("g0", 150, 140)
     assert book.expected_footprint == 512
     assert CTBPolicy(CTBConfig()).schedule(book) == [Admit(f"g{i}", 0) for i in range(1, 4)]
+
+
+def test_a_measured_growth_bound_lets_an_unprobed_group_skip_its_probe():
+    # g's probe g0 reported its first turn (100): F is still the default 512, so the new group h
+    # (4 guess tasks, admitted at guess's mean first turn, 100) offers its probe alone.
+    book = CTBConfig().new_book()
+    book.add_rank(0, 2000)
+    _group(book, "g", 2, "guess", 4)
+    book.apply([Admit("g0", 0)])
+    book.report_turn("g0", 100, 90)
+    _group(book, "h", 4, "guess", 4)
+    assert not book.is_footprint_measured
+    assert CTBPolicy(CTBConfig()).schedule(book) == [Admit("g1", 0), Admit("h0", 0)]
+    # g0's second turn grows 50 tokens: F is the growth bound 100 + 3 x 50 = 250, measured
+    # before any task finished. The rank holds h grown to it (2,000 - 250 >= 4 x 250), so h's
+    # probe would protect nothing: all four go, each placed by the projected peak (6 x 250).
+    book.report_turn("g0", 150, 140)
+    assert book.is_footprint_measured and book.num_finished == 0
+    assert CTBPolicy(CTBConfig()).schedule(book) == [
+        Admit("g1", 0), *(Admit(f"h{i}", 0) for i in range(4))]
+    # without the bound F is the default, not measured: h probes
+    book.footprints.bounds_growth = False
+    assert not book.is_footprint_measured
+    assert CTBPolicy(CTBConfig(growth_bound=False)).schedule(book) == [
+        Admit("g1", 0), Admit("h0", 0)]
+
+
+def test_a_growth_bound_above_the_default_is_not_a_measured_f():
+    model = FootprintModel(default_tokens=512)
+    model.task_added("shop", 8)
+    assert not model.is_measured()
+    model.probe_reported("shop", 400)
+    model.turn_reported("shop", 400, 500)  # bound 1,100 > 512: F is the default
+    assert not model.is_measured()
+    model.task_finished(900)
+    assert model.is_measured()

@@ -10,7 +10,7 @@ Resumes, then Admits); it never mutates the book, ``book.apply(plan)`` does. One
                    (a released task: once its environment answered, on its last rank first)
     admit phase    NEW tasks, FIFO by group: env sessions, staleness, probing, fit, diversity
                    (a group skips its probe while the ranks' expected headroom holds all of
-                   it grown to F, the footprint finished tasks reached: ``_Draft.holds``)
+                   it grown to F, the footprint finished tasks reached: ``Draft.holds``)
 
 A task fits a rank when its footprint is within the headroom and, with ``project_growth``, the
 rank's projected peak with it stays within the budget (:func:`projected_peak`: its tasks grow
@@ -36,18 +36,16 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from bisect import bisect_left, insort
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
-from operator import add, mul, sub
 from typing import ClassVar
 
 from tiderl.core.config import require, require_choice, require_int
-from tiderl.core.footprints import FootprintModel
+from tiderl.core.ctb_draft import Draft
+from tiderl.core.footprints import FootprintModel, projected_peak
 from tiderl.core.priority import PriorityWeights, priority
 from tiderl.core.quote import short
-from tiderl.core.task_book import GroupRecord, StalenessWindow, TaskBook, TaskRecord
+from tiderl.core.staleness_window import StalenessWindow
+from tiderl.core.task_book import GroupRecord, TaskBook, TaskRecord
 from tiderl.core.types import Admit, Decision, Pause, Resume
 
 __all__ = [
@@ -94,6 +92,9 @@ class CTBConfig:
     # Before any task finished, take F as the growth bound where that is below the default:
     # the environments' first turns plus their growth per turn up to their turn limit.
     growth_bound: bool = True
+    # Count a group's prompt once per rank: its tasks there share its full KV blocks (prefix
+    # caching), so each but the first holds only what follows it.
+    share_prompt: bool = True
 
     def __post_init__(self) -> None:
         require(isinstance(self.weights, PriorityWeights), "weights",
@@ -114,13 +115,16 @@ class CTBConfig:
         """B_r for a rank whose KV cache holds ``kv_capacity_tokens``."""
         return int(kv_capacity_tokens * self.budget_fraction)
 
-    def new_book(self, *, max_staleness: int = 0, tasks_per_step: int = 0) -> TaskBook:
-        """An empty book that ranks tasks with these weights and probes with this default."""
+    def new_book(self, *, max_staleness: int = 0, tasks_per_step: int = 0,
+                 block_tokens: int = 0) -> TaskBook:
+        """An empty book that ranks tasks with these weights and probes with this default;
+        ``block_tokens``: the engines' KV block (0: not known, no prompt counted as shared)."""
         return TaskBook(
             weights=self.weights,
             context_norm_tokens=self.context_norm_tokens,
             footprints=FootprintModel(self.default_footprint_tokens, self.growth_bound),
             window=StalenessWindow(max_staleness, tasks_per_step),
+            prompt_block_tokens=block_tokens if self.share_prompt else 0,
         )
 
 
@@ -142,192 +146,6 @@ class SchedulingPolicy(ABC):
     def schedule(self, book: TaskBook) -> list[Decision]: ...
 
 
-def projected_peak(footprints: Sequence[int], final: float) -> float:
-    """The most KV a rank's active tasks will hold if each grows at the same pace until its
-    footprint reaches ``final`` and then finishes; ``footprints`` sorted ascending.
-
-    Once each task has grown by x tokens, the tasks still there are those with f + x <= final,
-    holding the sum of f + x. That is largest now (x = 0: the usage) or just as the j-th smallest
-    task reaches ``final`` (x = final - f_j, the j smallest left): f_1 + ... + f_j
-    + j * (final - f_j). Tasks of one age peak together at n * final; tasks spread evenly over
-    their lives peak about now. A task at or past ``final`` counts now only.
-    """
-    below = footprints[:bisect_left(footprints, final)]
-    now = sum(footprints)
-    if not below:
-        return now
-    counts = range(1, len(below) + 1)
-    grown = map(add, map(sub, accumulate(below), map(mul, counts, below)),
-                map(mul, counts, repeat(final)))
-    return max(now, max(grown))
-
-
-class _Draft:
-    """One round's tentative view: the book's ranks after this round's decisions so far.
-
-    After the pause phase it only gains tasks, so a footprint that did not fit a rank (or any
-    rank) earlier in a round does not fit it later in the round either."""
-
-    __slots__ = (
-        "book", "budget", "env_delta", "final", "footprints", "group_delta", "max_headroom",
-        "no_fit", "num_active", "num_admitted_train", "num_empty", "num_open", "reserved",
-        "usage",
-    )  # fmt: skip
-
-    def __init__(self, book: TaskBook, project_growth: bool = False):
-        self.book = book
-        self.budget = {r: rec.budget for r, rec in book.ranks.items()}
-        self.usage = {r: rec.usage for r, rec in book.ranks.items()}
-        self.num_active = {r: len(rec.active) for r, rec in book.ranks.items()}
-        self.num_empty = sum(1 for r, n in self.num_active.items() if self._is_open_empty(r, n))
-        self.group_delta: dict[str, dict[int, int]] = {}
-        self.env_delta: dict[tuple[str, int], int] = {}
-        self.num_open = book.num_open_sessions
-        self.num_admitted_train = book.num_admitted_train
-        self.reserved: set[str] = set()  # groups whose first admission is in this round
-        # the final footprint tasks grow to (None: no projection); per rank, a copy of its
-        # sorted footprints once this round changed them; (rank, footprint) and (None,
-        # footprint) that did not fit there / anywhere after the pause phase
-        self.final = book.expected_footprint if project_growth else None
-        self.footprints: dict[int, list[int]] = {}
-        self.no_fit: set[tuple[int | None, int]] = set()
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Recompute the largest headroom; O(ranks)."""
-        self.max_headroom = max(map(sub, self.budget.values(), self.usage.values()), default=-1)
-
-    def _is_open_empty(self, rank: int, num_active: int) -> bool:
-        return num_active == 0 and self.budget[rank] > 0
-
-    def fits(self, footprint: int, rank: int) -> bool:
-        """Within the headroom (and the projected peak within the budget), or alone on an empty
-        rank with a budget, however large it is (else a task bigger than every budget could
-        never run: it runs alone instead)."""
-        if footprint <= self.budget[rank] - self.usage[rank]:
-            return self._peak_fits(footprint, rank)
-        return self._is_open_empty(rank, self.num_active[rank])
-
-    def _peak_fits(self, footprint: int, rank: int) -> bool:
-        """Whether the rank's projected peak with one more task of ``footprint`` stays within
-        its budget (always, without projection)."""
-        if self.final is None or self.num_active[rank] == 0:
-            return True
-        if (rank, footprint) in self.no_fit:
-            return False
-        footprints = list(self.footprints.get(rank, self.book.ranks[rank].footprints))
-        insort(footprints, footprint)
-        if projected_peak(footprints, self.final) <= self.budget[rank]:
-            return True
-        self.no_fit.add((rank, footprint))
-        return False
-
-    def fits_somewhere(self, footprint: int) -> bool:
-        """Within the headroom of some rank (necessary: the rank found may refuse it by its
-        projected peak) and not refused by every rank earlier in the round."""
-        if footprint > (float("inf") if self.num_empty else self.max_headroom):
-            return False  # inlined largest_fit(): this is called for every task a round pops
-        return not self.no_fit or (None, footprint) not in self.no_fit
-
-    def fits_nowhere(self, footprint: int) -> None:
-        """No rank took a task of ``footprint``: none takes one for the rest of the round."""
-        self.no_fit.add((None, footprint))
-
-    def holds(self, num_tasks: int) -> bool:
-        """Whether the ranks' expected headroom holds ``num_tasks`` more tasks grown to the
-        footprint finished tasks reached (F, measured: some task finished): then probing a
-        group's first turn cannot protect a budget, it only delays the siblings."""
-        grown = self.book.expected_footprint
-        if not self.book.num_finished or grown <= 0:
-            return False
-        room = sum(max(0.0, self.budget[r] - max(self.usage[r], n * grown)) // grown
-                   for r, n in self.num_active.items())
-        return room >= num_tasks
-
-    def projects(self, task: TaskRecord) -> bool:
-        """Whether each task placed is judged grown to a measured F (some task finished) from a
-        measured first turn (its hint, or its environment's probes): then a group's probe
-        measures nothing its siblings' placement needs, and waiting for it only delays them."""
-        book = self.book
-        return (self.final is not None and book.num_finished > 0
-                and (task.footprint_hint is not None or task.env in book.footprints.first_turns))
-
-    def largest_fit(self) -> float:
-        """The largest footprint within the headroom of some rank."""
-        return float("inf") if self.num_empty else self.max_headroom
-
-    def take_off(self, task: TaskRecord) -> None:
-        self._move(task, task.rank, -1)
-
-    def put_on(self, task: TaskRecord, rank: int) -> None:
-        was_roomiest = self.budget[rank] - self.usage[rank] >= self.max_headroom
-        self._move(task, rank, 1)
-        if was_roomiest:
-            self.refresh()
-
-    def _move(self, task: TaskRecord, rank: int, sign: int) -> None:
-        if self.final is not None:
-            footprints = self.footprints.get(rank)
-            if footprints is None:
-                footprints = self.footprints[rank] = list(self.book.ranks[rank].footprints)
-            if sign > 0:
-                insort(footprints, task.footprint)
-            else:
-                del footprints[bisect_left(footprints, task.footprint)]
-        self.num_empty -= self._is_open_empty(rank, self.num_active[rank])
-        self.usage[rank] += sign * task.footprint
-        self.num_active[rank] += sign
-        self.num_empty += self._is_open_empty(rank, self.num_active[rank])
-        deltas = self.group_delta.setdefault(task.group_id, {})
-        deltas[rank] = deltas.get(rank, 0) + sign
-        key = (task.env, rank)
-        self.env_delta[key] = self.env_delta.get(key, 0) + sign
-
-    def sibling_rank(self, task: TaskRecord) -> int | None:
-        """The rank where it fits holding most active tasks of its group (ties: lower id)."""
-        counts = dict(self.book.groups[task.group_id].num_active_on)
-        for rank, delta in self.group_delta.get(task.group_id, {}).items():
-            counts[rank] = counts.get(rank, 0) + delta
-        ranked = sorted((-n, rank) for rank, n in counts.items() if n > 0)
-        return next((rank for _, rank in ranked if self.fits(task.footprint, rank)), None)
-
-    def roomiest_rank(self, task: TaskRecord, penalty: int) -> int | None:
-        """The rank where it fits maximising its expected headroom - penalty x active tasks of
-        its env there (ties: lower id).
-
-        The expected headroom counts each active task at least at the footprint tasks grow to
-        (``TaskBook.expected_footprint`` F): budget - max(usage, active tasks x F). By its
-        current usage alone a rank that joined holds young tasks' small footprints, so one
-        admission burst lands on it whole; as those tasks grow together it decodes several
-        times the others' batch and its groups finish last (measured on sim/cluster32: 118
-        tasks on the new rank against 20-48 on the others, 7.9 M tokens discarded as stale)."""
-        scores, best = self._scores(task, penalty)
-        if best is None or self._peak_fits(task.footprint, best):
-            return best
-        # the best rank's projected peak refuses it: the next best, in order
-        ranked = sorted((-score, rank) for rank, score in scores.items() if rank != best)
-        return next((rank for _, rank in ranked if self._peak_fits(task.footprint, rank)), None)
-
-    def _scores(self, task: TaskRecord, penalty: int) -> tuple[dict[int, float], int | None]:
-        """Per rank within whose headroom it is: its expected headroom - the penalty; and the
-        rank scoring best (ties: lower id)."""
-        scores: dict[int, float] = {}
-        best, best_score, footprint = None, 0.0, task.footprint
-        grown = self.book.expected_footprint
-        for rank, usage in self.usage.items():
-            budget, num_active = self.budget[rank], self.num_active[rank]
-            if footprint > budget - usage and not self._is_open_empty(rank, num_active):
-                continue  # it is not within the headroom (inlined fits(): this loop is hot)
-            score = budget - max(usage, num_active * grown)  # before the penalty
-            if penalty:
-                same_env = self.book.ranks[rank].num_env.get(task.env, 0)
-                score -= penalty * (same_env + self.env_delta.get((task.env, rank), 0))
-            scores[rank] = score
-            if best is None or score > best_score:
-                best, best_score = rank, score
-        return scores, best
-
-
 class CTBPolicy(SchedulingPolicy):
     """Continuous Task Batching: token-budgeted admission, priority pausing, affinity resuming.
 
@@ -344,7 +162,7 @@ class CTBPolicy(SchedulingPolicy):
     else to the rank with most expected headroom. A new task goes to the rank maximising
     expected headroom - diversity penalty (with ``admit_with_group``: first to the rank holding
     most of its group); expected headroom counts each active task at least at the footprint
-    finished tasks reached (:meth:`_Draft.roomiest_rank`).
+    finished tasks reached (:meth:`Draft.roomiest_rank`).
     """
 
     pins_tasks: ClassVar[bool] = True
@@ -357,7 +175,7 @@ class CTBPolicy(SchedulingPolicy):
         return self.config.release_waiting
 
     def schedule(self, book: TaskBook) -> list[Decision]:
-        draft = _Draft(book, self.config.project_growth)
+        draft = Draft(book, self.config.project_growth)
         pauses = self._pause_phase(book, draft)
         draft.refresh()
         if self.releases_waiting:
@@ -367,7 +185,7 @@ class CTBPolicy(SchedulingPolicy):
         return [*pauses, *resumes, *admits]
 
     @staticmethod
-    def _pause_phase(book: TaskBook, draft: _Draft) -> list[Decision]:
+    def _pause_phase(book: TaskBook, draft: Draft) -> list[Decision]:
         plan: list[Decision] = []
         for rank, record in book.ranks.items():
             if record.usage <= record.budget:
@@ -379,7 +197,7 @@ class CTBPolicy(SchedulingPolicy):
                 plan.append(Pause(task.task_id))
         return plan
 
-    def _release_phase(self, book: TaskBook, draft: _Draft,
+    def _release_phase(self, book: TaskBook, draft: Draft,
                        paused: set[str]) -> list[Decision]:
         """While a paused task whose environment answered, or the first new group, fits on no
         rank: pause every active task waiting for its environment whose expected remaining wait
@@ -400,14 +218,16 @@ class CTBPolicy(SchedulingPolicy):
             draft.refresh()
         return plan
 
-    def _is_blocked(self, book: TaskBook, draft: _Draft) -> bool:
+    def _is_blocked(self, book: TaskBook, draft: Draft) -> bool:
         """Whether a resumable paused task, or the first admissible new group (not held back by
         the staleness window or the session cap), fits on no rank."""
-        def fits_nowhere(footprint: int) -> bool:
-            return not (draft.fits_somewhere(footprint)
-                        and any(draft.fits(footprint, rank) for rank in draft.usage))
+        def fits_nowhere(footprint: int, task: TaskRecord | None = None) -> bool:
+            shares = draft.group_shares(book.group_of(task)) if task else 0
+            return not (draft.fits_somewhere(footprint, shares) and any(
+                draft.fits(footprint, rank, draft.shared(task, rank) if shares else 0)
+                for rank in draft.usage))
 
-        if any(_is_resumable(t) and fits_nowhere(t.footprint) for t in book.paused.values()):
+        if any(_is_resumable(t) and fits_nowhere(t.footprint, t) for t in book.paused.values()):
             return True
         for group in book.pending_groups.values():
             estimate = book.admission_estimate(group)
@@ -421,50 +241,63 @@ class CTBPolicy(SchedulingPolicy):
         return False
 
     @staticmethod
-    def _resume_phase(book: TaskBook, draft: _Draft) -> list[Decision]:
+    def _resume_phase(book: TaskBook, draft: Draft) -> list[Decision]:
         """Paused tasks by (-P(t), -footprint, task_id) from a heap, so a round pops only the
         tasks it considers; it stops once the smallest candidate fits nowhere. A released task
         waits for its environment's answer."""
         largest = draft.largest_fit()
-        queue = [(-book.priority(t), -t.footprint, t.task_id, t)
-                 for t in book.paused.values() if t.footprint <= largest and _is_resumable(t)]
+        queue = [(-book.priority(t), -t.footprint, t.task_id, t) for t in book.paused.values()
+                 if _is_resumable(t) and t.footprint - _shares(draft, book, t) <= largest]
         if not queue:
             return []
-        smallest = -max(entry[1] for entry in queue)
+        smallest = min(t.footprint - _shares(draft, book, t) for *_, t in queue)
         heapq.heapify(queue)
         plan: list[Decision] = []
+        # tasks that fit nowhere, by group: a sibling resumed later may share their prompt
+        skipped: dict[str, list] = {}
         while queue and draft.largest_fit() >= smallest:
-            task = heapq.heappop(queue)[3]
-            if draft.fits_somewhere(task.footprint):
-                rank = _resume_rank(task, book, draft)
-                if rank is None:
-                    draft.fits_nowhere(task.footprint)
-                    continue
-                draft.put_on(task, rank)
-                plan.append(Resume(task.task_id, rank))
+            entry = heapq.heappop(queue)
+            task = entry[3]
+            shared = _shares(draft, book, task)
+            rank = (_resume_rank(task, book, draft)
+                    if draft.fits_somewhere(task.footprint, shared) else None)
+            if rank is None:
+                draft.fits_nowhere(task.footprint, shared)
+                skipped.setdefault(task.group_id, []).append(entry)
+                continue
+            draft.put_on(task, rank)
+            plan.append(Resume(task.task_id, rank))
+            if book.group_of(task).prompt_tokens:  # its siblings skipped may fit now
+                for again in skipped.pop(task.group_id, ()):
+                    heapq.heappush(queue, again)
+                    smallest = min(smallest, again[3].footprint - _shares(draft, book, again[3]))
         return plan
 
-    def _admit_phase(self, book: TaskBook, draft: _Draft) -> list[Decision]:
+    def _admit_phase(self, book: TaskBook, draft: Draft) -> list[Decision]:
         """NEW tasks by group, FIFO; a group's admissible tasks share one footprint estimate."""
         plan: list[Decision] = []
         largest = draft.largest_fit()
         for group in book.pending_groups.values():
             estimate = book.admission_estimate(group)
-            if estimate is None or estimate > largest or (None, estimate) in draft.no_fit:
-                continue  # O(1) per group that cannot be admitted: this loop is hot
+            if estimate is None:
+                continue
+            shared = draft.group_shares(group) if group.prompt_tokens else 0
+            if estimate - shared > largest or (not shared and (None, estimate, 0) in draft.no_fit):
+                continue  # O(1) per group that cannot be admitted (most): this loop is hot
             if self._is_env_full(draft):
                 break
             plan += self._admit_group(book, group, draft)
             largest = draft.largest_fit()
         return plan
 
-    def _admit_group(self, book: TaskBook, group: GroupRecord, draft: _Draft) -> list[Decision]:
+    def _admit_group(self, book: TaskBook, group: GroupRecord, draft: Draft) -> list[Decision]:
         plan: list[Decision] = []
         tasks = book.admissible(group)
         if not group.is_probed and not self._probes(book, group, draft):
             tasks = [book.tasks[task_id] for task_id in group.pending]
         for task in tasks:
-            if self._is_env_full(draft) or not draft.fits_somewhere(task.footprint):
+            shared = draft.group_shares(group)
+            if self._is_env_full(draft) or not draft.fits_somewhere(task.footprint, shared):
                 break
             cost = 0 if group.group_id in draft.reserved else book.throttle_cost(task)
             if _is_throttled(book, draft.num_admitted_train + cost):
@@ -473,7 +306,7 @@ class CTBPolicy(SchedulingPolicy):
             if rank is None:
                 rank = draft.roomiest_rank(task, self.config.diversity_penalty_tokens)
             if rank is None:  # every rank's projected peak refuses it
-                draft.fits_nowhere(task.footprint)
+                draft.fits_nowhere(task.footprint, shared)
                 break
             draft.put_on(task, rank)
             draft.num_open += 1
@@ -483,7 +316,7 @@ class CTBPolicy(SchedulingPolicy):
             plan.append(Admit(task.task_id, rank))
         return plan
 
-    def _probes(self, book: TaskBook, group: GroupRecord, draft: _Draft) -> bool:
+    def _probes(self, book: TaskBook, group: GroupRecord, draft: Draft) -> bool:
         """Whether an unprobed group offers its probe alone: not where probing protects no
         budget, as the headroom holds the group grown to F, or (``probe_when_measured`` off)
         each of its tasks is placed by the projected peak from measured figures."""
@@ -492,9 +325,13 @@ class CTBPolicy(SchedulingPolicy):
         return self.config.probe_when_measured or not draft.projects(
             book.tasks[group.probe_task_id])
 
-    def _is_env_full(self, draft: _Draft) -> bool:
+    def _is_env_full(self, draft: Draft) -> bool:
         cap = self.config.max_env_sessions
         return cap > 0 and draft.num_open >= cap
+
+
+def _shares(draft: Draft, book: TaskBook, task: TaskRecord) -> int:
+    return draft.group_shares(book.group_of(task))
 
 
 def _is_resumable(task: TaskRecord) -> bool:
@@ -502,12 +339,13 @@ def _is_resumable(task: TaskRecord) -> bool:
     return not task.is_released or task.waiting_since is None
 
 
-def _resume_rank(task: TaskRecord, book: TaskBook, draft: _Draft) -> int | None:
+def _resume_rank(task: TaskRecord, book: TaskBook, draft: Draft) -> int | None:
     """Its group's rank, else its last rank, else the most expected headroom; a released task
     its last rank first (its context stays cached there until evicted); None when every rank's
     projected peak refuses it."""
     def fits_last() -> bool:
-        return task.rank in book.ranks and draft.fits(task.footprint, task.rank)
+        return task.rank in book.ranks and draft.fits(task.footprint, task.rank,
+                                                      draft.shared(task, task.rank))
 
     if task.is_released and fits_last():
         return task.rank

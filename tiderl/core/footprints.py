@@ -11,7 +11,11 @@ Three estimates, each a moving mean over about the last ``FOOTPRINT_WINDOW`` sam
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import add, mul, sub
 
 FOOTPRINT_WINDOW = 256  # tasks a footprint estimate averages over (a moving mean)
 
@@ -27,6 +31,26 @@ class MovingMean:
     def add(self, x: float) -> None:
         self.count += 1
         self.value += (x - self.value) / min(self.count, FOOTPRINT_WINDOW)
+
+
+def projected_peak(footprints: Sequence[int], final: float) -> float:
+    """The most KV a rank's active tasks will hold if each grows at the same pace until its
+    footprint reaches ``final`` and then finishes; ``footprints`` sorted ascending.
+
+    Once each task has grown by x tokens, the tasks still there are those with f + x <= final,
+    holding the sum of f + x. That is largest now (x = 0: the usage) or just as the j-th smallest
+    task reaches ``final`` (x = final - f_j, the j smallest left): f_1 + ... + f_j
+    + j * (final - f_j). Tasks of one age peak together at n * final; tasks spread evenly over
+    their lives peak about now. A task at or past ``final`` counts now only.
+    """
+    below = footprints[:bisect_left(footprints, final)]
+    now = sum(footprints)
+    if not below:
+        return now
+    counts = range(1, len(below) + 1)
+    grown = map(add, map(sub, accumulate(below), map(mul, counts, below)),
+                map(mul, counts, repeat(final)))
+    return max(now, max(grown))
 
 
 @dataclass(slots=True)
@@ -67,6 +91,16 @@ class FootprintModel:
             return finished.value
         bound = self.growth_bound() if self.bounds_growth else None
         return float(self.default_tokens) if bound is None else min(self.default_tokens, bound)
+
+    def is_measured(self) -> bool:
+        """Whether F rests on measurements: some task finished, or the growth bound is what F is
+        (every environment's first turn and growth measured, the bound below the default)."""
+        if self.finished.count:
+            return True
+        if not self.bounds_growth:
+            return False
+        bound = self.growth_bound()
+        return bound is not None and bound <= self.default_tokens
 
     def growth_bound(self) -> float | None:
         """Before any task finished, the most a task's footprint grows to, projected from what

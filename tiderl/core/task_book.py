@@ -29,6 +29,7 @@ from tiderl.core.env_waits import WaitSamples
 from tiderl.core.footprints import FootprintModel
 from tiderl.core.priority import PriorityWeights, priority
 from tiderl.core.quote import short
+from tiderl.core.staleness_window import StalenessWindow
 from tiderl.core.types import (
     Admit,
     Decision,
@@ -78,6 +79,8 @@ class GroupRecord:
     num_finished: int = 0
     num_dropped: int = 0
     is_reserved: bool = False  # its first admission counted the whole group against the throttle
+    # the KV its tasks on one rank share: its prompt's full blocks (0: not known, or not shared)
+    prompt_tokens: int = 0
     pending: dict[TaskId, None] = field(default_factory=dict)  # NEW tasks, in FIFO order
     num_active_on: dict[int, int] = field(default_factory=dict)  # rank -> active tasks there
 
@@ -108,7 +111,9 @@ class RankRecord:
 
     rank: int
     budget: int  # B_r, in KV tokens
-    usage: int = 0  # sum of the footprints of its active tasks
+    # the KV its active tasks hold: the sum of their footprints, less each group's shared prompt
+    # for every task of the group there but one (GroupRecord.prompt_tokens)
+    usage: int = 0
     num_running: int = 0  # active tasks with a generation in flight
     active: dict[TaskId, TaskRecord] = field(default_factory=dict)
     footprints: list[int] = field(default_factory=list)  # of its active tasks, ascending
@@ -127,33 +132,6 @@ def _bump(counts: dict, key: object, delta: int) -> None:
         counts[key] = value
     else:
         del counts[key]
-
-
-@dataclass(slots=True)
-class StalenessWindow:
-    """The staleness throttle: non-eval admissions stop at
-    ``num_retired + (max_staleness + 1) * tasks_per_step``, where ``num_retired`` counts the
-    training tasks already trained or discarded and ``tasks_per_step`` is the global batch. With
-    a fixed batch B this is the familiar (version + max_staleness + 1) · B; it follows what was
-    really consumed, so rollout never runs further ahead than the staleness bound allows.
-    ``tasks_per_step == 0`` disables it."""
-
-    max_staleness: int = 0
-    tasks_per_step: int = 0
-    num_retired: int = 0
-    num_admitted: int = 0  # training tasks admitted (a group's whole count at its probe)
-
-    @property
-    def places(self) -> int:
-        """The tasks that may be admitted and not yet retired at once (0: unthrottled)."""
-        return (self.max_staleness + 1) * self.tasks_per_step
-
-    @property
-    def limit(self) -> int | None:
-        """How many non-eval tasks may have been admitted in total; None when unthrottled."""
-        if self.tasks_per_step == 0:
-            return None
-        return self.num_retired + self.places
 
 
 @dataclass(slots=True)
@@ -180,6 +158,9 @@ class TaskBook:
     num_idle_ranks: int = 0  # rollout ranks with no generation in flight
     num_generating: int = 0  # active tasks with a generation in flight, on every rank
     footprints: FootprintModel = field(default_factory=FootprintModel)  # F and first turns
+    # the engines' KV block: a group's tasks on one rank share its prompt's full blocks, as
+    # prefix caching keeps them (0: no sharing counted)
+    prompt_block_tokens: int = 0
     # the instant of the latest event (a wait's age is measured to it), each environment's
     # waits, and each rank's measured prefill rate (what recomputing a context costs there)
     now: float = 0.0
@@ -231,6 +212,11 @@ class TaskBook:
     def num_finished(self) -> int:
         """Tasks finished so far."""
         return self.footprints.finished.count
+
+    @property
+    def is_footprint_measured(self) -> bool:
+        """Whether F is measured (:meth:`FootprintModel.is_measured`)."""
+        return self.footprints.is_measured()
 
     @property
     def expected_footprint(self) -> float:
@@ -355,13 +341,17 @@ class TaskBook:
         self.num_new += len(specs)
 
     def report_turn(
-        self, task_id: TaskId, footprint: int, context_len: int, is_running: bool = True
+        self, task_id: TaskId, footprint: int, context_len: int, is_running: bool = True,
+        prompt_tokens: int | None = None,
     ) -> None:
         """An admitted task's footprint and context now (reported when a generation ends). The
         probe's first report sets its group's probed footprint, the estimate its NEW siblings are
         admitted at, and joins its environment's first-turn mean, the estimate of the NEW tasks
-        of unprobed groups with no hint."""
+        of unprobed groups with no hint. ``prompt_tokens``: the prompt its group's tasks share,
+        where known (the first report of the group's first task to report sets it)."""
         task = self.task(task_id)
+        if prompt_tokens is not None:
+            self._set_prompt(self.groups[task.group_id], prompt_tokens)
         if task.state is _NEW:
             raise ValueError(f"task {short(task_id)} reported a turn before it was admitted")
         _check_tokens(footprint, "footprint")
@@ -382,6 +372,17 @@ class TaskBook:
             for sibling_id in group.pending:
                 self.tasks[sibling_id].footprint = footprint
             self._probe_reported(task.env, footprint)
+
+    def _set_prompt(self, group: GroupRecord, prompt_tokens: int) -> None:
+        """The group's shared prompt, counted once per rank from now on: its full blocks, once
+        (its tasks' usage drops where several of them are active on one rank)."""
+        block = self.prompt_block_tokens
+        if group.prompt_tokens or not block:
+            return
+        _check_tokens(prompt_tokens, "prompt_tokens")
+        group.prompt_tokens = shared = prompt_tokens // block * block
+        for rank, num_active in group.num_active_on.items():
+            self.ranks[rank].usage -= shared * (num_active - 1)
 
     def _probe_reported(self, env: str, footprint: int) -> None:
         """A probe of ``env`` measured its first turn: the unprobed groups' NEW tasks of ``env``
@@ -499,10 +500,12 @@ class TaskBook:
     def _activate(self, task: TaskRecord, rank: int) -> None:
         record = self._rank(rank)
         record.active[task.task_id] = task
-        record.usage += task.footprint
+        group = self.groups[task.group_id]
+        record.usage += task.footprint - (group.prompt_tokens if rank in group.num_active_on
+                                          else 0)
         insort(record.footprints, task.footprint)
         _bump(record.num_env, task.env, 1)
-        _bump(self.groups[task.group_id].num_active_on, rank, 1)
+        _bump(group.num_active_on, rank, 1)
         task.state, task.rank = _ACTIVE, rank
         self.num_active += 1
 
@@ -510,10 +513,12 @@ class TaskBook:
         """Take an ACTIVE task off its rank; it executes nothing until resumed."""
         record = self.ranks[task.rank]
         del record.active[task.task_id]
-        record.usage -= task.footprint
+        group = self.groups[task.group_id]
+        _bump(group.num_active_on, task.rank, -1)
+        record.usage -= task.footprint - (group.prompt_tokens if task.rank in group.num_active_on
+                                          else 0)
         _unsort(record.footprints, task.footprint)
         _bump(record.num_env, task.env, -1)
-        _bump(self.groups[task.group_id].num_active_on, task.rank, -1)
         self._set_running(task, False)
         self.num_active -= 1
 

@@ -25,6 +25,7 @@ def profile_step_config(profile: Profile) -> StepControlConfig:
     rt, trainer = profile.runtime, profile.trainer
     substrate = Substrate(
         kv_tokens=profile.engine.kv_cache_tokens, max_new_tokens=profile.engine.max_new_tokens,
+        kv_block_tokens=profile.engine.block_size,
         has_kl=trainer.kl_beta != 0, checkpoint_every=rt.checkpoint_every,
         export_every=trainer.export_every, tensor_parallel=trainer.tensor_parallel,
         limits=LayoutLimits(grouped_ranks=rt.num_ranks,

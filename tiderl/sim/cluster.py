@@ -75,6 +75,7 @@ def scenario_step_config(system: SystemSpec, scenario: SimScenario,
                              scenario.env_step)
     substrate = Substrate(kv_tokens=cost.kv_capacity_tokens(),
                           max_new_tokens=sampler.max_new_tokens(),
+                          kv_block_tokens=scenario.kv_block_size,
                           min_trainer_ranks=min_trainer(scenario, cost),
                           request_concurrency=scenario.sim.request_concurrency,
                           stream_tokens_per_rank=scenario.sim.stream_tokens_per_rank,

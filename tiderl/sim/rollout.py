@@ -321,7 +321,8 @@ class RolloutPool:
             self._move(task, task.rank_next)
             task.rank_next = None
         self.rollout.turn_done(task.task_id, task.context, turn.action_tokens, self.loop.now,
-                               reused=request.reused or 0, reusable=request.reusable)
+                               reused=request.reused or 0, reusable=request.reusable,
+                               prompt_tokens=task.plan.prompt_tokens)
         task.is_waiting_env = True
         self.loop.after(turn.env_latency_s, self._on_env_done, task)
 

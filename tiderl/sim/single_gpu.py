@@ -44,7 +44,8 @@ def simulate_rollout_step(scenario: SimScenario, num_tasks: int, *, ctb: bool,
         scenario.ctb, policy="request", request_concurrency=max(1, num_tasks))
     ready: list[SimGroup] = []
     rollout = RolloutControl.of(config, budget=config.rank_budget(cost.kv_capacity_tokens()),
-                                max_new_tokens=sampler.max_new_tokens())
+                                max_new_tokens=sampler.max_new_tokens(),
+                                block_tokens=scenario.kv_block_size)
     pool = RolloutPool(loop, cost, rollout, round_interval_s=scenario.sim.ctb_round_interval_s,
                        block_size=scenario.kv_block_size, max_running=concurrency,
                        on_group_ready=ready.append)

@@ -123,6 +123,7 @@ class StepControlConfig:
     rank_budget: int
     max_new_tokens: int
     window_tasks: int
+    kv_block_tokens: int = 0
     checkpoint_every: int = 0
     export_every: int = 0
     tensor_parallel: int = 1
@@ -160,6 +161,7 @@ class Substrate:
 
     kv_tokens: int
     max_new_tokens: int
+    kv_block_tokens: int = 0  # the engines' KV block (a group's prompt is shared in them)
     has_kl: bool = True
     checkpoint_every: int = 0
     export_every: int = 0
@@ -220,6 +222,7 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
         system=system, job=job, ctb=ctb, ra2p=ra2p, ers=ers,
         rank_budget=ctb.rank_budget(substrate.kv_tokens),
         max_new_tokens=substrate.max_new_tokens, window_tasks=window_tasks,
+        kv_block_tokens=substrate.kv_block_tokens,
         checkpoint_every=substrate.checkpoint_every, export_every=substrate.export_every,
         tensor_parallel=substrate.tensor_parallel, limits=substrate.limits)
 

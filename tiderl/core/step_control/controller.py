@@ -63,7 +63,8 @@ class StepController:
         self.rollout = RolloutControl.of(config.ctb, budget=config.rank_budget,
                                          max_new_tokens=config.max_new_tokens,
                                          max_staleness=config.max_staleness,
-                                         tasks_per_step=config.window_tasks, now=now)
+                                         tasks_per_step=config.window_tasks, now=now,
+                                         block_tokens=config.kv_block_tokens)
         self.tracker = ReadinessTracker(now)
         self.buffer: ReadyBuffer = ReadyBuffer(self.tracker, BufferShape(
             job.group_size, job.batch_ideal, config.drop_staleness, config.ra2p.tokens_per_rank))

@@ -70,10 +70,11 @@ class RolloutControl:
 
     @classmethod
     def of(cls, ctb: CTBConfig, *, budget: int, max_new_tokens: int, max_staleness: int = 0,
-           tasks_per_step: int = 0, now: float = 0.0) -> RolloutControl:
+           tasks_per_step: int = 0, now: float = 0.0, block_tokens: int = 0) -> RolloutControl:
         """The policy ``ctb.policy`` names over a book with its weights and this staleness
-        window (``tasks_per_step`` 0: none)."""
-        book = ctb.new_book(max_staleness=max_staleness, tasks_per_step=tasks_per_step)
+        window (``tasks_per_step`` 0: none), on engines of KV blocks of ``block_tokens``."""
+        book = ctb.new_book(max_staleness=max_staleness, tasks_per_step=tasks_per_step,
+                            block_tokens=block_tokens)
         return cls(make_policy(ctb), book, budget=budget, max_new_tokens=max_new_tokens,
                    now=now)
 
@@ -183,10 +184,12 @@ class RolloutControl:
             self.book.set_running(task, True)
 
     def turn_done(self, task: str, context_tokens: int, output_tokens: int, now: float, *,
-                  reused: int = 0, reusable: int = 0) -> None:
+                  reused: int = 0, reusable: int = 0, prompt_tokens: int | None = None) -> None:
         """A generation ended with the task's whole context at ``context_tokens``; the task now
         waits for its environment. ``reused`` of ``reusable``: what its prompt found cached of
-        the context its previous turn left on the rank (KV retention)."""
+        the context its previous turn left on the rank (KV retention). ``prompt_tokens``: the
+        prompt its group's tasks share (default: its first turn's prompt, the same for every
+        task of a group, which starts from one seed)."""
         if not 0 <= reused <= reusable:
             raise ValueError(f"a turn of task {short(task)} reused {reused!r} of {reusable!r} "
                              "tokens")
@@ -194,8 +197,10 @@ class RolloutControl:
         if not self.is_admitted(task):
             return
         self.generated_tokens += output_tokens
+        if prompt_tokens is None and not self.book.tasks[task].num_turns:
+            prompt_tokens = context_tokens - output_tokens
         self.book.report_turn(task, self.footprint(context_tokens), context_tokens,
-                              is_running=False)
+                              is_running=False, prompt_tokens=prompt_tokens)
         self.reused_tokens += reused
         self.reusable_tokens += reusable
         self.book.wait_started(task, now)

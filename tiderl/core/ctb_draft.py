@@ -15,7 +15,8 @@ class Draft:
     """One round's tentative view: the book's ranks after this round's decisions so far.
 
     After the pause phase it only gains tasks, so a footprint that did not fit a rank (or any
-    rank) earlier in a round does not fit it later in the round either."""
+    rank) earlier in a round does not fit it later in the round either, unless a sibling placed
+    since shares its group's prompt there (the caches are keyed by what a task shares)."""
 
     __slots__ = (
         "book", "budget", "env_delta", "final", "footprints", "group_delta", "max_headroom",

@@ -222,9 +222,9 @@ class CTBPolicy(SchedulingPolicy):
         """Whether a resumable paused task, or the first admissible new group (not held back by
         the staleness window or the session cap), fits on no rank."""
         def fits_nowhere(footprint: int, task: TaskRecord | None = None) -> bool:
-            shares = draft.group_shares(book.group_of(task)) if task else 0
+            shares = _shares(draft, book, task) if task else 0
             return not (draft.fits_somewhere(footprint, shares) and any(
-                draft.fits(footprint, rank, draft.shared(task, rank) if shares else 0)
+                draft.fits(footprint, rank, draft.shared(task, rank) if task else 0)
                 for rank in draft.usage))
 
         if any(_is_resumable(t) and fits_nowhere(t.footprint, t) for t in book.paused.values()):
@@ -246,11 +246,13 @@ class CTBPolicy(SchedulingPolicy):
         tasks it considers; it stops once the smallest candidate fits nowhere. A released task
         waits for its environment's answer."""
         largest = draft.largest_fit()
-        queue = [(-book.priority(t), -t.footprint, t.task_id, t) for t in book.paused.values()
-                 if _is_resumable(t) and t.footprint - _shares(draft, book, t) <= largest]
+        resumable = [t for t in book.paused.values() if _is_resumable(t)]
+        least = {t.task_id: t.footprint - _shares(draft, book, t) for t in resumable}  # its cost
+        queue = [(-book.priority(t), -t.footprint, t.task_id, t) for t in resumable
+                 if least[t.task_id] <= largest]
         if not queue:
             return []
-        smallest = min(t.footprint - _shares(draft, book, t) for *_, t in queue)
+        smallest = min(least[entry[2]] for entry in queue)
         heapq.heapify(queue)
         plan: list[Decision] = []
         # tasks that fit nowhere, by group: a sibling resumed later may share their prompt
@@ -281,7 +283,7 @@ class CTBPolicy(SchedulingPolicy):
             estimate = book.admission_estimate(group)
             if estimate is None:
                 continue
-            shared = draft.group_shares(group) if group.prompt_tokens else 0
+            shared = draft.group_shares(group)
             if estimate - shared > largest or (not shared and (None, estimate, 0) in draft.no_fit):
                 continue  # O(1) per group that cannot be admitted (most): this loop is hot
             if self._is_env_full(draft):

@@ -50,15 +50,19 @@ class Draft:
     def _is_open_empty(self, rank: int, num_active: int) -> bool:
         return num_active == 0 and self.budget[rank] > 0
 
+    def _active_on(self, group_id: str) -> dict[int, int]:
+        """Per rank, the group's active tasks after this round's decisions so far."""
+        counts = dict(self.book.groups[group_id].num_active_on)
+        for rank, delta in self.group_delta.get(group_id, {}).items():
+            counts[rank] = counts.get(rank, 0) + delta
+        return counts
+
     def group_shares(self, group: GroupRecord) -> int:
         """The prompt a task of ``group`` shares on some rank (0: on none): its group's, where
         another of its tasks is active (after this round's decisions so far)."""
         if not group.prompt_tokens:
             return 0
-        delta = self.group_delta.get(group.group_id, {})
-        counts = group.num_active_on
-        on = any(n + delta.get(rank, 0) > 0 for rank, n in counts.items()) or any(
-            n > 0 and rank not in counts for rank, n in delta.items())
+        on = any(n > 0 for n in self._active_on(group.group_id).values())
         return group.prompt_tokens if on else 0
 
     def shared(self, task: TaskRecord, rank: int, *, is_on: bool = False) -> int:
@@ -166,10 +170,7 @@ class Draft:
 
     def sibling_rank(self, task: TaskRecord) -> int | None:
         """The rank where it fits holding most active tasks of its group (ties: lower id)."""
-        counts = dict(self.book.groups[task.group_id].num_active_on)
-        for rank, delta in self.group_delta.get(task.group_id, {}).items():
-            counts[rank] = counts.get(rank, 0) + delta
-        ranked = sorted((-n, rank) for rank, n in counts.items() if n > 0)
+        ranked = sorted((-n, rank) for rank, n in self._active_on(task.group_id).items() if n > 0)
         return next((rank for _, rank in ranked
                      if self.fits(task.footprint, rank, self.shared(task, rank))), None)
 

@@ -211,7 +211,7 @@ class TaskBook:
     @property
     def num_finished(self) -> int:
         """Tasks finished so far."""
-        return self.footprints.finished.count
+        return self.footprints.num_finished
 
     @property
     def is_footprint_measured(self) -> bool:
@@ -355,7 +355,7 @@ class TaskBook:
         if task.state is _NEW:
             raise ValueError(f"task {short(task_id)} reported a turn before it was admitted")
         _check_tokens(footprint, "footprint")
-        if task.num_turns and not self.footprints.finished.count:  # F not measured yet
+        if task.num_turns and not self.num_finished:  # F not measured yet
             self.footprints.turn_reported(task.env, task.footprint, footprint)
         if task.state is _ACTIVE:
             record = self.ranks[task.rank]

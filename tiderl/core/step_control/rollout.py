@@ -188,8 +188,8 @@ class RolloutControl:
         """A generation ended with the task's whole context at ``context_tokens``; the task now
         waits for its environment. ``reused`` of ``reusable``: what its prompt found cached of
         the context its previous turn left on the rank (KV retention). ``prompt_tokens``: the
-        prompt its group's tasks share (default: its first turn's prompt, the same for every
-        task of a group, which starts from one seed)."""
+        prompt its group's tasks share, read at its first turn (default: that turn's prompt,
+        the same for every task of a group, which starts from one seed)."""
         if not 0 <= reused <= reusable:
             raise ValueError(f"a turn of task {short(task)} reused {reused!r} of {reusable!r} "
                              "tokens")
@@ -197,7 +197,9 @@ class RolloutControl:
         if not self.is_admitted(task):
             return
         self.generated_tokens += output_tokens
-        if prompt_tokens is None and not self.book.tasks[task].num_turns:
+        if self.book.tasks[task].num_turns:
+            prompt_tokens = None  # set by the group's first report
+        elif prompt_tokens is None:
             prompt_tokens = context_tokens - output_tokens
         self.book.report_turn(task, self.footprint(context_tokens), context_tokens,
                               is_running=False, prompt_tokens=prompt_tokens)

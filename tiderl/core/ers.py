@@ -20,8 +20,9 @@ Called once per step at the post-update boundary, before ``sync_params``:
                          max_idle_rollout), RAS < break-even, long TPRM
     CONSUMPTION_DEFICIT  a backlog (the trainer did not wait, and HoL  rollout->trainer  decoupled
                          > tau·T_step, TPRM < the actor time, or       (a Ref rank only  with a Ref
-                         rollout idle), or RAS >= break-even (which    where the cost    rank, else
-                         only provisions a missing Ref rank)           model says so)    colocated
+                         rollout idle), or RAS >= break-even with      where the cost    rank, else
+                         the trainer not starved (which only           model says so)    colocated
+                         provisions a missing Ref rank)
     BALANCED             otherwise                                     none              unchanged
     TRIAL                a signal-driven move runs its trial steps     none (held)       unchanged
     REVERT               the trial's goodput is not above the steps    the move undone   before it
@@ -91,6 +92,7 @@ class ERSConfig:
     max_eval_lend: float = 0.5  # an evaluation phase lends at most this share of trainer ranks
     max_idle_rollout: float = 0.2  # a generation deficit needs rollout busy: at most this idle
     max_idle_trainer: float = 0.1  # ... and the trainer starved: above this share waiting (TWT)
+    idle_window: int = 3  # trailing steps on the current roles whose idle shares a reading uses
     trial_steps: int = 2  # steps a signal-driven move runs before its effect is measured
     damp_steps: int = 4  # a reverted direction is blocked this long, doubling per failure
     planner: str = "rules"  # "predictive": the split the measured rates say trains fastest
@@ -100,7 +102,8 @@ class ERSConfig:
 
     def __post_init__(self) -> None:
         require_positive(self.tau, "tau")
-        for name in ("max_scale_up_per_step", "confirm_steps", "hysteresis_steps"):
+        for name in ("max_scale_up_per_step", "confirm_steps", "hysteresis_steps",
+                     "idle_window"):
             require(getattr(self, name) >= 1, name, f"expected >= 1, got {getattr(self, name)!r}")
         wanted = max(self.confirm_steps, self.hysteresis_steps)
         require(self.confirm_window >= wanted, "confirm_window",
@@ -139,7 +142,8 @@ class ERSInput:
     timings: Ra2pTimings  # per micro-batch, in the decoupled layout these roles have or would have
     num_micro_batches: int
     batch: BatchBounds  # the job's elastic batch, in samples
-    rollout_idle_frac: float = 0.0  # share of rollout GPU time idle last step (RWT / capacity)
+    rollout_idle_frac: float = 0.0  # share of rollout GPU time idle (RWT / capacity) over the
+    # last ``idle_window`` steps on these roles
     trainer_idle_frac: float = 0.0  # share of trainer GPU time waiting for data (TWT / capacity)
     goodput: tuple[float, ...] = ()  # trained tokens per second of steps 0 .. step - 1
     phase_tasks: int = 0  # evaluation tasks not yet finished (the phase's extra rollout work)
@@ -187,7 +191,10 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     ``max_idle_trainer``) and busy rollout ranks (RWT share at most ``max_idle_rollout``); a
     buffer that is empty at the boundary alone is not one (a streaming trainer empties it), nor
     is rollout that is slow because its tasks wait for their environments: its ranks then idle
-    (RWT), and more of them would not produce more. See ``is_backlogged`` for consumption."""
+    (RWT), and more of them would not produce more. See ``is_backlogged`` for consumption; RAS
+    at RA2P's break-even is trainer-side pressure (a Ref rank of its own would pay) only while the
+    trainer did not starve: where its ranks waited for data, cheaper passes train nothing sooner,
+    and the rollout rank a Ref rank takes is generation lost."""
     if inp.step < config.cold_start_steps and not inp.is_phase_over:
         return PlanReason.COLD_START
     if inp.is_eval_step:
@@ -201,7 +208,7 @@ def classify(inp: ERSInput, config: ERSConfig, ra2p: RA2PConfig) -> PlanReason:
     if sig.ready_volume < inp.batch.ideal and not is_ras_high and is_tprm_long \
             and is_rollout_busy and is_trainer_starved:
         return PlanReason.GENERATION_DEFICIT
-    if is_backlogged(inp, config) or is_ras_high:
+    if is_backlogged(inp, config) or (is_ras_high and not is_trainer_starved):
         return PlanReason.CONSUMPTION_DEFICIT
     return PlanReason.BALANCED
 

@@ -256,7 +256,7 @@ class StepController:
             placement=st.placement, measured=self.steps.passes, batch=self.config.job.batch,
             phase_tasks=self.evaluation.num_unfinished_tasks(st.step),
             tasks_per_rank=self.rollout.tasks_per_rank(), is_phase_over=is_phase_over,
-            rate_steps=rate_steps(ers.config)))
+            rate_steps=rate_steps(ers.config), idle_steps=ers.config.idle_window))
         st.plan_reason = plan.reason
         if is_launch and plan.reason is PlanReason.COLD_START and plan.changes:
             st.set_hold(Hold.COLD_START)  # released when batch 0 is complete

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import pairwise, takewhile
 
 from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSConfig, ERSInput
@@ -88,24 +88,29 @@ def last_num_micro_batches(records: Sequence[StepRecord]) -> int:
     return records[-1].num_micro_batches if records else 1
 
 
-def _idle_frac(records: Sequence[StepRecord], wait_s: str, num_ranks: str) -> float:
-    """The last step's ``wait_s`` rank-seconds over its ``num_ranks`` ranks' (0 before the
-    first step)."""
+def _idle_frac(records: Sequence[StepRecord], wait_s: str, num_ranks: str, steps: int) -> float:
+    """``wait_s`` rank-seconds over the ``num_ranks`` ranks' of the last ``steps`` steps that ran
+    on the last step's roles (0 before the first step). One step reads too little: under a
+    staleness window the trainer starves every other step and rollout idles at the full window
+    in between, so a single step reads a deficit that the pair of them does not have."""
     last = records[-1] if records else None
-    ranks = getattr(last, num_ranks) if last is not None else 0
-    if not ranks or last.step_s <= 0:
+    if last is None:
         return 0.0
-    return min(1.0, getattr(last, wait_s) / (ranks * last.step_s))
+    same = list(takewhile(lambda r: r.roles == last.roles, reversed(records)))[:steps]
+    capacity = sum(getattr(r, num_ranks) * r.step_s for r in same)
+    if capacity <= 0:
+        return 0.0
+    return min(1.0, sum(getattr(r, wait_s) for r in same) / capacity)
 
 
-def rollout_idle_frac(records: Sequence[StepRecord]) -> float:
-    """RWT of the last step over its rollout rank-seconds."""
-    return _idle_frac(records, "rwt_s", "num_rollout")
+def rollout_idle_frac(records: Sequence[StepRecord], steps: int) -> float:
+    """RWT over the rollout rank-seconds of the last ``steps`` steps on the last step's roles."""
+    return _idle_frac(records, "rwt_s", "num_rollout", steps)
 
 
-def trainer_idle_frac(records: Sequence[StepRecord]) -> float:
-    """TWT of the last step over its trainer rank-seconds."""
-    return _idle_frac(records, "twt_s", "num_trainer")
+def trainer_idle_frac(records: Sequence[StepRecord], steps: int) -> float:
+    """TWT over the trainer rank-seconds of the last ``steps`` steps on the last step's roles."""
+    return _idle_frac(records, "twt_s", "num_trainer", steps)
 
 
 def step_goodput(records: Sequence[StepRecord]) -> tuple[float, ...]:
@@ -151,11 +156,12 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
               records: Sequence[StepRecord], roles: Sequence[Role], placement: Placement,
               measured: dict[Placement, MeasuredPasses], batch: BatchBounds, phase_tasks: int = 0,
               tasks_per_rank: float = 0.0, is_phase_over: bool = False,
-              rate_steps: int = 0) -> ERSInput:
+              rate_steps: int = 0, idle_steps: int = 1) -> ERSInput:
     """What ERS plans step ``step`` from (at launch, at the end of the cold start, or at the
     boundary after step - 1): the pass times of the decoupled layout these roles have or would
     have (one Ref rank at least); the per-rank rates of the last ``rate_steps`` steps on one
-    layout (``ers_predict.rate_window``; 0: none, the rules planner reads no rates)."""
+    layout (``ers_predict.rate_window``; 0: none, the rules planner reads no rates); the idle
+    shares over the last ``idle_steps`` steps on these roles (``ers.idle_window``)."""
     num_refs, num_actors = roles.count(Role.REF), roles.count(Role.ACTOR)
     timings = layout_timings(measured, Placement.DECOUPLED, num_refs, num_actors)
     colocated = layout_timings(measured, Placement.COLOCATED, num_refs, num_actors)
@@ -164,8 +170,9 @@ def ers_input(*, step: int, is_eval_step: bool, signals: ReadinessSignals,
                     placement=placement,
                     timings=timings or NO_TIMINGS,
                     num_micro_batches=max(1, last_num_micro_batches(records)), batch=batch,
-                    rollout_idle_frac=rollout_idle_frac(records),
-                    trainer_idle_frac=trainer_idle_frac(records), goodput=step_goodput(records),
+                    rollout_idle_frac=rollout_idle_frac(records, idle_steps),
+                    trainer_idle_frac=trainer_idle_frac(records, idle_steps),
+                    goodput=step_goodput(records),
                     phase_tasks=phase_tasks,
                     tasks_per_rank=tasks_per_rank, is_phase_over=is_phase_over,
                     colocated_timings=colocated, rates=rate_window(records, rate_steps),

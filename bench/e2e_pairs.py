@@ -18,7 +18,8 @@ profile overrides (an A/B in turns), reported over tiderl, stream and the best a
 value keeps its commas (``env.envs=[guess,shop]``).
 
 Each job's first step's end and its mean step after it are recorded too (``first_step_end_s``,
-``later_step_s``, and their medians): a 10-step job's goodput counts its cold start.
+``later_step_s``, and their medians): a 10-step job's goodput counts its cold start; and the
+boundaries at which a rank changed role (``role_moves``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import statistics
 import sys
 import tempfile
 from datetime import datetime, timezone
+from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,6 +77,8 @@ def main() -> int:
     # finished) and the mean step after it
     first: dict[str, list[float]] = {name: [] for name, _ in runs}
     later: dict[str, list[float]] = {name: [] for name, _ in runs}
+    # role moves: boundaries where a rank changed role (ERS's trials and reverts on shared cores)
+    moves: dict[str, list[int]] = {name: [] for name, _ in runs}
     root = Path(tempfile.mkdtemp(prefix="tiderl-e2e-pairs-"))
     for n in range(args.rounds):
         for name, overrides in runs:
@@ -85,6 +89,7 @@ def main() -> int:
             first[name].append(round(head.end_s, 2))
             later[name].append(round((tail.end_s - head.end_s) / max(1, len(job.metrics) - 1),
                                      3))
+            moves[name].append(sum(a.roles != b.roles for a, b in pairwise(job.metrics)))
     median = {name: statistics.median(values) for name, values in goodput.items()}
     best = max((name for name in median if name.startswith("async")), key=median.__getitem__)
     out = {"steps": args.steps, "rounds": args.rounds, "split": f"{FIXED_SPLIT} of 4 ranks",
@@ -92,6 +97,7 @@ def main() -> int:
            "first_step_end_s": first, "later_step_s": later,
            "median_first_step_end_s": {n: statistics.median(v) for n, v in first.items()},
            "median_later_step_s": {n: statistics.median(v) for n, v in later.items()},
+           "role_moves": moves,
            "tiderl_over_stream": round(median["tiderl"] / median["stream"], 3),
            "best_async": best, "tiderl_over_async": round(median["tiderl"] / median[best], 3),
            "target": 1.15 if args.median_s == 0.5 else 1.0,

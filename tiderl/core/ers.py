@@ -142,8 +142,8 @@ class ERSInput:
     timings: Ra2pTimings  # per micro-batch, in the decoupled layout these roles have or would have
     num_micro_batches: int
     batch: BatchBounds  # the job's elastic batch, in samples
-    rollout_idle_frac: float = 0.0  # share of rollout GPU time idle (RWT / capacity) over the
-    # last ``idle_window`` steps on these roles
+    # over the last ``idle_window`` steps on these roles (``step_control.inputs``):
+    rollout_idle_frac: float = 0.0  # share of rollout GPU time idle (RWT / capacity)
     trainer_idle_frac: float = 0.0  # share of trainer GPU time waiting for data (TWT / capacity)
     goodput: tuple[float, ...] = ()  # trained tokens per second of steps 0 .. step - 1
     phase_tasks: int = 0  # evaluation tasks not yet finished (the phase's extra rollout work)

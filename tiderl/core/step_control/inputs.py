@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise, takewhile
+from itertools import islice, pairwise, takewhile
 
 from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSConfig, ERSInput
@@ -96,7 +96,7 @@ def _idle_frac(records: Sequence[StepRecord], wait_s: str, num_ranks: str, steps
     last = records[-1] if records else None
     if last is None:
         return 0.0
-    same = list(takewhile(lambda r: r.roles == last.roles, reversed(records)))[:steps]
+    same = list(islice(takewhile(lambda r: r.roles == last.roles, reversed(records)), steps))
     capacity = sum(getattr(r, num_ranks) * r.step_s for r in same)
     if capacity <= 0:
         return 0.0

@@ -112,16 +112,19 @@ def test_a_profile_goes_through_the_same_function():
         "ctb.policy": ["ctb", "request"], "ra2p.placement": ["auto", "colocated"]}
 
 
-def test_ranks_that_share_their_cores_lend_none_at_a_cold_start():
+def test_ranks_that_share_their_cores_lend_none_at_a_cold_start_and_move_none_on_a_deficit():
     shared = replace(SUBSTRATE, shared_cores=True)
-    assert run(System.TIDERL, shared).ers.cold_start_steps == 0
+    assert (run(System.TIDERL, shared).ers.cold_start_steps,
+            run(System.TIDERL, shared).ers.signal_moves) == (0, False)
     assert run(System.TIDERL).ers.cold_start_steps == ERS.cold_start_steps == 1
+    assert run(System.TIDERL).ers.signal_moves is ERS.signal_moves is True
     assert run(System.ASYNC, shared).ers == ERS  # no ERS: nothing to rewrite
     assert effective_view(run(System.TIDERL, shared), CTB, RA2P, ERS)["changes"] == {
-        "ers.cold_start_steps": [1, 0]}
+        "ers.cold_start_steps": [1, 0], "ers.signal_moves": [True, False]}
     # CPU ranks share the host's cores unless each is pinned to its own
-    assert profile_step_config(load_profile("local", [])).ers.cold_start_steps == 0
-    pinned = load_profile("local", ["runtime.cpu_affinity=spread"])
-    assert profile_step_config(pinned).ers.cold_start_steps == 1
+    local = profile_step_config(load_profile("local", [])).ers
+    assert (local.cold_start_steps, local.signal_moves) == (0, False)
+    pinned = profile_step_config(load_profile("local", ["runtime.cpu_affinity=spread"])).ers
+    assert (pinned.cold_start_steps, pinned.signal_moves) == (1, True)
     served = load_profile("local", ["engine.backend=http"])  # each rank's engine is a server's
-    assert profile_step_config(served).ers.cold_start_steps == 1
+    assert profile_step_config(served).ers.signal_moves is True

@@ -102,3 +102,11 @@ def test_ras_at_the_break_even_takes_no_rollout_rank_from_a_starved_trainer():
     fed = make_input("RRRRAA", ras=0, tprm=2.0, hol=1.0, volume=16, rollout_idle_frac=0.5,
                      trainer_idle_frac=0.1)  # waited max_idle_trainer: not starved
     assert [c.dst for c in eager().plan(fed).changes] == [Role.REF]
+
+
+def test_without_signal_moves_a_deficit_is_read_and_moves_nothing():
+    # the starved, busy-rollout input that moves a trainer rank to rollout by default
+    starved_busy = make_input("RRAA", volume=16, trainer_idle_frac=0.5)
+    assert [c.dst for c in eager().plan(starved_busy).changes] == [R]
+    plan = eager(signal_moves=False).plan(starved_busy)
+    assert (plan.reason, plan.changes) == (PlanReason.GENERATION_DEFICIT, ())

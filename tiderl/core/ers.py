@@ -89,6 +89,9 @@ class ERSConfig:
     min_rollout_ranks: int = 1
     min_trainer_ranks: int = 1
     cold_start_steps: int = 1
+    # The deficits move ranks (false: only the phases and an operator do; where the ranks share
+    # their cores a moved rank adds no capacity, ``step_control.config.effective_config``).
+    signal_moves: bool = True
     max_eval_lend: float = 0.5  # an evaluation phase lends at most this share of trainer ranks
     max_idle_rollout: float = 0.2  # a generation deficit needs rollout busy: at most this idle
     max_idle_trainer: float = 0.1  # ... and the trainer starved: above this share waiting (TWT)
@@ -458,7 +461,7 @@ def _signal_moves(inp: ERSInput, state: ERSState, config: ERSConfig, ra2p: RA2PC
     before it (step 0 excluded: its span holds the launch's rollout), and none is made before
     there is such a step."""
     block = state.block(direction)
-    if block is not None and inp.step < block.until:
+    if not config.signal_moves or (block is not None and inp.step < block.until):
         return (), inp.placement, state
     history = inp.goodput[1:]  # step 0's span holds the launch's rollout: no baseline
     if config.trial_steps and inp.goodput and not history:

@@ -197,9 +197,11 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
       pass) an ``auto`` placement, and ERS's view of a system without RA2P (it moves ranks but never
       provisions a Ref rank);
     - stream cuts micro-batches to its own target where the substrate gives one;
-    - ERS keeps at least the substrate's trainer floor, and lends no rank at a cold start where
-      the ranks share their cores (a lent rank adds no capacity there, and its two role
-      switches cost time: measured on 2 cores, 5 paired runs, goodput +2.4% without them);
+    - ERS keeps at least the substrate's trainer floor and, where the ranks share their cores,
+      lends no rank at a cold start and moves none on a deficit: a moved rank adds no capacity
+      there, and its two role switches and its trial cost time (measured on 2 cores: goodput
+      +2.4% without the cold start's loan over 5 paired runs; 1.058x without the deficits'
+      moves over 4 rounds, ``bench/results/e2e_pairs_noers.json``);
     - the staleness window counts ``job.batch_ideal`` tasks per batch, times the over-
       provisioning under async."""
     ctb = effective_ctb(ctb, policy=None if system.uses_ctb else "request",
@@ -212,8 +214,8 @@ def effective_config(system: SystemSpec, job: JobShape, ctb: CTBConfig, ra2p: RA
         ra2p = replace(ra2p, tokens_per_rank=substrate.stream_tokens_per_rank)
     if substrate.min_trainer_ranks > ers.min_trainer_ranks:
         ers = replace(ers, min_trainer_ranks=substrate.min_trainer_ranks)
-    if substrate.shared_cores and system.uses_ers and ers.cold_start_steps:
-        ers = replace(ers, cold_start_steps=0)
+    if substrate.shared_cores and system.uses_ers and (ers.cold_start_steps or ers.signal_moves):
+        ers = replace(ers, cold_start_steps=0, signal_moves=False)
     window_tasks = job.batch_ideal
     if system.system is System.ASYNC and substrate.over_provision > 1.0:
         bound, over = system.max_staleness(job.max_staleness), substrate.over_provision

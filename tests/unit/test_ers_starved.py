@@ -44,14 +44,17 @@ def test_only_the_steps_on_the_last_steps_roles_count():
     assert trainer_idle_frac(records, 3) == 0.0
 
 
+def input_after(records: list, config: ERSConfig):
+    """What ERS reads at the boundary after ``records`` (a young, part-full buffer: only the
+    idle shares can make a deficit)."""
+    return ers_input(step=len(records), is_eval_step=False,
+                     signals=ReadinessSignals(0, None, 0.0, 8), records=records,
+                     roles=[R, R, A, A], placement=Placement.COLOCATED, measured={},
+                     batch=BatchBounds(8, 32), idle_steps=config.idle_window)
+
+
 def plan_after(records: list, config: ERSConfig) -> PlanReason:
-    """The reason ERS reads at the boundary after ``records`` (a young, part-full buffer: only
-    the idle shares can make a deficit)."""
-    inp = ers_input(step=len(records), is_eval_step=False,
-                    signals=ReadinessSignals(0, None, 0.0, 8), records=records,
-                    roles=[R, R, A, A], placement=Placement.COLOCATED, measured={},
-                    batch=BatchBounds(8, 32), idle_steps=config.idle_window)
-    return classify(inp, config, RA2PConfig())
+    return classify(input_after(records, config), config, RA2PConfig())
 
 
 def test_an_alternating_pipeline_is_balanced_over_the_window_and_a_backlog_read_alone():
@@ -72,13 +75,10 @@ def test_the_window_moves_no_rank_on_the_alternation_where_one_step_did():
     records = alternating(8)
     moves = {}
     for window in (1, 3):
-        policy = ERSPolicy(ERSConfig(idle_window=window, trial_steps=0))
+        config = ERSConfig(idle_window=window, trial_steps=0)
+        policy = ERSPolicy(config)
         for end in range(5, 9):  # four boundaries read, two of them needed
-            inp = ers_input(step=end, is_eval_step=False,
-                            signals=ReadinessSignals(0, None, 0.0, 8), records=records[:end],
-                            roles=[R, R, A, A], placement=Placement.COLOCATED, measured={},
-                            batch=BatchBounds(8, 32), idle_steps=window)
-            changes = policy.plan(inp).changes
+            changes = policy.plan(input_after(records[:end], config)).changes
             if changes:
                 break
         moves[window] = changes

@@ -82,6 +82,17 @@ class RateWindow:
         return self.goodput / ((1.0 - g) + g * self.num_rollout / max(1, num_rollout))
 
 
+def same_roles_run(records: Sequence[StepRecord], max_steps: int) -> list[int]:
+    """Indices of the last ``max_steps`` records in a row that ran on the last record's roles,
+    newest first (none for no records)."""
+    run: list[int] = []
+    for i in range(len(records) - 1, -1, -1):
+        if len(run) == max_steps or records[i].roles != records[-1].roles:
+            break
+        run.append(i)
+    return run
+
+
 def rate_window(records: Sequence[StepRecord], max_steps: int) -> RateWindow | None:
     """The last ``max_steps`` steps with the last step's roles, in a row, step 0 left out (its
     span holds the launch's whole rollout); None when there is none, the trainer never worked
@@ -90,9 +101,9 @@ def rate_window(records: Sequence[StepRecord], max_steps: int) -> RateWindow | N
         return None
     last = records[-1]
     trained, span, saturated, trainer_busy, generating, num = 0, 0.0, 0.0, 0.0, 0.0, 0
-    for i in range(len(records) - 1, 0, -1):
+    for i in same_roles_run(records, max_steps):
         r = records[i]
-        if r.roles != last.roles or num == max_steps or r.rollout_saturated_s is None:
+        if i == 0 or r.rollout_saturated_s is None:
             break
         step_span = r.end_s - records[i - 1].end_s
         trained += r.trained_tokens

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice, pairwise, takewhile
+from itertools import pairwise
 
 from tiderl.core.commands import RankReport, StartStep
 from tiderl.core.ers import ERSConfig, ERSInput
-from tiderl.core.ers_predict import rate_window
+from tiderl.core.ers_predict import rate_window, same_roles_run
 from tiderl.core.ers_state import Direction
 from tiderl.core.job import BatchBounds
 from tiderl.core.ra2p import RA2PConfig, choose_placement, synthetic_ready_times
@@ -93,10 +93,7 @@ def _idle_frac(records: Sequence[StepRecord], wait_s: str, num_ranks: str, steps
     on the last step's roles (0 before the first step). One step reads too little: under a
     staleness window the trainer starves every other step and rollout idles at the full window
     in between, so a single step reads a deficit that the pair of them does not have."""
-    last = records[-1] if records else None
-    if last is None:
-        return 0.0
-    same = list(islice(takewhile(lambda r: r.roles == last.roles, reversed(records)), steps))
+    same = [records[i] for i in same_roles_run(records, steps)]
     capacity = sum(getattr(r, num_ranks) * r.step_s for r in same)
     if capacity <= 0:
         return 0.0
